@@ -1,0 +1,57 @@
+"""Modeling files for families whose stock transformers class has no GQA support.
+
+`gqakit convert` copies `modeling_file(family)` next to the converted weights and merges
+`remote_config_updates(family, G)` into config.json; stock transformers then loads the folder
+with `trust_remote_code=True` (gqakit's `core.loading` enables it for these files only).
+The modeling files import only torch and transformers, never gqakit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from gqakit.core.errors import GqakitError
+
+
+class RemoteFamily(NamedTuple):
+    config_class: str
+    model_class: str
+
+
+REMOTE_FAMILIES: dict[str, RemoteFamily] = {
+    "gpt2": RemoteFamily("GqakitGPT2Config", "GqakitGPT2LMHeadModel"),
+    "gpt_neox": RemoteFamily("GqakitGPTNeoXConfig", "GqakitGPTNeoXForCausalLM"),
+    "opt": RemoteFamily("GqakitOPTConfig", "GqakitOPTForCausalLM"),
+}
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _family(family: str) -> RemoteFamily:
+    try:
+        return REMOTE_FAMILIES[family]
+    except KeyError:
+        raise GqakitError(f"no gqakit modeling file for model family {family!r} "
+                          f"(have: {', '.join(REMOTE_FAMILIES)})") from None
+
+
+def modeling_file(family: str) -> Path:
+    """Path of `gqakit_modeling_<family>.py`, to copy into the output folder under the same name."""
+    _family(family)
+    return _HERE / f"gqakit_modeling_{family}.py"
+
+
+def remote_config_updates(family: str, num_kv_heads: int) -> dict[str, Any]:
+    """Keys to add/replace in config.json so the folder loads with the GQA modeling file."""
+    fam = _family(family)
+    module = modeling_file(family).stem
+    return {
+        "model_type": f"gqakit_{family}",
+        "num_key_value_heads": int(num_kv_heads),
+        "architectures": [fam.model_class],
+        "auto_map": {
+            "AutoConfig": f"{module}.{fam.config_class}",
+            "AutoModelForCausalLM": f"{module}.{fam.model_class}",
+        },
+    }

@@ -1,0 +1,125 @@
+"""`gqakit convert` and `gqakit inspect`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from gqakit.convert import arch as archmod
+from gqakit.core.errors import GqakitError
+
+
+def _methods() -> list[str]:
+    from gqakit.convert.methods import all_methods
+
+    return list(all_methods())
+
+
+def _groupings() -> list[str]:
+    from gqakit.convert.methods import GROUPINGS
+
+    return list(GROUPINGS)
+
+
+@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("-g", "--num-kv-heads", type=int, required=True, help="Target number of K/V heads G (must divide the current number).")
+@click.option("--method", default="mean", show_default=True, help="How each group's K/V heads become one: " + "mean (the GQA paper), first, random; see --list-methods.")
+@click.option("--grouping", default="contiguous", show_default=True, help="Which heads share a group.")
+@click.option("--calibration-data", type=click.Path(path_type=Path), default=None, help="Text file for methods that calibrate (never your evaluation text).")
+@click.option("--calibration-tokens", type=int, default=16384, show_default=True, help="Tokens of calibration text to use.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 500MB.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: Path | None,
+                calibration_tokens: int, dtype: str, max_shard_size: str, seed: int, overwrite: bool,
+                dry_run: bool, quiet: bool) -> None:
+    """Convert the checkpoint SRC to grouped-query attention, written to OUT.
+
+    SRC is a Hugging Face model folder (safetensors, sharded or not, or
+    pytorch_model*.bin) or a .gguf file. OUT is a complete model folder that loads
+    with stock transformers. SRC is never modified; OUT appears only when complete.
+
+    \b
+    Examples:
+      gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
+      gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
+      gqakit convert model.gguf ./out -g 1 --dry-run
+    """
+    from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
+
+    if dry_run:
+        opened = open_checkpoint(src)
+        plan = make_plan(opened, Settings(str(src), num_kv_heads, method, grouping, dtype))
+        s = plan.shape
+        click.echo(f"{plan.family}: {s.num_layers} layers, {s.num_heads} query heads, "
+                   f"{s.num_kv_heads} -> {num_kv_heads} KV heads, head_dim {s.head_dim}")
+        click.echo(f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
+                   f"{len(plan.tensors)} tensors; method {method}; nothing written (dry run)")
+        return
+    path = convert_checkpoint(src, out, num_kv_heads, method, grouping=grouping, dtype=dtype, overwrite=overwrite,
+                              max_shard_size=max_shard_size, seed=seed,
+                              calibration_data=str(calibration_data) if calibration_data else None,
+                              calibration_tokens=calibration_tokens, progress=not quiet)
+    click.echo(f"wrote {path}")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.command("inspect", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--batch", type=int, default=1, show_default=True, help="Batch size for the KV-cache size column.")
+@click.option("--context", type=int, default=None, help="Context length for the KV-cache size column [default: the model's max positions].")
+@click.option("--dtype-bytes", type=int, default=2, show_default=True, help="Bytes per cached element (2 for bf16/fp16).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as_json: bool) -> None:
+    """Show a checkpoint's attention geometry and the KV cache at each valid G.
+
+    \b
+    Examples:
+      gqakit inspect ./llama-mha
+      gqakit inspect ./llama-mha --batch 16 --context 8192
+    """
+    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
+
+    if batch < 1 or (context is not None and context < 1) or dtype_bytes < 1:
+        raise GqakitError("--batch, --context and --dtype-bytes must be positive")
+    opened = open_checkpoint(src)
+    spec = archmod.lookup(opened.config)
+    s = archmod.shape_of(spec, opened.config)
+    ctx = context or int(opened.config.get("max_position_embeddings") or opened.config.get("n_positions") or 2048)
+    rows = []
+    for g in [d for d in range(s.num_kv_heads, 0, -1) if s.num_kv_heads % d == 0]:
+        plan = make_plan(opened, Settings(str(src), g))
+        per_tok = plan.kv_bytes_per_token(g, dtype_bytes)
+        rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
+                     "kv_cache_bytes": per_tok * batch * ctx,
+                     "parameters_removed": plan.source_params - plan.output_params})
+    info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
+            "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
+            "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
+            "parameters": make_plan(opened, Settings(str(src), s.num_kv_heads)).source_params,
+            "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "options": rows}
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"{src}: {spec.family} ({'stock GQA support' if spec.native_gqa else 'GQA via written modeling file'})")
+    click.echo(f"  layers {s.num_layers}, hidden {s.hidden_size}, query heads {s.num_heads}, KV heads "
+               f"{s.num_kv_heads}, head_dim {s.head_dim}, parameters {info['parameters']:,}")
+    click.echo(f"\n  KV cache at batch {batch}, context {ctx}, {dtype_bytes} bytes/element:")
+    click.echo(f"  {'G':>4} {'q/kv':>5} {'bytes/token':>12} {'KV cache':>14} {'params removed':>15}")
+    for r in rows:
+        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {r['kv_bytes_per_token']:>12,} "
+                   f"{_fmt_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")

@@ -1,0 +1,154 @@
+"""One layer's attention weights, read into and written from a canonical head-major form.
+
+Every family's tensors (separate q/k/v/o, GPT-2's transposed fused Conv1D, GPT-NeoX's
+per-group fused rows) map to the same `AttnHeads`, so the pooling math never sees a
+family-specific layout:
+
+    q [H, D, in]    k, v [KV, D, in]    o [out, H, D]    biases [heads, D] or None
+
+`o` is the output projection's weight viewed by input head; its bias is untouched by
+every transform and passes through unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from gqakit.convert.arch import ArchSpec, Shape
+
+
+@dataclass
+class AttnHeads:
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+    v_bias: Tensor | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[0]
+
+    def replace(self, **changes: Tensor | None) -> "AttnHeads":
+        return replace(self, **changes)
+
+    def to(self, dtype: torch.dtype) -> "AttnHeads":
+        return AttnHeads(*[None if t is None else t.to(dtype) for t in
+                           (self.q, self.k, self.v, self.o, self.q_bias, self.k_bias, self.v_bias)])
+
+
+def layer_names(spec: ArchSpec, layer: int) -> dict[str, str]:
+    """Role -> tensor name for one layer (weights and possible biases; o's bias excluded)."""
+    a = spec.attention
+    p = a.prefix.format(layer=layer)
+    roles = {"o.weight": f"{p}{a.o}.weight"}
+    parts = ("q", "k", "v") if a.layout == "separate" else ("qkv",)
+    for part in parts:
+        base = getattr(a, part)
+        roles[f"{part}.weight"] = f"{p}{base}.weight"
+        roles[f"{part}.bias"] = f"{p}{base}.bias"
+    return roles
+
+
+def _split_rows(t: Tensor, spec: ArchSpec, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
+    """Split a fused qkv output axis (dim 0) into q [H*D...], k [KV*D...], v [KV*D...]."""
+    H, KV, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    if spec.attention.layout == "fused_concat":
+        return t[: H * D], t[H * D : (H + KV) * D], t[(H + KV) * D :]
+    r = H // KV  # grouped_qkv: (KV, r + 2, D, ...)
+    g = t.reshape(KV, r + 2, D, *t.shape[1:])
+    return (g[:, :r].reshape(H * D, *t.shape[1:]), g[:, r].reshape(KV * D, *t.shape[1:]),
+            g[:, r + 1].reshape(KV * D, *t.shape[1:]))
+
+
+def _join_rows(q: Tensor, k: Tensor, v: Tensor, spec: ArchSpec, H: int, KV: int, D: int) -> Tensor:
+    if spec.attention.layout == "fused_concat":
+        return torch.cat([q, k, v], dim=0)
+    r, rest = H // KV, q.shape[1:]
+    parts = [q.reshape(KV, r, D, *rest), k.reshape(KV, 1, D, *rest), v.reshape(KV, 1, D, *rest)]
+    return torch.cat(parts, dim=1).reshape((H + 2 * KV) * D, *rest)
+
+
+def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: int,
+               dtype: torch.dtype = torch.float32) -> AttnHeads:
+    """Canonical heads from the tensors of one layer (a dict name -> tensor)."""
+    names = layer_names(spec, layer)
+    H, KV, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
+
+    def get(role: str) -> Tensor | None:
+        t = tensors.get(names[role])
+        return None if t is None else t.to(dtype)
+
+    o = get("o.weight")
+    if spec.attention.transposed:
+        o = o.t()
+    o = o.reshape(o.shape[0], H, D)
+    if spec.attention.layout == "separate":
+        w = {p: get(f"{p}.weight") for p in "qkv"}
+        b = {p: get(f"{p}.bias") for p in "qkv"}
+    else:
+        qkv = get("qkv.weight")
+        if spec.attention.transposed:
+            qkv = qkv.t()
+        w = dict(zip("qkv", _split_rows(qkv, spec, shape)))
+        bias = get("qkv.bias")
+        b = dict(zip("qkv", _split_rows(bias, spec, shape))) if bias is not None else dict.fromkeys("qkv")
+    heads_of = {"q": H, "k": KV, "v": KV}
+    return AttnHeads(
+        **{p: w[p].reshape(heads_of[p], D, -1) for p in "qkv"}, o=o,
+        **{f"{p}_bias": None if b[p] is None else b[p].reshape(heads_of[p], D) for p in "qkv"},
+    )
+
+
+def write_heads(spec: ArchSpec, heads: AttnHeads, layer: int, dtypes: dict[str, torch.dtype]) -> dict[str, Tensor]:
+    """Tensors (name -> tensor, in the family's layout) for one layer's canonical heads.
+
+    `dtypes` maps each source tensor name present to its output dtype; absent biases
+    stay absent.
+    """
+    names = layer_names(spec, layer)
+    H, KV, D = heads.num_heads, heads.num_kv_heads, heads.q.shape[1]
+    out: dict[str, Tensor] = {}
+    o = heads.o.reshape(heads.o.shape[0], H * D)
+    out[names["o.weight"]] = o.t() if spec.attention.transposed else o
+    flat = {p: getattr(heads, p).reshape(-1, getattr(heads, p).shape[-1]) for p in "qkv"}
+    bias = {p: getattr(heads, f"{p}_bias") for p in "qkv"}
+    if spec.attention.layout == "separate":
+        for p in "qkv":
+            out[names[f"{p}.weight"]] = flat[p]
+            if names[f"{p}.bias"] in dtypes and bias[p] is not None:
+                out[names[f"{p}.bias"]] = bias[p].reshape(-1)
+    else:
+        w = _join_rows(flat["q"], flat["k"], flat["v"], spec, H, KV, D)
+        out[names["qkv.weight"]] = w.t() if spec.attention.transposed else w
+        if names["qkv.bias"] in dtypes and bias["q"] is not None:
+            out[names["qkv.bias"]] = _join_rows(*(bias[p].reshape(-1) for p in "qkv"), spec, H, KV, D)
+    return {n: t.to(dtypes[n]).contiguous() for n, t in out.items()}
+
+
+def output_shapes(spec: ArchSpec, shape: Shape, num_kv_heads: int, layer: int,
+                  src_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's attention tensors after conversion to `num_kv_heads`."""
+    names = layer_names(spec, layer)
+    H, G, D = shape.num_heads, num_kv_heads, shape.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    for role, name in names.items():
+        if name not in src_shapes:
+            continue
+        s = list(src_shapes[name])
+        part = role.split(".")[0]
+        new_rows = {"k": G * D, "v": G * D, "qkv": (H + 2 * G) * D}.get(part)
+        if new_rows is not None:
+            axis = 1 if (spec.attention.transposed and role.endswith("weight")) else 0
+            s[axis] = new_rows
+        shapes[name] = tuple(s)
+    return shapes

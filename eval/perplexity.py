@@ -1,0 +1,211 @@
+"""Perplexity over one long document with a sliding window, plus per-word and per-byte scores.
+
+Token perplexity follows the Hugging Face perplexity guide: windows of `context` tokens
+advance by `stride`; each window scores only the tokens the previous window did not, so
+every token is scored exactly once and (after the first window) sees at least
+`context - stride` tokens of history. `stride == context` gives disjoint chunks (fast,
+pessimistic); a small stride approaches the model's true conditional perplexity.
+
+Token perplexity cannot compare models with different tokenizers (a tokenizer that
+makes longer tokens has fewer, harder predictions). Bits per byte and word/byte
+perplexity normalise the same total negative log-likelihood by units that do not
+depend on the tokenizer, as lm-evaluation-harness's WikiText task does:
+  word_perplexity = exp(NLL / words), byte_perplexity = exp(NLL / bytes),
+  bits_per_byte = NLL / bytes / ln 2   (UTF-8 bytes; words = whitespace-separated).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gqakit.core.errors import GqakitError
+
+
+@dataclass
+class EvalText:
+    """The evaluation document and where it came from (recorded with every number)."""
+
+    text: str
+    source: str
+    sha256: str
+    max_chars: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": self.source, "sha256": self.sha256, "chars": len(self.text), "max_chars": self.max_chars}
+
+
+def read_text(data: str, *, max_chars: int | None = None, text_field: str = "text") -> EvalText:
+    """A local text file, or a Hugging Face dataset `hf:NAME[:CONFIG][:SPLIT]` from the local cache.
+
+    The sha256 is of the file's bytes for a file, and of the joined text for a dataset, so
+    `compare` can tell whether two results were measured on the same data.
+    """
+    if data.startswith("hf:"):
+        return _read_hf(data, max_chars=max_chars, text_field=text_field)
+    p = Path(data).expanduser()
+    if not p.is_file():
+        raise GqakitError(f"data file not found: {p}")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GqakitError(f"data file {p} is not UTF-8 text (byte {e.start})") from None
+    # Universal newlines, as Python's text mode reads files: a CRLF file and its LF copy
+    # must score the same (a stray "\r" is a rare byte-fallback token that costs a lot).
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise GqakitError(f"data file {p} is empty")
+    digest = hashlib.sha256(raw if max_chars is None else text.encode("utf-8")).hexdigest()
+    return EvalText(text=text, source=str(p.resolve()), sha256=digest, max_chars=max_chars)
+
+
+def _read_hf(spec: str, *, max_chars: int | None, text_field: str) -> EvalText:
+    parts = spec[3:].split(":")
+    name, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
+    split = parts[2] if len(parts) > 2 else "test"
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # datasets raises many types; offline misses are the usual one
+        raise GqakitError(f"cannot load dataset {spec} (offline: it must be in the local cache): "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if text_field not in ds.column_names:
+        raise GqakitError(f"dataset {spec} has no column {text_field!r} (columns: {', '.join(ds.column_names)})")
+    rows = [r for r in ds[text_field] if r]
+    # WikiText rows carry their own newlines; plain sentence datasets do not.
+    text = "".join(rows) if rows and all(r.endswith("\n") for r in rows) else "\n".join(rows)
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise GqakitError(f"dataset {spec} has no text in column {text_field!r}")
+    return EvalText(text=text, source=spec, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                    max_chars=max_chars)
+
+
+def tokenize_document(tokenizer: Any, text: str, bos_token_id: int | None) -> tuple[list[int], bool]:
+    """Token ids of the whole document with exactly one BOS at the start.
+
+    Returns (ids, prepended). The first token is context only (never scored), so without
+    a BOS the document's first real token would go unscored; a tokenizer that adds no BOS
+    itself (stories260K's, many Llama/SmolLM exports) gets one prepended once.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "sequence longer than model_max_length" is expected here
+    try:
+        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    finally:
+        hf_logging.set_verbosity(level)
+    bos = bos_token_id if bos_token_id is not None else getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and (not ids or ids[0] != bos):
+        return [int(bos)] + ids, True
+    return ids, False
+
+
+@dataclass
+class PerplexityResult:
+    context: int
+    stride: int
+    step: int              # tokens each window advances: min(stride, context - 1), see window_plan
+    tokens: int            # tokens scored (document tokens; the leading BOS is context only)
+    windows: int
+    nll_sum: float         # total negative log-likelihood in nats
+    words: int
+    bytes: int
+    token_perplexity: float
+    word_perplexity: float
+    byte_perplexity: float
+    bits_per_byte: float
+    bos_prepended: bool
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first_scored) for each window over ids[0:n_tokens].
+
+    Window k feeds ids[begin:end] (at most `context` tokens) and scores the targets at
+    positions first_scored..end-1. Position 0 is never a target: nothing precedes it.
+    The prediction of position t comes from the logits at t-1, so a window must start at
+    or before first_scored - 1; the step is therefore capped at context - 1. (The HF
+    guide's loop with stride == context silently drops the first token of every window.)
+    """
+    if n_tokens < 2:
+        return []
+    step = min(stride, context - 1)
+    end = min(context, n_tokens)
+    plan = [(0, end, 1)]
+    while end < n_tokens:
+        new_end = min(end + step, n_tokens)
+        plan.append((max(0, new_end - context), new_end, end))
+        end = new_end
+    return plan
+
+
+def sliding_nll(model: Any, ids: list[int], *, context: int, stride: int, device: Any = "cpu",
+                progress: bool = True) -> tuple[float, int, int]:
+    """(total NLL in nats, tokens scored, windows) of `ids` under `model`."""
+    import torch
+    from tqdm.auto import tqdm
+
+    plan = window_plan(len(ids), context, stride)
+    all_ids = torch.tensor(ids, dtype=torch.long)
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for begin, end, first in tqdm(plan, desc="perplexity", unit="window", disable=not progress):
+            x = all_ids[begin:end].unsqueeze(0).to(device)
+            logits = model(input_ids=x, use_cache=False).logits[0].float()
+            # logits[j] predicts ids[begin + j + 1]; score targets first..end-1.
+            pred = logits[first - begin - 1: end - begin - 1]
+            tgt = all_ids[first:end].to(pred.device)
+            nll += torch.nn.functional.cross_entropy(pred, tgt, reduction="sum").item()
+            count += end - first
+    return nll, count, len(plan)
+
+
+def count_words(text: str) -> int:
+    """Whitespace-separated words, as lm-evaluation-harness counts them for word perplexity."""
+    return len(re.split(r"\s+", text.strip())) if text.strip() else 0
+
+
+def evaluate_perplexity(model: Any, tokenizer: Any, doc: EvalText, *, context: int, stride: int | None = None,
+                        device: Any = "cpu", max_positions: int | None = None,
+                        progress: bool = True) -> PerplexityResult:
+    """Token, word and byte perplexity and bits per byte of `doc` under `model`."""
+    stride = stride or context
+    if context < 2:
+        raise GqakitError(f"--context must be at least 2 tokens (got {context})")
+    if stride < 1 or stride > context:
+        raise GqakitError(f"--stride must be between 1 and --context ({context}); got {stride}")
+    if max_positions is not None and context > max_positions:
+        raise GqakitError(f"--context {context} is larger than the model's {max_positions} positions")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        bos = getattr(model.config, "bos_token_id", None)
+    ids, prepended = tokenize_document(tokenizer, doc.text, bos)
+    if len(ids) < context:
+        raise GqakitError(f"the data has {len(ids)} tokens, shorter than one window of --context {context}; "
+                          "use more text or a smaller --context")
+    nll, count, windows = sliding_nll(model, ids, context=context, stride=stride, device=device, progress=progress)
+    words, nbytes = count_words(doc.text), len(doc.text.encode("utf-8"))
+    return PerplexityResult(
+        context=context, stride=stride, step=min(stride, context - 1), tokens=count, windows=windows, nll_sum=nll, words=words, bytes=nbytes,
+        token_perplexity=math.exp(nll / count), word_perplexity=math.exp(nll / words),
+        byte_perplexity=math.exp(nll / nbytes), bits_per_byte=nll / nbytes / math.log(2),
+        bos_prepended=prepended,
+        tokenizer={"name_or_path": str(getattr(tokenizer, "name_or_path", "")), "class": type(tokenizer).__name__,
+                   "vocab_size": len(tokenizer), "bos_token_id": bos},
+        data=doc.describe(),
+    )

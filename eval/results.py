@@ -1,0 +1,135 @@
+"""The results file written by `gqakit eval` and read by `gqakit compare`.
+
+One JSON per evaluated model, split the way peft's method_comparison splits its results:
+`run` (how and where the numbers were made), `model` (what was measured), then one block
+per measurement (`perplexity`, `speed`). A `schema` key lets `compare` reject any other
+JSON early, instead of failing on a missing key halfway through a report.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gqakit.core.errors import GqakitError
+
+SCHEMA = "gqakit.eval/1"
+
+
+def git_hash() -> str | None:
+    """The commit of the gqakit checkout, when it is one (a wheel install has none)."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device: Any) -> str:
+    """A human name for the device: the GPU model, or the CPU model and core count."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def run_info(*, command: list[str] | None, device: Any, dtype: Any) -> dict[str, Any]:
+    """Everything needed to trace a number back: command, versions, device, date, commit."""
+    import torch
+    import transformers
+
+    import gqakit
+
+    return {
+        "command": " ".join(command if command is not None else sys.argv),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "gqakit": gqakit.__version__,
+        "git": git_hash(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def model_info(model: Any, path: str | Path, dtype_bytes: int) -> dict[str, Any]:
+    """Shape facts of a loaded model, and the KV-cache bytes one token costs."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    layers = int(cfg.num_hidden_layers)
+    return {
+        "path": str(path),
+        "model_type": getattr(cfg, "model_type", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_positions": max_positions(cfg),
+        # K and V, every layer, every KV head: what each cached token costs.
+        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * dtype_bytes,
+    }
+
+
+def max_positions(cfg: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def write_results(results: dict[str, Any], out: Path) -> Path:
+    """Write atomically (temp file + rename) so a crash never leaves half a JSON."""
+    out = Path(out).expanduser()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        tmp.replace(out)
+    except OSError as e:
+        raise GqakitError(f"could not write {out}: {e.strerror or e}") from None
+    return out
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    """Load a results file, or raise a one-line error saying why it is not one."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise GqakitError(f"results file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GqakitError(f"{p} is not a gqakit results file (not valid JSON: {str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise GqakitError(f"{p} is not a gqakit results file (schema {found!r}, expected {SCHEMA!r}); "
+                          "make one with `gqakit eval`")
+    if "model" not in data or "run" not in data:
+        raise GqakitError(f"{p} is a truncated gqakit results file (no 'model' or 'run' block)")
+    return data

@@ -1,0 +1,389 @@
+"""Decode speed: prefill (time to first token) and per-token decode over a batch x prompt grid.
+
+Measured the way gpt-fast and transformers' static-cache guide measure it:
+- a static, pre-allocated KV cache (`transformers.StaticCache`), reset (not reallocated)
+  between repetitions, so allocation never lands in a timed region;
+- warm-up runs (which also absorb `torch.compile`) are excluded and timed apart;
+- the device is synchronized right before and right after each timed region;
+- greedy next tokens stay on the device (no `.item()` per step, which would add a sync);
+- median and p90 over several repetitions; prompts are random ids, since speed does not
+  depend on the text.
+
+Each grid point also gets the roofline view: bytes a decode step must read (all weights
+once, plus the filled part of the KV cache) divided by the step time gives the achieved
+bandwidth, quoted as a fraction of the copy bandwidth measured on the same device in the
+same run; and its arithmetic intensity against the device's measured ridge point says
+whether the point is memory-bound.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from gqakit.core.errors import GqakitError
+from gqakit.eval.attention import SdpaSpy, describe_path, use_gqa_attention
+
+
+# ----------------------------------------------------------------------------- device facts
+
+def sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Any, device: Any, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: Any, nbytes: int | None = None, reps: int = 5) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted), the practical roof."""
+    import torch
+
+    dev = torch.device(device)
+    nbytes = nbytes or (1 << 30 if dev.type == "cuda" else 256 << 20)
+    src = torch.randn(nbytes // 4, device=dev)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), dev, reps)
+    return 2 * nbytes / t
+
+
+def matmul_flops(device: Any, dtype: Any, n: int | None = None, reps: int = 3) -> float:
+    """FLOP/s of a square matmul in `dtype`: the compute roof for the ridge point."""
+    import torch
+
+    dev = torch.device(device)
+    n = n or (8192 if dev.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    t = _median_time(lambda: a @ b, dev, reps)
+    return 2 * n ** 3 / t
+
+
+def available_memory(device: Any) -> int:
+    """Bytes the next allocations may use: free GPU memory, or MemAvailable on the host."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """Peak memory of one region: CUDA's allocator peak, or the process's peak RSS on Linux.
+
+    Writing "5" to /proc/self/clear_refs resets VmHWM (the RSS high-water mark), so the
+    CPU figure covers this region only; it is the whole process (weights included).
+    """
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.device = torch.device(device)
+
+    def reset(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+
+    def peak(self) -> int | None:
+        import torch
+
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+@dataclass
+class SpeedSettings:
+    batches: tuple[int, ...] = (1, 8, 32)
+    prompt_lens: tuple[int, ...] = (128, 1024)
+    new_tokens: int = 128
+    reps: int = 5
+    warmup: int = 1
+    compile: bool = False
+    max_batch_search: bool = False
+    max_batch_limit: int = 4096
+
+
+class DecodeBench:
+    """Times prefill and decode of one loaded model with a static KV cache."""
+
+    def __init__(self, model: Any, *, device: Any, dtype: Any, compile: bool = False) -> None:
+        import torch
+
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.cfg = model.config.get_text_config(decoder=True)
+        self.heads = int(self.cfg.num_attention_heads)
+        self.kv_heads = int(getattr(self.cfg, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.heads)
+        self.layers = int(self.cfg.num_hidden_layers)
+        self.vocab = int(self.cfg.vocab_size)
+        self.elem = torch.finfo(dtype).bits // 8
+        self.attn_impl = use_gqa_attention(model)
+        params = sum(p.numel() for p in model.parameters())
+        emb = model.get_input_embeddings().weight
+        tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
+        # A decode step reads every weight once, except an untied input embedding, of
+        # which it reads only the B looked-up rows.
+        self.weight_bytes = (params - (0 if tied else emb.numel())) * self.elem
+        self.matmul_params = params - emb.numel() + (emb.numel() if tied or model.get_output_embeddings() is not None else 0)
+        self.kv_bytes_per_token = 2 * self.layers * self.kv_heads * self.head_dim * self.elem
+        sig = inspect.signature(model.forward).parameters
+        self._keep = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
+        self.compiled = False
+        self.step = model
+        if compile:
+            self.step = torch.compile(model, mode="reduce-overhead" if self.device.type == "cuda" else "default",
+                                      fullgraph=True, dynamic=False)
+            self.compiled = True
+
+    # -- one generation -------------------------------------------------------------------
+    def _cache(self, batch: int, max_len: int) -> Any:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.model.config, max_cache_len=max_len)
+        cache.early_initialization(batch, self.kv_heads, self.head_dim, self.dtype, self.device)
+        return cache
+
+    def _generate(self, cache: Any, prompt: Any, new_tokens: int, spy: SdpaSpy | None = None) -> tuple[float, float]:
+        """Prefill + `new_tokens` decode steps; returns (prefill s, decode s)."""
+        import torch
+
+        b, p = prompt.shape
+        pos = torch.arange(p, device=self.device).unsqueeze(0)
+        sync(self.device)
+        t0 = time.perf_counter()
+        logits = self.model(input_ids=prompt, past_key_values=cache, position_ids=pos, use_cache=True,
+                            **self._keep).logits
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        sync(self.device)
+        t1 = time.perf_counter()
+        for i in range(new_tokens):
+            pos = torch.full((1, 1), p + i, device=self.device, dtype=torch.long)
+            if spy is not None and i == 0:
+                with spy:  # eager model, so the spy sees the real SDPA calls
+                    out = self.model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True)
+            else:
+                out = self.step(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(self.device)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    def probe(self) -> dict[str, Any]:
+        """Which attention path a decode step really takes (one eager step, SDPA calls recorded)."""
+        import torch
+
+        spy = SdpaSpy()
+        with torch.inference_mode():
+            cache = self._cache(1, 8)
+            self._generate(cache, torch.randint(0, self.vocab, (1, 4), device=self.device), 1, spy=spy)
+        return {"implementation": self.attn_impl, **describe_path(spy.calls, self.heads, self.kv_heads),
+                "kv_cache": "transformers.StaticCache (pre-allocated)", "compiled": self.compiled}
+
+    # -- memory model ---------------------------------------------------------------------
+    def predicted_bytes(self, batch: int, prompt_len: int, new_tokens: int) -> int:
+        """Memory a grid point adds beyond the loaded weights: cache + prefill activations.
+
+        Used on CPU, where running out of memory kills the process instead of raising.
+        Activations: a handful of hidden-size and MLP-size tensors per prompt token, the
+        kept logits, and attention scores in case SDPA materialises them.
+        """
+        cache = batch * (prompt_len + new_tokens) * self.kv_bytes_per_token
+        hidden = int(self.cfg.hidden_size)
+        inter = int(getattr(self.cfg, "intermediate_size", None) or 4 * hidden)
+        act = batch * prompt_len * (6 * hidden + 3 * inter) * 4
+        scores = batch * self.heads * prompt_len * prompt_len * 4
+        logits = batch * self.vocab * 4 * (1 if self._keep else prompt_len)
+        return cache + act + scores + logits
+
+    def _fits_predicted(self, batch: int, prompt_len: int, new_tokens: int) -> tuple[bool, str]:
+        need, avail = self.predicted_bytes(batch, prompt_len, new_tokens), available_memory(self.device)
+        return need <= 0.8 * avail, f"predicted {need / 2**30:.2f} GiB > 80% of {avail / 2**30:.2f} GiB available"
+
+    def fits(self, batch: int, prompt_len: int, new_tokens: int) -> bool:
+        """Whether (batch, prompt_len) runs: tried for real on CUDA, predicted on CPU."""
+        import torch
+
+        if self.device.type != "cuda":
+            return self._fits_predicted(batch, prompt_len, new_tokens)[0]
+        try:
+            with torch.inference_mode():
+                cache = self._cache(batch, prompt_len + 2)
+                prompt = torch.randint(0, self.vocab, (batch, prompt_len), device=self.device)
+                self._generate(cache, prompt, 2)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            cache = prompt = None
+            torch.cuda.empty_cache()
+
+    def max_batch(self, prompt_len: int, new_tokens: int, limit: int) -> dict[str, Any]:
+        """Largest batch that fits at `prompt_len`: doubling, then bisection."""
+        lo, hi = 0, 1
+        while hi <= limit and self.fits(hi, prompt_len, new_tokens):
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid, prompt_len, new_tokens) else (lo, mid)
+        method = "allocation attempts" if self.device.type == "cuda" else "predicted from available host memory"
+        return {"prompt_len": prompt_len, "max_batch": lo, "at_limit": lo >= limit, "limit": limit, "method": method}
+
+    # -- one grid point -------------------------------------------------------------------
+    def run_point(self, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int,
+                  roof: dict[str, float]) -> dict[str, Any]:
+        import torch
+
+        point: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens}
+        if self.device.type != "cuda":
+            ok, why = self._fits_predicted(batch, prompt_len, new_tokens)
+            if not ok:
+                return {**point, "status": "oom", "reason": why}
+        peak = PeakMemory(self.device)
+        try:
+            with torch.inference_mode():
+                cache = self._cache(batch, prompt_len + new_tokens)
+                kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+                t0 = time.perf_counter()
+                for _ in range(warmup):
+                    cache.reset()
+                    self._generate(cache, torch.randint(0, self.vocab, (batch, prompt_len), device=self.device),
+                                   new_tokens)
+                warm_s = time.perf_counter() - t0
+                peak.reset()
+                pre, dec = [], []
+                for _ in range(reps):
+                    cache.reset()
+                    prompt = torch.randint(0, self.vocab, (batch, prompt_len), device=self.device)
+                    p, d = self._generate(cache, prompt, new_tokens)
+                    pre.append(p)
+                    dec.append(d / new_tokens)
+        except torch.OutOfMemoryError:
+            cache = None
+            torch.cuda.empty_cache()
+            return {**point, "status": "oom", "reason": "torch.OutOfMemoryError"}
+        step = statistics.median(dec)
+        # Minimum bytes a step must read: weights once + the filled cache (mean over steps).
+        mean_len = prompt_len + (new_tokens + 1) / 2
+        kv_read = batch * self.kv_bytes_per_token * mean_len
+        bytes_step = self.weight_bytes + kv_read
+        flops_step = 2 * self.matmul_params * batch + 4 * batch * self.layers * self.heads * self.head_dim * mean_len
+        intensity = flops_step / bytes_step
+        achieved = bytes_step / step
+        return {
+            **point, "status": "ok",
+            "prefill_ms": {"median": 1e3 * statistics.median(pre), "p90": 1e3 * percentile(pre, 90)},
+            "decode_ms_per_token": {"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},
+            "tokens_per_s": {"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90)},
+            "warmup_s": warm_s, "reps": reps,
+            "peak_memory_bytes": peak.peak(),
+            "peak_memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
+            "kv_cache_bytes": kv_bytes,
+            "kv_cache_bytes_analytic": batch * (prompt_len + new_tokens) * self.kv_bytes_per_token,
+            "bytes_per_step": {"weights": self.weight_bytes, "kv": kv_read, "total": bytes_step},
+            "achieved_bandwidth_gbs": achieved / 1e9,
+            "roofline_fraction": achieved / roof["copy_bandwidth"],
+            "arithmetic_intensity": intensity,
+            "memory_bound": intensity < roof["ridge_flops_per_byte"],
+        }
+
+
+def parse_ints(text: str, name: str) -> tuple[int, ...]:
+    """'1,8,32' -> (1, 8, 32), with a one-line error for anything else."""
+    try:
+        vals = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise GqakitError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise GqakitError(f"{name} must be positive integers, got {text!r}")
+    return vals
+
+
+def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
+                   max_positions: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """The whole decode benchmark: roofs, attention path, grid, and max batch per prompt length."""
+    import torch
+
+    if settings.new_tokens < 1 or settings.reps < 1 or settings.warmup < 0:
+        raise GqakitError("--new-tokens and --reps must be at least 1, --warmup at least 0")
+    longest = max(settings.prompt_lens) + settings.new_tokens
+    if max_positions is not None and longest > max_positions:
+        raise GqakitError(f"prompt length + new tokens ({longest}) exceeds the model's {max_positions} positions")
+    if settings.compile and torch.device(device).type != "cuda":
+        tqdm.write("gqakit: note: --compile on CPU needs a C++ compiler and rarely helps; timing it anyway")
+    bench = DecodeBench(model, device=device, dtype=dtype, compile=settings.compile)
+    bw = copy_bandwidth(device)
+    fl = matmul_flops(device, dtype)
+    roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
+    attention = bench.probe()
+    grid = []
+    points = [(b, p) for p in settings.prompt_lens for b in settings.batches]
+    for b, p in tqdm(points, desc="decode grid", unit="point", disable=not progress):
+        grid.append(bench.run_point(b, p, settings.new_tokens, settings.reps, settings.warmup, roof))
+    max_batch = []
+    if settings.max_batch_search:
+        for p in tqdm(settings.prompt_lens, desc="max batch", unit="len", disable=not progress):
+            max_batch.append(bench.max_batch(p, settings.new_tokens, settings.max_batch_limit))
+    return {
+        "settings": {"batches": list(settings.batches), "prompt_lens": list(settings.prompt_lens),
+                     "new_tokens": settings.new_tokens, "reps": settings.reps, "warmup": settings.warmup,
+                     "compile": settings.compile, "prompts": "random token ids"},
+        "attention": attention,
+        "device_roof": {"copy_bandwidth_gbs": bw / 1e9, "matmul_tflops": fl / 1e12,
+                        "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},
+        "weight_bytes_per_step": bench.weight_bytes,
+        "kv_bytes_per_token": bench.kv_bytes_per_token,
+        "grid": grid,
+        "max_batch": max_batch,
+    }

@@ -1,0 +1,38 @@
+"""`gqakit uptrain CONFIG.yaml [section.key=value ...]`."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("uptrain", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output.dir (deletes it first).")
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in output.dir/checkpoints.")
+@click.option("--dry-run", is_flag=True, help="Validate the config, print it resolved, and stop.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or plan; errors still print.")
+def uptrain_cmd(config: str, overrides: tuple[str, ...], overwrite: bool, resume: bool, dry_run: bool, quiet: bool) -> None:
+    """Continue pre-training a converted (GQA) model, driven by a YAML CONFIG.
+
+    OVERRIDES are dotted `section.key=value` pairs (values are YAML); an unknown key
+    is an error. The run folder `output.dir` holds `checkpoints/step-N/`, `log.jsonl`,
+    the resolved `gqakit_uptrain.yaml`, and at the end the final model in `model/`,
+    loadable like any `gqakit convert` output.
+
+    \b
+    Examples:
+      gqakit uptrain configs/tiny-cpu.yaml model.path=/tmp/tiny-g2 output.dir=/tmp/run
+      gqakit uptrain configs/stories260K-g2.yaml train.tokens=500000 train.seed=1
+      gqakit uptrain configs/stories260K-g2.yaml --resume
+      accelerate launch --config_file configs/accelerate/ddp.yaml -m gqakit uptrain configs/smollm2-135M-g1.yaml
+      accelerate launch --num_processes 2 --cpu -m gqakit uptrain configs/tiny-cpu.yaml train.grad_accum=1
+    """
+    if dry_run:
+        from gqakit.uptrain.config import load_config, to_yaml
+
+        click.echo(to_yaml(load_config(config, overrides)), nl=False)
+        return
+    from gqakit.uptrain.trainer import run_uptrain
+
+    run_uptrain(config, overrides, overwrite=overwrite, resume=resume, quiet=quiet)

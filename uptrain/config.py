@@ -1,0 +1,245 @@
+"""The uptrain config: pydantic models, YAML or dict loading, and dotted overrides.
+
+A run is described by one YAML file (or an equivalent dict from Python) with the
+sections `model`, `teacher`, `data`, `train`, `eval`, `output` and `logging`. Every
+model uses `extra="forbid"`, so a misspelt key is an error instead of a silently
+ignored setting, and every failure becomes one `GqakitError` line that names the key.
+
+Overrides on the command line use dotted keys: `train.tokens=2e6 output.dir=/tmp/x`.
+Values are parsed as YAML scalars (`true`, `3e-4`, `[a.txt, b.txt]`, `null`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gqakit.core.errors import GqakitError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelCfg(_Section):
+    path: str = Field(description="folder written by `gqakit convert` (the student)")
+
+
+class TeacherCfg(_Section):
+    path: str | None = Field(None, description="the original (MHA) model; needed for kl_weight>0 or data.teacher_samples")
+    kl_weight: float = Field(0.0, ge=0.0, description="weight of KL(teacher || student) added to the LM loss; 0 = off")
+    temperature: float = Field(1.0, gt=0.0, description="softmax temperature of the KL term")
+
+
+class TeacherSamplesCfg(_Section):
+    num: int = Field(gt=0, description="number of sampled documents")
+    length: int = Field(gt=1, description="new tokens per document")
+    temperature: float = Field(1.0, gt=0.0)
+    top_k: int | None = Field(None, gt=0)
+    prompt: str = Field("", description="text each sample starts from (after BOS); empty = BOS only")
+    batch_size: int = Field(128, gt=0)
+    seed: int = 1234
+
+
+class DataCfg(_Section):
+    files: list[str] = Field(default_factory=list, description="local .txt/.jsonl/.json/.parquet files or globs")
+    texts: list[str] | None = Field(None, description="in-memory documents (Python API)")
+    hf_dataset: str | None = Field(None, description="a `datasets` hub name; needs internet")
+    hf_config: str | None = None
+    hf_split: str = "train"
+    text_field: str = "text"
+    sample_by: Literal["line", "paragraph", "document"] = Field(
+        "paragraph", description="how a .txt file splits into documents")
+    add_bos: bool = Field(False, description="prepend BOS to every document (EOS always separates documents)")
+    teacher_samples: TeacherSamplesCfg | None = None
+    eval_file: str | None = Field(None, description="held-out text for perplexity; never a training file")
+    eval_texts: list[str] | None = None
+    eval_max_blocks: int | None = Field(None, gt=0, description="cap on held-out blocks per eval")
+    cache_dir: str | None = Field(None, description="tokenized data and teacher samples; default ~/.cache/gqakit")
+    num_proc: int | None = Field(None, gt=0, description="tokenizer processes for datasets.map")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataCfg":
+        n = sum([bool(self.files), self.texts is not None, self.hf_dataset is not None, self.teacher_samples is not None])
+        if n == 0:
+            raise ValueError("data: give one of data.files, data.texts, data.hf_dataset or data.teacher_samples")
+        if n > 1:
+            raise ValueError("data: give only one of data.files, data.texts, data.hf_dataset or data.teacher_samples")
+        if self.eval_file is not None and self.eval_texts is not None:
+            raise ValueError("data: give data.eval_file or data.eval_texts, not both")
+        return self
+
+
+class TrainCfg(_Section):
+    tokens: int | None = Field(None, gt=0, description="token budget; steps = tokens // tokens per optimizer step")
+    alpha: float | None = Field(None, gt=0.0, le=1.0, description="fraction of pretrain_tokens (the paper: 0.05)")
+    pretrain_tokens: int | None = Field(None, gt=0, description="the original model's pre-training tokens")
+    seq_len: int = Field(512, gt=1)
+    micro_batch: int = Field(8, gt=0, description="sequences per process per forward pass")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    lr: float = Field(3e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr * min_lr_ratio")
+    warmup_steps: int | None = Field(None, ge=0, description="linear warm-up steps")
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, description="used when warmup_steps is not given")
+    decay: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    grad_clip: float | None = Field(1.0, gt=0.0, description="max global grad norm; null = off")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    seed: int = 0
+    compile: bool = False
+    gradient_checkpointing: bool = False
+    cpu: bool = Field(False, description="force CPU even when a GPU is present")
+
+    @model_validator(mode="after")
+    def _budget(self) -> "TrainCfg":
+        if self.tokens is None and self.alpha is None:
+            raise ValueError("train: give train.tokens, or train.alpha with train.pretrain_tokens")
+        if self.tokens is not None and self.alpha is not None:
+            raise ValueError("train: give train.tokens or train.alpha, not both")
+        if self.alpha is not None and self.pretrain_tokens is None:
+            raise ValueError("train.pretrain_tokens: needed with train.alpha")
+        return self
+
+    def budget(self) -> int:
+        return self.tokens if self.tokens is not None else int(self.alpha * self.pretrain_tokens)
+
+
+class EvalCfg(_Section):
+    every: int = Field(0, ge=0, description="held-out perplexity every N optimizer steps; 0 = only at the end")
+    micro_batch: int | None = Field(None, gt=0, description="default: train.micro_batch")
+
+
+class OutputCfg(_Section):
+    dir: str = Field(description="run folder: checkpoints/, log.jsonl and the final model/")
+    save_every: int = Field(0, ge=0, description="accelerate.save_state every N optimizer steps; 0 = never")
+    keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
+
+
+class LoggingCfg(_Section):
+    every: int = Field(10, gt=0, description="log a jsonl row every N optimizer steps")
+    tensorboard: bool = Field(True, description="also log through accelerate's tensorboard tracker when installed")
+
+
+class UptrainConfig(_Section):
+    model: ModelCfg
+    teacher: TeacherCfg = Field(default_factory=TeacherCfg)
+    data: DataCfg
+    train: TrainCfg
+    eval: EvalCfg = Field(default_factory=EvalCfg)
+    output: OutputCfg
+    logging: LoggingCfg = Field(default_factory=LoggingCfg)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "UptrainConfig":
+        if self.teacher.kl_weight > 0 and not self.teacher.path:
+            raise ValueError("teacher.path: needed when teacher.kl_weight > 0")
+        if self.data.teacher_samples is not None and not self.teacher.path:
+            raise ValueError("teacher.path: needed for data.teacher_samples")
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _format_error(e: ValidationError) -> str:
+    """One line: the first failing key and why."""
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return f"unknown config key {key!r}"
+    if err["type"] == "missing":
+        return f"config key {key!r} is required"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        return msg if not key else f"{key}: {msg}"
+    return f"config key {key!r}: {msg} (got {err.get('input')!r})"
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise GqakitError(f"bad override key {key!r}")
+    node = tree
+    for i, p in enumerate(parts[:-1]):
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise GqakitError(f"override {key!r}: {'.'.join(parts[:i + 1])} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings; values are YAML scalars. Unknown keys fail in validation."""
+    tree = copy.deepcopy(tree)
+    for item in overrides:
+        if "=" not in item:
+            raise GqakitError(f"override {item!r} is not of the form section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        # YAML 1.1 reads 2e6 as a string; accept scientific notation for numbers.
+        if isinstance(value, str):
+            try:
+                f = float(value)
+                value = int(f) if f.is_integer() and "." not in value else f
+            except ValueError:
+                pass
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _coerce_numbers(tree: Any) -> Any:
+    """YAML reads `2e6` or `3e-4` as strings; turn such strings into numbers."""
+    if isinstance(tree, dict):
+        return {k: _coerce_numbers(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_coerce_numbers(v) for v in tree]
+    if isinstance(tree, str):
+        try:
+            f = float(tree)
+        except ValueError:
+            return tree
+        if tree.strip().lower() in {"nan", "inf", "-inf", "infinity"}:
+            return tree
+        return int(f) if f.is_integer() and abs(f) < 2**63 else f
+    return tree
+
+
+def read_tree(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    path = Path(config).expanduser()
+    if not path.is_file():
+        raise GqakitError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise GqakitError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise GqakitError(f"{path} must hold a mapping of sections (model, data, train, ...)")
+    return tree
+
+
+def load_config(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> UptrainConfig:
+    """Read, override and validate a config; every problem is one GqakitError naming the key."""
+    tree = _coerce_numbers(apply_overrides(read_tree(config), overrides))
+    try:
+        return UptrainConfig.model_validate(tree)
+    except ValidationError as e:
+        raise GqakitError(_format_error(e)) from None
+
+
+def to_yaml(cfg: UptrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,269 @@
+"""Training data: find documents, tokenize them (cached), pack them into fixed blocks.
+
+Documents come from local text/jsonl/parquet files, an in-memory list, a `datasets`
+hub name (online only) or text sampled from the teacher model. They are tokenized with
+the student's own tokenizer through `datasets.map`, whose fingerprinted cache means a
+second run with the same files and tokenizer does not tokenize again. Tokens are then
+concatenated with EOS between documents and cut into blocks of `seq_len`: every
+position of every block is a real token, so no compute is wasted on padding.
+
+Sharding is done by `BlockOrder`, not by a DataLoader: the order of blocks is a pure
+function of (seed, global sample index). That is what makes `--resume` reproduce the
+one-go run exactly, and what makes 1 process with grad_accum=4 see the same blocks per
+optimizer step as 2 processes with grad_accum=2.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gqakit.core.errors import GqakitError
+from gqakit.uptrain.config import DataCfg, TeacherSamplesCfg
+
+TEXT_SUFFIXES = {".txt", ".raw", ".md", ".text"}
+JSON_SUFFIXES = {".jsonl", ".json"}
+PARQUET_SUFFIXES = {".parquet"}
+
+
+def default_cache_dir(cfg: DataCfg) -> Path:
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    return Path(os.environ.get("GQAKIT_CACHE", "~/.cache/gqakit")).expanduser()
+
+
+# --------------------------------------------------------------------------- files
+
+
+def resolve_files(patterns: Sequence[str], what: str = "data.files") -> list[Path]:
+    """Expand globs; every pattern must match at least one non-empty file."""
+    files: list[Path] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(os.path.expanduser(pat), recursive=True))
+        hits = [h for h in hits if Path(h).is_file()]
+        if not hits:
+            raise GqakitError(f"{what}: no file matches {pat!r}")
+        files += [Path(h).resolve() for h in hits]
+    for f in files:
+        if f.stat().st_size == 0:
+            raise GqakitError(f"{what}: {f} is empty")
+    return list(dict.fromkeys(files))
+
+
+def _builder(files: list[Path], what: str) -> str:
+    kinds = set()
+    for f in files:
+        s = f.suffix.lower()
+        kinds.add("text" if s in TEXT_SUFFIXES else "json" if s in JSON_SUFFIXES
+                  else "parquet" if s in PARQUET_SUFFIXES else s)
+    if len(kinds) > 1:
+        raise GqakitError(f"{what}: mixes file types {sorted(kinds)}; use one type per run")
+    kind = kinds.pop()
+    if kind not in {"text", "json", "parquet"}:
+        raise GqakitError(f"{what}: unsupported file type {kind!r} (use .txt, .jsonl, .json or .parquet)")
+    return kind
+
+
+def load_documents(files: list[Path], *, text_field: str, sample_by: str, cache_dir: Path, what: str) -> Any:
+    """A `datasets.Dataset` with one column `text`, one row per document."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    kind = _builder(files, what)
+    kwargs: dict[str, Any] = {"sample_by": sample_by} if kind == "text" else {}
+    try:
+        ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train",
+                                   cache_dir=str(cache_dir / "datasets"), **kwargs)
+    except Exception as e:  # datasets raises many types for unreadable files
+        raise GqakitError(f"{what}: cannot read {[f.name for f in files]}: {str(e).splitlines()[0]}") from None
+    field = "text" if kind == "text" else text_field
+    if field not in ds.column_names:
+        raise GqakitError(f"data.text_field: {what} has no field {field!r} (fields: {ds.column_names})")
+    if field != "text":
+        ds = ds.rename_column(field, "text")
+    return ds.select_columns(["text"])
+
+
+def hub_documents(cfg: DataCfg, cache_dir: Path) -> Any:
+    import datasets
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise GqakitError(f"data.hf_dataset: {cfg.hf_dataset!r} needs the Hub, but HF_HUB_OFFLINE=1; use data.files")
+    try:
+        ds = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config, split=cfg.hf_split, cache_dir=str(cache_dir / "datasets"))
+    except Exception as e:
+        raise GqakitError(f"data.hf_dataset: cannot load {cfg.hf_dataset!r}: {str(e).splitlines()[0]}") from None
+    if cfg.text_field not in ds.column_names:
+        raise GqakitError(f"data.text_field: {cfg.hf_dataset} has no field {cfg.text_field!r} (fields: {ds.column_names})")
+    return ds.rename_column(cfg.text_field, "text").select_columns(["text"]) if cfg.text_field != "text" else ds.select_columns(["text"])
+
+
+# --------------------------------------------------------------------------- tokenize + pack
+
+
+def tokenize(ds: Any, tokenizer: Any, *, add_bos: bool, num_proc: int | None = None) -> Any:
+    """Map documents to token ids (+BOS if asked, +EOS always when the tokenizer has one).
+
+    `datasets` fingerprints this function together with the tokenizer, and stores the
+    result next to the source's arrow files: a second run loads it instead of re-tokenizing.
+    """
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if add_bos and bos is None:
+        raise GqakitError("data.add_bos: the tokenizer has no BOS token")
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        out = []
+        for doc, text in zip(ids, batch["text"]):
+            if not text.strip():
+                out.append([])
+                continue
+            out.append(([bos] if add_bos else []) + doc + ([eos] if eos is not None else []))
+        return {"input_ids": out}
+
+    return ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names,
+                  num_proc=num_proc, desc="tokenizing")
+
+
+def pack(tokenized: Any, seq_len: int, what: str) -> torch.Tensor:
+    """Concatenate all documents and cut them into [N, seq_len] blocks (the tail is dropped)."""
+    col = tokenized.with_format("numpy")["input_ids"]
+    parts = [np.asarray(x, dtype=np.int64) for x in col if len(x)]
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    n = len(flat) // seq_len
+    if n == 0:
+        raise GqakitError(f"{what}: only {len(flat)} tokens, fewer than one block of train.seq_len={seq_len}")
+    return torch.from_numpy(flat[: n * seq_len].reshape(n, seq_len).copy())
+
+
+# --------------------------------------------------------------------------- teacher samples
+
+
+def teacher_samples_file(ts: TeacherSamplesCfg, teacher_path: Path, cache_dir: Path,
+                         main_first: Callable[[], Any] = nullcontext, is_main: bool = True) -> Path:
+    """Sample documents from the teacher once and cache them as jsonl; later runs reuse the file."""
+    from gqakit.core.loading import load_causal_lm, load_tokenizer
+
+    weights = sorted(teacher_path.glob("*.safetensors")) + sorted(teacher_path.glob("*.bin"))
+    ident = [str(teacher_path.resolve())] + [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
+    key = hashlib.sha256(json.dumps([ident, ts.model_dump()], sort_keys=True).encode()).hexdigest()[:16]
+    out = cache_dir / "teacher_samples" / f"{teacher_path.name}-{key}.jsonl"
+    with main_first():
+        if out.is_file() or not is_main:
+            return out
+        from tqdm.auto import tqdm
+
+        tok = load_tokenizer(teacher_path)
+        model = load_causal_lm(teacher_path, device="cuda" if torch.cuda.is_available() else "cpu")
+        # Sampling must start from BOS: e.g. stories260K's tokenizer adds none by itself.
+        bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        prompt = [bos] + tok(ts.prompt, add_special_tokens=False)["input_ids"] if ts.prompt else [bos]
+        eos = tok.eos_token_id
+        rows = []
+        # fork_rng: sampling must not move the training RNG streams.
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(ts.seed)
+            bar = tqdm(total=ts.num, desc="sampling teacher text", unit="doc")
+            while len(rows) < ts.num:
+                b = min(ts.batch_size, ts.num - len(rows))
+                inp = torch.tensor([prompt] * b, device=model.device)
+                gen = model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=True,
+                                     temperature=ts.temperature, top_k=ts.top_k or 0, top_p=1.0,
+                                     max_new_tokens=ts.length, pad_token_id=eos if eos is not None else 0)
+                for seq in gen[:, len(prompt):].tolist():
+                    if eos is not None and eos in seq:
+                        seq = seq[: seq.index(eos)]
+                    rows.append({"text": ts.prompt + tok.decode(seq, skip_special_tokens=True)})
+                bar.update(b)
+            bar.close()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, out)  # atomic: a killed run never leaves half a cache file
+        del model
+    return out
+
+
+# --------------------------------------------------------------------------- build
+
+
+def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Path | None = None,
+                 main_first: Callable[[], Any] = nullcontext, is_main: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(train blocks [N, S], eval blocks [M, S] or None), with the checks the issue asks for."""
+    import datasets
+
+    cache = default_cache_dir(cfg)
+    eval_files: list[Path] = []
+    if cfg.eval_file:
+        eval_files = resolve_files([cfg.eval_file], "data.eval_file")
+
+    with main_first():  # one process tokenizes and fills the cache, the others then read it
+        if cfg.files:
+            files = resolve_files(cfg.files)
+            clash = set(files) & set(eval_files)
+            if clash:
+                raise GqakitError(f"data.eval_file: {clash.pop()} is also a training file; keep held-out text apart")
+            docs = load_documents(files, text_field=cfg.text_field, sample_by=cfg.sample_by, cache_dir=cache, what="data.files")
+        elif cfg.texts is not None:
+            if not any(t.strip() for t in cfg.texts):
+                raise GqakitError("data.texts: all documents are empty")
+            docs = datasets.Dataset.from_dict({"text": list(cfg.texts)})
+        elif cfg.hf_dataset is not None:
+            docs = hub_documents(cfg, cache)
+        else:
+            assert teacher_path is not None and cfg.teacher_samples is not None
+            f = teacher_samples_file(cfg.teacher_samples, teacher_path, cache, is_main=is_main)
+            docs = load_documents([f], text_field="text", sample_by="document", cache_dir=cache, what="data.teacher_samples")
+        train = pack(tokenize(docs, tokenizer, add_bos=cfg.add_bos, num_proc=cfg.num_proc), seq_len, "training data")
+
+        held: torch.Tensor | None = None
+        if eval_files or cfg.eval_texts is not None:
+            if eval_files:
+                edocs = load_documents(eval_files, text_field=cfg.text_field, sample_by=cfg.sample_by,
+                                       cache_dir=cache, what="data.eval_file")
+            else:
+                edocs = datasets.Dataset.from_dict({"text": list(cfg.eval_texts or [])})
+            held = pack(tokenize(edocs, tokenizer, add_bos=cfg.add_bos), seq_len, "data.eval_file")
+            if cfg.eval_max_blocks:
+                held = held[: cfg.eval_max_blocks]
+    return train, held
+
+
+class BlockOrder:
+    """Which blocks each process reads at each optimizer step: a pure function of the step.
+
+    Global sample i lives in epoch i // N at position i % N of a permutation seeded by
+    (seed, epoch). Optimizer step t reads global samples [t*GB, (t+1)*GB), GB being the
+    global batch, and hands slot j to accumulation step j // (world*micro) of process
+    (j // micro) % world. Resuming at step t needs nothing but t.
+    """
+
+    def __init__(self, num_blocks: int, *, seed: int, micro: int, accum: int, world: int, rank: int):
+        self.n, self.seed, self.micro, self.accum, self.world, self.rank = num_blocks, seed, micro, accum, world, rank
+        self.global_batch = micro * accum * world
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g)}  # keep one epoch in memory
+        return self._perms[epoch]
+
+    def indices(self, step: int, accum_index: int) -> list[int]:
+        start = step * self.global_batch + (accum_index * self.world + self.rank) * self.micro
+        out = []
+        for i in range(start, start + self.micro):
+            out.append(int(self._perm(i // self.n)[i % self.n]))
+        return out
+
+    def epochs(self, steps: int) -> float:
+        return steps * self.global_batch / self.n

@@ -1,0 +1,368 @@
+"""The uptraining loop: one readable pass over optimizer steps on 🤗 accelerate.
+
+Read top to bottom: `run_uptrain` checks the inputs, builds data and model, restores a
+checkpoint when resuming, then runs `train_step` until the token budget is spent,
+evaluating and checkpointing on the way, and finally exports an HF folder.
+
+The same code runs on CPU (tests), one GPU, or many processes through
+`accelerate launch` (DDP or FSDP chosen by the accelerate config, not by this file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gqakit.core.errors import GqakitError
+from gqakit.core.loading import UPTRAIN_SETTINGS, is_gqakit_output, load_causal_lm, load_config as load_hf_config, load_tokenizer
+from gqakit.core.outdir import check_output_path
+from gqakit.uptrain.config import UptrainConfig, load_config, to_yaml
+from gqakit.uptrain.data import BlockOrder, build_blocks
+
+CKPT_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+LOG_FILE = "log.jsonl"
+MODEL_DIR = "model"
+# Settings that fix the data order and the meaning of a step: a resumed run must match them.
+RESUME_KEYS = ("seq_len", "micro_batch", "grad_accum", "seed")
+
+# Dense bf16 peak FLOP/s per device, for MFU (H100/H200 SXM; A100; L4; A10G).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12, "4090": 165e12}
+
+
+def _max_positions(hf_cfg: Any) -> int | None:
+    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(hf_cfg, k, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    return a.get_vocab() == b.get_vocab() and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def lr_at(step: int, cfg: UptrainConfig, total: int, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio (nanoGPT's schedule)."""
+    t = cfg.train
+    if step < warmup:
+        return t.lr * (step + 1) / (warmup + 1)
+    if t.decay == "constant" or total <= warmup:
+        return t.lr
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sum of next-token CE, sum of per-token KL(teacher||student), number of predicted tokens).
+
+    Sums, not means: the caller divides by the token count of the whole optimizer step
+    across accumulation steps and processes, so the loss is a true per-token mean.
+    """
+    logits = model(input_ids=x).logits[:, :-1].float()
+    target = x[:, 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+    kl = torch.zeros((), device=x.device)
+    if teacher is not None:
+        with torch.no_grad():
+            t_logits = teacher(input_ids=x).logits[:, :-1].float()
+        log_p_s = F.log_softmax(logits / temperature, dim=-1)
+        log_p_t = F.log_softmax(t_logits / temperature, dim=-1)
+        # T^2 keeps the gradient scale independent of the temperature (Hinton et al.).
+        kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum() * temperature**2
+    return ce, kl, target.numel()
+
+
+@torch.no_grad()
+def evaluate(accelerator: Any, model: Any, blocks: torch.Tensor, micro: int) -> float:
+    """Held-out loss per token over packed blocks, split across processes."""
+    model.eval()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    # Every process runs the same number of forwards (FSDP needs it); padding rows weigh 0.
+    per_rank = math.ceil(len(blocks) / world)
+    mine = list(range(rank * per_rank, min(len(blocks), (rank + 1) * per_rank)))
+    mine_padded = mine + [0] * (per_rank - len(mine))
+    nll = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    for i in range(0, per_rank, micro):
+        idx = mine_padded[i:i + micro]
+        real = sum(1 for j in range(i, i + len(idx)) if j < len(mine))
+        x = blocks[idx].to(accelerator.device)
+        logits = model(input_ids=x).logits[:, :-1].float()
+        per_tok = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+        nll[0] += per_tok[:real].sum().double()
+        nll[1] += per_tok[:real].numel()
+    nll = accelerator.reduce(nll, "sum")
+    model.train()
+    return float(nll[0] / nll[1])
+
+
+class RunLog:
+    """log.jsonl (always) plus accelerate trackers (tensorboard when installed)."""
+
+    def __init__(self, accelerator: Any, path: Path, resume_step: int | None):
+        self.acc, self.path = accelerator, path
+        if accelerator.is_main_process and resume_step is not None and path.is_file():
+            # Drop rows the killed run wrote after its last checkpoint: they will be redone.
+            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r).get("step", 0) <= resume_step]
+            path.write_text("".join(r + "\n" for r in rows))
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        if self.acc.is_main_process:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.acc.trackers:
+            self.acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, step=row["step"])
+
+
+def _checkpoints(out: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in (out / CKPT_DIR).glob("step-*"):
+        if (p / STATE_FILE).is_file() and p.name[5:].isdigit():
+            found.append((int(p.name[5:]), p))
+    return sorted(found)
+
+
+def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
+    """accelerate.save_state into a temp folder, renamed when complete (SIGKILL-safe)."""
+    final = out / CKPT_DIR / f"step-{step}"
+    tmp = out / CKPT_DIR / f".step-{step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for _, old in _checkpoints(out)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _prepare_output(cfg: UptrainConfig, out: Path, src: Path, *, overwrite: bool, resume: bool, is_main: bool) -> int | None:
+    """Check OUT; returns the checkpoint step to resume from, or None for a fresh run."""
+    if overwrite and resume:
+        raise GqakitError("--overwrite and --resume exclude each other")
+    check_output_path(out, overwrite=True, src=src)  # refuses OUT == model folder or around it
+    if resume:
+        ckpts = _checkpoints(out)
+        if not ckpts:
+            raise GqakitError(f"--resume: no checkpoint in {out / CKPT_DIR}; start without --resume")
+        saved = out / UPTRAIN_SETTINGS
+        if saved.is_file():
+            import yaml
+            old = (yaml.safe_load(saved.read_text()) or {}).get("train", {})
+            for k in RESUME_KEYS:
+                if k in old and old[k] != getattr(cfg.train, k):
+                    raise GqakitError(f"--resume: train.{k} was {old[k]} in this run, now {getattr(cfg.train, k)}; "
+                                      "the data order would differ")
+        return ckpts[-1][0]
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise GqakitError(f"output.dir {out} is not empty; pass --overwrite to replace it or --resume to continue")
+        if is_main:
+            shutil.rmtree(out)
+    return None
+
+
+def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), *,
+                overwrite: bool = False, resume: bool = False, quiet: bool = False) -> Path:
+    """Uptrain a converted model; returns the final model folder (`output.dir/model`)."""
+    from accelerate import Accelerator
+    from accelerate.utils import is_tensorboard_available, set_seed
+    from tqdm.auto import tqdm
+
+    cfg = load_config(config, overrides)
+    t = cfg.train
+    src = Path(cfg.model.path).expanduser().resolve()
+    if not (src / "config.json").is_file():
+        raise GqakitError(f"model.path: {src} is not a model folder (no config.json)")
+    if not is_gqakit_output(src):
+        raise GqakitError(f"model.path: {src} is not a converted model (no gqakit_convert.json); run `gqakit convert` first")
+    out = Path(cfg.output.dir).expanduser().resolve()
+
+    precision = t.precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() and not t.cpu and torch.cuda.is_bf16_supported() else "fp32"
+    use_tb = cfg.logging.tensorboard and bool(is_tensorboard_available())
+    accelerator = Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=t.cpu,
+                              gradient_accumulation_steps=t.grad_accum,
+                              log_with="tensorboard" if use_tb else None, project_dir=str(out))
+    say = accelerator.print if not quiet else (lambda *a, **k: None)
+    is_main = accelerator.is_main_process
+    resume_step = _prepare_output(cfg, out, src, overwrite=overwrite, resume=resume, is_main=is_main)
+    accelerator.wait_for_everyone()
+    out.mkdir(parents=True, exist_ok=True)
+
+    # ---- model, tokenizer, teacher: check they fit together before any work
+    hf_cfg = load_hf_config(src)
+    max_pos = _max_positions(hf_cfg)
+    if max_pos is not None and t.seq_len > max_pos:
+        raise GqakitError(f"train.seq_len: {t.seq_len} is longer than the model's {max_pos} positions")
+    tokenizer = load_tokenizer(src)
+    teacher_path = Path(cfg.teacher.path).expanduser().resolve() if cfg.teacher.path else None
+    if teacher_path is not None:
+        if not _same_tokenizer(tokenizer, load_tokenizer(teacher_path)):
+            raise GqakitError(f"teacher.path: the tokenizer of {teacher_path} differs from the model's")
+
+    set_seed(t.seed)
+    train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, teacher_path=teacher_path,
+                                             main_first=accelerator.main_process_first, is_main=is_main)
+    model = load_causal_lm(src)  # fp32 master weights; autocast handles bf16
+    model.config.use_cache = False
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    teacher = None
+    if cfg.teacher.kl_weight > 0:
+        teacher = load_causal_lm(teacher_path, device=accelerator.device)
+        teacher.requires_grad_(False)
+    if t.compile:
+        model = torch.compile(model)
+
+    # nanoGPT: decay matrices, not biases or norms.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=False)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+
+    # ---- the plan, printed before the first step
+    world = accelerator.num_processes
+    order = BlockOrder(len(train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
+                       world=world, rank=accelerator.process_index)
+    tokens_per_step = order.global_batch * t.seq_len
+    total_steps = t.budget() // tokens_per_step
+    if total_steps < 1:
+        raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step ({tokens_per_step} tokens)")
+    warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * total_steps)
+    n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
+    flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
+    peak = _peak_flops(accelerator.device)
+    say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {hf_cfg.num_attention_heads} query / "
+        f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type}, {precision}")
+    say(f"uptrain: {len(train_blocks)} training blocks of {t.seq_len} tokens; "
+        f"{tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x {world} proc x {t.seq_len}); "
+        f"{total_steps} steps = {total_steps * tokens_per_step:,} planned tokens ({order.epochs(total_steps):.2f} epochs)")
+    if is_main:
+        (out / UPTRAIN_SETTINGS).write_text(to_yaml(cfg))
+    if use_tb:
+        accelerator.init_trackers("uptrain", config={f"{s}.{k}": v for s, sec in cfg.model_dump().items()
+                                                     if isinstance(sec, dict) for k, v in sec.items()
+                                                     if isinstance(v, (int, float, str, bool))})
+
+    step = 0
+    if resume_step is not None:
+        ckpt = out / CKPT_DIR / f"step-{resume_step}"
+        accelerator.load_state(str(ckpt))  # weights, optimizer, RNG streams
+        step = json.loads((ckpt / STATE_FILE).read_text())["step"]
+        say(f"uptrain: resumed from {ckpt} at step {step}")
+    log = RunLog(accelerator, out / LOG_FILE, resume_step)
+
+    eval_micro = cfg.eval.micro_batch or t.micro_batch
+    eval_loss = None
+    if eval_blocks is not None and step == 0:
+        eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
+        say(f"uptrain: step 0 held-out perplexity {math.exp(eval_loss):.3f}")
+        log({"step": 0, "tokens": 0, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
+
+    bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
+    loss, kl_mean, grad_norm = float("nan"), 0.0, None
+    t0, tokens_since = time.perf_counter(), 0
+    while step < total_steps:
+        lr = lr_at(step, cfg, total_steps, warmup)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        # All micro-batches of this step are known up front, so the global count of
+        # predicted tokens is known before the first backward: each micro-batch's summed
+        # loss is divided by it, and the step's gradient is that of the mean over all
+        # tokens of the step (not a mean of per-micro-batch means).
+        micro = [train_blocks[order.indices(step, a)].to(accelerator.device) for a in range(t.grad_accum)]
+        n_tok = accelerator.reduce(torch.tensor(sum(x[:, 1:].numel() for x in micro), device=accelerator.device), "sum")
+        # DDP/FSDP average gradients over processes and accelerator.backward divides by
+        # grad_accum; multiplying by both undoes that averaging.
+        scale = world * t.grad_accum / n_tok.item()
+        sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+        for x in micro:
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    ce, kl, _ = token_losses(model, x, teacher, cfg.teacher.temperature)
+                    objective = ce + cfg.teacher.kl_weight * kl
+                accelerator.backward(objective * scale)
+                sums += torch.stack([ce.detach(), kl.detach()]).double()
+                if accelerator.sync_gradients:
+                    sums = accelerator.reduce(sums, "sum") / n_tok.double()
+                    loss, kl_mean = float(sums[0]), float(sums[1])
+                    if not math.isfinite(loss) or not math.isfinite(kl_mean):
+                        last = _checkpoints(out)
+                        keep = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was saved yet"
+                        raise GqakitError(f"loss is NaN/inf at step {step + 1}; stopped ({keep}); lower train.lr?")
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.grad_clip) if t.grad_clip else None
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_since += tokens_per_step
+        bar.update(1)
+
+        if step % cfg.logging.every == 0 or step == total_steps:
+            dt = time.perf_counter() - t0
+            tps = tokens_since / dt
+            row = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "lr": lr, "tok_per_s": round(tps, 1)}
+            if teacher is not None:
+                row["kl"] = kl_mean
+            if grad_norm is not None:
+                row["grad_norm"] = float(grad_norm)
+            if peak:
+                row["mfu"] = round(tps * flops_per_token / (peak * world), 4)
+            log(row)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", **({"mfu": f"{row['mfu']:.1%}"} if peak else {}))
+            t0, tokens_since = time.perf_counter(), 0
+        if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0 or step == total_steps):
+            eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
+            log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
+            bar.write(f"step {step}: held-out perplexity {math.exp(eval_loss):.3f}") if is_main and not quiet else None
+        if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == total_steps):
+            save_checkpoint(accelerator, out, step, {"step": step, "tokens": step * tokens_per_step, "loss": loss},
+                            cfg.output.keep_last)
+    bar.close()
+
+    if eval_blocks is not None and (not cfg.eval.every or eval_loss is None):
+        eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
+        log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
+    if resume_step == total_steps and math.isnan(loss):
+        loss = json.loads((out / CKPT_DIR / f"step-{step}" / STATE_FILE).read_text()).get("loss", loss)
+
+    # ---- export: gather the full state dict on every process (FSDP needs all of them)
+    state_dict = accelerator.get_state_dict(model)
+    final = out / MODEL_DIR
+    if is_main:
+        from gqakit.uptrain.export import export_model
+
+        facts = {"tokens": f"{step * tokens_per_step:,}", "optimizer steps": step,
+                 "tokens per step": f"{tokens_per_step:,}", "final train loss": f"{loss:.4f}",
+                 "held-out perplexity": f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a",
+                 "teacher KL weight": cfg.teacher.kl_weight, "processes": world, "precision": precision}
+        export_model(accelerator.unwrap_model(model), state_dict, tokenizer, src=src, out=final,
+                     settings=cfg.model_dump(mode="json"), facts=facts)
+        say(f"uptrain: final loss {loss:.4f}"
+            + (f", held-out perplexity {math.exp(eval_loss):.3f}" if eval_loss is not None else "") + f"; model in {final}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return final

@@ -32,7 +32,7 @@ def _is_inside(child: Path, parent: Path) -> bool:
 def check_output_path(out: Path, *, overwrite: bool, src: Path | None = None) -> Path:
     """Validate OUT before any work is done; returns the resolved path."""
     out = Path(out).expanduser().resolve()
-    if src is not None:
+    if src is not None and Path(src).exists():
         src = Path(src).expanduser().resolve()
         src_dir = src if src.is_dir() else src.parent
         if out == src_dir or _is_inside(out, src_dir) or (src.is_file() and out == src):

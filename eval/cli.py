@@ -1,0 +1,115 @@
+"""`gqakit eval` and `gqakit compare`: thin click layers over runner.py and report.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from gqakit.core.errors import GqakitError
+
+
+@click.command("eval", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model")
+@click.option("--data", help="Text file, or hf:NAME[:CONFIG][:SPLIT] from the local datasets cache.")
+@click.option("--ppl/--no-ppl", default=None, help="Measure perplexity (default: on when --data is given).")
+@click.option("--speed", is_flag=True, help="Measure prefill and decode speed over the batch x prompt grid.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Results JSON to write.")
+@click.option("--context", default=512, show_default=True, help="Perplexity window, in tokens.")
+@click.option("--stride", type=int, default=None, help="Window step, in tokens (default: --context).")
+@click.option("--max-chars", type=int, default=None, help="Use only the first N characters of the data.")
+@click.option("--text-field", default="text", show_default=True, help="Column of an hf: dataset.")
+@click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes of the speed grid.")
+@click.option("--prompt-len", "prompt_lens", default="128,1024", show_default=True, help="Prompt lengths of the grid.")
+@click.option("--new-tokens", default=128, show_default=True, help="Decode steps timed per run.")
+@click.option("--reps", default=5, show_default=True, help="Timed repetitions per grid point (median, p90).")
+@click.option("--warmup", default=2, show_default=True, help="Untimed warm-up runs per grid point.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the decode step (meant for GPU).")
+@click.option("--max-batch-search", is_flag=True, help="Find the largest batch that fits at each prompt length.")
+@click.option("--max-batch-limit", default=4096, show_default=True, help="Stop the max-batch search here.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto.")
+@click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16, or auto (fp32 CPU, bf16 GPU).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, new_tokens,
+             reps, warmup, compile_, max_batch_search, max_batch_limit, device, dtype, quiet) -> None:
+    """Measure perplexity and decode speed of MODEL (a folder or a .gguf file).
+
+    Perplexity is token-level over a sliding window (--context, --stride), plus bits per
+    byte and word/byte perplexity, which compare models with different tokenizers.
+    Speed times prefill and per-token decode with a static KV cache over the grid
+    --batch x --prompt-len, and reports KV-cache bytes, peak memory and the achieved
+    fraction of the device's copy bandwidth.
+
+    \b
+    Examples:
+      gqakit eval ./stories-g2 --data valid.txt --out g2.json
+      gqakit eval ./stories-g2 --data valid.txt --context 512 --stride 256 --out g2.json
+      gqakit eval ./my-gqa --speed --batch 1,8,32 --prompt-len 128,1024 --new-tokens 128 --out s.json
+      gqakit eval ./my-gqa --data hf:wikitext:wikitext-2-raw-v1:test --speed --max-batch-search --out all.json
+    """
+    from gqakit.eval.runner import run_eval
+    from gqakit.eval.speed import SpeedSettings, parse_ints
+
+    ppl = bool(data) if ppl is None else ppl
+    settings = None
+    if speed:
+        settings = SpeedSettings(batches=parse_ints(batches, "--batch"), prompt_lens=parse_ints(prompt_lens, "--prompt-len"),
+                                 new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
+                                 max_batch_search=max_batch_search, max_batch_limit=max_batch_limit)
+    res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
+                   text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
+                   command=["gqakit", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("gqakit") else None,
+                   progress=not quiet)
+    _print_summary(res, out)
+
+
+def _print_summary(res: dict, out: Path) -> None:
+    if "perplexity" in res:
+        p = res["perplexity"]
+        click.echo(f"perplexity {p['token_perplexity']:.4g} (context {p['context']}, stride {p['stride']}, "
+                   f"{p['tokens']} tokens), bits/byte {p['bits_per_byte']:.4f}, word ppl {p['word_perplexity']:.4g}")
+    if "speed" in res:
+        s = res["speed"]
+        click.echo(f"attention: {s['attention']['implementation']}, {s['attention']['decode_path']}")
+        for g in s["grid"]:
+            if g["status"] == "ok":
+                click.echo(f"  batch {g['batch']:>4} prompt {g['prompt_len']:>5}: prefill {g['prefill_ms']['median']:.1f} ms, "
+                           f"decode {g['decode_ms_per_token']['median']:.2f} ms/step, {g['tokens_per_s']['median']:.1f} tok/s, "
+                           f"{100 * g['roofline_fraction']:.1f}% of copy bandwidth")
+            else:
+                click.echo(f"  batch {g['batch']:>4} prompt {g['prompt_len']:>5}: out of memory ({g['reason']})")
+        for m in s["max_batch"]:
+            click.echo(f"  max batch at prompt {m['prompt_len']}: {m['max_batch']}{'+' if m['at_limit'] else ''} ({m['method']})")
+    click.echo(f"wrote {out}")
+
+
+@click.command("compare", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Report folder to write.")
+@click.option("--names", help="Comma-separated row names (default: model folder names).")
+@click.option("--train-log", type=click.Path(path_type=Path), help="Uptraining log (JSONL or CSV with step and loss) to plot.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing report folder.")
+def compare_cmd(results, out, names, train_log, overwrite) -> None:
+    """Put several `gqakit eval` results side by side; the first is the baseline.
+
+    Writes report.md (one row per model: parameters, KV heads, KV bytes/token, perplexity
+    and its change against the first, bits per byte, decode tokens/s and speedup at each
+    grid point, largest batch), report.json with the same content, and PNG plots.
+
+    \b
+    Examples:
+      gqakit compare mha.json gqa.json --out report/
+      gqakit compare orig.json conv.json up.json --names original,converted,uptrained --out report/
+      gqakit compare orig.json up.json --train-log ./uptrained/train_log.jsonl --out report/ --overwrite
+    """
+    from gqakit.eval.report import write_report
+
+    if len(results) < 1:
+        raise GqakitError("give at least one results file")
+    name_list = [n.strip() for n in names.split(",")] if names else None
+    md = write_report(list(results), out, names=name_list, train_log=train_log, overwrite=overwrite,
+                      command=["gqakit", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("gqakit") else None)
+    for w in md.get("warnings", []):
+        click.echo(f"gqakit: warning: {w}", err=True)
+    click.echo(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(md['plots'])} plots")

@@ -1,0 +1,141 @@
+"""PNG plots for `gqakit compare`: decode speed against batch and context, perplexity, loss.
+
+Plain matplotlib (Agg backend, no display needed), one figure per question, large
+enough fonts to read in a Markdown viewer, and a log axis wherever the values span
+orders of magnitude (batch sizes, converted-model perplexities in the thousands).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gqakit.core.errors import GqakitError
+
+MARKERS = "osD^v<>p*h"
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3, "figure.dpi": 110})
+    return plt
+
+
+def _ok(res: dict[str, Any]) -> list[dict[str, Any]]:
+    return [g for g in res.get("speed", {}).get("grid", []) if g["status"] == "ok"]
+
+
+def _speed_plot(results: list[dict[str, Any]], names: list[str], out: Path, *, x_key: str, panel_key: str,
+                xlabel: str, panel_label: str, title: str) -> bool:
+    panels = sorted({g[panel_key] for r in results for g in _ok(r)})
+    xs_all = sorted({g[x_key] for r in results for g in _ok(r)})
+    if not panels or len(xs_all) < 1:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(5.5, 4.8 * len(panels)), 4.2), squeeze=False)
+    for ax, pv in zip(axes[0], panels):
+        for i, (n, r) in enumerate(zip(names, results)):
+            pts = sorted((g[x_key], g["tokens_per_s"]["median"]) for g in _ok(r) if g[panel_key] == pv)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=MARKERS[i % len(MARKERS)], label=n, lw=2)
+        if len(xs_all) > 1 and xs_all[-1] / xs_all[0] >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs_all)
+        ax.set_xticklabels([str(x) for x in xs_all])
+        ax.set_title(f"{panel_label} {pv}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("decode tokens/s (median)")
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return True
+
+
+def _ppl_plot(results: list[dict[str, Any]], names: list[str], out: Path) -> bool:
+    vals = [(n, r["perplexity"]["token_perplexity"]) for n, r in zip(names, results) if "perplexity" in r]
+    if not vals:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(vals) + 2), 4.2))
+    bars = ax.bar([v[0] for v in vals], [v[1] for v in vals], color=[f"C{i}" for i in range(len(vals))])
+    if max(v[1] for v in vals) / min(v[1] for v in vals) > 20:
+        ax.set_yscale("log")
+        ax.set_ylabel("token perplexity (log scale)")
+    else:
+        ax.set_ylabel("token perplexity")
+    for b, (_, v) in zip(bars, vals):
+        ax.annotate(f"{v:,.2f}" if v < 1000 else f"{v:,.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom", fontsize=10)
+    ax.margins(y=0.15)
+    p = results[0].get("perplexity") or {}
+    ax.set_title(f"Perplexity (context {p.get('context')}, stride {p.get('stride')})")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return True
+
+
+def read_train_log(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of an uptraining log: uptrain's log.jsonl (or its run folder), or a CSV with step,loss."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "log.jsonl"
+    if not p.is_file():
+        raise GqakitError(f"training log not found: {p}")
+    rows: list[dict[str, Any]] = []
+    try:
+        if p.suffix == ".csv":
+            import csv
+
+            with p.open() as f:
+                rows = [{k: float(v) for k, v in r.items() if v not in (None, "")} for r in csv.DictReader(f)]
+        else:
+            rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    except (ValueError, OSError) as e:
+        raise GqakitError(f"cannot read training log {p}: {str(e).splitlines()[0]}") from None
+    if not any("loss" in r or "eval_loss" in r for r in rows):
+        raise GqakitError(f"training log {p} has no 'loss' or 'eval_loss' values")
+    return rows
+
+
+def _loss_plot(rows: list[dict[str, Any]], out: Path) -> bool:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for key, label, style in (("loss", "training loss", "-"), ("eval_loss", "held-out loss", "o--")):
+        pts = [(r["step"], r[key]) for r in rows if key in r and "step" in r]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, lw=2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("Uptraining loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return True
+
+
+def make_plots(report: dict[str, Any], results: list[dict[str, Any]], folder: Path,
+               train_log: str | Path | None = None) -> list[str]:
+    """Write the PNGs that have data; returns their file names (relative to the report)."""
+    names = [r["name"] for r in report["rows"]]
+    made = []
+    if _speed_plot(results, names, folder / "speed_vs_batch.png", x_key="batch", panel_key="prompt_len",
+                   xlabel="batch size", panel_label="prompt length", title="Decode throughput vs batch size"):
+        made.append("speed_vs_batch.png")
+    if _speed_plot(results, names, folder / "speed_vs_context.png", x_key="prompt_len", panel_key="batch",
+                   xlabel="prompt length (tokens)", panel_label="batch", title="Decode throughput vs context length"):
+        made.append("speed_vs_context.png")
+    if _ppl_plot(results, names, folder / "perplexity.png"):
+        made.append("perplexity.png")
+    if train_log is not None and _loss_plot(read_train_log(train_log), folder / "uptrain_loss.png"):
+        made.append("uptrain_loss.png")
+    return made

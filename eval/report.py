@@ -1,0 +1,234 @@
+"""`gqakit compare`: several results files -> report.md, report.json and PNG plots.
+
+The first results file is the baseline: perplexity change and decode speedup are quoted
+against it. Everything in the Markdown is also in report.json, built from one dict, so
+the two never disagree.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gqakit.core.errors import GqakitError
+from gqakit.core.outdir import atomic_output_dir
+from gqakit.eval.results import SCHEMA, read_results
+
+REPORT_SCHEMA = "gqakit.compare/1"
+
+
+def _name(res: dict[str, Any]) -> str:
+    return Path(res["model"]["path"]).name or res["model"]["path"]
+
+
+def _speed_points(res: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(g["batch"], g["prompt_len"]): g for g in res.get("speed", {}).get("grid", [])}
+
+
+def comparability_warnings(results: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """Say when numbers side by side were not measured the same way."""
+    warns = []
+    ppl = [(n, r["perplexity"]) for n, r in zip(names, results) if "perplexity" in r]
+    if len(ppl) > 1:
+        n0, p0 = ppl[0]
+        for n, p in ppl[1:]:
+            diffs = [k for k, a, b in (("data", p0["data"].get("sha256"), p["data"].get("sha256")),
+                                       ("context", p0["context"], p["context"]),
+                                       ("stride", p0["stride"], p["stride"])) if a != b]
+            if diffs:
+                warns.append(f"{n} was evaluated with different {', '.join(diffs)} than {n0}: "
+                             "their perplexities are not comparable")
+            elif p0["tokenizer"].get("vocab_size") != p["tokenizer"].get("vocab_size") or p0["tokens"] != p["tokens"]:
+                warns.append(f"{n} and {n0} tokenize the data differently: compare bits per byte, not token perplexity")
+    spd = [(n, r["run"]) for n, r in zip(names, results) if "speed" in r]
+    if len(spd) > 1:
+        n0, r0 = spd[0]
+        for n, r in spd[1:]:
+            if (r["device_name"], r["dtype"]) != (r0["device_name"], r0["dtype"]):
+                warns.append(f"{n} was timed on {r['device_name']} ({r['dtype']}), {n0} on {r0['device_name']} "
+                             f"({r0['dtype']}): speedups mix devices")
+    return warns
+
+
+def build_report(results: list[dict[str, Any]], names: list[str], command: list[str] | None = None) -> dict[str, Any]:
+    """The report as one dict: rows, grid, memory-bound points, warnings, provenance."""
+    import gqakit
+
+    base = results[0]
+    base_ppl = base.get("perplexity", {}).get("token_perplexity")
+    base_pts = _speed_points(base)
+    grid = sorted({k for r in results for k in _speed_points(r)}, key=lambda k: (k[1], k[0]))
+    rows = []
+    for name, r in zip(names, results):
+        m, p, pts = r["model"], r.get("perplexity"), _speed_points(r)
+        row: dict[str, Any] = {
+            "name": name, "path": m["path"], "parameters": m["parameters"], "heads": m["heads"],
+            "kv_heads": m["kv_heads"], "kv_bytes_per_token": m["kv_bytes_per_token"],
+            "dtype": r["run"]["dtype"], "device": r["run"]["device_name"],
+        }
+        if p:
+            row["perplexity"] = p["token_perplexity"]
+            row["perplexity_delta_pct"] = (100 * (p["token_perplexity"] / base_ppl - 1)) if base_ppl else None
+            row["bits_per_byte"] = p["bits_per_byte"]
+            row["word_perplexity"] = p["word_perplexity"]
+        speed = {}
+        for b, pl in grid:
+            g = pts.get((b, pl))
+            g0 = base_pts.get((b, pl))
+            if g is None:
+                continue
+            entry: dict[str, Any] = {"batch": b, "prompt_len": pl, "status": g["status"]}
+            if g["status"] == "ok":
+                tps = g["tokens_per_s"]["median"]
+                entry.update(tokens_per_s=tps, decode_ms_per_token=g["decode_ms_per_token"]["median"],
+                             prefill_ms=g["prefill_ms"]["median"], roofline_fraction=g["roofline_fraction"],
+                             memory_bound=g["memory_bound"], kv_cache_bytes=g["kv_cache_bytes"],
+                             peak_memory_bytes=g["peak_memory_bytes"])
+                if g0 and g0["status"] == "ok":
+                    entry["speedup"] = tps / g0["tokens_per_s"]["median"]
+            speed[f"b{b}_p{pl}"] = entry
+        row["speed"] = speed
+        row["max_batch"] = {str(mb["prompt_len"]): mb for mb in r.get("speed", {}).get("max_batch", [])}
+        row["attention"] = r.get("speed", {}).get("attention", {}).get("decode_path")
+        rows.append(row)
+    return {
+        "schema": REPORT_SCHEMA,
+        "made_by": {"command": " ".join(command if command is not None else sys.argv), "gqakit": gqakit.__version__,
+                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
+        "inputs": [{"name": n, "command": r["run"]["command"], "torch": r["run"]["torch"],
+                    "transformers": r["run"]["transformers"], "gqakit": r["run"]["gqakit"], "git": r["run"]["git"],
+                    "device": r["run"]["device_name"], "dtype": r["run"]["dtype"], "date": r["run"]["date"]}
+                   for n, r in zip(names, results)],
+        "baseline": names[0],
+        "grid": [{"batch": b, "prompt_len": pl} for b, pl in grid],
+        "perplexity_settings": next(({"context": r["perplexity"]["context"], "stride": r["perplexity"]["stride"],
+                                      "data": r["perplexity"]["data"], "tokenizer": r["perplexity"]["tokenizer"]}
+                                     for r in results if "perplexity" in r), None),
+        "rows": rows,
+        "warnings": comparability_warnings(results, names),
+    }
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_num(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
+
+
+def memory_bound_sentence(report: dict[str, Any]) -> list[str]:
+    """Per model, in words: which grid points are memory-bound, and how close to the roof they run."""
+    lines = []
+    for row in report["rows"]:
+        ok = [e for e in row["speed"].values() if e["status"] == "ok"]
+        if not ok:
+            continue
+        mb = [f"b{e['batch']}×p{e['prompt_len']}" for e in ok if e["memory_bound"]]
+        cb = [f"b{e['batch']}×p{e['prompt_len']}" for e in ok if not e["memory_bound"]]
+        best = max(e["roofline_fraction"] for e in ok)
+        text = f"- **{row['name']}**: "
+        text += (f"memory-bound at {', '.join(mb)}" if mb else "no grid point is memory-bound")
+        text += (f"; compute-bound at {', '.join(cb)}" if cb else "")
+        text += f". Best achieved bandwidth: {100 * best:.1f}% of the measured copy bandwidth"
+        if best < 0.2:
+            text += " (far below the roof: per-step overhead such as kernel launches or Python dominates)"
+        lines.append(text + ".")
+    return lines
+
+
+def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
+    rows, grid = report["rows"], report["grid"]
+    has_ppl = any("perplexity" in r for r in rows)
+    lens = sorted({int(k) for r in rows for k in r["max_batch"]})
+    head = ["model", "params", "KV heads", "KV bytes/token"]
+    if has_ppl:
+        head += ["perplexity", f"Δ% vs {report['baseline']}", "bits/byte"]
+    head += [f"tok/s b{g['batch']} p{g['prompt_len']}" for g in grid]
+    head += [f"max batch p{pl}" for pl in lens]
+    out = [f"# gqakit comparison: {', '.join(r['name'] for r in rows)}", ""]
+    if report["warnings"]:
+        out += [f"> **Warning:** {w}" for w in report["warnings"]] + [""]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"**{r['name']}**", f"{r['parameters'] / 1e6:.2f} M" if r["parameters"] >= 1e5 else f"{r['parameters']:,}",
+                 f"{r['kv_heads']} / {r['heads']}", _fmt_bytes(r["kv_bytes_per_token"])]
+        if has_ppl:
+            d = r.get("perplexity_delta_pct")
+            cells += [_fmt_num(r.get("perplexity")), "—" if r["name"] == report["baseline"] or d is None else f"{d:+.1f}%",
+                      f"{r['bits_per_byte']:.3f}" if "bits_per_byte" in r else "n/a"]
+        for g in grid:
+            e = r["speed"].get(f"b{g['batch']}_p{g['prompt_len']}")
+            if e is None:
+                cells.append("—")
+            elif e["status"] != "ok":
+                cells.append("OOM")
+            else:
+                sp = e.get("speedup")
+                cells.append(f"{e['tokens_per_s']:,.1f}" + (f" ({sp:.2f}×)" if sp and r["name"] != report["baseline"] else ""))
+        for pl in lens:
+            mb = r["max_batch"].get(str(pl))
+            cells.append("—" if mb is None else f"{mb['max_batch']}{'+' if mb['at_limit'] else ''}")
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    out.append("KV heads are shown as KV / query heads. Speedups (×) are decode tokens/s against the first row "
+               "at the same batch (b) and prompt length (p); tokens/s is the median over repetitions.")
+    ps = report.get("perplexity_settings")
+    if ps:
+        out += ["", f"Perplexity: context {ps['context']}, stride {ps['stride']}, data `{ps['data']['path']}` "
+                f"(sha256 {ps['data']['sha256'][:12]}…), tokenizer `{ps['tokenizer']['name_or_path']}`."]
+    mb = memory_bound_sentence(report)
+    if mb:
+        out += ["", "## Where decoding is memory-bound", "",
+                "A grid point is memory-bound when its arithmetic intensity (FLOPs per byte a decode step must "
+                "read: weights plus the filled KV cache) is below the device's ridge point (measured matmul "
+                "FLOP/s over measured copy bandwidth). There, fewer KV heads translate into speed.", ""] + mb
+    if any(r.get("attention") for r in rows):
+        out += ["", "Attention path in decoding: " + "; ".join(f"{r['name']}: {r['attention']}" for r in rows if r.get("attention")) + "."]
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    out += ["", "## Provenance", "", "| model | command | gqakit | git | torch | transformers | device | dtype | date |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for i in report["inputs"]:
+        out.append(f"| {i['name']} | `{i['command']}` | {i['gqakit']} | {i['git'] or 'n/a'} | {i['torch']} | "
+                   f"{i['transformers']} | {i['device']} | {i['dtype']} | {i['date']} |")
+    out += ["", f"Report made by `{report['made_by']['command']}` (gqakit {report['made_by']['gqakit']}, "
+            f"{report['made_by']['date']}).", ""]
+    return "\n".join(out)
+
+
+def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] | None = None,
+                 train_log: str | Path | None = None, overwrite: bool = False,
+                 command: list[str] | None = None) -> dict[str, Any]:
+    """Read results files, write report.md / report.json / plots into OUT (atomically)."""
+    from gqakit.eval.plots import make_plots
+
+    results = [read_results(p) for p in paths]
+    if names is not None and len(names) != len(results):
+        raise GqakitError(f"--names has {len(names)} names for {len(results)} results files")
+    names = names or [_name(r) for r in results]
+    if len(set(names)) != len(names):  # two folders called `model`: fall back to their file names
+        names = [Path(p).stem for p in paths]
+    report = build_report(results, names, command)
+    if train_log is not None:
+        report["train_log"] = str(train_log)
+    with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+        plots = make_plots(report, results, tmp, train_log=train_log)
+        report["plots"] = plots
+        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (tmp / "report.md").write_text(render_markdown(report, plots))
+    return report
+
+
+__all__ = ["build_report", "render_markdown", "write_report", "comparability_warnings", "SCHEMA"]

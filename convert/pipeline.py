@@ -248,10 +248,14 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
         done: set[int] = set()
         for name in src_names:
             if name not in plan.layer_of:
-                t = opened.source.get(name)
-                planned_dt = planned_dtype[name]
-                writer.write(name, t.to(planned_dt))
-                bar.update(t.numel() * planned_dt.itemsize)
+                raw = opened.source.raw(name)
+                if raw is not None and opened.source.meta(name)[0] == planned_dtype[name]:
+                    writer.write_raw(name, *raw)  # unchanged: copy the bytes, decode nothing
+                    bar.update(raw[2])
+                else:
+                    t = opened.source.get(name).to(planned_dtype[name])
+                    writer.write(name, t)
+                    bar.update(t.numel() * t.dtype.itemsize)
                 continue
             layer = plan.layer_of[name]
             if layer in done:

@@ -37,7 +37,7 @@ class TeacherCfg(_Section):
 
 
 class TeacherSamplesCfg(_Section):
-    num: int = Field(gt=0, description="number of sampled documents")
+    num: int = Field(gt=0, description="number of sampled sequences (split at BOS into documents)")
     length: int = Field(gt=1, description="new tokens per document")
     temperature: float = Field(1.0, gt=0.0)
     top_k: int | None = Field(None, gt=0)
@@ -55,7 +55,8 @@ class DataCfg(_Section):
     text_field: str = "text"
     sample_by: Literal["line", "paragraph", "document"] = Field(
         "paragraph", description="how a .txt file splits into documents")
-    add_bos: bool = Field(False, description="prepend BOS to every document (EOS always separates documents)")
+    add_bos: bool = Field(False, description="prepend BOS to every document")
+    add_eos: bool = Field(True, description="append EOS to every document, so EOS separates packed documents")
     teacher_samples: TeacherSamplesCfg | None = None
     eval_file: str | None = Field(None, description="held-out text for perplexity; never a training file")
     eval_texts: list[str] | None = None

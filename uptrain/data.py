@@ -110,8 +110,8 @@ def hub_documents(cfg: DataCfg, cache_dir: Path) -> Any:
 # --------------------------------------------------------------------------- tokenize + pack
 
 
-def tokenize(ds: Any, tokenizer: Any, *, add_bos: bool, num_proc: int | None = None) -> Any:
-    """Map documents to token ids (+BOS if asked, +EOS always when the tokenizer has one).
+def tokenize(ds: Any, tokenizer: Any, *, add_bos: bool, add_eos: bool = True, num_proc: int | None = None) -> Any:
+    """Map documents to token ids, with BOS before and EOS after each when asked.
 
     `datasets` fingerprints this function together with the tokenizer, and stores the
     result next to the source's arrow files: a second run loads it instead of re-tokenizing.
@@ -119,6 +119,8 @@ def tokenize(ds: Any, tokenizer: Any, *, add_bos: bool, num_proc: int | None = N
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if add_bos and bos is None:
         raise GqakitError("data.add_bos: the tokenizer has no BOS token")
+    if add_eos and eos is None:
+        raise GqakitError("data.add_eos: the tokenizer has no EOS token; set data.add_eos=false")
 
     def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
@@ -127,7 +129,7 @@ def tokenize(ds: Any, tokenizer: Any, *, add_bos: bool, num_proc: int | None = N
             if not text.strip():
                 out.append([])
                 continue
-            out.append(([bos] if add_bos else []) + doc + ([eos] if eos is not None else []))
+            out.append(([bos] if add_bos else []) + doc + ([eos] if add_eos else []))
         return {"input_ids": out}
 
     return ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names,
@@ -153,7 +155,8 @@ def teacher_samples_file(ts: TeacherSamplesCfg, teacher_path: Path, cache_dir: P
     """Sample documents from the teacher once and cache them as jsonl; later runs reuse the file."""
     from gqakit.core.loading import load_causal_lm, load_tokenizer
 
-    weights = sorted(teacher_path.glob("*.safetensors")) + sorted(teacher_path.glob("*.bin"))
+    weights = ([teacher_path] if teacher_path.is_file() else  # a .gguf file
+               sorted(teacher_path.glob("*.safetensors")) + sorted(teacher_path.glob("*.bin")))
     ident = [str(teacher_path.resolve())] + [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
     key = hashlib.sha256(json.dumps([ident, ts.model_dump()], sort_keys=True).encode()).hexdigest()[:16]
     out = cache_dir / "teacher_samples" / f"{teacher_path.name}-{key}.jsonl"
@@ -173,8 +176,10 @@ def teacher_samples_file(ts: TeacherSamplesCfg, teacher_path: Path, cache_dir: P
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(ts.seed)
             bar = tqdm(total=ts.num, desc="sampling teacher text", unit="doc")
-            while len(rows) < ts.num:
-                b = min(ts.batch_size, ts.num - len(rows))
+            done = 0
+            while done < ts.num:
+                b = min(ts.batch_size, ts.num - done)
+                done += b
                 inp = torch.tensor([prompt] * b, device=model.device)
                 gen = model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=True,
                                      temperature=ts.temperature, top_k=ts.top_k or 0, top_p=1.0,
@@ -182,7 +187,14 @@ def teacher_samples_file(ts: TeacherSamplesCfg, teacher_path: Path, cache_dir: P
                 for seq in gen[:, len(prompt):].tolist():
                     if eos is not None and eos in seq:
                         seq = seq[: seq.index(eos)]
-                    rows.append({"text": ts.prompt + tok.decode(seq, skip_special_tokens=True)})
+                    # A model trained on BOS-separated documents (llama2.c) starts a new
+                    # one after BOS: split there instead of gluing two documents together.
+                    first = True
+                    for piece in _split(seq, bos):
+                        text = (ts.prompt if first else "") + tok.decode(piece, skip_special_tokens=True)
+                        first = False
+                        if text.strip():
+                            rows.append({"text": text})
                 bar.update(b)
             bar.close()
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +203,16 @@ def teacher_samples_file(ts: TeacherSamplesCfg, teacher_path: Path, cache_dir: P
         os.replace(tmp, out)  # atomic: a killed run never leaves half a cache file
         del model
     return out
+
+
+def _split(seq: list[int], sep: int) -> list[list[int]]:
+    out: list[list[int]] = [[]]
+    for t in seq:
+        if t == sep:
+            out.append([])
+        else:
+            out[-1].append(t)
+    return [p for p in out if p]
 
 
 # --------------------------------------------------------------------------- build
@@ -223,7 +245,7 @@ def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Pa
             assert teacher_path is not None and cfg.teacher_samples is not None
             f = teacher_samples_file(cfg.teacher_samples, teacher_path, cache, is_main=is_main)
             docs = load_documents([f], text_field="text", sample_by="document", cache_dir=cache, what="data.teacher_samples")
-        train = pack(tokenize(docs, tokenizer, add_bos=cfg.add_bos, num_proc=cfg.num_proc), seq_len, "training data")
+        train = pack(tokenize(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos, num_proc=cfg.num_proc), seq_len, "training data")
 
         held: torch.Tensor | None = None
         if eval_files or cfg.eval_texts is not None:
@@ -232,7 +254,7 @@ def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Pa
                                        cache_dir=cache, what="data.eval_file")
             else:
                 edocs = datasets.Dataset.from_dict({"text": list(cfg.eval_texts or [])})
-            held = pack(tokenize(edocs, tokenizer, add_bos=cfg.add_bos), seq_len, "data.eval_file")
+            held = pack(tokenize(edocs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos), seq_len, "data.eval_file")
             if cfg.eval_max_blocks:
                 held = held[: cfg.eval_max_blocks]
     return train, held

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from gqakit.core.errors import GqakitError
+
+
+def command_line() -> list[str]:
+    """The command as a user would retype it, rebuilt from click's parsed parameters.
+
+    sys.argv is wrong when gqakit runs in-process (tests, the demo); the parsed
+    parameters are right in every case. Options left at their default are omitted.
+    """
+    ctx = click.get_current_context()
+    words = ctx.command_path.split()
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if isinstance(param, click.Argument):
+            words += [str(v) for v in (value if isinstance(value, (tuple, list)) else [value])]
+        elif value is not None and value != param.default and not (getattr(param, "is_flag", False) and value is False
+                                                                     and not param.secondary_opts):
+            flag = param.opts[-1] if len(param.opts) else f"--{param.name}"
+            if param.is_flag:
+                if value is True:
+                    words.append(flag)
+                elif param.secondary_opts:
+                    words.append(param.secondary_opts[-1])
+            else:
+                words += [flag, str(value)]
+    return words
 
 
 @click.command("eval", context_settings={"help_option_names": ["-h", "--help"]})
@@ -59,8 +83,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
                                  max_batch_search=max_batch_search, max_batch_limit=max_batch_limit)
     res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
                    text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
-                   command=["gqakit", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("gqakit") else None,
-                   progress=not quiet)
+                   command=command_line(), progress=not quiet)
     _print_summary(res, out)
 
 
@@ -109,7 +132,7 @@ def compare_cmd(results, out, names, train_log, overwrite) -> None:
         raise GqakitError("give at least one results file")
     name_list = [n.strip() for n in names.split(",")] if names else None
     md = write_report(list(results), out, names=name_list, train_log=train_log, overwrite=overwrite,
-                      command=["gqakit", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("gqakit") else None)
+                      command=command_line())
     for w in md.get("warnings", []):
         click.echo(f"gqakit: warning: {w}", err=True)
     click.echo(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(md['plots'])} plots")

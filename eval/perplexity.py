@@ -136,8 +136,9 @@ class PerplexityResult:
 def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """(begin, end, first_scored) for each window over ids[0:n_tokens].
 
-    Window k feeds ids[begin:end] (at most `context` tokens) and scores the targets at
-    positions first_scored..end-1. Position 0 is never a target: nothing precedes it.
+    Window k feeds ids[k*step : k*step + context] (the last one may be shorter, as in the
+    HF guide) and scores the targets at positions first_scored..end-1. Position 0 is
+    never a target: nothing precedes it.
     The prediction of position t comes from the logits at t-1, so a window must start at
     or before first_scored - 1; the step is therefore capped at context - 1. (The HF
     guide's loop with stride == context silently drops the first token of every window.)
@@ -145,12 +146,11 @@ def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int
     if n_tokens < 2:
         return []
     step = min(stride, context - 1)
-    end = min(context, n_tokens)
-    plan = [(0, end, 1)]
-    while end < n_tokens:
-        new_end = min(end + step, n_tokens)
-        plan.append((max(0, new_end - context), new_end, end))
-        end = new_end
+    plan, begin, prev_end = [], 0, 1
+    while prev_end < n_tokens:
+        end = min(begin + context, n_tokens)
+        plan.append((begin, end, prev_end))
+        begin, prev_end = begin + step, end
     return plan
 
 

@@ -1,0 +1,108 @@
+"""Decode benchmark: static cache, real GQA attention path, KV bytes, OOM handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gqakit.core.errors import GqakitError
+from gqakit.core.loading import load_causal_lm
+from gqakit.eval.attention import gqa_sdpa_forward
+from gqakit.eval.speed import DecodeBench, SpeedSettings, evaluate_speed, parse_ints, percentile
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Pico models are slower with two threads on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+SMALL = SpeedSettings(batches=(1, 2), prompt_lens=(16,), new_tokens=4, reps=2, warmup=1)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_grid_reports_real_cache_bytes_and_gqa_path(tiny_model, kv_heads):
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=kv_heads))
+    res = evaluate_speed(model, SMALL, device="cpu", dtype=torch.float32, progress=False)
+    att = res["attention"]
+    assert att["implementation"] == "gqakit_sdpa" and att["kv_copied"] is False
+    assert att["sdpa_kv_heads"] == kv_heads  # SDPA was handed the cache's own heads, not copies
+    per_token = 2 * 2 * kv_heads * 4 * 4  # K+V, 2 layers, head_dim 4, fp32
+    assert res["kv_bytes_per_token"] == per_token
+    assert [(g["batch"], g["prompt_len"]) for g in res["grid"]] == [(1, 16), (2, 16)]
+    for g in res["grid"]:
+        assert g["status"] == "ok"
+        assert g["kv_cache_bytes"] == g["kv_cache_bytes_analytic"] == g["batch"] * (16 + 4) * per_token
+        assert g["decode_ms_per_token"]["median"] > 0 and g["prefill_ms"]["median"] > 0
+        assert g["decode_ms_per_token"]["p90"] >= g["decode_ms_per_token"]["median"]
+        assert 0 < g["roofline_fraction"] < 1
+    assert res["device_roof"]["copy_bandwidth_gbs"] > 0
+
+
+def test_gqa_attention_matches_stock_sdpa(tiny_model):
+    """The packed decode path computes the same logits as transformers' own attention."""
+    from transformers import StaticCache
+
+    folder = tiny_model("llama", num_key_value_heads=2)
+    outs = []
+    for impl in ("stock", "gqakit"):
+        model = load_causal_lm(folder)
+        if impl == "gqakit":
+            DecodeBench(model, device="cpu", dtype=torch.float32)  # switches the attention function
+        cache = StaticCache(config=model.config, max_cache_len=12)
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model(input_ids=x, past_key_values=cache, position_ids=torch.arange(8)[None])
+            nxt = torch.tensor([[5], [7]])
+            outs.append(model(input_ids=nxt, past_key_values=cache, position_ids=torch.tensor([[8]])).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_decode_equals_repeated_kv():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 1, 4), torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4)
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[:, :, :, 7:] = False
+    out, _ = gqa_sdpa_forward(None, q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                            attn_mask=mask)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
+
+
+def test_oom_point_is_reported_not_raised(tiny_model, monkeypatch):
+    import gqakit.eval.speed as speed
+
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    need_b2 = bench.predicted_bytes(2, 16, 4)
+    # Pretend the host has room for batch 1 only: 80% of this is between the two needs.
+    monkeypatch.setattr(speed, "available_memory", lambda device: int(need_b2 / 0.8) - 1)
+    res = evaluate_speed(model, SMALL, device="cpu", dtype=torch.float32, progress=False)
+    assert [g["status"] for g in res["grid"]] == ["ok", "oom"]
+    assert "predicted" in res["grid"][1]["reason"]
+    assert bench.max_batch(16, 4, limit=64)["max_batch"] == 1
+
+
+def test_max_batch_search_bisects(tiny_model, monkeypatch):
+    model = load_causal_lm(tiny_model("llama"))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(bench, "fits", lambda b, p, n: b <= 37)
+    assert bench.max_batch(16, 4, limit=1000)["max_batch"] == 37
+    assert bench.max_batch(16, 4, limit=20) == {"prompt_len": 16, "max_batch": 20, "at_limit": True, "limit": 20,
+                                                "method": "predicted from available host memory"}
+
+
+def test_bad_settings(tiny_model):
+    model = load_causal_lm(tiny_model("llama"))
+    with pytest.raises(GqakitError, match="exceeds the model's 128 positions"):
+        evaluate_speed(model, SpeedSettings(batches=(1,), prompt_lens=(120,), new_tokens=16), device="cpu",
+                       dtype=torch.float32, max_positions=128, progress=False)
+    with pytest.raises(GqakitError, match="comma-separated"):
+        parse_ints("1,x", "--batch")
+    with pytest.raises(GqakitError, match="positive"):
+        parse_ints("0", "--batch")
+    assert parse_ints("1, 8,32", "--batch") == (1, 8, 32)
+    assert percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)

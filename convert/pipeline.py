@@ -263,7 +263,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
             done.add(layer)
             names = [n for n, lay in plan.layer_of.items() if lay == layer]
             tensors = {n: opened.source.get(n) for n in names}
-            heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64)
+            # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
+            wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
+            heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
             ctx = PoolContext(num_kv_heads, contiguous_groups(plan.shape.num_kv_heads, num_kv_heads),
                               spec.rotary.style, plan.shape.rotary_dim, layer, gen, extras)
             ctx.groups = group_fn(heads, ctx)

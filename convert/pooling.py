@@ -63,6 +63,8 @@ def regroup(h: AttnHeads, groups: Groups) -> AttnHeads:
     KV heads are permuted into group order, each query head moves with the KV head it
     reads, and o_proj's input columns move with the query heads.
     """
+    if [i for g in groups for i in g] == list(range(h.num_kv_heads)):
+        return h  # already contiguous: nothing moves
     kv_perm = torch.tensor([i for g in groups for i in g])
     q_perm = torch.tensor(query_order(groups, h.num_heads, h.num_kv_heads))
     pick = lambda t, p: None if t is None else t[p]  # noqa: E731

@@ -40,10 +40,10 @@ def equalize_kv(model, family: str, group: int) -> None:
     sd = model.state_dict()
 
     def tie(t: torch.Tensor, dim: int, D: int) -> None:
+        """Along `dim` (H heads of D rows, or H heads), copy each group's first head to the others."""
         v = t.movedim(dim, 0)
-        heads = v.reshape(H // group, group, D, *v.shape[1:])
-        heads.copy_(heads[:, :1].expand_as(heads).clone())
-        t.copy_(heads.reshape(v.shape).movedim(0, dim))
+        heads = v.reshape(H // group, group, -1)
+        t.copy_(heads[:, :1].expand_as(heads).reshape(v.shape).movedim(0, dim))
 
     with torch.no_grad():
         for name, t in sd.items():

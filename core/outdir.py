@@ -34,11 +34,10 @@ def check_output_path(out: Path, *, overwrite: bool, src: Path | None = None) ->
     out = Path(out).expanduser().resolve()
     if src is not None and Path(src).exists():
         src = Path(src).expanduser().resolve()
-        src_dir = src if src.is_dir() else src.parent
-        if out == src_dir or _is_inside(out, src_dir) or (src.is_file() and out == src):
-            raise GqakitError(f"output {out} is the source or inside it; choose a folder outside {src_dir}")
-        if _is_inside(src_dir, out):
-            raise GqakitError(f"output {out} contains the source {src_dir}; --overwrite would delete it")
+        if out == src or (src.is_dir() and _is_inside(out, src)):
+            raise GqakitError(f"output {out} is the source or inside it; choose a folder outside {src}")
+        if _is_inside(src, out):
+            raise GqakitError(f"output {out} contains the source {src}; --overwrite would delete it")
     if out.exists() and not overwrite:
         if out.is_dir() and not any(out.iterdir()):
             return out  # an empty folder is fine to fill

@@ -22,10 +22,10 @@ from gqakit.convert.arch import ArchSpec, Shape
 
 @dataclass
 class AttnHeads:
-    q: Tensor
+    q: Tensor | None  # None: not read (methods that touch only K and V)
     k: Tensor
     v: Tensor
-    o: Tensor
+    o: Tensor | None
     q_bias: Tensor | None = None
     k_bias: Tensor | None = None
     v_bias: Tensor | None = None
@@ -89,9 +89,8 @@ def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: 
         return None if t is None else t.to(dtype)
 
     o = get("o.weight")
-    if spec.attention.transposed:
-        o = o.t()
-    o = o.reshape(o.shape[0], H, D)
+    if o is not None:
+        o = (o.t() if spec.attention.transposed else o).reshape(-1, H, D)
     if spec.attention.layout == "separate":
         w = {p: get(f"{p}.weight") for p in "qkv"}
         b = {p: get(f"{p}.bias") for p in "qkv"}
@@ -104,7 +103,7 @@ def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: 
         b = dict(zip("qkv", _split_rows(bias, spec, shape))) if bias is not None else dict.fromkeys("qkv")
     heads_of = {"q": H, "k": KV, "v": KV}
     return AttnHeads(
-        **{p: w[p].reshape(heads_of[p], D, -1) for p in "qkv"}, o=o,
+        **{p: None if w[p] is None else w[p].reshape(heads_of[p], D, -1) for p in "qkv"}, o=o,
         **{f"{p}_bias": None if b[p] is None else b[p].reshape(heads_of[p], D) for p in "qkv"},
     )
 
@@ -116,18 +115,23 @@ def write_heads(spec: ArchSpec, heads: AttnHeads, layer: int, dtypes: dict[str, 
     stay absent.
     """
     names = layer_names(spec, layer)
-    H, KV, D = heads.num_heads, heads.num_kv_heads, heads.q.shape[1]
+    KV, D = heads.num_kv_heads, heads.k.shape[1]
     out: dict[str, Tensor] = {}
-    o = heads.o.reshape(heads.o.shape[0], H * D)
-    out[names["o.weight"]] = o.t() if spec.attention.transposed else o
-    flat = {p: getattr(heads, p).reshape(-1, getattr(heads, p).shape[-1]) for p in "qkv"}
+    if heads.o is not None:
+        o = heads.o.reshape(heads.o.shape[0], -1)
+        out[names["o.weight"]] = o.t() if spec.attention.transposed else o
+    flat = {p: None if getattr(heads, p) is None else getattr(heads, p).reshape(-1, getattr(heads, p).shape[-1])
+            for p in "qkv"}
     bias = {p: getattr(heads, f"{p}_bias") for p in "qkv"}
     if spec.attention.layout == "separate":
         for p in "qkv":
+            if flat[p] is None:
+                continue
             out[names[f"{p}.weight"]] = flat[p]
             if names[f"{p}.bias"] in dtypes and bias[p] is not None:
                 out[names[f"{p}.bias"]] = bias[p].reshape(-1)
     else:
+        H = heads.num_heads
         w = _join_rows(flat["q"], flat["k"], flat["v"], spec, H, KV, D)
         out[names["qkv.weight"]] = w.t() if spec.attention.transposed else w
         if names["qkv.bias"] in dtypes and bias["q"] is not None:

@@ -144,13 +144,18 @@ def make_plan(opened: Opened, settings: Settings) -> Plan:
     src = opened.source
     names = src.names()
     metas = {n: src.meta(n) for n in names}
+    from gqakit.convert.methods import all_methods
+
+    # methods that touch only K/V leave q and o to be copied through untouched
+    kv_only = (getattr(all_methods().get(settings.method), "kv_only", False) and settings.grouping == "contiguous"
+               and spec.attention.layout == "separate")
     layer_of: dict[str, int] = {}
     for layer in range(shape.num_layers):
         roles = layer_names(spec, layer)
         for role, name in roles.items():
-            if name in metas:
+            if name in metas and (not kv_only or role[0] in "kv"):
                 layer_of[name] = layer
-            elif role.endswith("weight"):
+            elif name not in metas and role.endswith("weight"):
                 where = ", ".join(p.name for p in src.files()) or "the source"
                 raise GqakitError(f"tensor {name} required by the {spec.family} layout but not present in {where}")
     tensors: list[Planned] = []
@@ -167,7 +172,7 @@ def make_plan(opened: Opened, settings: Settings) -> Plan:
         done.add(layer)
         shapes = output_shapes(spec, shape, settings.num_kv_heads, layer, {n: metas[n][1] for n in layer_of})
         for n in layer_names(spec, layer).values():
-            if n in shapes:
+            if n in shapes and n in layer_of:
                 c = out_dtype if out_dtype is not None else metas[n][0]
                 tensors.append(Planned(n, c, shapes[n]))
     numel = lambda s: int(torch.Size(s).numel())  # noqa: E731

@@ -114,6 +114,11 @@ def random_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
 
 Method = Callable[[AttnHeads, PoolContext], AttnHeads]
 
+# These read and write only K and V: with contiguous groups and separate projections the
+# pipeline copies q and o through as raw bytes instead of decoding them.
+for _m in (mean_method, first_method, random_method):
+    _m.kv_only = True  # type: ignore[attr-defined]
+
 METHODS: dict[str, Method] = {
     "mean": mean_method,
     "first": first_method,

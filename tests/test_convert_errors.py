@@ -175,15 +175,15 @@ def test_write_errors_leave_nothing(src, tmp_path, capsys, monkeypatch, err, nee
     from gqakit.convert import io as cio
 
     calls = {"n": 0}
-    real = cio.ShardWriter.write
+    real = cio.ShardWriter._next  # every tensor write, decoded or raw, goes through it
 
-    def failing(self, name, tensor):
+    def failing(self, name):
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError(err, os.strerror(err), str(self.folder / "model.safetensors"))
-        return real(self, name, tensor)
+        return real(self, name)
 
-    monkeypatch.setattr(cio.ShardWriter, "write", failing)
+    monkeypatch.setattr(cio.ShardWriter, "_next", failing)
     before = digest(src)
     assert_one_line_error(*run_cli(["convert", src, tmp_path / "o", "-g", 2, "-q"], capsys), needle)
     assert not (tmp_path / "o").exists()

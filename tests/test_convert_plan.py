@@ -1,0 +1,43 @@
+"""Planning a 70B-shaped conversion on torch's meta device: every shape, no memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gqakit.convert.io import DictSource, plan_shards
+from gqakit.convert.pipeline import Opened, Settings, make_plan
+
+
+def llama70b_mha_source(layers: int = 80, hidden: int = 8192, heads: int = 64, inter: int = 28672,
+                        vocab: int = 32000) -> Opened:
+    meta = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    t = {"model.embed_tokens.weight": meta(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            t[f"{p}self_attn.{n}_proj.weight"] = meta(hidden, hidden)
+        t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = meta(inter, hidden), meta(inter, hidden)
+        t[p + "mlp.down_proj.weight"] = meta(hidden, inter)
+        t[p + "input_layernorm.weight"] = t[p + "post_attention_layernorm.weight"] = meta(hidden)
+    t["model.norm.weight"], t["lm_head.weight"] = meta(hidden), meta(vocab, hidden)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+              "intermediate_size": inter, "vocab_size": vocab}
+    return Opened(Path("/nonexistent"), None, config, DictSource(t))
+
+
+def test_plan_70b_shapes_on_meta():
+    opened = llama70b_mha_source()
+    plan = make_plan(opened, Settings("llama-70b-mha", 8))
+    shapes = {p.name: p.shape for p in plan.tensors}
+    assert shapes["model.layers.79.self_attn.k_proj.weight"] == (8 * 128, 8192)
+    assert shapes["model.layers.79.self_attn.q_proj.weight"] == (8192, 8192)
+    removed = 80 * 2 * (64 - 8) * 128 * 8192
+    assert plan.source_params - plan.output_params == removed
+    assert plan.source_params > 68e9
+    assert plan.kv_bytes_per_token(64, 2) == 8 * plan.kv_bytes_per_token(8, 2) == 2 * 80 * 64 * 128 * 2
+    shards = plan_shards(plan.tensors, 5_000_000_000)
+    assert all(sum(p.nbytes for p in s) <= 5_000_000_000 for s in shards if len(s) > 1)
+    assert sum(len(s) for s in shards) == len(plan.tensors) and 25 <= len(shards) <= 30

@@ -38,7 +38,7 @@ from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_head
 from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
 from gqakit.core.errors import GqakitError
 
-DEFAULTS = {"seq_len": 256, "q_ridge": 1e-2, "o_ridge": 1e-3, "target": "residual", "sample_batch": 16,
+DEFAULTS = {"seq_len": 256, "q_ridge": 1e-2, "o_ridge": 1e-3, "target": "residual", "sample_batch": 64,
             "dtype": "auto"}
 
 
@@ -132,12 +132,12 @@ def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
     n_params = sum(p.numel() for p in probe.parameters())
     dtype = {"float32": torch.float32, "float64": torch.float64}.get(
         opts["dtype"], torch.float64 if n_params < 20_000_000 else torch.float32)
+    progress = bool(opts.get("progress", True))
+    with torch.inference_mode():  # sampling in float32: float64 matmuls are several times slower on CPU
+        batches, where = calibration_batches(probe, path, settings.calibration_data, settings.calibration_tokens,
+                                             int(opts["seq_len"]), settings.seed, int(opts["sample_batch"]), progress)
     model = probe if dtype == torch.float32 else probe.to(dtype)
     model.eval()
-    progress = bool(opts.get("progress", True))
-    with torch.inference_mode():
-        batches, where = calibration_batches(model, path, settings.calibration_data, settings.calibration_tokens,
-                                             int(opts["seq_len"]), settings.seed, int(opts["sample_batch"]), progress)
     a = spec.attention
     pre = [a.prefix.format(layer=L) for L in range(shape.num_layers)]
     block_names = [p[:-1].rsplit(".", 1)[0] for p in pre]

@@ -26,7 +26,7 @@ def uptrain_cmd(config: str, overrides: tuple[str, ...], overwrite: bool, resume
       gqakit uptrain configs/stories260K-g2.yaml train.tokens=500000 train.seed=1
       gqakit uptrain configs/stories260K-g2.yaml --resume
       accelerate launch --config_file configs/accelerate/ddp.yaml -m gqakit uptrain configs/smollm2-135M-g1.yaml
-      accelerate launch --num_processes 2 --cpu -m gqakit uptrain configs/tiny-cpu.yaml train.grad_accum=1
+      accelerate launch --multi_gpu --num_processes 2 -m gqakit uptrain configs/tiny-cpu.yaml train.grad_accum=1  # CPU: gloo
     """
     if dry_run:
         from gqakit.uptrain.config import load_config, to_yaml

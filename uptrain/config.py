@@ -34,6 +34,7 @@ class TeacherCfg(_Section):
     path: str | None = Field(None, description="the original (MHA) model; needed for kl_weight>0 or data.teacher_samples")
     kl_weight: float = Field(0.0, ge=0.0, description="weight of KL(teacher || student) added to the LM loss; 0 = off")
     temperature: float = Field(1.0, gt=0.0, description="softmax temperature of the KL term")
+    lm_weight: float = Field(1.0, ge=0.0, description="weight of the next-token loss; 0 with kl_weight>0 = pure distillation")
 
 
 class TeacherSamplesCfg(_Section):
@@ -139,6 +140,8 @@ class UptrainConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "UptrainConfig":
+        if self.teacher.lm_weight == 0 and self.teacher.kl_weight == 0:
+            raise ValueError("teacher.lm_weight: 0 needs teacher.kl_weight > 0, or nothing is trained")
         if self.teacher.kl_weight > 0 and not self.teacher.path:
             raise ValueError("teacher.path: needed when teacher.kl_weight > 0")
         if self.data.teacher_samples is not None and not self.teacher.path:

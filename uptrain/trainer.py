@@ -202,7 +202,10 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() and not t.cpu and torch.cuda.is_bf16_supported() else "fp32"
     use_tb = cfg.logging.tensorboard and bool(is_tensorboard_available())
-    accelerator = Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=t.cpu,
+    # No GPU: force accelerate's CPU path, so a torchrun/`accelerate launch --multi_gpu`
+    # start on a CPU-only machine uses gloo instead of failing on NCCL.
+    accelerator = Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision),
+                              cpu=t.cpu or not torch.cuda.is_available(),
                               gradient_accumulation_steps=t.grad_accum,
                               log_with="tensorboard" if use_tb else None, project_dir=str(out))
     say = accelerator.print if not quiet else (lambda *a, **k: None)
@@ -304,7 +307,7 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     ce, kl, _ = token_losses(model, x, teacher, cfg.teacher.temperature)
-                    objective = ce + cfg.teacher.kl_weight * kl
+                    objective = cfg.teacher.lm_weight * ce + cfg.teacher.kl_weight * kl
                 accelerator.backward(objective * scale)
                 sums += torch.stack([ce.detach(), kl.detach()]).double()
                 if accelerator.sync_gradients:

@@ -220,3 +220,11 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(converted: Path, tmp_path
     ckpts = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*"))
     assert ckpts[-1] == step - 1 and not (out / "model").exists()
     assert all(math.isfinite(r["loss"]) for r in rows(out) if "loss" in r)
+
+
+def test_gradient_checkpointing_gives_the_same_run(converted: Path, tmp_path: Path):
+    a = run_uptrain(cfg(converted, tmp_path / "a", tokens=16 * 2 * 3), quiet=True)
+    b = run_uptrain(cfg(converted, tmp_path / "b", tokens=16 * 2 * 3, gradient_checkpointing=True), quiet=True)
+    la = [r["loss"] for r in rows(a.parent) if "loss" in r]
+    lb = [r["loss"] for r in rows(b.parent) if "loss" in r]
+    assert la == pytest.approx(lb, rel=1e-5)

@@ -260,7 +260,8 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
     flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
     peak = _peak_flops(accelerator.device)
     say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {hf_cfg.num_attention_heads} query / "
-        f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type}, {precision}")
+        f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type} "
+        f"({accelerator.distributed_type.value}), {precision}")
     say(f"uptrain: {len(train_blocks)} training blocks of {t.seq_len} tokens; "
         f"{tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x {world} proc x {t.seq_len}); "
         f"{total_steps} steps = {total_steps * tokens_per_step:,} planned tokens ({order.epochs(total_steps):.2f} epochs)")

@@ -207,3 +207,22 @@ def test_refit_missing_calibration_file(tiny_model, tmp_path):
     with pytest.raises(GqakitError, match="calibration data not found"):
         convert_checkpoint(src, tmp_path / "out", 2, "align-refit", calibration_data=str(tmp_path / "nope.txt"),
                            progress=False)
+
+
+@pytest.mark.slow
+def test_stories260k_beats_mean_pooling(shared, tmp_path):
+    """Real trained weights: the issue's targets (original ppl 5.54; mean pooling 136 at G=2)."""
+    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.core.loading import load_causal_lm, load_tokenizer
+
+    src = shared / "models" / "stories260K"
+    doc = read_text(str(shared / "data" / "tinystories" / "valid-excerpt.txt"))
+
+    def ppl(method):
+        out = convert_checkpoint(src, tmp_path / method, 2, method, calibration_tokens=8192,
+                                 options={"progress": False}, progress=False)
+        return evaluate_perplexity(load_causal_lm(out), load_tokenizer(out), doc, context=512,
+                                   progress=False).token_perplexity
+
+    assert ppl("align") < 15
+    assert ppl("align-refit") < 10

@@ -114,7 +114,13 @@ def _open_gguf(path: Path) -> Opened:
     tqdm.write(f"reading {path.name} (GGUF, dequantized by transformers)")
     model = load_causal_lm(path)
     config = model.config.to_dict()
-    config.setdefault("architectures", [type(model).__name__])
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
+    config.pop("_model_name_or_path", None)
+    # the weights are dequantized floats now: a GGUF quantization_config would make
+    # transformers treat the output as quantized (and refuse to save it after training)
+    config.pop("quantization_config", None)
+    config["dtype"] = str(next(iter(model.state_dict().values())).dtype).replace("torch.", "")
     sd = model.state_dict()
     if config.get("tie_word_embeddings") and "lm_head.weight" in sd:
         del sd["lm_head.weight"]  # tied: stored once, as the embedding

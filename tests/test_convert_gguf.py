@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,8 @@ def test_gguf_input_converts_exactly(tiny_model, tmp_path):
     assert g1(ids, use_cache=True).past_key_values.layers[0].keys.shape[1] == 1
     assert AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("A") == tokens_id("A")
     assert path.is_file()  # source untouched
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    g1.save_pretrained(tmp_path / "resaved")  # a dequantized model must stay serializable
 
 
 def tokens_id(tok: str) -> int:

@@ -8,6 +8,7 @@ not break the other verbs.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -84,6 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("gqakit: interrupted", err=True)
         sys.exit(130)
+    except Exception as e:  # a bug, not a user error: still one line, traceback on request
+        if os.environ.get("GQAKIT_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        click.echo(f"gqakit: internal error: {type(e).__name__}: {first} (set GQAKIT_DEBUG=1 for the traceback)",
+                   err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -228,3 +228,11 @@ def test_gradient_checkpointing_gives_the_same_run(converted: Path, tmp_path: Pa
     la = [r["loss"] for r in rows(a.parent) if "loss" in r]
     lb = [r["loss"] for r in rows(b.parent) if "loss" in r]
     assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_trainable_freezes_everything_else(converted: Path, tmp_path: Path):
+    final = run_uptrain(cfg(converted, tmp_path / "t", tokens=16 * 2 * 3, trainable=[r"self_attn\.(k|v)_proj"]), quiet=True)
+    before, after = load_causal_lm(converted).state_dict(), load_causal_lm(final).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".k_proj." in k or ".v_proj." in k for k in changed)
+    _expect(cfg(converted, tmp_path / "u", trainable=["nothing_matches"]), "train.trainable: no parameter")

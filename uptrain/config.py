@@ -97,6 +97,7 @@ class TrainCfg(_Section):
     seed: int = 0
     compile: bool = False
     gradient_checkpointing: bool = False
+    trainable: list[str] | None = Field(None, description="regexes of parameter names to train (others frozen); null = all")
     cpu: bool = Field(False, description="force CPU even when a GPU is present")
 
     @model_validator(mode="after")

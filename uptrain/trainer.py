@@ -230,6 +230,15 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
                                              main_first=accelerator.main_process_first, is_main=is_main)
     model = load_causal_lm(src)  # fp32 master weights; autocast handles bf16
     model.config.use_cache = False
+    if t.trainable:
+        import re
+
+        # Conversion only touched attention: training just those weights keeps the rest
+        # of the original network exact instead of letting it drift on limited data.
+        for name, p in model.named_parameters():
+            p.requires_grad_(any(re.search(pat, name) for pat in t.trainable))
+        if not any(p.requires_grad for p in model.parameters()):
+            raise GqakitError(f"train.trainable: no parameter name matches {t.trainable}")
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     teacher = None
@@ -257,9 +266,10 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
         raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step ({tokens_per_step} tokens)")
     warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * total_steps)
     n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
+    n_train = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
     flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
     peak = _peak_flops(accelerator.device)
-    say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {hf_cfg.num_attention_heads} query / "
+    say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, {hf_cfg.num_attention_heads} query / "
         f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type} "
         f"({accelerator.distributed_type.value}), {precision}")
     say(f"uptrain: {len(train_blocks)} training blocks of {t.seq_len} tokens; "

@@ -57,20 +57,25 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=None, help="method[:grouping] ...")
     ap.add_argument("--calibration-tokens", type=int, default=16384)
     ap.add_argument("--calibration-data", default="default")
+    ap.add_argument("--max-chars", type=int, default=None, help="evaluate on fewer characters (a quicker proxy)")
     ap.add_argument("--options", default="{}", help="JSON options for the method")
     ap.add_argument("--original", action="store_true", help="also measure the source model")
     ap.add_argument("--out", default=str(REPO / "bench/results/methods.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.pipeline import convert_checkpoint
 
-    m = MODELS[args.model]
+    m = dict(MODELS[args.model])
+    if args.max_chars:
+        m["max_chars"] = args.max_chars
     combos = [tuple((s + ":contiguous").split(":")[:2]) for s in args.methods] if args.methods else COMBOS
     calib = m["calib"] if args.calibration_data == "default" else (args.calibration_data or None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     rows = []
     if args.original:
         rows.append({"model": args.model, "method": "original", "ppl": perplexity(m["src"], m["data"], m["max_chars"])})
-        print(rows[-1], flush=True)
+        print(json.dumps(rows[-1]), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rows[-1]) + "\n")
     for g in args.g:
         for method, grouping in combos:
             with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +89,7 @@ def main() -> None:
             row = {"model": args.model, "G": g, "method": method, "grouping": grouping, "ppl": round(ppl, 3),
                    "convert_seconds": round(secs, 2), "calibration": calib if method == "align-refit" else None,
                    "calibration_tokens": args.calibration_tokens if method == "align-refit" else None,
-                   "options": json.loads(args.options)}
+                   "options": json.loads(args.options), "eval_chars": m["max_chars"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(args.out, "a") as f:

@@ -1,0 +1,47 @@
+"""Markdown tables from bench/results/methods*.jsonl (the last row of each setting wins)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RES = Path(__file__).resolve().parent / "results"
+
+
+def rows(name: str) -> list[dict]:
+    f = RES / name
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+
+
+def main() -> None:
+    last: dict[tuple, dict] = {}
+    for r in rows("methods.jsonl"):
+        last[(r["model"], r.get("G"), r["method"], r.get("grouping"))] = r
+    for model in ("stories", "smollm2"):
+        gs = sorted({k[1] for k in last if k[0] == model and k[1] is not None}, reverse=True)
+        combos = sorted({(k[2], k[3]) for k in last if k[0] == model and k[1] is not None},
+                        key=lambda c: [r for r in last if r[0] == model and (r[2], r[3]) == c][0:1] and
+                        list(last).index([r for r in last if r[0] == model and (r[2], r[3]) == c][0]))
+        if not gs:
+            continue
+        orig = last.get((model, None, "original", None))
+        print(f"\n{model}" + (f" (original ppl {orig['ppl']:.2f})" if orig else ""))
+        print("| method | grouping | " + " | ".join(f"G={g} ppl | G={g} convert s" for g in gs) + " |")
+        print("|---|---|" + "---|---|" * len(gs))
+        for method, grouping in combos:
+            cells = []
+            for g in gs:
+                r = last.get((model, g, method, grouping))
+                cells += [f"{r['ppl']:.2f}", f"{r['convert_seconds']:.1f}"] if r else ["", ""]
+            print(f"| {method} | {grouping} | " + " | ".join(cells) + " |")
+    up = {(r["G"], r["method"]): r for r in rows("methods_uptrain.jsonl")}
+    if up:
+        print("\n| G | method | ppl before | ppl after | train tokens | train s |\n|---|---|---|---|---|---|")
+        for (g, method), r in sorted(up.items(), key=lambda kv: (-kv[0][0], list(up).index(kv[0]))):
+            print(f"| {g} | {method} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['train_tokens']:,} | "
+                  f"{r['train_seconds']:.0f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

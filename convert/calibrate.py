@@ -38,7 +38,7 @@ from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_head
 from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
 from gqakit.core.errors import GqakitError
 
-DEFAULTS = {"seq_len": 256, "q_ridge": 1e-2, "o_ridge": 1e-3, "target": "residual", "sample_batch": 64,
+DEFAULTS = {"seq_len": 256, "q_ridge": 1e-2, "o_ridge": 1e-3, "target": "residual", "sample_batch": 64, "skip_first": 0,
             "dtype": "auto"}
 
 
@@ -171,6 +171,10 @@ def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
         for h in hooks:
             h.remove()
 
+    # rows used in the fits: options {"skip_first": n} leaves out the first n positions of each
+    # sequence (BOS often carries outsized "attention sink" activations that can dominate a fit)
+    skip = int(opts["skip_first"])
+    keep = torch.cat([(torch.arange(b.shape[1]) >= skip).repeat(b.shape[0]) for b in batches])
     group_fn = methods.GROUPINGS[settings.grouping]
     sd = model.state_dict()
     resid_new = [r.clone() for r in resid_orig[0]]
@@ -204,8 +208,8 @@ def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
                     hook.remove()
             return got if capture else outs
 
-        xo = torch.cat(x_orig[L]).double()
-        xn = torch.cat(run("in", stop=True)).double()
+        xo = torch.cat(x_orig[L]).double()[keep]
+        xn = torch.cat(run("in", stop=True)).double()[keep]
         n = xo.shape[0]
         xo_a, xn_a = _aug(xo), _aug(xn)
         s_oo = xo_a.T @ xo_a / n
@@ -234,12 +238,12 @@ def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
 
         put(pooled)
         if float(opts["o_ridge"]) >= 0:
-            z = torch.cat(run("o")).double()
-            target = torch.cat(out_orig[L]).double()
+            z = torch.cat(run("o")).double()[keep]
+            target = torch.cat(out_orig[L]).double()[keep]
             if opts["target"] == "residual":
                 ro = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_orig[L]]).double()
                 rn = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_new]).double()
-                target = target + ro - rn
+                target = target + (ro - rn)[keep]
             o_bias = sd.get(names["o.weight"][: -len("weight")] + "bias")
             if o_bias is not None:
                 target = target - o_bias.double()

@@ -27,8 +27,14 @@ def _groupings() -> list[str]:
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("-g", "--num-kv-heads", type=int, required=True, help="Target number of K/V heads G (must divide the current number).")
-@click.option("--method", default="mean", show_default=True, help="How each group's K/V heads become one: " + "mean (the GQA paper), first, random; see --list-methods.")
-@click.option("--grouping", default="contiguous", show_default=True, help="Which heads share a group.")
+@click.option("--method", default="mean", show_default=True,
+              help="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
+                   "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
+                   "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
+                   "text: --calibration-data, or text sampled from SRC itself). Best quality: align-refit.")
+@click.option("--grouping", default="contiguous", show_default=True,
+              help="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
+                   "similar heads; queries and o_proj columns are reordered to match).")
 @click.option("--calibration-data", type=click.Path(path_type=Path), default=None, help="Text file for methods that calibrate (never your evaluation text).")
 @click.option("--calibration-tokens", type=int, default=16384, show_default=True, help="Tokens of calibration text to use.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
@@ -49,6 +55,7 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     \b
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
+      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity --calibration-data calib.txt
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
       gqakit convert model.gguf ./out -g 1 --dry-run
     """

@@ -80,6 +80,9 @@ def main() -> None:
                 (out / "wall_s.txt").write_text(f"{time.time() - t0:.0f}\n")
             if (out / "model" / "config.json").is_file():
                 runs.append((mode, tokens, out))
+    if args.table_only:  # every finished run in WORKDIR, including ones made with extra overrides
+        known = {o for _, _, o in runs}
+        runs += [("other", 0, o) for o in sorted(work.glob("run-*")) if (o / "model" / "config.json").is_file() and o not in known]
 
     rows = [{"model": "original (4 KV heads)", "ppl": perplexity(ORIGINAL)},
             {"model": "mean-pooled G=2, no training", "ppl": perplexity(g2)}]
@@ -88,7 +91,7 @@ def main() -> None:
         log = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
         train = [r for r in log if "loss" in r]
         wall = (out / "wall_s.txt").read_text().strip() if (out / "wall_s.txt").is_file() else None
-        label = {"kd": "distillation (KL to original)", "lm": "next-token loss only"}[mode]
+        label = {"kd": "distillation (KL to original)", "lm": "next-token loss only"}.get(mode, out.name)
         rows.append({"model": f"G=2 uptrained, {label}", "tokens": train[-1]["tokens"], "steps": train[-1]["step"],
                      "mode": mode, "ppl": perplexity(out / "model"), "final_train_loss": train[-1]["loss"],
                      "wall_s": int(wall) if wall else None})

@@ -236,3 +236,19 @@ def test_trainable_freezes_everything_else(converted: Path, tmp_path: Path):
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".k_proj." in k or ".v_proj." in k for k in changed)
     _expect(cfg(converted, tmp_path / "u", trainable=["nothing_matches"]), "train.trainable: no parameter")
+
+
+def test_remote_code_family_keeps_its_modeling_file(tiny_model, tmp_path: Path):
+    """gpt2 has no stock GQA: the output must keep gqakit's modeling file and auto_map."""
+    from gqakit.convert import convert_checkpoint
+
+    conv = convert_checkpoint(tiny_model("gpt2"), tmp_path / "gpt2-g2", 2, progress=False)
+    final = run_uptrain(cfg(conv, tmp_path / "run", tokens=16 * 2 * 2), quiet=True)
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (conv, final))
+    assert out_cfg["auto_map"] == src_cfg["auto_map"]
+    for py in conv.glob("gqakit_modeling_*.py"):
+        assert (final / py.name).read_text() == py.read_text()
+    model = load_causal_lm(final)
+    x = torch.tensor([[1, 5, 6, 7]])
+    logits = model(input_ids=x).logits
+    assert torch.isfinite(logits).all() and logits.shape == (1, 4, 64)

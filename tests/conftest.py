@@ -26,6 +26,15 @@ def tiny_model(tmp_path: Path):
     return make
 
 
+@pytest.fixture
+def one_thread():
+    """Pico models run faster on one thread than on two contended ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def shared() -> Path:
     """../shared (real model and data); tests using it skip when it is absent."""

@@ -52,12 +52,7 @@ def _reference_strided(model, ids, context, stride):
         prev_end, end = end, min(end + min(stride, context - 1), len(ids))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_matches_reference_on_tiny_model(tiny_model, tmp_path):

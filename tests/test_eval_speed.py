@@ -11,13 +11,7 @@ from gqakit.eval.attention import gqa_sdpa_forward
 from gqakit.eval.speed import DecodeBench, SpeedSettings, evaluate_speed, parse_ints, percentile
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Pico models are slower with two threads on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SMALL = SpeedSettings(batches=(1, 2), prompt_lens=(16,), new_tokens=4, reps=2, warmup=1)

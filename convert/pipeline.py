@@ -200,7 +200,8 @@ def _output_config(plan: Plan, settings: Settings) -> dict[str, Any]:
     if settings.dtype != "auto":
         cfg["dtype"] = settings.dtype
         cfg.pop("torch_dtype", None)
-    cfg.pop("auto_map", None) if plan.native_gqa else None
+    if plan.native_gqa:
+        cfg.pop("auto_map", None)  # stock class: any source remote code does not apply
     cfg.pop("_name_or_path", None)
     return cfg
 
@@ -288,12 +289,11 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
         writer.finish()
         bar.close()
         opened.source.close()
-        _write_metadata(tmp, opened, plan, settings, time.perf_counter() - t0, writer)
+        _write_metadata(tmp, opened, plan, settings, time.perf_counter() - t0)
     return Path(out).expanduser().resolve()
 
 
-def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, seconds: float,
-                    writer: ShardWriter) -> None:
+def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, seconds: float) -> None:
     cfg = _output_config(plan, settings)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     copied = _copy_side_files(opened, tmp)
@@ -304,7 +304,7 @@ def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, s
         assert f.name.startswith(REMOTE_PREFIX)
         shutil.copy2(f, tmp / f.name)
     s, G = plan.shape, settings.num_kv_heads
-    elem = writer.shards[0][0].dtype.itemsize if settings.dtype != "auto" else _main_itemsize(plan)
+    elem = _attention_itemsize(plan)
     before, after = plan.kv_bytes_per_token(s.num_kv_heads, elem), plan.kv_bytes_per_token(G, elem)
     record = {"gqakit_version": gqakit.__version__, "settings": asdict(settings), "family": plan.family,
               "num_heads": s.num_heads, "num_kv_heads_before": s.num_kv_heads, "num_kv_heads": G,
@@ -327,7 +327,8 @@ def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, s
         summary=summary, facts=facts, settings=asdict(settings)))
 
 
-def _main_itemsize(plan: Plan) -> int:
+def _attention_itemsize(plan: Plan) -> int:
+    """Bytes per element of the output K/V projections: the KV cache's natural dtype."""
     for p in plan.tensors:
         if p.name in plan.layer_of:
             return p.dtype.itemsize

@@ -17,6 +17,17 @@ layer's final heads. Layer by layer, in order:
      attention (original attention output + original residual - converted residual), so
      each layer also corrects the drift of the layers before it.
 
+Options (`settings.options`: Python API and bench --options; no CLI flag): seq_len, q_ridge, o_ridge (ridge strength,
+relative to the mean diagonal of the normal matrix; < 0 skips that refit), target
+("residual" | "local"), skip_first (leave the first n positions of every sequence out of
+the fits), row_weight ("relative": each row of the o_proj fit weighted by 1/|original
+residual|^2, so rows with outsized "attention sink" activations, e.g. SmolLM2's first
+position at ~25,000 against ~150 elsewhere, do not dominate it; "none"), holdout (a
+fraction of the sequences kept out of the fits; the reported `residual_drift` is then
+measured on them). The o_proj fit has (heads x head_dim)^2 free values per layer and
+overfits a few thousand tokens: its default ridge (3e-2) is set by held-out drift on
+SmolLM2.
+
 Calibration text is `--calibration-data` (tokenised, cut into sequences) or, without
 it, text sampled from the source model itself (offline, no extra input).
 """
@@ -38,8 +49,8 @@ from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_head
 from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
 from gqakit.core.errors import GqakitError
 
-DEFAULTS = {"seq_len": 256, "q_ridge": 1e-2, "o_ridge": 1e-3, "target": "residual", "sample_batch": 64, "skip_first": 0,
-            "dtype": "auto"}
+DEFAULTS = {"seq_len": 256, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual", "sample_batch": 64, "skip_first": 0,
+            "row_weight": "relative", "holdout": 0.0, "dtype": "auto"}
 
 
 def source_path(opened: Any) -> Path:
@@ -165,8 +176,9 @@ def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
         hooks.append(model.get_submodule(o_names[L]).register_forward_hook(out_hook))
     try:
         with torch.inference_mode():
+            body = getattr(model, "base_model", None) or model  # the decoder only: no logits needed
             for b in tqdm(batches, desc="calibration pass", disable=not progress):
-                model(input_ids=b, use_cache=False)
+                body(input_ids=b, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
@@ -175,10 +187,23 @@ def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
     # sequence (BOS often carries outsized "attention sink" activations that can dominate a fit)
     skip = int(opts["skip_first"])
     keep = torch.cat([(torch.arange(b.shape[1]) >= skip).repeat(b.shape[0]) for b in batches])
+    # options {"holdout": f}: the last fraction f of the sequences is left out of the fits and only
+    # measures the residual drift (a generalisation check); otherwise drift is measured in-sample
+    seq_id = torch.cat([torch.arange(b.shape[0]).repeat_interleave(b.shape[1]) + sum(x.shape[0] for x in batches[:i])
+                        for i, b in enumerate(batches)])
+    n_seq = sum(b.shape[0] for b in batches)
+    n_hold = min(n_seq - 1, int(round(float(opts["holdout"]) * n_seq)))
+    held = seq_id >= n_seq - n_hold
+    measure = (keep & held) if n_hold else keep
+    first = torch.cat([(torch.arange(b.shape[1]) == 0).repeat(b.shape[0]) for b in batches])
+    measure_first = (first & held) if n_hold else first
+    keep = keep & ~held
     group_fn = methods.GROUPINGS[settings.grouping]
     sd = model.state_dict()
     resid_new = [r.clone() for r in resid_orig[0]]
     final: dict[int, AttnHeads] = {}
+    drift: list[float] = []        # mean relative error of the residual stream per row (kept rows)
+    drift_first: list[float] = []  # the same at the first position
     for L in tqdm(range(L_n), desc="refitting layers", disable=not progress):
         block = model.get_submodule(block_names[L])
 
@@ -245,10 +270,28 @@ def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
                 rn = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_new]).double()
                 target = target + (ro - rn)[keep]
             o_bias = sd.get(names["o.weight"][: -len("weight")] + "bias")
+            if opts["row_weight"] == "relative":
+                # each row's error relative to the original residual stream after this attention:
+                # the next layer reads it through a norm, so only its relative error matters, and
+                # rows with outsized activations (the first position's "attention sink") no
+                # longer dominate the fit
+                post = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_orig[L]]).double()[keep]
+                post = post + torch.cat(out_orig[L]).double()[keep]
+                w = 1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)
+                w = (w / w.mean()).sqrt().unsqueeze(1)
+            else:
+                w = torch.ones(z.shape[0], 1, dtype=z.dtype)
             if o_bias is not None:
                 target = target - o_bias.double()
-            pooled = pooled.replace(o=refit_o_proj(z, target, pooled.o, float(opts["o_ridge"])))
+            pooled = pooled.replace(o=refit_o_proj(z * w, target * w, pooled.o, float(opts["o_ridge"])))
             put(pooled)
         resid_new = run(None)
         final[L] = pooled
-    return {"layers": final, "calibration": where, "prepare_seconds": time.perf_counter() - t0}
+        if L + 1 < L_n:  # drift of the residual stream entering the next layer (kept rows), for the record
+            ro = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_orig[L + 1]]).double()
+            rn = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_new]).double()
+            rel = (rn - ro).norm(dim=1) / ro.norm(dim=1).clamp_min(1e-30)
+            drift.append(float(rel[measure].mean()))
+            drift_first.append(float(rel[measure_first].mean()))
+    return {"layers": final, "calibration": where, "prepare_seconds": time.perf_counter() - t0,
+            "residual_drift": drift, "residual_drift_first": drift_first}

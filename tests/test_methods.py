@@ -182,6 +182,45 @@ def test_identical_heads_convert_exactly(tiny_model, tmp_path, method):
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("opts", [{"skip_first": 1}, {"row_weight": "none"}, {"holdout": 0.25}])
+def test_refit_options_keep_exact_conversions(tiny_model, tmp_path, opts):
+    """skip_first (first positions out of the fits), row_weight and holdout keep an exact
+    conversion exact, and the residual drift they report is ~0 for it."""
+    from gqakit.convert import methods
+    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
+
+    src = tiny_model("qwen2", num_key_value_heads=4)
+    _duplicate_kv(src, [(0, 1), (2, 3)])               # contiguous groups at G=2 hold identical heads
+    options = {"seq_len": 64, "progress": False, **opts}
+    out = convert_checkpoint(src, tmp_path / "out", 2, "align-refit", calibration_tokens=512, options=options,
+                             progress=False)
+    got, ref = _logits(_load(out, torch.float32)), _logits(_load(src, torch.float32))
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)
+    settings = Settings(str(src), 2, "align-refit", calibration_tokens=512, options=options)
+    opened = open_checkpoint(src)
+    plan = make_plan(opened, settings)
+    res = methods.PREPARE["align-refit"](opened, plan, settings)
+    n = plan.shape.num_layers - 1
+    assert len(res["residual_drift"]) == n and len(res["residual_drift_first"]) == n
+    assert max(res["residual_drift"] + res["residual_drift_first"]) < 1e-3
+
+
+def test_refit_relative_row_weight_ignores_outsized_rows():
+    """The o_proj fit weighted per row by 1/|residual|^2: a row scaled up 1000x (an
+    "attention sink") pulls the unweighted fit away from the other rows but not the weighted one."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(400, 8, generator=g, dtype=F64)
+    true = torch.randn(6, 8, generator=g, dtype=F64)
+    target = z @ true.T
+    target[0] = 1000 * torch.randn(6, generator=g, dtype=F64)   # an outsized row the map cannot fit
+    o0 = torch.zeros(6, 1, 8, dtype=F64)
+    plain = A.refit_o_proj(z, target, o0, 1e-6).reshape(6, 8)
+    w = 1 / target.pow(2).mean(dim=1)
+    w = (w / w.mean()).sqrt().unsqueeze(1)
+    weighted = A.refit_o_proj(z * w, target * w, o0, 1e-6).reshape(6, 8)
+    assert (weighted - true).norm() < 0.05 * true.norm() < (plain - true).norm()
+
+
 def test_refit_runs_on_fused_partial_rotary(tiny_model, tmp_path):
     """align-refit through the pipeline on GPT-NeoX (fused QKV, partial rotary)."""
     src = tiny_model("gpt_neox")

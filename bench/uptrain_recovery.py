@@ -2,12 +2,12 @@
 
 Converts ../shared/models/stories260K to G=2 (mean), uptrains it with
 configs/stories260K-g2.yaml (text sampled from the original model) at several token
-budgets, with and without the KL term on the original's logits, and reports held-out
+budgets (the recipe, and for comparison all-weights KL-only or LM-only runs), and reports held-out
 perplexity on ../shared/data/tinystories/valid-excerpt.txt (context 512, stride 512,
 one BOS prepended; gqakit.eval.perplexity) next to the original's and the converted one's.
 
     .venv/bin/python bench/uptrain_recovery.py --workdir /tmp/gqakit-recovery \
-        --budgets 500000 1000000 2000000 --modes kd lm
+        --budgets 500000 2000000 --modes recipe kd
     .venv/bin/python bench/uptrain_recovery.py --workdir /tmp/gqakit-recovery --table-only
 
 Each run is a separate `gqakit uptrain` with its own warm-up and cosine schedule, so a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -43,8 +44,14 @@ def perplexity(folder: Path) -> float:
     return res.token_perplexity
 
 
-# kd: pure distillation (KL to the original's logits); lm: next-token loss only (no teacher logits)
-MODES = {"kd": ["teacher.kl_weight=1.0", "teacher.lm_weight=0.0"], "lm": ["teacher.kl_weight=0.0", "teacher.lm_weight=1.0"]}
+# recipe: the config as is (attention only, KL to the original's logits + residual-stream MSE);
+# kd: the earlier recipe, all weights, KL only; lm: all weights, next-token loss only.
+_ALL = ["train.trainable=null", "teacher.hidden_weight=0.0", "train.lr=2e-3", "train.micro_batch=8"]
+MODES = {"recipe": [],
+         "kd": ["teacher.kl_weight=1.0", "teacher.lm_weight=0.0", *_ALL],
+         "lm": ["teacher.kl_weight=0.0", "teacher.lm_weight=1.0", *_ALL]}
+LABELS = {"recipe": "attention only, KL + hidden-state MSE (the recipe)", "kd": "all weights, KL only",
+          "lm": "all weights, next-token loss only"}
 
 
 def run_dir(work: Path, tokens: int, mode: str) -> Path:
@@ -55,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gqakit-recovery"))
     ap.add_argument("--budgets", type=int, nargs="+", default=[500_000, 1_000_000, 2_000_000])
-    ap.add_argument("--modes", nargs="+", default=["kd", "lm"], choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=["recipe"], choices=list(MODES))
     ap.add_argument("--table-only", action="store_true", help="only evaluate the runs already finished")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value overrides for every run")
     args = ap.parse_args()
@@ -91,13 +98,13 @@ def main() -> None:
         log = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
         train = [r for r in log if "loss" in r]
         wall = (out / "wall_s.txt").read_text().strip() if (out / "wall_s.txt").is_file() else None
-        label = {"kd": "distillation (KL to original)", "lm": "next-token loss only"}.get(mode, out.name)
+        label = LABELS.get(mode, out.name)
         rows.append({"model": f"G=2 uptrained, {label}", "tokens": train[-1]["tokens"], "steps": train[-1]["step"],
                      "mode": mode, "ppl": perplexity(out / "model"), "final_train_loss": train[-1]["loss"],
                      "wall_s": int(wall) if wall else None})
     for r in rows:
         r["vs_original"] = r["ppl"] / base - 1
-    info = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    info = {"device": platform.processor() or platform.machine(), "threads": int(os.environ.get("OMP_NUM_THREADS", 0)) or torch.get_num_threads(),
             "torch": torch.__version__, "dtype": "float32", "eval": f"{EVAL.name}, context 512, stride 512, BOS prepended",
             "recipe": str(RECIPE.relative_to(REPO)), "overrides": args.overrides}
     (work / "recovery.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))

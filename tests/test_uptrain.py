@@ -252,3 +252,50 @@ def test_remote_code_family_keeps_its_modeling_file(tiny_model, tmp_path: Path):
     x = torch.tensor([[1, 5, 6, 7]])
     logits = model(input_ids=x).logits
     assert torch.isfinite(logits).all() and logits.shape == (1, 4, 64)
+
+
+def test_sample_tokens_is_generate_with_a_static_cache(mha: Path):
+    """The fast sampler: top_k=1 is greedy decoding, identical to `generate`; sampling is seeded."""
+    from gqakit.uptrain.data import sample_tokens
+
+    model = load_causal_lm(mha).eval()
+    prompt = [1, 5, 6]
+    x = torch.tensor([prompt] * 3)
+    greedy = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                            pad_token_id=0)[:, len(prompt):]
+    assert torch.equal(sample_tokens(model, prompt, 3, 12, top_k=1), greedy)
+    a = sample_tokens(model, [1], 4, 10, generator=torch.Generator().manual_seed(0))
+    b = sample_tokens(model, [1], 4, 10, generator=torch.Generator().manual_seed(0))
+    assert a.shape == (4, 10) and torch.equal(a, b) and int(a.max()) < model.config.vocab_size
+    # Temperature 1 samples the full distribution: the first token's frequencies follow softmax.
+    n = 4000
+    first = sample_tokens(model, [1], n, 1, generator=torch.Generator().manual_seed(1))[:, 0]
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=torch.tensor([[1]])).logits[0, -1], -1)
+    freq = torch.bincount(first, minlength=p.numel()).double() / n
+    assert (freq - p.double()).abs().max() < 0.03
+
+
+def test_hidden_state_distillation(converted: Path, mha: Path, tmp_path: Path):
+    """teacher.hidden_weight adds a residual-stream MSE: 0 for the teacher itself, logged, and it trains."""
+    from gqakit.uptrain.trainer import token_losses
+
+    teacher = load_causal_lm(mha)
+    x = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        ce, kl, mse, n = token_losses(teacher, x, teacher, 1.0, hidden=True)
+        assert float(kl) == pytest.approx(0.0, abs=1e-5) and float(mse) == 0.0 and n == 5
+        _, _, mse_s, _ = token_losses(load_causal_lm(converted), x, teacher, 1.0, hidden=True)
+        assert float(mse_s) > 0
+        assert float(token_losses(load_causal_lm(converted), x, teacher, 1.0)[2]) == 0.0  # off by default
+
+    c = cfg(converted, tmp_path / "hid")
+    c["teacher"] = {"path": str(mha), "kl_weight": 1.0, "lm_weight": 0.0, "hidden_weight": 1.0}
+    run_uptrain(c, quiet=True)
+    hs = [r["hidden_mse"] for r in rows(tmp_path / "hid") if "hidden_mse" in r]
+    assert len(hs) == 12 and all(h > 0 for h in hs) and hs[-1] < hs[0]
+
+    c = cfg(converted, tmp_path / "x")
+    c["teacher"] = {"hidden_weight": 1.0}
+    with pytest.raises(GqakitError, match="teacher.path: needed when teacher.hidden_weight"):
+        run_uptrain(c, quiet=True)

@@ -35,6 +35,9 @@ class TeacherCfg(_Section):
     kl_weight: float = Field(0.0, ge=0.0, description="weight of KL(teacher || student) added to the LM loss; 0 = off")
     temperature: float = Field(1.0, gt=0.0, description="softmax temperature of the KL term")
     lm_weight: float = Field(1.0, ge=0.0, description="weight of the next-token loss; 0 with kl_weight>0 = pure distillation")
+    hidden_weight: float = Field(0.0, ge=0.0, description=(
+        "weight of the MSE between the student's and the teacher's residual stream after every layer "
+        "(mean over hidden units, summed over layers, per token); 0 = off"))
 
 
 class TeacherSamplesCfg(_Section):
@@ -141,10 +144,12 @@ class UptrainConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "UptrainConfig":
-        if self.teacher.lm_weight == 0 and self.teacher.kl_weight == 0:
+        if self.teacher.lm_weight == 0 and self.teacher.kl_weight == 0 and self.teacher.hidden_weight == 0:
             raise ValueError("teacher.lm_weight: 0 needs teacher.kl_weight > 0, or nothing is trained")
         if self.teacher.kl_weight > 0 and not self.teacher.path:
             raise ValueError("teacher.path: needed when teacher.kl_weight > 0")
+        if self.teacher.hidden_weight > 0 and not self.teacher.path:
+            raise ValueError("teacher.path: needed when teacher.hidden_weight > 0")
         if self.data.teacher_samples is not None and not self.teacher.path:
             raise ValueError("teacher.path: needed for data.teacher_samples")
         return self

@@ -69,24 +69,36 @@ def lr_at(step: int, cfg: UptrainConfig, total: int, warmup: int) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sum of next-token CE, sum of per-token KL(teacher||student), number of predicted tokens).
+def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: float,
+                 hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(sum of next-token CE, sum of per-token KL(teacher||student), sum of per-token hidden-state
+    MSE, number of predicted tokens).
 
     Sums, not means: the caller divides by the token count of the whole optimizer step
-    across accumulation steps and processes, so the loss is a true per-token mean.
+    across accumulation steps and processes, so the loss is a true per-token mean. The
+    hidden-state term (only with `hidden=True`) compares the residual stream after every
+    layer, [:, :-1] like the logits; per token it is the mean over hidden units of the
+    squared difference, summed over layers. The embeddings (hidden_states[0]) are left out:
+    conversion does not change them.
     """
-    logits = model(input_ids=x).logits[:, :-1].float()
+    out = model(input_ids=x, output_hidden_states=hidden)
+    logits = out.logits[:, :-1].float()
     target = x[:, 1:]
     ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
     kl = torch.zeros((), device=x.device)
+    mse = torch.zeros((), device=x.device)
     if teacher is not None:
         with torch.no_grad():
-            t_logits = teacher(input_ids=x).logits[:, :-1].float()
+            t_out = teacher(input_ids=x, output_hidden_states=hidden)
+            t_logits = t_out.logits[:, :-1].float()
         log_p_s = F.log_softmax(logits / temperature, dim=-1)
         log_p_t = F.log_softmax(t_logits / temperature, dim=-1)
         # T^2 keeps the gradient scale independent of the temperature (Hinton et al.).
         kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum() * temperature**2
-    return ce, kl, target.numel()
+        if hidden:
+            for h_s, h_t in zip(out.hidden_states[1:], t_out.hidden_states[1:]):
+                mse = mse + (h_s[:, :-1].float() - h_t[:, :-1].float()).pow(2).mean(-1).sum()
+    return ce, kl, mse, target.numel()
 
 
 @torch.no_grad()
@@ -242,8 +254,12 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     teacher = None
-    if cfg.teacher.kl_weight > 0:
+    use_hidden = cfg.teacher.hidden_weight > 0
+    if cfg.teacher.kl_weight > 0 or use_hidden:
         teacher = load_causal_lm(teacher_path, device=accelerator.device)
+        if use_hidden and (teacher.config.num_hidden_layers, teacher.config.hidden_size) != (
+                hf_cfg.num_hidden_layers, hf_cfg.hidden_size):
+            raise GqakitError("teacher.hidden_weight: the teacher's layers or hidden size differ from the model's")
         teacher.requires_grad_(False)
     if t.compile:
         model = torch.compile(model)
@@ -298,7 +314,7 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
         log({"step": 0, "tokens": 0, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
 
     bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
-    loss, kl_mean, grad_norm = float("nan"), 0.0, None
+    loss, kl_mean, hid_mean, grad_norm = float("nan"), 0.0, 0.0, None
     t0, tokens_since = time.perf_counter(), 0
     while step < total_steps:
         lr = lr_at(step, cfg, total_steps, warmup)
@@ -313,17 +329,18 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
         # DDP/FSDP average gradients over processes and accelerator.backward divides by
         # grad_accum; multiplying by both undoes that averaging.
         scale = world * t.grad_accum / n_tok.item()
-        sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+        sums = torch.zeros(3, device=accelerator.device, dtype=torch.float64)
         for x in micro:
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    ce, kl, _ = token_losses(model, x, teacher, cfg.teacher.temperature)
-                    objective = cfg.teacher.lm_weight * ce + cfg.teacher.kl_weight * kl
+                    ce, kl, mse, _ = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=use_hidden)
+                    objective = (cfg.teacher.lm_weight * ce + cfg.teacher.kl_weight * kl
+                                 + cfg.teacher.hidden_weight * mse)
                 accelerator.backward(objective * scale)
-                sums += torch.stack([ce.detach(), kl.detach()]).double()
+                sums += torch.stack([ce.detach(), kl.detach(), mse.detach()]).double()
                 if accelerator.sync_gradients:
                     sums = accelerator.reduce(sums, "sum") / n_tok.double()
-                    loss, kl_mean = float(sums[0]), float(sums[1])
+                    loss, kl_mean, hid_mean = float(sums[0]), float(sums[1]), float(sums[2])
                     if not math.isfinite(loss) or not math.isfinite(kl_mean):
                         last = _checkpoints(out)
                         keep = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was saved yet"
@@ -341,6 +358,8 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
             row = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "lr": lr, "tok_per_s": round(tps, 1)}
             if teacher is not None:
                 row["kl"] = kl_mean
+            if use_hidden:
+                row["hidden_mse"] = hid_mean
             if grad_norm is not None:
                 row["grad_norm"] = float(grad_norm)
             if peak:
@@ -372,7 +391,8 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
         facts = {"tokens": f"{step * tokens_per_step:,}", "optimizer steps": step,
                  "tokens per step": f"{tokens_per_step:,}", "final train loss": f"{loss:.4f}",
                  "held-out perplexity": f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a",
-                 "teacher KL weight": cfg.teacher.kl_weight, "processes": world, "precision": precision}
+                 "teacher KL weight": cfg.teacher.kl_weight,
+                 **({"teacher hidden-state weight": cfg.teacher.hidden_weight} if use_hidden else {}), "processes": world, "precision": precision}
         export_model(accelerator.unwrap_model(model), state_dict, tokenizer, src=src, out=final,
                      settings=cfg.model_dump(mode="json"), facts=facts)
         say(f"uptrain: final loss {loss:.4f}"

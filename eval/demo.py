@@ -30,9 +30,11 @@ CACHE = Path("~/.cache/gqakit/smollm2").expanduser()
 
 # Budgets: CPU (2 cores, under 10 minutes) and GPU (a real, still short, run).
 BUDGETS: dict[str, dict[str, Any]] = {
-    "cpu": {"eval_chars": 12_000, "context": 256, "train_tokens": 8_192, "seq_len": 256, "micro_batch": 4,
+    "cpu": {"eval_chars": 12_000, "context": 256, "train_tokens": 16_384, "calib_tokens": 2_048,
+            "seq_len": 256, "micro_batch": 4,
             "batch": "1,4", "prompt_len": "64", "new_tokens": 16, "reps": 2},
-    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "seq_len": 512, "micro_batch": 16,
+    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "calib_tokens": 16_384,
+            "seq_len": 512, "micro_batch": 16,
             "batch": "1,8,32", "prompt_len": "128,1024", "new_tokens": 128, "reps": 5},
 }
 
@@ -106,7 +108,8 @@ def training_texts(limit_chars: int) -> list[str]:
 @click.command("demo", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("gqakit-demo"),
               show_default=True, help="Folder for models, results and the report.")
-@click.option("--method", default="align", show_default=True, help="Conversion method (see `gqakit convert --help`).")
+@click.option("--method", default="align-refit", show_default=True,
+              help="Conversion method (see `gqakit convert --help`); calibrating methods use the uptraining text.")
 @click.option("--budget", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="Small CPU budget (minutes) or a real GPU one; auto picks by device.")
 @click.option("--train-tokens", type=int, help="Override the uptraining token budget.")
@@ -149,11 +152,14 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
     gguf = fetch_gguf()
     data = out / "eval-pydoc-topics.txt"
     data.write_text(eval_text())
+    texts = training_texts(limit_chars=max(200_000, 8 * b["train_tokens"]))
+    calib = out / "train-stdlib-docstrings.txt"  # calibration and uptraining text; never the eval text
+    calib.write_text("\n\n".join(texts))
     say(f"2/5 convert: 3 -> 1 KV heads, method {method}")
-    converted = convert_checkpoint(gguf, out / "converted", num_kv_heads=1, method=method, progress=False)
+    converted = convert_checkpoint(gguf, out / "converted", num_kv_heads=1, method=method, progress=False,
+                                   calibration_data=str(calib), calibration_tokens=b["calib_tokens"])
 
     say(f"3/5 uptrain: {b['train_tokens']:,} tokens of standard-library docstrings")
-    texts = training_texts(limit_chars=max(200_000, 8 * b["train_tokens"]))
     cfg = {
         "model": {"path": str(converted)},
         "data": {"texts": texts, "sample_by": "document"},

@@ -77,6 +77,17 @@ def matmul_flops(device: Any, dtype: Any, n: int | None = None, reps: int = 3) -
     return 2 * n ** 3 / t
 
 
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The `key: N kB` entry of a Linux /proc file, in bytes (None where there is none)."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def available_memory(device: Any) -> int:
     """Bytes the next allocations may use: free GPU memory, or MemAvailable on the host."""
     import torch
@@ -84,12 +95,9 @@ def available_memory(device: Any) -> int:
     dev = torch.device(device)
     if dev.type == "cuda":
         return int(torch.cuda.mem_get_info(dev)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    avail = _proc_bytes("/proc/meminfo", "MemAvailable:")
+    if avail is not None:
+        return avail
     import os
 
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -123,13 +131,7 @@ class PeakMemory:
 
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
+        return _proc_bytes("/proc/self/status", "VmHWM:")
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -256,6 +256,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
         writer = ShardWriter(tmp, plan.tensors, max_bytes, {"gqakit": gqakit.__version__})
         src_names = opened.source.names()
         planned_dtype = {p.name: p.dtype for p in plan.tensors}
+        names_of_layer: dict[int, list[str]] = {}
+        for n, lay in plan.layer_of.items():
+            names_of_layer.setdefault(lay, []).append(n)
         bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
         done: set[int] = set()
         for name in src_names:
@@ -273,8 +276,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
             if layer in done:
                 continue
             done.add(layer)
-            names = [n for n, lay in plan.layer_of.items() if lay == layer]
-            tensors = {n: opened.source.get(n) for n in names}
+            tensors = {n: opened.source.get(n) for n in names_of_layer[layer]}
             # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
             wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
             heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)

@@ -283,9 +283,9 @@ def test_hidden_state_distillation(converted: Path, mha: Path, tmp_path: Path):
     teacher = load_causal_lm(mha)
     x = torch.tensor([[1, 5, 6, 7, 8, 9]])
     with torch.no_grad():
-        ce, kl, mse, n = token_losses(teacher, x, teacher, 1.0, hidden=True)
+        ce, kl, mse, _, n = token_losses(teacher, x, teacher, 1.0, hidden=True)
         assert float(kl) == pytest.approx(0.0, abs=1e-5) and float(mse) == 0.0 and n == 5
-        _, _, mse_s, _ = token_losses(load_causal_lm(converted), x, teacher, 1.0, hidden=True)
+        _, _, mse_s, _, _ = token_losses(load_causal_lm(converted), x, teacher, 1.0, hidden=True)
         assert float(mse_s) > 0
         assert float(token_losses(load_causal_lm(converted), x, teacher, 1.0)[2]) == 0.0  # off by default
 
@@ -299,3 +299,60 @@ def test_hidden_state_distillation(converted: Path, mha: Path, tmp_path: Path):
     c["teacher"] = {"hidden_weight": 1.0}
     with pytest.raises(GqakitError, match="teacher.path: needed when teacher.hidden_weight"):
         run_uptrain(c, quiet=True)
+
+
+def _perturb_k(model, layers: list[int]):
+    for i in layers:  # one fixed perturbation per layer, whichever others are perturbed too
+        w = model.model.layers[i].self_attn.k_proj.weight
+        w.data += 0.3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(i))
+    return model
+
+
+def test_layer_local_distillation_is_teacher_forced(mha: Path, converted: Path, tmp_path: Path):
+    """teacher.layer_weight feeds each student layer the teacher's input: the error of one
+    layer does not reach the next, so per-layer errors add up (the free-running hidden-state
+    term does not); 0 for the teacher itself; no hook is left behind; it trains."""
+    from gqakit.uptrain.trainer import decoder_layers, token_losses
+
+    teacher = load_causal_lm(mha)
+    x = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [1, 9, 8, 7, 6, 5, 4, 3]])
+    hooks = [len(m._forward_pre_hooks) for m in decoder_layers(teacher)]
+    with torch.no_grad():
+        assert float(token_losses(teacher, x, teacher, 1.0, layer=True).layer) == 0.0
+        first, second, both = (token_losses(_perturb_k(load_causal_lm(mha), ls), x, teacher, 1.0, hidden=True, layer=True)
+                            for ls in ([0], [1], [0, 1]))
+    assert float(first.layer) > 0 and float(second.layer) > 0
+    assert float(first.layer + second.layer) == pytest.approx(float(both.layer), rel=1e-5)
+    assert float(first.hidden + second.hidden) != pytest.approx(float(both.hidden), rel=1e-3)
+    assert [len(m._forward_pre_hooks) for m in decoder_layers(teacher)] == hooks
+
+    c = cfg(converted, tmp_path / "layer")
+    c["teacher"] = {"path": str(mha), "kl_weight": 0.0, "lm_weight": 0.0, "layer_weight": 1.0}
+    run_uptrain(c, quiet=True)
+    ls = [r["layer_mse"] for r in rows(tmp_path / "layer") if "layer_mse" in r]
+    assert len(ls) == 12 and all(v > 0 for v in ls) and ls[-1] < ls[0]
+    evals = [r["eval_ppl"] for r in rows(tmp_path / "layer") if "eval_ppl" in r]
+    assert evals[-1] < evals[0]
+    c["train"]["gradient_checkpointing"] = True
+    with pytest.raises(GqakitError, match="layer_weight: does not combine with train.gradient_checkpointing"):
+        run_uptrain(c, quiet=True)
+
+
+def test_tensorboard_logging(converted: Path, tmp_path: Path):
+    """logging.tensorboard (default on) writes the same scalars as log.jsonl through accelerate's tracker."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    c = cfg(converted, tmp_path / "tb")
+    c["logging"]["tensorboard"] = True
+    run_uptrain(c, quiet=True)
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events, "no tensorboard event file"
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    loss = [e.value for e in acc.Scalars("loss")]
+    assert [e.step for e in acc.Scalars("loss")] == list(range(1, 13))
+    assert loss == pytest.approx([r["loss"] for r in rows(tmp_path / "tb") if "loss" in r], rel=1e-6)
+    assert len(acc.Scalars("eval_ppl")) == 3  # steps 0, 6, 12
+    # The final model folder is unchanged by the tracker: no event files leak into it.
+    assert not list((tmp_path / "tb" / "model").rglob("events.out.tfevents.*"))

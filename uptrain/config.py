@@ -38,6 +38,10 @@ class TeacherCfg(_Section):
     hidden_weight: float = Field(0.0, ge=0.0, description=(
         "weight of the MSE between the student's and the teacher's residual stream after every layer "
         "(mean over hidden units, summed over layers, per token); 0 = off"))
+    layer_weight: float = Field(0.0, ge=0.0, description=(
+        "weight of the layer-local (teacher-forced) MSE: each layer of the student is fed the teacher's "
+        "input to that layer and must reproduce the teacher's output of it (mean over hidden units, "
+        "summed over layers, per token); costs a second forward and backward of the student; 0 = off"))
 
 
 class TeacherSamplesCfg(_Section):
@@ -144,12 +148,19 @@ class UptrainConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "UptrainConfig":
-        if self.teacher.lm_weight == 0 and self.teacher.kl_weight == 0 and self.teacher.hidden_weight == 0:
+        te = self.teacher
+        if te.lm_weight == 0 and te.kl_weight == 0 and te.hidden_weight == 0 and te.layer_weight == 0:
             raise ValueError("teacher.lm_weight: 0 needs teacher.kl_weight > 0, or nothing is trained")
         if self.teacher.kl_weight > 0 and not self.teacher.path:
             raise ValueError("teacher.path: needed when teacher.kl_weight > 0")
         if self.teacher.hidden_weight > 0 and not self.teacher.path:
             raise ValueError("teacher.path: needed when teacher.hidden_weight > 0")
+        if te.layer_weight > 0 and not te.path:
+            raise ValueError("teacher.path: needed when teacher.layer_weight > 0")
+        if te.layer_weight > 0 and self.train.gradient_checkpointing:
+            # The teacher-forced pass swaps each layer's input in a hook; a checkpointed
+            # layer re-runs its forward in the backward pass, after the hook is gone.
+            raise ValueError("teacher.layer_weight: does not combine with train.gradient_checkpointing")
         if self.data.teacher_samples is not None and not self.teacher.path:
             raise ValueError("teacher.path: needed for data.teacher_samples")
         return self

@@ -16,8 +16,9 @@ import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,26 +70,85 @@ def lr_at(step: int, cfg: UptrainConfig, total: int, warmup: int) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class Losses(NamedTuple):
+    """Per-token sums over one micro-batch (see `token_losses`)."""
+    ce: torch.Tensor
+    kl: torch.Tensor
+    hidden: torch.Tensor
+    layer: torch.Tensor
+    n: int
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The model's stack of decoder blocks: the ModuleList with one entry per hidden layer."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP / torch.compile wrappers
+        model = getattr(model, "module", None) or model._orig_mod
+    n = model.config.num_hidden_layers
+    for _, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
+            return mod
+    raise GqakitError(f"teacher.layer_weight: cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+@contextmanager
+def layer_hooks(layers: torch.nn.ModuleList, record: list | None = None, feed: Sequence[torch.Tensor] | None = None):
+    """While active, `record` gets (input, output) hidden states of every layer in order,
+    and with `feed`, layer i runs on feed[i] instead of what the layer below passed up."""
+    handles = []
+
+    def pre(i: int):
+        def hook(mod, args, kwargs):
+            if args:
+                return (feed[i], *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": feed[i]}
+        return hook
+
+    def post(mod, args, kwargs, output):
+        inp = args[0] if args else kwargs["hidden_states"]
+        record.append((inp, output[0] if isinstance(output, tuple) else output))
+
+    try:
+        for i, layer in enumerate(layers):
+            if feed is not None:
+                handles.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
+            if record is not None:
+                handles.append(layer.register_forward_hook(post, with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _sq_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sum over predicted positions ([:, :-1], like the logits) of the mean squared error over hidden units."""
+    return (a[:, :-1].float() - b[:, :-1].float()).pow(2).mean(-1).sum()
+
+
 def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: float,
-                 hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(sum of next-token CE, sum of per-token KL(teacher||student), sum of per-token hidden-state
-    MSE, number of predicted tokens).
+                 hidden: bool = False, layer: bool = False) -> Losses:
+    """Sums over the predicted tokens of one micro-batch: next-token CE, KL(teacher||student),
+    hidden-state MSE and layer-local MSE, and the number of predicted tokens.
 
     Sums, not means: the caller divides by the token count of the whole optimizer step
-    across accumulation steps and processes, so the loss is a true per-token mean. The
-    hidden-state term (only with `hidden=True`) compares the residual stream after every
-    layer, [:, :-1] like the logits; per token it is the mean over hidden units of the
-    squared difference, summed over layers. The embeddings (hidden_states[0]) are left out:
-    conversion does not change them.
+    across accumulation steps and processes, so the loss is a true per-token mean.
+    - hidden (`hidden=True`): the student's residual stream after every layer against the
+      teacher's, both running freely; per token the mean over hidden units of the squared
+      difference, summed over layers. The embeddings are left out: conversion does not
+      change them.
+    - layer (`layer=True`): teacher-forced and layer-local. A second student pass feeds
+      every layer the teacher's input to that layer, and the layer's output is compared
+      with the teacher's output of it. Each layer then gets its own clean target, not one
+      blurred by the errors of the layers below.
     """
     out = model(input_ids=x, output_hidden_states=hidden)
     logits = out.logits[:, :-1].float()
     target = x[:, 1:]
     ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-    kl = torch.zeros((), device=x.device)
-    mse = torch.zeros((), device=x.device)
+    zero = torch.zeros((), device=x.device)
+    kl, mse, local = zero, zero, zero
     if teacher is not None:
-        with torch.no_grad():
+        t_io: list = []
+        with torch.no_grad(), layer_hooks(decoder_layers(teacher), record=t_io if layer else None):
             t_out = teacher(input_ids=x, output_hidden_states=hidden)
             t_logits = t_out.logits[:, :-1].float()
         log_p_s = F.log_softmax(logits / temperature, dim=-1)
@@ -96,9 +156,13 @@ def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: 
         # T^2 keeps the gradient scale independent of the temperature (Hinton et al.).
         kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum() * temperature**2
         if hidden:
-            for h_s, h_t in zip(out.hidden_states[1:], t_out.hidden_states[1:]):
-                mse = mse + (h_s[:, :-1].float() - h_t[:, :-1].float()).pow(2).mean(-1).sum()
-    return ce, kl, mse, target.numel()
+            mse = sum((_sq_err(h_s, h_t) for h_s, h_t in zip(out.hidden_states[1:], t_out.hidden_states[1:])), zero)
+        if layer:
+            s_io: list = []
+            with layer_hooks(decoder_layers(model), record=s_io, feed=[i for i, _ in t_io]):
+                model(input_ids=x)
+            local = sum((_sq_err(o_s, o_t) for (_, o_s), (_, o_t) in zip(s_io, t_io)), zero)
+    return Losses(ce, kl, mse, local, target.numel())
 
 
 @torch.no_grad()
@@ -254,12 +318,12 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     teacher = None
-    use_hidden = cfg.teacher.hidden_weight > 0
-    if cfg.teacher.kl_weight > 0 or use_hidden:
+    use_hidden, use_layer = cfg.teacher.hidden_weight > 0, cfg.teacher.layer_weight > 0
+    if cfg.teacher.kl_weight > 0 or use_hidden or use_layer:
         teacher = load_causal_lm(teacher_path, device=accelerator.device)
-        if use_hidden and (teacher.config.num_hidden_layers, teacher.config.hidden_size) != (
+        if (use_hidden or use_layer) and (teacher.config.num_hidden_layers, teacher.config.hidden_size) != (
                 hf_cfg.num_hidden_layers, hf_cfg.hidden_size):
-            raise GqakitError("teacher.hidden_weight: the teacher's layers or hidden size differ from the model's")
+            raise GqakitError(f"teacher.{'hidden' if use_hidden else 'layer'}_weight: the teacher's layers or hidden size differ from the model's")
         teacher.requires_grad_(False)
     if t.compile:
         model = torch.compile(model)
@@ -314,7 +378,7 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
         log({"step": 0, "tokens": 0, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
 
     bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
-    loss, kl_mean, hid_mean, grad_norm = float("nan"), 0.0, 0.0, None
+    loss, kl_mean, hid_mean, layer_mean, grad_norm = float("nan"), 0.0, 0.0, 0.0, None
     t0, tokens_since = time.perf_counter(), 0
     while step < total_steps:
         lr = lr_at(step, cfg, total_steps, warmup)
@@ -329,18 +393,18 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
         # DDP/FSDP average gradients over processes and accelerator.backward divides by
         # grad_accum; multiplying by both undoes that averaging.
         scale = world * t.grad_accum / n_tok.item()
-        sums = torch.zeros(3, device=accelerator.device, dtype=torch.float64)
+        sums = torch.zeros(4, device=accelerator.device, dtype=torch.float64)
         for x in micro:
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    ce, kl, mse, _ = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=use_hidden)
-                    objective = (cfg.teacher.lm_weight * ce + cfg.teacher.kl_weight * kl
-                                 + cfg.teacher.hidden_weight * mse)
+                    ls = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=use_hidden, layer=use_layer)
+                    objective = (cfg.teacher.lm_weight * ls.ce + cfg.teacher.kl_weight * ls.kl
+                                 + cfg.teacher.hidden_weight * ls.hidden + cfg.teacher.layer_weight * ls.layer)
                 accelerator.backward(objective * scale)
-                sums += torch.stack([ce.detach(), kl.detach(), mse.detach()]).double()
+                sums += torch.stack([ls.ce.detach(), ls.kl.detach(), ls.hidden.detach(), ls.layer.detach()]).double()
                 if accelerator.sync_gradients:
                     sums = accelerator.reduce(sums, "sum") / n_tok.double()
-                    loss, kl_mean, hid_mean = float(sums[0]), float(sums[1]), float(sums[2])
+                    loss, kl_mean, hid_mean, layer_mean = (float(v) for v in sums)
                     if not math.isfinite(loss) or not math.isfinite(kl_mean):
                         last = _checkpoints(out)
                         keep = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was saved yet"
@@ -360,6 +424,8 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
                 row["kl"] = kl_mean
             if use_hidden:
                 row["hidden_mse"] = hid_mean
+            if use_layer:
+                row["layer_mse"] = layer_mean
             if grad_norm is not None:
                 row["grad_norm"] = float(grad_norm)
             if peak:
@@ -392,7 +458,8 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
                  "tokens per step": f"{tokens_per_step:,}", "final train loss": f"{loss:.4f}",
                  "held-out perplexity": f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a",
                  "teacher KL weight": cfg.teacher.kl_weight,
-                 **({"teacher hidden-state weight": cfg.teacher.hidden_weight} if use_hidden else {}), "processes": world, "precision": precision}
+                 **({"teacher hidden-state weight": cfg.teacher.hidden_weight} if use_hidden else {}),
+                 **({"teacher layer-local weight": cfg.teacher.layer_weight} if use_layer else {}), "processes": world, "precision": precision}
         export_model(accelerator.unwrap_model(model), state_dict, tokenizer, src=src, out=final,
                      settings=cfg.model_dump(mode="json"), facts=facts)
         say(f"uptrain: final loss {loss:.4f}"

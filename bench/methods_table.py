@@ -35,13 +35,19 @@ def main() -> None:
                 r = last.get((model, g, method, grouping))
                 cells += [f"{r['ppl']:.2f}", f"{r['convert_seconds']:.1f}"] if r else ["", ""]
             print(f"| {method} | {grouping} | " + " | ".join(cells) + " |")
-    up = {(r["G"], r["method"]): r for r in rows("methods_uptrain.jsonl")}
-    if up:
-        print("\n| G | method | ppl before | ppl after | train tokens | train s |\n|---|---|---|---|---|---|")
-        for (g, method), r in sorted(up.items(), key=lambda kv: (-kv[0][0], list(up).index(kv[0]))):
-            print(f"| {g} | {method} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['train_tokens']:,} | "
+    up: dict[tuple, dict] = {}
+    for r in rows("methods_uptrain.jsonl"):
+        up[(r["model"], r["G"], r["method"])] = r
+    for model in ("stories", "smollm2"):
+        keys = [k for k in up if k[0] == model]
+        if not keys:
+            continue
+        print(f"\n{model}, equal uptraining budget per start")
+        print("| G | method | ppl before | ppl after | train tokens | train s |\n|---|---|---|---|---|---|")
+        for k in sorted(keys, key=lambda k: (-k[1], list(up).index(k))):
+            r = up[k]
+            print(f"| {k[1]} | {k[2]} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {r['train_tokens']:,} | "
                   f"{r['train_seconds']:.0f} |")
-
 
 if __name__ == "__main__":
     sys.exit(main())

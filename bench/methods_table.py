@@ -17,7 +17,8 @@ def rows(name: str) -> list[dict]:
 def main() -> None:
     last: dict[tuple, dict] = {}
     for r in rows("methods.jsonl"):
-        last[(r["model"], r.get("G"), r["method"], r.get("grouping"))] = r
+        # align-refit rows differ by their calibration budget: one line per budget
+        last[(r["model"], r.get("G"), r["method"], (r.get("grouping"), r.get("calibration_tokens")))] = r
     for model in ("stories", "smollm2"):
         gs = sorted({k[1] for k in last if k[0] == model and k[1] is not None}, reverse=True)
         combos = sorted({(k[2], k[3]) for k in last if k[0] == model and k[1] is not None},
@@ -25,7 +26,7 @@ def main() -> None:
                         list(last).index([r for r in last if r[0] == model and (r[2], r[3]) == c][0]))
         if not gs:
             continue
-        orig = last.get((model, None, "original", None))
+        orig = last.get((model, None, "original", (None, None)))
         print(f"\n{model}" + (f" (original ppl {orig['ppl']:.2f})" if orig else ""))
         print("| method | grouping | " + " | ".join(f"G={g} ppl | G={g} convert s" for g in gs) + " |")
         print("|---|---|" + "---|---|" * len(gs))
@@ -34,7 +35,8 @@ def main() -> None:
             for g in gs:
                 r = last.get((model, g, method, grouping))
                 cells += [f"{r['ppl']:.2f}", f"{r['convert_seconds']:.1f}"] if r else ["", ""]
-            print(f"| {method} | {grouping} | " + " | ".join(cells) + " |")
+            label = method if grouping[1] is None else f"{method} ({grouping[1]:,} calibration tokens)"
+            print(f"| {label} | {grouping[0]} | " + " | ".join(cells) + " |")
     up: dict[tuple, dict] = {}
     for r in rows("methods_uptrain.jsonl"):
         up[(r["model"], r["G"], r["method"])] = r

@@ -95,6 +95,7 @@ def main() -> None:
     blocks = blocks[torch.randperm(len(blocks))]
     steps = args.tokens // (MICRO * SEQ)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    evals = {round(steps * k / args.evals) for k in range(1, args.evals + 1)}
     curve, t0 = [], time.perf_counter()
     for s in range(steps):
         lr = (args.lr * (s + 1) / (WARMUP + 1) if s < WARMUP else
@@ -111,7 +112,7 @@ def main() -> None:
         kl.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if (s + 1) % max(1, steps // args.evals) == 0 or s + 1 == steps:
+        if s + 1 in evals:
             point = {"tokens": (s + 1) * MICRO * SEQ, "ppl": round(ppl(), 4), "seconds": round(time.perf_counter() - t0)}
             curve.append(point)
             print(point, flush=True)

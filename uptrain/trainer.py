@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -148,7 +148,8 @@ def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: 
     kl, mse, local = zero, zero, zero
     if teacher is not None:
         t_io: list = []
-        with torch.no_grad(), layer_hooks(decoder_layers(teacher), record=t_io if layer else None):
+        recording = layer_hooks(decoder_layers(teacher), record=t_io) if layer else nullcontext()
+        with torch.no_grad(), recording:
             t_out = teacher(input_ids=x, output_hidden_states=hidden)
             t_logits = t_out.logits[:, :-1].float()
         log_p_s = F.log_softmax(logits / temperature, dim=-1)

@@ -37,13 +37,14 @@ COMBOS = [("mean", "contiguous"), ("first", "contiguous"), ("align", "contiguous
           ("align-refit", "similarity")]
 
 
-def perplexity(path: Path, data: Path, max_chars: int | None) -> float:
+def perplexity(path: Path, data: Path, max_chars: int | None, threads: int | None = None) -> float:
+    """Held-out perplexity on `threads` threads (default: $OMP_NUM_THREADS, else every core)."""
     import torch
 
     from gqakit.core.loading import load_causal_lm, load_tokenizer
     from gqakit.eval.perplexity import evaluate_perplexity, read_text
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
     model = load_causal_lm(path, dtype=torch.float32)
     tok = load_tokenizer(path)
     res = evaluate_perplexity(model, tok, read_text(str(data), max_chars=max_chars), context=512, progress=False)

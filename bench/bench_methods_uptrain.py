@@ -25,7 +25,6 @@ Threads: --threads (default $OMP_NUM_THREADS, else all cores) for training and e
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -53,20 +52,6 @@ RECIPES = {
                     overrides=lambda m: ["train.cpu=true", "train.seq_len=512", "train.micro_batch=2",
                                          "train.grad_accum=1", "train.warmup_steps=4", "data.eval_file="]),
 }
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    """bench_methods.perplexity sets torch to os.cpu_count() threads; hold it at n instead."""
-    import torch
-
-    real = torch.set_num_threads
-    torch.set_num_threads = lambda _: real(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads = real
-        real(n)
 
 
 def _convert(m: dict, out: Path, g: int, method: str, calib_tokens: int | None) -> float | None:
@@ -128,8 +113,7 @@ def main() -> None:
                     before, before_src = DOCUMENTED_BEFORE[key], "documented (bench/results/methods.jsonl)"
                 else:
                     t0 = time.perf_counter()
-                    with _threads(args.threads):
-                        before = perplexity(conv, m["data"], m["max_chars"])
+                    before = perplexity(conv, m["data"], m["max_chars"], args.threads)
                     before_src = f"measured ({time.perf_counter() - t0:.0f} s)"
                 run_dir = work / f"run-g{g}-{method}-{tokens}"
                 if run_dir.exists():
@@ -142,8 +126,7 @@ def main() -> None:
                 log = [json.loads(s) for s in (run_dir / "log.jsonl").read_text().splitlines() if s.strip()]
                 train_rows = [r for r in log if "loss" in r]
                 t0 = time.perf_counter()
-                with _threads(args.threads):
-                    after = perplexity(final, m["data"], m["max_chars"])
+                after = perplexity(final, m["data"], m["max_chars"], args.threads)
                 eval_secs = time.perf_counter() - t0
                 if args.workdir:  # keep the converted folder for reuse, not the 0.5 GB trained copy
                     shutil.rmtree(final, ignore_errors=True)

@@ -151,17 +151,14 @@ class UptrainConfig(_Section):
         te = self.teacher
         if te.lm_weight == 0 and te.kl_weight == 0 and te.hidden_weight == 0 and te.layer_weight == 0:
             raise ValueError("teacher.lm_weight: 0 needs teacher.kl_weight > 0, or nothing is trained")
-        if self.teacher.kl_weight > 0 and not self.teacher.path:
-            raise ValueError("teacher.path: needed when teacher.kl_weight > 0")
-        if self.teacher.hidden_weight > 0 and not self.teacher.path:
-            raise ValueError("teacher.path: needed when teacher.hidden_weight > 0")
-        if te.layer_weight > 0 and not te.path:
-            raise ValueError("teacher.path: needed when teacher.layer_weight > 0")
+        for key in ("kl_weight", "hidden_weight", "layer_weight"):
+            if getattr(te, key) > 0 and not te.path:
+                raise ValueError(f"teacher.path: needed when teacher.{key} > 0")
         if te.layer_weight > 0 and self.train.gradient_checkpointing:
             # The teacher-forced pass swaps each layer's input in a hook; a checkpointed
             # layer re-runs its forward in the backward pass, after the hook is gone.
             raise ValueError("teacher.layer_weight: does not combine with train.gradient_checkpointing")
-        if self.data.teacher_samples is not None and not self.teacher.path:
+        if self.data.teacher_samples is not None and not te.path:
             raise ValueError("teacher.path: needed for data.teacher_samples")
         return self
 

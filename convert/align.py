@@ -239,11 +239,16 @@ def refit_o_proj(z: Tensor, target: Tensor, o: Tensor, ridge: float) -> Tensor:
     z: [N, H*D] inputs of o_proj (per-head attention outputs) after conversion; target:
     [N, out] what o_proj (without its bias) should output.
     """
+    return refit_o_proj_moments(z.T @ z, z.T @ target, o, ridge)
+
+
+def refit_o_proj_moments(zz: Tensor, zt: Tensor, o: Tensor, ridge: float) -> Tensor:
+    """`refit_o_proj` from its normal equations Z^T Z [H*D, H*D] and Z^T target [H*D, out],
+    which a streamed caller accumulates batch by batch. The ridge is relative to the mean
+    diagonal of Z^T Z, so scaling every row weight by one constant changes nothing."""
     out, H, D = o.shape
-    zz = z.T @ z
     lam = ridge * float(torch.diagonal(zz).mean()) + 1e-30
-    o0 = o.reshape(out, H * D)
-    rhs = z.T @ target + lam * o0.T
+    rhs = zt + lam * o.reshape(out, H * D).T
     sol = torch.linalg.solve(zz + lam * torch.eye(H * D, dtype=zz.dtype), rhs)
     return sol.T.reshape(out, H, D)
 

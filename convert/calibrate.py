@@ -1,297 +1,637 @@
-"""Calibrated conversion (`align-refit`): a training-free, closed-form pass over the whole model.
+"""Calibrated conversion (`align-refit`), streamed one decoder block at a time.
 
-Runs once before the pipeline's per-layer pass (`methods.PREPARE`) and returns every
-layer's final heads. Layer by layer, in order:
+Memory stays flat in the model's depth, the way GPTQ and llm-compressor's sequential
+onloading scale calibration to 70B models on one GPU:
 
-  1. inputs: the original model's attention input x (and its residual stream and
-     attention output) on the calibration tokens, and the *converted-so-far* model's
-     input x' to the same layer (earlier layers are already converted, so x' drifts);
+  - the model is built on the meta device (accelerate's `init_empty_weights`); only the
+    modules outside the decoder blocks are materialised (the input embedding only for
+    the rows the calibration text uses), and the model's own forward computes the first
+    block's input together with each block's rotary embeddings and masks;
+  - two hidden-state streams for all calibration tokens, the original model's and the
+    converted-so-far model's, live on the device, in CPU memory or in files on disk
+    (`offload`), in a storage dtype of their own (`stream_dtype`);
+  - block L is loaded from the checkpoint onto the device, fitted, advanced on both
+    streams, handed to the writer and freed before block L+1 is read.
+
+The fit of one block, from the original stream x and the converted stream x':
+
+  1. moments E[x~ x~^T], E[x~ x~'^T], E[x~' x~'^T] of the attention inputs (normed, with
+     a constant 1 appended), accumulated in float64 batch by batch;
   2. grouping (optional, by aligned-weight similarity in the input metric), then
      RoPE-aware alignment in the metric of E[x x^T], then mean pooling;
   3. query refit: per query head, the RoPE-commuting map (scaled 2x2 rotation per
      frequency pair, full matrix on unrotated dims) that best reproduces its original
-     keys k_j(x) from the pooled keys k'(x'), by ridge least squares on the moments
-     E[x~ x~'^T], E[x~' x~'^T];
-  4. o_proj refit: ridge least squares of o_proj on the converted layer's per-head
+     keys k_j(x) from the pooled keys k'(x'), by ridge least squares on those moments;
+  4. o_proj refit: ridge least squares of o_proj on the converted block's per-head
      attention outputs, towards the original model's residual stream after this
      attention (original attention output + original residual - converted residual), so
-     each layer also corrects the drift of the layers before it.
+     each layer also corrects the drift of the layers before it. Its normal equations
+     are accumulated batch by batch in float64, rows weighted by 1/|original residual|^2
+     (`row_weight`), so outsized "attention sink" rows do not dominate.
 
-Options (`settings.options`: Python API and bench --options; no CLI flag): seq_len, q_ridge, o_ridge (ridge strength,
-relative to the mean diagonal of the normal matrix; < 0 skips that refit), target
-("residual" | "local"), skip_first (leave the first n positions of every sequence out of
-the fits), row_weight ("relative": each row of the o_proj fit weighted by 1/|original
-residual|^2, so rows with outsized "attention sink" activations, e.g. SmolLM2's first
-position at ~25,000 against ~150 elsewhere, do not dominate it; "none"), holdout (a
-fraction of the sequences kept out of the fits; the reported `residual_drift` is then
-measured on them). The o_proj fit has (heads x head_dim)^2 free values per layer and
-overfits a few thousand tokens: its default ridge (3e-2) is set by held-out drift on
-SmolLM2.
+Options (`refit_options`; Python API and bench --options; every key is checked):
+seq_len, batch (sequences per block forward), sample_batch (sequences per generate call
+when sampling), q_ridge, o_ridge (ridge strength relative to the mean diagonal of the
+normal matrix; < 0 skips that refit), target ("residual" | "local"), skip_first (leave
+the first n positions of every sequence out of the fits), row_weight ("relative" |
+"none"), holdout (a fraction of the sequences kept out of the fits; the reported
+`residual_drift` is then measured on them), dtype (block compute: auto = float64 for
+models under 20M parameters on the CPU, else float32), stream_dtype (auto = the compute
+dtype), offload (auto | device | cpu | disk).
 
-Calibration text is `--calibration-data` (tokenised, cut into sequences) or, without
-it, text sampled from the source model itself (offline, no extra input).
+Calibration text is `--calibration-data` (a text file or `hf:NAME[:CONFIG][:SPLIT]`,
+tokenised and cut into sequences) or, without it, text sampled from the source model,
+which needs the whole model in memory once.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from gqakit.convert import arch as archmod
-from gqakit.convert.align import (align_heads, expand_kv, pool_mean, refit_o_proj, refit_queries)
+from gqakit.convert.align import (align_heads, expand_kv, pool_mean, refit_o_proj_moments, refit_queries)
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
+from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.errors import GqakitError
 
-DEFAULTS = {"seq_len": 256, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual", "sample_batch": 64, "skip_first": 0,
-            "row_weight": "relative", "holdout": 0.0, "dtype": "auto"}
+DEFAULTS: dict[str, Any] = {
+    "seq_len": 256, "batch": 16, "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
+    "skip_first": 0, "row_weight": "relative", "holdout": 0.0, "dtype": "auto", "stream_dtype": "auto",
+    "offload": "auto",
+}
+CHOICES = {"target": ("residual", "local"), "row_weight": ("relative", "none"),
+           "dtype": ("auto", "float32", "float64"),
+           "stream_dtype": ("auto", "float32", "float64", "bfloat16", "float16"),
+           "offload": ("auto", "device", "cpu", "disk")}
+_MIN_INT = {"seq_len": 2, "batch": 1, "sample_batch": 1, "skip_first": 0}
+SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
+
+
+def refit_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """DEFAULTS updated with `options`; an unknown key or a bad value is a one-line error."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise GqakitError(f"unknown align-refit option(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+    out = dict(DEFAULTS)
+    for key, value in options.items():
+        if key in CHOICES:
+            if value not in CHOICES[key]:
+                raise GqakitError(f"align-refit option {key}={value!r}; choose from {', '.join(CHOICES[key])}")
+        elif key in _MIN_INT:
+            if isinstance(value, bool) or not isinstance(value, int) or value < _MIN_INT[key]:
+                raise GqakitError(f"align-refit option {key} must be an integer >= {_MIN_INT[key]}, got {value!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise GqakitError(f"align-refit option {key} must be a finite number, got {value!r}")
+            if key == "holdout" and not 0 <= value < 1:
+                raise GqakitError(f"align-refit option holdout must be in [0, 1), got {value!r}")
+        out[key] = value
+    return out
 
 
 def source_path(opened: Any) -> Path:
     return Path(opened.folder) / opened.gguf if opened.gguf else Path(opened.folder)
 
 
-def _bos_id(model: Any, tokenizer: Any = None) -> int:
-    for obj in (tokenizer, getattr(model, "generation_config", None), model.config):
-        tid = getattr(obj, "bos_token_id", None) if obj is not None else None
-        if tid is not None:
-            return int(tid)
-    eos = getattr(model.config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0]
-    if eos is None:
-        raise GqakitError("cannot sample calibration text: the model has neither a BOS nor an EOS token; "
+def max_positions(config: dict[str, Any]) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        if config.get(key):
+            return int(config[key])
+    return None
+
+
+def _bos_id(config: dict[str, Any], tokenizer: Any = None) -> int:
+    tid = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    if tid is None:
+        tid = config.get("bos_token_id")
+    if tid is None:
+        eos = config.get("eos_token_id")
+        tid = eos[0] if isinstance(eos, list) else eos
+    if tid is None:
+        raise GqakitError("cannot build calibration sequences: the model has neither a BOS nor an EOS token; "
                           "pass --calibration-data FILE")
-    return int(eos)
+    return int(tid)
 
 
-def calibration_batches(model: Any, path: Path, data: str | None, tokens: int, seq_len: int, seed: int,
-                        batch: int = 16, progress: bool = True) -> tuple[list[Tensor], str]:
-    """Token batches [B, seq_len] and a description of where they came from."""
-    max_pos = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    seq_len = min(seq_len, int(max_pos)) if max_pos else seq_len
+def _generation_config(opened: Any) -> dict[str, Any]:
+    import json
+
+    p = Path(opened.folder) / "generation_config.json"
+    try:
+        return json.loads(p.read_text()) if not opened.gguf and p.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def calibration_sequences(opened: Any, data: str | None, tokens: int, seq_len: int, seed: int, *,
+                          sample_batch: int = 64, device: str = "cpu", progress: bool = True,
+                          source_params: int = 0) -> tuple[Tensor, str]:
+    """Token ids [n_seq, seq_len] (each sequence starts with BOS) and where they came from."""
+    path = source_path(opened)
+    cfg = {**opened.config, **{k: v for k, v in _generation_config(opened).items() if v is not None}}
+    max_pos = max_positions(opened.config)
+    seq_len = min(seq_len, max_pos) if max_pos else seq_len
     n_seq = max(1, math.ceil(tokens / seq_len))
     if data:
         from gqakit.core.loading import load_tokenizer
+        from gqakit.core.text import read_text
 
-        p = Path(data).expanduser()
-        if not p.is_file():
-            raise GqakitError(f"calibration data not found: {p}")
-        text = p.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+        doc = read_text(str(data))
         tok = load_tokenizer(path)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        bos = _bos_id(model, tok)
+        ids = tok(doc.text, add_special_tokens=False)["input_ids"]
+        bos = _bos_id(cfg, tok)
         body = seq_len - 1
         if len(ids) < body:
-            raise GqakitError(f"calibration data {p} has {len(ids)} tokens, fewer than one sequence of {seq_len}")
+            raise GqakitError(f"calibration data {doc.source} has {len(ids)} tokens, fewer than one sequence of "
+                              f"{seq_len}")
         n_seq = min(n_seq, len(ids) // body)
         seqs = torch.tensor([[bos] + ids[i * body:(i + 1) * body] for i in range(n_seq)], dtype=torch.long)
-        where = f"{p} ({n_seq} x {seq_len} tokens)"
-    else:
-        bos = _bos_id(model)
-        out = []
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for i in tqdm(range(0, n_seq, batch), desc="sampling calibration text", disable=not progress):
-                b = min(batch, n_seq - i)
-                start = torch.full((b, 1), bos, dtype=torch.long)
-                gen = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, top_k=0,
-                                     top_p=1.0, temperature=1.0, max_new_tokens=seq_len - 1,
-                                     min_new_tokens=seq_len - 1, pad_token_id=bos)
-                out.append(gen[:, :seq_len])
-        seqs = torch.cat(out)
-        where = f"sampled from the source model ({n_seq} x {seq_len} tokens, seed {seed})"
-    return [seqs[i:i + batch] for i in range(0, len(seqs), batch)], where
+        return seqs, f"{doc.source} ({n_seq} x {seq_len} tokens)"
+    need = int(source_params * 4 * 1.2)  # float32 weights, plus room to generate
+    free = available_memory(device)
+    if need > free:
+        raise GqakitError(f"sampling calibration text needs the whole model in memory ({need / 1e9:.1f} GB in "
+                          f"float32, {free / 1e9:.1f} GB free on {device}); pass --calibration-data FILE "
+                          f"(or hf:NAME[:CONFIG][:SPLIT])")
+    from gqakit.core.loading import load_causal_lm
 
+    bos = _bos_id(cfg)
+    model = load_causal_lm(path, dtype=torch.float32, device=device)
+    out = []
+    with torch.inference_mode(), torch.random.fork_rng(devices=[device] if device.startswith("cuda") else []):
+        torch.manual_seed(seed)
+        for i in tqdm(range(0, n_seq, sample_batch), desc="sampling calibration text", disable=not progress):
+            b = min(sample_batch, n_seq - i)
+            start = torch.full((b, 1), bos, dtype=torch.long, device=device)
+            gen = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, top_k=0,
+                                 top_p=1.0, temperature=1.0, max_new_tokens=seq_len - 1,
+                                 min_new_tokens=seq_len - 1, pad_token_id=bos)
+            out.append(gen[:, :seq_len].cpu())
+    del model
+    _empty_cache(device)
+    return torch.cat(out), f"sampled from the source model ({n_seq} x {seq_len} tokens, seed {seed})"
+
+
+def _empty_cache(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- streams
+
+class Streams:
+    """The original and the converted hidden-state streams, [n_seq, T, D] each.
+
+    `where`: "device" (the compute device), "cpu" (host memory) or "disk" (files in
+    `folder`, memory-mapped, so the OS pages them in and out).
+    """
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, where: str, device: str,
+                 folder: Path | None = None) -> None:
+        self.where, self.device, self.dtype = where, device, dtype
+        numel = shape[0] * shape[1] * shape[2]
+        if where == "disk":
+            assert folder is not None
+            folder.mkdir(parents=True, exist_ok=True)
+            self.orig, self.new = (torch.from_file(str(folder / f"{name}.bin"), shared=True, size=numel,
+                                                   dtype=dtype).view(shape) for name in ("orig", "new"))
+        else:
+            dev = device if where == "device" else "cpu"
+            self.orig = torch.empty(shape, dtype=dtype, device=dev)
+            self.new = torch.empty(shape, dtype=dtype, device=dev)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.orig.numel() * self.orig.element_size()
+
+    def get(self, which: str, sl: slice, dtype: torch.dtype) -> Tensor:
+        return getattr(self, which)[sl].to(device=self.device, dtype=dtype)
+
+    def put(self, which: str, sl: slice, value: Tensor) -> None:
+        getattr(self, which)[sl].copy_(value)
+
+
+def choose_offload(want: str, stream_bytes: int, block_bytes: int, device: str) -> str:
+    """Where the streams go: the device when they fit next to a few blocks, else host memory, else disk."""
+    if want != "auto":
+        return want
+    if str(device).startswith("cuda") and stream_bytes < 0.7 * (available_memory(device) - 4 * block_bytes):
+        return "device"
+    return "cpu" if stream_bytes < 0.5 * available_memory("cpu") else "disk"
+
+
+# ----------------------------------------------------------------------------- the model skeleton
 
 class _Stop(Exception):
     pass
 
 
-def _hidden_arg(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict]:
+def _split_hidden(args: tuple, kwargs: dict) -> tuple[Tensor, tuple, dict, bool]:
     if args:
-        return (hidden, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": hidden}
+        return args[0], args[1:], kwargs, True
+    rest = dict(kwargs)
+    return rest.pop("hidden_states"), (), rest, False
 
+
+def _call_block(block: Any, hidden: Tensor, call: tuple[tuple, dict, bool]) -> Tensor:
+    args, kwargs, positional = call
+    out = block(hidden, *args, **kwargs) if positional else block(*args, hidden_states=hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _set_param(module: Any, name: str, value: Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    mod = module.get_submodule(owner) if owner else module
+    setattr(mod, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+class Skeleton:
+    """The source model on the meta device; materialises one decoder block at a time."""
+
+    def __init__(self, opened: Any, spec: archmod.ArchSpec, num_layers: int, device: str, dtype: torch.dtype):
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        from gqakit.core.loading import load_config
+
+        self.opened, self.source, self.device, self.dtype = opened, opened.source, device, dtype
+        config = load_config(source_path(opened))
+        with init_empty_weights(include_buffers=False):  # buffers (rotary inv_freq, masks) stay real
+            self.model = AutoModelForCausalLM.from_config(config)
+        self.model.eval()
+        pre = [spec.attention.prefix.format(layer=L) for L in range(num_layers)]
+        # the attention prefix ends "<block>.<attention module>.": the block is what comes before
+        self.block_names = [p[:-1].rsplit(".", 1)[0] for p in pre]
+        self.blocks = [self.model.get_submodule(n) for n in self.block_names]
+        self.body = getattr(self.model, "base_model", None) or self.model
+        names = set(self.source.names())
+        prefix = getattr(self.model, "base_model_prefix", "") + "."
+        self._src_name = {}
+        for name, _ in self.model.named_parameters():
+            if name in names:
+                self._src_name[name] = name
+            elif name.startswith(prefix) and name[len(prefix):] in names:
+                self._src_name[name] = name[len(prefix):]
+
+    def src(self, name: str) -> str:
+        if name not in self._src_name:
+            raise GqakitError(f"tensor {name} of the {type(self.model).__name__} layout is not in the source checkpoint")
+        return self._src_name[name]
+
+    def load_outer(self, token_ids: Tensor) -> Tensor:
+        """Materialise everything outside the blocks (not the LM head); the input embedding
+        holds only the rows of `token_ids`. Returns the map from token id to its row."""
+        emb = self.model.get_input_embeddings()
+        out_emb = self.model.get_output_embeddings()
+        in_blocks = tuple(n + "." for n in self.block_names)
+        used = torch.unique(token_ids)
+        for name, p in list(self.model.named_parameters()):
+            if name.startswith(in_blocks):
+                continue
+            if p is emb.weight:
+                rows = self.source.rows(self.src(name), used)
+                _set_param(self.model, name, rows.to(device=self.device, dtype=self.dtype))
+                emb.num_embeddings = rows.shape[0]
+            elif out_emb is not None and p is out_emb.weight:
+                continue  # logits are never computed
+            else:
+                _set_param(self.model, name, self.source.get(self.src(name)).to(device=self.device, dtype=self.dtype))
+        for mod in self.model.modules():
+            for bname, buf in list(mod.named_buffers(recurse=False)):
+                if buf.device.type != "meta":
+                    mod._buffers[bname] = buf.to(self.device, dtype=self.dtype if buf.is_floating_point() else None)
+        remap = torch.full((int(token_ids.max()) + 1,), -1, dtype=torch.long)
+        remap[used] = torch.arange(len(used))
+        return remap
+
+    def block_inputs(self, ids: Tensor, kwargs_out: dict[int, list]) -> Tensor:
+        """Run the model up to the first block on `ids` [B, T]; returns block 0's input.
+
+        The blocks are replaced by pass-throughs for this call, so the model's own code
+        computes every block's extra inputs (rotary cos/sin, masks by layer type), which
+        are recorded in `kwargs_out[B]` (once per batch size)."""
+        B = ids.shape[0]
+        record = B not in kwargs_out
+        calls: list = []
+        first: list[Tensor] = []
+        hooks, saved_fwd = [], []
+
+        def pre(mod, args, kwargs, L):
+            hidden, rest, kw, positional = _split_hidden(args, kwargs)
+            if L == 0:
+                first.append(hidden)
+            if record:
+                calls.append((rest, kw, positional))
+            if L == len(self.blocks) - 1:
+                raise _Stop
+
+        for L, blk in enumerate(self.blocks):
+            hooks.append(blk.register_forward_pre_hook(lambda m, a, k, L=L: pre(m, a, k, L), with_kwargs=True))
+            saved_fwd.append(blk.__dict__.get("forward"))
+            blk.forward = lambda *a, **k: a[0] if a else k["hidden_states"]
+        try:
+            with torch.inference_mode():
+                self.body(input_ids=ids.to(self.device), use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for h in hooks:
+                h.remove()
+            for blk, fwd in zip(self.blocks, saved_fwd):
+                if fwd is None:
+                    del blk.forward
+                else:
+                    blk.forward = fwd
+        if record:
+            if len(calls) != len(self.blocks):
+                raise GqakitError(f"{type(self.model).__name__}: expected {len(self.blocks)} decoder blocks, "
+                                  f"the forward pass called {len(calls)}")
+            kwargs_out[B] = calls
+        return first[0]
+
+    def load_block(self, L: int) -> Any:
+        block = self.blocks[L]
+        for rel, _ in list(block.named_parameters()):
+            t = self.source.get(self.src(f"{self.block_names[L]}.{rel}"))
+            _set_param(block, rel, t.to(device=self.device, dtype=self.dtype))
+        for mod in block.modules():
+            for bname, buf in list(mod.named_buffers(recurse=False)):
+                mod._buffers[bname] = buf.to(self.device, dtype=self.dtype if buf.is_floating_point() else None)
+        return block
+
+    def free_block(self, L: int) -> None:
+        block = self.blocks[L]
+        for rel, p in list(block.named_parameters()):
+            _set_param(block, rel, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+
+    def materialised_blocks(self) -> list[int]:
+        return [L for L, b in enumerate(self.blocks) if any(p.device.type != "meta" for p in b.parameters())]
+
+
+# ----------------------------------------------------------------------------- the stage
 
 def _aug(x: Tensor) -> Tensor:
-    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
 
 
-def prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
-    """Every layer's converted heads, computed sequentially on calibration data."""
-    from gqakit.convert import methods
-    from gqakit.core.loading import load_causal_lm
+class _Grab:
+    """Forward pre-hook (or hook) on a submodule that keeps its input (output) rows."""
 
-    opts = {**DEFAULTS, **(settings.options or {})}
-    t0 = time.perf_counter()
-    path = source_path(opened)
-    spec = archmod.registry()[plan.family]
-    shape = plan.shape
-    G, KV = settings.num_kv_heads, shape.num_kv_heads
-    probe = load_causal_lm(path, dtype=torch.float32)
-    n_params = sum(p.numel() for p in probe.parameters())
-    dtype = {"float32": torch.float32, "float64": torch.float64}.get(
-        opts["dtype"], torch.float64 if n_params < 20_000_000 else torch.float32)
-    progress = bool(opts.get("progress", True))
-    with torch.inference_mode():  # sampling in float32: float64 matmuls are several times slower on CPU
-        batches, where = calibration_batches(probe, path, settings.calibration_data, settings.calibration_tokens,
-                                             int(opts["seq_len"]), settings.seed, int(opts["sample_batch"]), progress)
-    model = probe if dtype == torch.float32 else probe.to(dtype)
-    model.eval()
-    a = spec.attention
-    pre = [a.prefix.format(layer=L) for L in range(shape.num_layers)]
-    block_names = [p[:-1].rsplit(".", 1)[0] for p in pre]
-    in_names = [p + (a.q or a.qkv) for p in pre]
-    o_names = [p + a.o for p in pre]
-    L_n = shape.num_layers
-    saved: list[list[tuple[tuple, dict]]] = [[] for _ in range(L_n)]
-    resid_orig: list[list[Tensor]] = [[] for _ in range(L_n)]
-    x_orig: list[list[Tensor]] = [[] for _ in range(L_n)]
-    out_orig: list[list[Tensor]] = [[] for _ in range(L_n)]
-    hooks = []
-    for L in range(L_n):
-        def block_hook(mod, args, kwargs, L=L):
-            saved[L].append((args, kwargs))
-            resid_orig[L].append(_hidden_arg(args, kwargs).detach().clone())
+    def __init__(self, module: Any, output: bool = False, stop: bool = False):
+        self.rows: Tensor | None = None
+        self.stop = stop
+        self.handle = (module.register_forward_hook(self._out) if output
+                       else module.register_forward_pre_hook(self._in))
 
-        def in_hook(mod, args, L=L):
-            x_orig[L].append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
+    def _in(self, mod, args):
+        self.rows = args[0].reshape(-1, args[0].shape[-1])
+        if self.stop:
+            raise _Stop
 
-        def out_hook(mod, args, out, L=L):
-            out_orig[L].append(out.detach().reshape(-1, out.shape[-1]).clone())
+    def _out(self, mod, args, out):
+        self.rows = out.reshape(-1, out.shape[-1])
 
-        hooks.append(model.get_submodule(block_names[L]).register_forward_pre_hook(block_hook, with_kwargs=True))
-        hooks.append(model.get_submodule(in_names[L]).register_forward_pre_hook(in_hook))
-        hooks.append(model.get_submodule(o_names[L]).register_forward_hook(out_hook))
-    try:
-        with torch.inference_mode():
-            body = getattr(model, "base_model", None) or model  # the decoder only: no logits needed
-            for b in tqdm(batches, desc="calibration pass", disable=not progress):
-                body(input_ids=b, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    def remove(self) -> None:
+        self.handle.remove()
 
-    # rows used in the fits: options {"skip_first": n} leaves out the first n positions of each
-    # sequence (BOS often carries outsized "attention sink" activations that can dominate a fit)
-    skip = int(opts["skip_first"])
-    keep = torch.cat([(torch.arange(b.shape[1]) >= skip).repeat(b.shape[0]) for b in batches])
-    # options {"holdout": f}: the last fraction f of the sequences is left out of the fits and only
-    # measures the residual drift (a generalisation check); otherwise drift is measured in-sample
-    seq_id = torch.cat([torch.arange(b.shape[0]).repeat_interleave(b.shape[1]) + sum(x.shape[0] for x in batches[:i])
-                        for i, b in enumerate(batches)])
-    n_seq = sum(b.shape[0] for b in batches)
-    n_hold = min(n_seq - 1, int(round(float(opts["holdout"]) * n_seq)))
-    held = seq_id >= n_seq - n_hold
-    measure = (keep & held) if n_hold else keep
-    first = torch.cat([(torch.arange(b.shape[1]) == 0).repeat(b.shape[0]) for b in batches])
-    measure_first = (first & held) if n_hold else first
-    keep = keep & ~held
-    group_fn = methods.GROUPINGS[settings.grouping]
-    sd = model.state_dict()
-    resid_new = [r.clone() for r in resid_orig[0]]
-    final: dict[int, AttnHeads] = {}
-    drift: list[float] = []        # mean relative error of the residual stream per row (kept rows)
-    drift_first: list[float] = []  # the same at the first position
-    for L in tqdm(range(L_n), desc="refitting layers", disable=not progress):
-        block = model.get_submodule(block_names[L])
 
-        def run(capture: str | None, stop: bool = False) -> list[Tensor]:
-            got: list[Tensor] = []
-            name = in_names[L] if capture == "in" else o_names[L]
-            hook = None
-            if capture:
-                def grab(mod, args):
-                    got.append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
-                    if stop:
-                        raise _Stop
+class RefitStage:
+    """`align-refit`, one block at a time: `layers()` yields (layer, converted heads) in order.
 
-                hook = model.get_submodule(name).register_forward_pre_hook(grab)
-            outs = []
-            try:
-                with torch.inference_mode():
-                    for (args, kwargs), hid in zip(saved[L], resid_new):
-                        a2, k2 = _with_hidden(args, kwargs, hid)
+    After the generator is exhausted, `summary` holds the calibration record: where the
+    text came from, tokens, per-layer residual drift, device, peak memory and time.
+    """
+
+    def __init__(self, opened: Any, plan: Any, settings: Any, *, device: str = "cpu", progress: bool = True,
+                 scratch: Path | None = None):
+        self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
+        self.progress, self.scratch = progress, scratch
+        self.opts = refit_options(settings.options)
+        self.spec = archmod.registry()[plan.family]
+        if self.opts["dtype"] == "auto":
+            small = plan.source_params < SMALL_MODEL and device == "cpu"
+            self.dtype = torch.float64 if small else torch.float32
+        else:
+            self.dtype = getattr(torch, self.opts["dtype"])
+        sd = self.opts["stream_dtype"]
+        self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
+        self.summary: dict[str, Any] = {}
+        self.skeleton: Skeleton | None = None
+
+    def layers(self) -> Iterator[tuple[int, AttnHeads]]:
+        from gqakit.convert import methods
+
+        t0 = time.perf_counter()
+        peak = PeakMemory(self.device)
+        peak.reset()
+        opts, spec, shape = self.opts, self.spec, self.plan.shape
+        G, KV, L_n = self.settings.num_kv_heads, shape.num_kv_heads, shape.num_layers
+        seqs, where = calibration_sequences(
+            self.opened, self.settings.calibration_data, self.settings.calibration_tokens, int(opts["seq_len"]),
+            self.settings.seed, sample_batch=int(opts["sample_batch"]), device=self.device,
+            progress=self.progress, source_params=self.plan.source_params)
+        n_seq, T = seqs.shape
+        sk = self.skeleton = Skeleton(self.opened, spec, L_n, self.device, self.dtype)
+        remap = sk.load_outer(seqs)
+        step = int(opts["batch"])
+        spans = [slice(i, min(i + step, n_seq)) for i in range(0, n_seq, step)]
+        calls: dict[int, list] = {}
+        D = None
+        streams: Streams | None = None
+        for sl in spans:
+            h = sk.block_inputs(remap[seqs[sl]], calls)
+            if streams is None:
+                D = h.shape[-1]
+                per_block = self.plan.source_params // max(L_n, 1) * self.dtype.itemsize
+                nbytes = 2 * n_seq * T * D * self.stream_dtype.itemsize
+                place = choose_offload(opts["offload"], nbytes, per_block, self.device)
+                streams = Streams((n_seq, T, D), self.stream_dtype, place, self.device,
+                                  (self.scratch / "calibration-streams") if self.scratch else None)
+            streams.put("orig", sl, h)
+            streams.put("new", sl, h)
+        assert streams is not None and D is not None
+
+        # rows of each span that enter the fits / the drift measure (see `holdout`, `skip_first`)
+        n_hold = min(n_seq - 1, int(round(float(opts["holdout"]) * n_seq)))
+        pos = torch.arange(T, device=self.device)
+
+        def masks(sl: slice) -> tuple[Tensor, Tensor, Tensor]:
+            seq = torch.arange(sl.start, sl.stop, device=self.device).repeat_interleave(T)
+            p = pos.repeat(sl.stop - sl.start)
+            held = seq >= n_seq - n_hold
+            skip = p >= int(opts["skip_first"])
+            measure = (skip & held) if n_hold else skip
+            first = (p == 0) & held if n_hold else (p == 0)
+            return skip & ~held, measure, first
+
+        a = spec.attention
+        group_fn = methods.GROUPINGS[self.settings.grouping]
+        drift: list[float] = []
+        drift_first: list[float] = []
+        tokens = n_seq * T
+        bar = tqdm(total=L_n * len(spans) * 3, desc="calibrating", unit="batch", disable=not self.progress,
+                   dynamic_ncols=True)
+        f64 = torch.float64
+        for L in range(L_n):
+            tl = time.perf_counter()
+            bar.set_description(f"calibrating layer {L + 1}/{L_n}")
+            block = sk.load_block(L)
+            prefix = sk.block_names[L] + "."
+            attn_prefix = a.prefix.format(layer=L)
+            q_in = block.get_submodule((attn_prefix + (a.q or a.qkv))[len(prefix):])
+            o_mod = block.get_submodule((attn_prefix + a.o)[len(prefix):])
+            names = layer_names(spec, L)
+            params = dict(block.named_parameters())
+            attn_rel = {n: n[len(prefix):] for n in names.values() if n[len(prefix):] in params}
+            original = {n: params[r].data for n, r in attn_rel.items()}
+
+            def use(weights: dict[str, Tensor]) -> None:
+                cur = dict(block.named_parameters())
+                for n, r in attn_rel.items():
+                    cur[r].data = weights[n]
+
+            def run(sl: slice, x: Tensor | str) -> Tensor | None:
+                """Block L on span `sl` of a stream (by name) or on `x`; None when a hook stopped it."""
+                if isinstance(x, str):
+                    x = streams.get(x, sl, self.dtype)
+                try:
+                    return _call_block(block, x, calls[sl.stop - sl.start][L])
+                except _Stop:
+                    return None
+
+            # 1. moments of the attention inputs, original vs converted stream
+            s_oo = torch.zeros(D + 1, D + 1, dtype=f64, device=self.device)
+            s_on, s_nn = torch.zeros_like(s_oo), torch.zeros_like(s_oo)
+            n_rows = 0
+            g = _Grab(q_in, stop=True)
+            with torch.inference_mode():
+                try:
+                    for sl in spans:
+                        keep = masks(sl)[0]
+                        run(sl, "orig")
+                        xo = _aug(g.rows[keep].to(f64))
+                        run(sl, "new")
+                        xn = _aug(g.rows[keep].to(f64))
+                        s_oo += xo.T @ xo
+                        s_on += xo.T @ xn
+                        s_nn += xn.T @ xn
+                        n_rows += xo.shape[0]
+                        bar.update(1)
+                finally:
+                    g.remove()
+            if n_rows == 0:
+                raise GqakitError("no calibration rows left for the fits: lower skip_first or holdout, or pass "
+                                  "more --calibration-tokens")
+            s_oo, s_on, s_nn = (s.cpu() / n_rows for s in (s_oo, s_on, s_nn))
+            eye = torch.eye(D + 1, dtype=f64)
+            whiten = torch.linalg.cholesky(s_oo + 1e-8 * float(torch.diagonal(s_oo).mean()) * eye)
+
+            # 2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64
+            src_t = {n: self.opened.source.get(sk.src(n)) for n in attn_rel}
+            heads = read_heads(spec, shape, src_t, L, dtype=f64)
+            ctx = PoolContext(G, contiguous_groups(KV, G), spec.rotary.style, shape.rotary_dim, L, None,
+                              {"whiten": whiten})
+            h = regroup(heads, group_fn(heads, ctx))
+            al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
+            pooled = pool_mean(al, G)
+            if float(opts["q_ridge"]) >= 0:
+                pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
+                                       s_ab=s_on, s_bb=s_nn, ridge=float(opts["q_ridge"]))
+            del s_oo, s_on, s_nn, whiten, eye
+
+            def as_block(hd: AttnHeads) -> dict[str, Tensor]:
+                out = write_heads(spec, expand_kv(hd, KV), L, {n: self.dtype for n in attn_rel})
+                return {n: t.to(self.device) for n, t in out.items()}
+
+            converted = as_block(pooled)
+            # 4. o_proj normal equations (and the original stream advanced one block)
+            fit_o = float(opts["o_ridge"]) >= 0
+            H_D = pooled.o.shape[1] * pooled.o.shape[2]
+            zz = torch.zeros(H_D, H_D, dtype=f64, device=self.device) if fit_o else None
+            zt = torch.zeros(H_D, pooled.o.shape[0], dtype=f64, device=self.device) if fit_o else None
+            o_bias_name = names["o.weight"][: -len("weight")] + "bias"
+            o_bias = params[o_bias_name[len(prefix):]].data.to(f64) if o_bias_name[len(prefix):] in params else None
+            with torch.inference_mode():
+                for sl in spans:
+                    keep = masks(sl)[0]
+                    use(original)
+                    ro = streams.get("orig", sl, self.dtype)
+                    grab_out = _Grab(o_mod, output=True)
+                    try:
+                        ro_next = run(sl, ro)
+                    finally:
+                        grab_out.remove()
+                    if fit_o:
+                        out_o = grab_out.rows[keep].to(f64)
+                        ro_rows = ro.reshape(-1, D)[keep].to(f64)
+                        target = out_o
+                        if opts["target"] == "residual":
+                            rn_rows = streams.get("new", sl, self.dtype).reshape(-1, D)[keep].to(f64)
+                            target = target + (ro_rows - rn_rows)
+                        if opts["row_weight"] == "relative":
+                            post = ro_rows + out_o
+                            w = (1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)).sqrt().unsqueeze(1)
+                        else:
+                            w = torch.ones(out_o.shape[0], 1, dtype=f64, device=self.device)
+                        if o_bias is not None:
+                            target = target - o_bias
+                        use(converted)
+                        g = _Grab(o_mod, stop=True)
                         try:
-                            o = block(*a2, **k2)
-                        except _Stop:
-                            continue
-                        outs.append((o[0] if isinstance(o, tuple) else o).detach().clone())
-            finally:
-                if hook is not None:
-                    hook.remove()
-            return got if capture else outs
+                            run(sl, "new")
+                        finally:
+                            g.remove()
+                        z = g.rows[keep].to(f64) * w
+                        zz += z.T @ z
+                        zt += z.T @ (target * w)
+                    streams.put("orig", sl, ro_next)
+                    bar.update(1)
+            if fit_o:
+                pooled = pooled.replace(o=refit_o_proj_moments(zz.cpu(), zt.cpu(), pooled.o, float(opts["o_ridge"])))
+                converted = as_block(pooled)
+            del zz, zt
 
-        xo = torch.cat(x_orig[L]).double()[keep]
-        xn = torch.cat(run("in", stop=True)).double()[keep]
-        n = xo.shape[0]
-        xo_a, xn_a = _aug(xo), _aug(xn)
-        s_oo = xo_a.T @ xo_a / n
-        s_on = xo_a.T @ xn_a / n
-        s_nn = xn_a.T @ xn_a / n
-        eye = torch.eye(s_oo.shape[0], dtype=torch.float64)
-        whiten = torch.linalg.cholesky(s_oo + 1e-8 * float(torch.diagonal(s_oo).mean()) * eye)
-
-        names = layer_names(spec, L)
-        tensors = {nm: sd[nm] for nm in names.values() if nm in sd}
-        dtypes = {nm: t.dtype for nm, t in tensors.items()}
-        heads = read_heads(spec, shape, tensors, L, dtype=torch.float64)
-        ctx = PoolContext(G, contiguous_groups(KV, G), spec.rotary.style, shape.rotary_dim, L, None,
-                          {"whiten": whiten})
-        groups = group_fn(heads, ctx)
-        h = regroup(heads, groups)
-        al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
-        pooled = pool_mean(al, G)
-        if float(opts["q_ridge"]) >= 0:
-            pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
-                                   s_ab=s_on, s_bb=s_nn, ridge=float(opts["q_ridge"]))
-
-        def put(hd: AttnHeads) -> None:
-            for nm, t in write_heads(spec, expand_kv(hd, KV), L, dtypes).items():
-                sd[nm].copy_(t)
-
-        put(pooled)
-        if float(opts["o_ridge"]) >= 0:
-            z = torch.cat(run("o")).double()[keep]
-            target = torch.cat(out_orig[L]).double()[keep]
-            if opts["target"] == "residual":
-                ro = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_orig[L]]).double()
-                rn = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_new]).double()
-                target = target + (ro - rn)[keep]
-            o_bias = sd.get(names["o.weight"][: -len("weight")] + "bias")
-            if opts["row_weight"] == "relative":
-                # each row's error relative to the original residual stream after this attention:
-                # the next layer reads it through a norm, so only its relative error matters, and
-                # rows with outsized activations (the first position's "attention sink") no
-                # longer dominate the fit
-                post = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_orig[L]]).double()[keep]
-                post = post + torch.cat(out_orig[L]).double()[keep]
-                w = 1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)
-                w = (w / w.mean()).sqrt().unsqueeze(1)
-            else:
-                w = torch.ones(z.shape[0], 1, dtype=z.dtype)
-            if o_bias is not None:
-                target = target - o_bias.double()
-            pooled = pooled.replace(o=refit_o_proj(z * w, target * w, pooled.o, float(opts["o_ridge"])))
-            put(pooled)
-        resid_new = run(None)
-        final[L] = pooled
-        if L + 1 < L_n:  # drift of the residual stream entering the next layer (kept rows), for the record
-            ro = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_orig[L + 1]]).double()
-            rn = torch.cat([r.reshape(-1, r.shape[-1]) for r in resid_new]).double()
-            rel = (rn - ro).norm(dim=1) / ro.norm(dim=1).clamp_min(1e-30)
-            drift.append(float(rel[measure].mean()))
-            drift_first.append(float(rel[measure_first].mean()))
-    return {"layers": final, "calibration": where, "prepare_seconds": time.perf_counter() - t0,
-            "residual_drift": drift, "residual_drift_first": drift_first}
+            # 5. the converted stream advanced one block; drift against the original one
+            use(converted)
+            err = torch.zeros(2, dtype=f64, device=self.device)
+            cnt = torch.zeros(2, dtype=f64, device=self.device)
+            with torch.inference_mode():
+                for sl in spans:
+                    rn_next = run(sl, "new")
+                    streams.put("new", sl, rn_next)
+                    if L + 1 < L_n:
+                        _, measure, first = masks(sl)
+                        ro = streams.get("orig", sl, self.dtype).reshape(-1, D).to(f64)
+                        rel = (rn_next.reshape(-1, D).to(f64) - ro).norm(dim=1) / ro.norm(dim=1).clamp_min(1e-30)
+                        err += torch.stack([rel[measure].sum(), rel[first].sum()])
+                        cnt += torch.stack([measure.sum(), first.sum()]).to(f64)
+                    bar.update(1)
+            if L + 1 < L_n:
+                e = (err / cnt.clamp_min(1)).tolist()
+                drift.append(e[0])
+                drift_first.append(e[1])
+            sk.free_block(L)
+            del original, converted, params
+            _empty_cache(self.device)
+            secs = time.perf_counter() - tl
+            bar.set_postfix_str(f"{tokens / secs:,.0f} tok/s" + (f", drift {drift[-1]:.3f}" if drift else ""))
+            yield L, pooled
+        bar.close()
+        self.summary = {
+            "calibration": where, "calibration_sequences": n_seq, "seq_len": T, "tokens": n_seq * T,
+            "device": self.device, "compute_dtype": str(self.dtype).replace("torch.", ""),
+            "stream_dtype": str(self.stream_dtype).replace("torch.", ""), "streams_on": streams.where,
+            "stream_bytes": streams.nbytes, "options": self.opts,
+            "residual_drift": drift, "residual_drift_first": drift_first,
+            "peak_memory_bytes": peak.peak(), "seconds": round(time.perf_counter() - t0, 3),
+        }

@@ -35,17 +35,27 @@ def _groupings() -> list[str]:
 @click.option("--grouping", default="contiguous", show_default=True,
               help="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
                    "similar heads; queries and o_proj columns are reordered to match).")
-@click.option("--calibration-data", type=click.Path(path_type=Path), default=None, help="Text file for methods that calibrate (never your evaluation text).")
-@click.option("--calibration-tokens", type=int, default=16384, show_default=True, help="Tokens of calibration text to use.")
+@click.option("--calibration-data", default=None,
+              help="Text for methods that calibrate: a text file, or hf:NAME[:CONFIG][:SPLIT] from the local datasets "
+                   "cache (never your evaluation text). Without it, text is sampled from SRC, which needs the whole "
+                   "model in memory once.")
+@click.option("--calibration-tokens", type=int, default=65536, show_default=True,
+              help="Tokens of calibration text. Memory does not grow with the model's depth; time grows linearly.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where align-refit calibrates: auto (the first GPU when present), cpu, cuda or cuda:N. "
+                   "One decoder block is on it at a time.")
+@click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
+              help="align-refit setting, repeatable: seq_len, batch, q_ridge, o_ridge, skip_first, holdout, "
+                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 500MB.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: Path | None,
-                calibration_tokens: int, dtype: str, max_shard_size: str, seed: int, overwrite: bool,
-                dry_run: bool, quiet: bool) -> None:
+def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: str | None,
+                calibration_tokens: int, device: str, refit_options: tuple[str, ...], dtype: str, max_shard_size: str,
+                seed: int, overwrite: bool, dry_run: bool, quiet: bool) -> None:
     """Convert the checkpoint SRC to grouped-query attention, written to OUT.
 
     SRC is a Hugging Face model folder (safetensors, sharded or not, or
@@ -56,11 +66,14 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
       gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity --calibration-data calib.txt
+      gqakit convert ./llama-2-7b ./llama-2-7b-g8 -g 8 --method align-refit --device cuda \\
+          --calibration-data hf:wikitext:wikitext-2-raw-v1:train --calibration-tokens 131072
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
       gqakit convert model.gguf ./out -g 1 --dry-run
     """
     from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
 
+    options = _parse_options(refit_options)
     if dry_run:
         opened = open_checkpoint(src)
         plan = make_plan(opened, Settings(str(src), num_kv_heads, method, grouping, dtype))
@@ -72,9 +85,23 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
         return
     path = convert_checkpoint(src, out, num_kv_heads, method, grouping=grouping, dtype=dtype, overwrite=overwrite,
                               max_shard_size=max_shard_size, seed=seed,
-                              calibration_data=str(calibration_data) if calibration_data else None,
-                              calibration_tokens=calibration_tokens, progress=not quiet)
+                              calibration_data=calibration_data, calibration_tokens=calibration_tokens,
+                              options=options, device=device, progress=not quiet)
     click.echo(f"wrote {path}")
+
+
+def _parse_options(items: tuple[str, ...]) -> dict[str, object]:
+    """KEY=VALUE pairs; values are read as JSON where they parse (numbers), else kept as text."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GqakitError(f"--refit-option expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def _fmt_bytes(n: float) -> str:

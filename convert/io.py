@@ -19,7 +19,6 @@ import os
 import pickle
 import struct
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -76,6 +75,10 @@ class Source:
     def get(self, name: str) -> Tensor:
         raise NotImplementedError
 
+    def rows(self, name: str, index: Tensor) -> Tensor:
+        """Rows `index` (sorted, unique) of a 2-D tensor; subclasses read only those rows."""
+        return self.get(name)[index]
+
     def files(self) -> list[Path]:
         return []
 
@@ -130,6 +133,23 @@ class SafetensorsSource(Source):
             return self._handles[self._where[name]].get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise GqakitError(f"cannot read tensor {name} from {self._where[name].name}: {e}") from None
+
+    def rows(self, name: str, index: Tensor) -> Tensor:
+        """Rows `index` of a 2-D tensor, read run by run of consecutive indices (an
+        embedding's used rows, without reading the whole matrix)."""
+        from safetensors import SafetensorError
+
+        idx = index.tolist()
+        parts, start = [], 0
+        try:
+            sl = self._handles[self._where[name]].get_slice(name)
+            for i in range(1, len(idx) + 1):
+                if i == len(idx) or idx[i] != idx[i - 1] + 1:
+                    parts.append(sl[idx[start]:idx[i - 1] + 1])
+                    start = i
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise GqakitError(f"cannot read tensor {name} from {self._where[name].name}: {e}") from None
+        return torch.cat(parts)
 
     def files(self) -> list[Path]:
         return list(self._handles)
@@ -250,7 +270,13 @@ def plan_shards(plan: list[Planned], max_shard_bytes: int) -> list[list[Planned]
 
 
 class ShardWriter:
-    """Writes planned tensors, in plan order, into safetensors shards (+ index)."""
+    """Writes planned tensors into safetensors shards (+ index), in any order.
+
+    Every tensor's shard and byte offset follow from the plan, so each shard's header is
+    written when the shard is first touched and every tensor goes straight to its place
+    (`pwrite`, or a kernel-side copy for unchanged bytes). The pass-through tensors can
+    thus be written in file order and the converted attention layer by layer.
+    """
 
     def __init__(self, folder: Path, plan: list[Planned], max_shard_bytes: int, metadata: dict[str, str] | None = None):
         self.folder = folder
@@ -259,73 +285,94 @@ class ShardWriter:
         self.filenames = (["model.safetensors"] if n == 1 else
                           [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
         self.metadata = {"format": "pt", **(metadata or {})}
-        self._queue: Iterator[tuple[int, Planned]] = ((i, p) for i, s in enumerate(self.shards) for p in s)
-        self._file: BinaryIO | None = None
-        self._shard = -1
+        self._headers = [self._header(s) for s in self.shards]
+        self._slot: dict[str, tuple[int, int, Planned]] = {}  # name -> (shard, absolute offset, plan)
+        for i, shard in enumerate(self.shards):
+            offset = len(self._headers[i])
+            for p in shard:
+                self._slot[p.name] = (i, offset, p)
+                offset += p.nbytes
+        self._files: dict[int, BinaryIO] = {}
+        self._written: set[str] = set()
+        self._at = (0, 0)  # (shard, offset) of the tensor being written
         self.total_bytes = sum(p.nbytes for p in plan)
 
-    def _open_shard(self, i: int) -> None:
-        if self._file:
-            self._file.close()
+    def _header(self, shard: list[Planned]) -> bytes:
         header: dict[str, Any] = {"__metadata__": self.metadata}
         offset = 0
-        for p in self.shards[i]:
+        for p in shard:
             header[p.name] = {"dtype": _ST_DTYPES[p.dtype], "shape": list(p.shape),
                               "data_offsets": [offset, offset + p.nbytes]}
             offset += p.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
-        self._file = open(self.folder / self.filenames[i], "wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._shard = i
+        return struct.pack("<Q", len(raw)) + raw
+
+    def _file(self, i: int) -> BinaryIO:
+        if i not in self._files:
+            f = open(self.folder / self.filenames[i], "wb")
+            f.write(self._headers[i])
+            f.flush()
+            self._files[i] = f
+        return self._files[i]
 
     def _next(self, name: str) -> Planned:
-        try:
-            i, p = next(self._queue)
-        except StopIteration:
-            raise RuntimeError(f"tensor {name} was not planned") from None
-        if p.name != name:
-            raise RuntimeError(f"write order mismatch: got {name}, planned {p.name}")
-        if i != self._shard:
-            self._open_shard(i)
+        """The plan entry of the next tensor written; sets where it goes."""
+        if name not in self._slot:
+            raise RuntimeError(f"tensor {name} was not planned")
+        if name in self._written:
+            raise RuntimeError(f"tensor {name} written twice")
+        i, offset, p = self._slot[name]
+        self._at = (i, offset)
         return p
 
     def write(self, name: str, tensor: Tensor) -> None:
         p = self._next(name)
         if tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
             raise RuntimeError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {p.shape} {p.dtype}")
-        assert self._file is not None
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        i, offset = self._at
+        fd = self._file(i).fileno()
+        data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+        self._written.add(name)
 
     def write_raw(self, name: str, path: Path, offset: int, length: int) -> None:
         """Copy a tensor's bytes unchanged from another safetensors file (kernel-side copy)."""
         p = self._next(name)
         if length != p.nbytes:
             raise RuntimeError(f"{name}: {length} bytes in the source, {p.nbytes} planned")
-        assert self._file is not None
-        self._file.flush()
+        i, dst_off = self._at
+        dst_fd = self._file(i).fileno()
         with open(path, "rb") as f:
-            src_fd, dst_fd = f.fileno(), self._file.fileno()
+            src_fd = f.fileno()
             done = 0
             while done < length:
                 try:
-                    n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done)
+                    n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done, dst_off + done)
                 except (AttributeError, OSError) as e:
                     if isinstance(e, OSError) and e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                         raise
                     f.seek(offset + done)
-                    n = self._file.write(f.read(min(length - done, 64 << 20)))
-                    self._file.flush()
+                    n = os.pwrite(dst_fd, f.read(min(length - done, 64 << 20)), dst_off + done)
                 if n == 0:
                     raise OSError(errno.EIO, f"short read copying {name} from {path.name}")
                 done += n
+        self._written.add(name)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     def finish(self) -> None:
-        if next(self._queue, None) is not None:
-            raise RuntimeError("not every planned tensor was written")
-        if self._file:
-            self._file.close()
+        missing = [n for n in self._slot if n not in self._written]
+        if missing:
+            raise RuntimeError(f"not every planned tensor was written (first missing: {missing[0]})")
+        for i in range(len(self.shards)):
+            self._file(i)  # a shard of zero-byte tensors still needs its header
+        self.close()
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
                      "weight_map": {p.name: self.filenames[i] for i, s in enumerate(self.shards) for p in s}}

@@ -1,9 +1,9 @@
 """Conversion methods and head groupings, by name.
 
 `METHODS` (pooling.py) holds the paper's per-layer methods; this module adds the methods
-beyond the paper, the groupings, and `PREPARE`: whole-model steps (e.g. calibration)
-that run once before the per-layer pass and hand their results to every layer through
-`PoolContext.extras`.
+beyond the paper, the groupings, and `STAGES`: methods that calibrate on data and so
+run as a stage over the whole model, one decoder block at a time, instead of one layer's
+weights at a time.
 
 Methods (each reorders heads into `ctx.groups` first, which preserves the function):
   mean, first, random   the paper's pooling and its ablations (pooling.py)
@@ -77,17 +77,14 @@ def align_scale_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
 
 
 def align_refit_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
-    """Calibrated: the layer's heads computed by `calibrate.prepare_refit`."""
-    layers = ctx.extras.get("layers")
-    if layers is None or ctx.layer not in layers:
-        raise GqakitError("method align-refit needs its calibration pass; use convert_checkpoint or the CLI")
-    return layers[ctx.layer]
+    """Calibrated: computed block by block by `calibrate.RefitStage` (see STAGES), never per layer alone."""
+    raise GqakitError("method align-refit needs its calibration pass; use convert_checkpoint or the CLI")
 
 
-def _prepare_refit(opened: Any, plan: Any, settings: Any) -> dict[str, Any]:
-    from gqakit.convert.calibrate import prepare_refit
+def _refit_stage(opened: Any, plan: Any, settings: Any, **kw: Any) -> Any:
+    from gqakit.convert.calibrate import RefitStage
 
-    return prepare_refit(opened, plan, settings)
+    return RefitStage(opened, plan, settings, **kw)
 
 
 METHODS.update({
@@ -96,8 +93,10 @@ METHODS.update({
     "align-refit": align_refit_method,
 })
 
-PREPARE: dict[str, Callable[..., dict[str, Any]]] = {
-    "align-refit": _prepare_refit,
+# Methods that calibrate on data: a stage object whose `layers()` yields (layer, heads) in
+# layer order, one decoder block in memory at a time, and whose `summary` is recorded in OUT.
+STAGES: dict[str, Callable[..., Any]] = {
+    "align-refit": _refit_stage,
 }
 
 

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,17 @@ from tqdm import tqdm
 import gqakit
 from gqakit.convert import arch as archmod
 from gqakit.convert.io import Planned, ShardWriter, Source, DictSource, open_source
-from gqakit.convert.layout import layer_names, output_shapes, read_heads, write_heads
-from gqakit.convert.pooling import METHODS, PoolContext, contiguous_groups
+from gqakit.convert.layout import AttnHeads, layer_names, output_shapes, read_heads, write_heads
+from gqakit.convert.pooling import PoolContext, contiguous_groups
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.modelcard import render_model_card
 from gqakit.core.outdir import atomic_output_dir, check_output_path
 
+# Calibration memory no longer grows with the token count times the depth (one block and two
+# hidden-state streams at a time), so the default budget is set by time, not memory:
+# docs/benchmarks.md shows align-refit keeps improving well past 16k tokens.
+DEFAULT_CALIBRATION_TOKENS = 65536
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # files copied verbatim from SRC: tokenizer and generation settings
 COPY_PATTERNS = re.compile(
@@ -58,7 +63,7 @@ class Settings:
     max_shard_size: str = "2GB"
     seed: int = 0
     calibration_data: str | None = None
-    calibration_tokens: int = 16384
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -220,21 +225,41 @@ def _copy_side_files(opened: Opened, tmp: Path) -> list[str]:
     return copied
 
 
-def _prepare_extras(opened: Opened, plan: Plan, settings: Settings) -> dict[str, Any]:
-    """Whole-model steps some methods need before the per-layer pass (e.g. calibration)."""
-    from gqakit.convert import methods  # registers methods beyond the paper's
+def _per_layer_heads(opened: Opened, plan: Plan, settings: Settings) -> Iterator[tuple[int, AttnHeads]]:
+    """(layer, converted heads) in layer order, for methods that need only the layer's weights."""
+    from gqakit.convert import methods
 
-    prep = methods.PREPARE.get(settings.method) or methods.PREPARE.get(settings.grouping)
-    return prep(opened, plan, settings) if prep else {}
+    spec = archmod.registry()[plan.family]
+    gen = torch.Generator().manual_seed(settings.seed)
+    method_fn = methods.all_methods()[settings.method]
+    group_fn = methods.GROUPINGS[settings.grouping]
+    names_of_layer: dict[int, list[str]] = {}
+    for n, lay in plan.layer_of.items():
+        names_of_layer.setdefault(lay, []).append(n)
+    for layer in sorted(names_of_layer):
+        tensors = {n: opened.source.get(n) for n in names_of_layer[layer]}
+        # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
+        wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
+        heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
+        ctx = PoolContext(settings.num_kv_heads, contiguous_groups(plan.shape.num_kv_heads, settings.num_kv_heads),
+                          spec.rotary.style, plan.shape.rotary_dim, layer, gen)
+        ctx.groups = group_fn(heads, ctx)
+        yield layer, method_fn(heads, ctx)
 
 
 def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, method: str = "mean", *,
                        grouping: str = "contiguous", dtype: str = "auto", overwrite: bool = False,
                        max_shard_size: str = "2GB", seed: int = 0, calibration_data: str | None = None,
-                       calibration_tokens: int = 16384, options: dict[str, Any] | None = None,
-                       progress: bool = True) -> Path:
-    """Convert SRC (HF folder or .gguf) to OUT with `num_kv_heads` K/V heads per layer."""
+                       calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, options: dict[str, Any] | None = None,
+                       device: str = "auto", progress: bool = True) -> Path:
+    """Convert SRC (HF folder or .gguf) to OUT with `num_kv_heads` K/V heads per layer.
+
+    Unchanged tensors are copied first, in file order; then the attention of each layer,
+    in layer order, either from that layer's weights alone (mean, align, ...) or from a
+    calibration stage that holds one decoder block at a time (align-refit) on `device`.
+    """
     from gqakit.convert import methods
+    from gqakit.core.device import resolve_device
 
     settings = Settings(str(Path(src).expanduser().resolve()), num_kv_heads, method, grouping, dtype,
                         str(max_shard_size), seed, calibration_data, calibration_tokens, options or {})
@@ -242,27 +267,34 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
         raise GqakitError(f"unknown method {method!r}; choose from {', '.join(methods.all_methods())}")
     if grouping not in methods.GROUPINGS:
         raise GqakitError(f"unknown grouping {grouping!r}; choose from {', '.join(methods.GROUPINGS)}")
+    staged = method in methods.STAGES
+    if staged:
+        from gqakit.convert.calibrate import refit_options
+
+        refit_options(settings.options)  # every option checked before anything is read or written
+        if calibration_tokens < 1:
+            raise GqakitError(f"--calibration-tokens must be at least 1, got {calibration_tokens}")
+        if calibration_data and not str(calibration_data).startswith("hf:") \
+                and not Path(calibration_data).expanduser().is_file():
+            raise GqakitError(f"calibration data not found: {Path(calibration_data).expanduser()}")
+    elif settings.options:
+        raise GqakitError(f"method {method} takes no options (got {', '.join(settings.options)})")
+    dev = resolve_device(device)
     max_bytes = parse_size(max_shard_size)
     check_output_path(Path(out), overwrite=overwrite, src=Path(src))
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
     t0 = time.perf_counter()
-    extras = _prepare_extras(opened, plan, settings)
-    spec = archmod.registry()[plan.family]
-    gen = torch.Generator().manual_seed(seed)
-    method_fn = methods.all_methods()[method]
-    group_fn = methods.GROUPINGS[grouping]
     with atomic_output_dir(Path(out), overwrite=overwrite, src=Path(src)) as tmp:
         writer = ShardWriter(tmp, plan.tensors, max_bytes, {"gqakit": gqakit.__version__})
-        src_names = opened.source.names()
-        planned_dtype = {p.name: p.dtype for p in plan.tensors}
-        names_of_layer: dict[int, list[str]] = {}
-        for n, lay in plan.layer_of.items():
-            names_of_layer.setdefault(lay, []).append(n)
-        bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
-        done: set[int] = set()
-        for name in src_names:
-            if name not in plan.layer_of:
+        try:
+            planned_dtype = {p.name: p.dtype for p in plan.tensors}
+            bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
+                       disable=not progress or staged)
+            # 1. every tensor the method leaves as it is, in file order
+            for name in opened.source.names():
+                if name in plan.layer_of:
+                    continue
                 raw = opened.source.raw(name)
                 if raw is not None and opened.source.meta(name)[0] == planned_dtype[name]:
                     writer.write_raw(name, *raw)  # unchanged: copy the bytes, decode nothing
@@ -271,31 +303,46 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
                     t = opened.source.get(name).to(planned_dtype[name])
                     writer.write(name, t)
                     bar.update(t.numel() * t.dtype.itemsize)
-                continue
-            layer = plan.layer_of[name]
-            if layer in done:
-                continue
-            done.add(layer)
-            tensors = {n: opened.source.get(n) for n in names_of_layer[layer]}
-            # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
-            wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
-            heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
-            ctx = PoolContext(num_kv_heads, contiguous_groups(plan.shape.num_kv_heads, num_kv_heads),
-                              spec.rotary.style, plan.shape.rotary_dim, layer, gen, extras)
-            ctx.groups = group_fn(heads, ctx)
-            new = method_fn(heads, ctx)
-            out_dtypes = {p.name: p.dtype for p in plan.tensors if p.name in tensors}
-            for n, t in write_heads(spec, new, layer, out_dtypes).items():
-                writer.write(n, t)
-                bar.update(t.numel() * t.dtype.itemsize)
-        writer.finish()
-        bar.close()
-        opened.source.close()
-        _write_metadata(tmp, opened, plan, settings, time.perf_counter() - t0)
+            # 2. the attention, layer by layer
+            spec = archmod.registry()[plan.family]
+            stage = None
+            if staged:
+                stage = methods.STAGES[method](opened, plan, settings, device=dev, progress=progress,
+                                               scratch=tmp / ".scratch")
+                layers = stage.layers()
+            else:
+                layers = _per_layer_heads(opened, plan, settings)
+            for layer, new in layers:
+                names = set(layer_names(spec, layer).values())
+                out_dtypes = {n: planned_dtype[n] for n in plan.layer_of if n in names}
+                for n, t in write_heads(spec, new, layer, out_dtypes).items():
+                    writer.write(n, t)
+                    bar.update(t.numel() * t.dtype.itemsize)
+            writer.finish()
+            bar.close()
+        finally:
+            writer.close()
+            opened.source.close()
+            shutil.rmtree(tmp / ".scratch", ignore_errors=True)
+        calibration = stage.summary if stage is not None else None
+        _write_metadata(tmp, opened, plan, settings, time.perf_counter() - t0, calibration)
+        if calibration and progress:
+            tqdm.write(drift_summary(calibration))
     return Path(out).expanduser().resolve()
 
 
-def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, seconds: float) -> None:
+def drift_summary(cal: dict[str, Any]) -> str:
+    """One line on how far the converted model's residual stream drifted from the original's."""
+    d = cal.get("residual_drift") or []
+    if not d:
+        return f"calibrated on {cal['tokens']:,} tokens"
+    worst = max(range(len(d)), key=d.__getitem__)
+    return (f"calibrated on {cal['tokens']:,} tokens; residual drift after the last layer {d[-1]:.3f} "
+            f"(mean {sum(d) / len(d):.3f}, worst {d[worst]:.3f} after layer {worst}; 0 = identical to the original)")
+
+
+def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, seconds: float,
+                    calibration: dict[str, Any] | None = None) -> None:
     cfg = _output_config(plan, settings)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     copied = _copy_side_files(opened, tmp)
@@ -316,12 +363,17 @@ def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, s
               "seconds": round(seconds, 3), "copied_files": copied,
               "loads_with": "AutoModelForCausalLM.from_pretrained(OUT)" if plan.native_gqa
               else "AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)"}
+    if calibration:
+        record["calibration"] = calibration
     (tmp / CONVERT_SETTINGS).write_text(json.dumps(record, indent=2) + "\n")
     facts = {"source": f"`{settings.source}`", "family": plan.family, "method": settings.method,
              "grouping": settings.grouping, "query heads": s.num_heads,
              "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → {after:,} bytes "
              f"({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
+    if calibration:
+        facts["calibration"] = f"{calibration['calibration']} on {calibration['device']}"
+        facts["residual drift"] = drift_summary(calibration).split("; ", 1)[-1]
     summary = ("Grouped-query-attention conversion made with gqakit. Each group of K/V heads was pooled into "
                "one head; quality usually drops until the model is uptrained (`gqakit uptrain`).")
     (tmp / "README.md").write_text(render_model_card(

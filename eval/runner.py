@@ -8,21 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gqakit.core.device import resolve_device  # noqa: F401  (re-exported)
 from gqakit.core.errors import GqakitError
 from gqakit.eval.results import SCHEMA, model_info, run_info, write_results
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-
-def resolve_device(device: str | None) -> str:
-    import torch
-
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise GqakitError(f"--device {device} requested but no CUDA device is available")
-    return device
 
 
 def resolve_dtype(dtype: str | None, device: str) -> Any:

@@ -23,11 +23,11 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from gqakit.core.device import PeakMemory, available_memory  # noqa: F401  (re-exported)
 from gqakit.core.errors import GqakitError
 from gqakit.eval.attention import SdpaSpy, describe_path, use_gqa_attention
 
@@ -75,63 +75,6 @@ def matmul_flops(device: Any, dtype: Any, n: int | None = None, reps: int = 3) -
     b = torch.randn(n, n, device=dev, dtype=dtype)
     t = _median_time(lambda: a @ b, dev, reps)
     return 2 * n ** 3 / t
-
-
-def _proc_bytes(path: str, key: str) -> int | None:
-    """The `key: N kB` entry of a Linux /proc file, in bytes (None where there is none)."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def available_memory(device: Any) -> int:
-    """Bytes the next allocations may use: free GPU memory, or MemAvailable on the host."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev)[0])
-    avail = _proc_bytes("/proc/meminfo", "MemAvailable:")
-    if avail is not None:
-        return avail
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakMemory:
-    """Peak memory of one region: CUDA's allocator peak, or the process's peak RSS on Linux.
-
-    Writing "5" to /proc/self/clear_refs resets VmHWM (the RSS high-water mark), so the
-    CPU figure covers this region only; it is the whole process (weights included).
-    """
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self.device = torch.device(device)
-
-    def reset(self) -> None:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            try:
-                Path("/proc/self/clear_refs").write_text("5")
-            except OSError:
-                pass
-
-    def peak(self) -> int | None:
-        import torch
-
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return _proc_bytes("/proc/self/status", "VmHWM:")
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -1,0 +1,75 @@
+"""Text inputs shared by every stage: a local file, or `hf:NAME[:CONFIG][:SPLIT]` from the
+local datasets cache (offline), with the sha256 that records which text was used."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gqakit.core.errors import GqakitError
+
+
+@dataclass
+class EvalText:
+    """The evaluation document and where it came from (recorded with every number)."""
+
+    text: str
+    source: str
+    sha256: str
+    max_chars: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": self.source, "sha256": self.sha256, "chars": len(self.text), "max_chars": self.max_chars}
+
+
+def read_text(data: str, *, max_chars: int | None = None, text_field: str = "text") -> EvalText:
+    """A local text file, or a Hugging Face dataset `hf:NAME[:CONFIG][:SPLIT]` from the local cache.
+
+    The sha256 is of the file's bytes for a file, and of the joined text for a dataset, so
+    `compare` can tell whether two results were measured on the same data.
+    """
+    if data.startswith("hf:"):
+        return _read_hf(data, max_chars=max_chars, text_field=text_field)
+    p = Path(data).expanduser()
+    if not p.is_file():
+        raise GqakitError(f"data file not found: {p}")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GqakitError(f"data file {p} is not UTF-8 text (byte {e.start})") from None
+    # Universal newlines, as Python's text mode reads files: a CRLF file and its LF copy
+    # must score the same (a stray "\r" is a rare byte-fallback token that costs a lot).
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise GqakitError(f"data file {p} is empty")
+    digest = hashlib.sha256(raw if max_chars is None else text.encode("utf-8")).hexdigest()
+    return EvalText(text=text, source=str(p.resolve()), sha256=digest, max_chars=max_chars)
+
+
+def _read_hf(spec: str, *, max_chars: int | None, text_field: str) -> EvalText:
+    parts = spec[3:].split(":")
+    name, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
+    split = parts[2] if len(parts) > 2 else "test"
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # datasets raises many types; offline misses are the usual one
+        raise GqakitError(f"cannot load dataset {spec} (offline: it must be in the local cache): "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if text_field not in ds.column_names:
+        raise GqakitError(f"dataset {spec} has no column {text_field!r} (columns: {', '.join(ds.column_names)})")
+    rows = [r for r in ds[text_field] if r]
+    # WikiText rows carry their own newlines; plain sentence datasets do not.
+    text = "".join(rows) if rows and all(r.endswith("\n") for r in rows) else "\n".join(rows)
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise GqakitError(f"dataset {spec} has no text in column {text_field!r}")
+    return EvalText(text=text, source=spec, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                    max_chars=max_chars)

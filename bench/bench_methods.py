@@ -83,7 +83,7 @@ def main() -> None:
                 out = Path(tmp) / "out"
                 t0 = time.perf_counter()
                 convert_checkpoint(m["src"], out, g, method, grouping=grouping, calibration_data=calib,
-                                   calibration_tokens=args.calibration_tokens, options=json.loads(args.options),
+                                   calibration_tokens=args.calibration_tokens, options=json.loads(args.options) if method == "align-refit" else None,
                                    progress=False)
                 secs = time.perf_counter() - t0
                 ppl = perplexity(out, m["data"], m["max_chars"])

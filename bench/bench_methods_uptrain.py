@@ -72,7 +72,7 @@ def _convert(m: dict, out: Path, g: int, method: str, calib_tokens: int | None) 
         shutil.rmtree(out)
     kw = {} if calib_tokens is None else {"calibration_data": calib, "calibration_tokens": calib_tokens}
     t0 = time.perf_counter()
-    convert_checkpoint(m["src"], out, g, method, progress=False, options={"progress": False}, **kw)
+    convert_checkpoint(m["src"], out, g, method, progress=False, **kw)
     return time.perf_counter() - t0
 
 

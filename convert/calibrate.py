@@ -37,7 +37,8 @@ the first n positions of every sequence out of the fits), row_weight ("relative"
 "none"), holdout (a fraction of the sequences kept out of the fits; the reported
 `residual_drift` is then measured on them), dtype (block compute: auto = float64 for
 models under 20M parameters on the CPU, else float32), stream_dtype (auto = the compute
-dtype), offload (auto | device | cpu | disk).
+dtype), offload (auto | device | cpu | disk), checkpoint_seconds (how often, at most, the
+streams and the finished layers are saved so that an interrupted run resumes).
 
 Calibration text is `--calibration-data` (a text file or `hf:NAME[:CONFIG][:SPLIT]`,
 tokenised and cut into sequences) or, without it, text sampled from the source model,
@@ -48,7 +49,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+import json
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +69,7 @@ from gqakit.core.errors import GqakitError
 DEFAULTS: dict[str, Any] = {
     "seq_len": 256, "batch": 16, "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
     "skip_first": 0, "row_weight": "relative", "holdout": 0.0, "dtype": "auto", "stream_dtype": "auto",
-    "offload": "auto",
+    "offload": "auto", "checkpoint_seconds": 120.0,
 }
 CHOICES = {"target": ("residual", "local"), "row_weight": ("relative", "none"),
            "dtype": ("auto", "float32", "float64"),
@@ -95,6 +98,8 @@ def refit_options(options: dict[str, Any] | None) -> dict[str, Any]:
                 raise GqakitError(f"align-refit option {key} must be a finite number, got {value!r}")
             if key == "holdout" and not 0 <= value < 1:
                 raise GqakitError(f"align-refit option holdout must be in [0, 1), got {value!r}")
+            if key == "checkpoint_seconds" and value < 0:
+                raise GqakitError(f"align-refit option checkpoint_seconds must be >= 0, got {value!r}")
         out[key] = value
     return out
 
@@ -182,6 +187,19 @@ def calibration_sequences(opened: Any, data: str | None, tokens: int, seq_len: i
     return torch.cat(out), f"sampled from the source model ({n_seq} x {seq_len} tokens, seed {seed})"
 
 
+CHECKPOINT = "checkpoint"
+
+
+def load_checkpoint(resume_dir: Path | None) -> dict[str, Any] | None:
+    """The state an interrupted run saved under `resume_dir` (None when there is none)."""
+    if resume_dir is None or not (resume_dir / CHECKPOINT / "state.json").is_file():
+        return None
+    try:
+        return json.loads((resume_dir / CHECKPOINT / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _empty_cache(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()
@@ -219,6 +237,20 @@ class Streams:
 
     def put(self, which: str, sl: slice, value: Tensor) -> None:
         getattr(self, which)[sl].copy_(value)
+
+    def save(self, folder: Path, chunk: int = 64) -> None:
+        """Both streams as raw files `orig.bin`, `new.bin` (a resume checkpoint)."""
+        for which in ("orig", "new"):
+            t = getattr(self, which)
+            with open(folder / f"{which}.bin", "wb") as f:
+                for i in range(0, t.shape[0], chunk):
+                    f.write(memoryview(t[i:i + chunk].cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+    def load(self, folder: Path) -> None:
+        for which in ("orig", "new"):
+            t = getattr(self, which)
+            saved = torch.from_file(str(folder / f"{which}.bin"), shared=False, size=t.numel(), dtype=t.dtype)
+            t.copy_(saved.view(t.shape))
 
 
 def choose_offload(want: str, stream_bytes: int, block_bytes: int, device: str) -> str:
@@ -413,9 +445,13 @@ class RefitStage:
     """
 
     def __init__(self, opened: Any, plan: Any, settings: Any, *, device: str = "cpu", progress: bool = True,
-                 scratch: Path | None = None):
+                 scratch: Path | None = None, resume_dir: Path | None = None,
+                 written: Callable[[], list[str]] | None = None):
+        """`resume_dir`: where checkpoints go (and are resumed from); `written`: the names of
+        the tensors the writer holds, recorded with each checkpoint."""
         self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
         self.progress, self.scratch = progress, scratch
+        self.resume_dir, self.written = resume_dir, written
         self.opts = refit_options(settings.options)
         self.spec = archmod.registry()[plan.family]
         if self.opts["dtype"] == "auto":
@@ -436,10 +472,17 @@ class RefitStage:
         peak.reset()
         opts, spec, shape = self.opts, self.spec, self.plan.shape
         G, KV, L_n = self.settings.num_kv_heads, shape.num_kv_heads, shape.num_layers
-        seqs, where = calibration_sequences(
-            self.opened, self.settings.calibration_data, self.settings.calibration_tokens, int(opts["seq_len"]),
-            self.settings.seed, sample_batch=int(opts["sample_batch"]), device=self.device,
-            progress=self.progress, source_params=self.plan.source_params)
+        state = load_checkpoint(self.resume_dir)
+        if state is not None:
+            ck = self.resume_dir / CHECKPOINT
+            seqs, where = torch.load(ck / "seqs.pt"), state["where"]
+            start, drift, drift_first = state["layers_done"], state["drift"], state["drift_first"]
+        else:
+            seqs, where = calibration_sequences(
+                self.opened, self.settings.calibration_data, self.settings.calibration_tokens,
+                int(opts["seq_len"]), self.settings.seed, sample_batch=int(opts["sample_batch"]),
+                device=self.device, progress=self.progress, source_params=self.plan.source_params)
+            start, drift, drift_first = 0, [], []
         n_seq, T = seqs.shape
         sk = self.skeleton = Skeleton(self.opened, spec, L_n, self.device, self.dtype)
         remap = sk.load_outer(seqs)
@@ -449,6 +492,8 @@ class RefitStage:
         D = None
         streams: Streams | None = None
         for sl in spans:
+            if state is not None and (sl.stop - sl.start) in calls:
+                continue  # resuming: the streams come from the checkpoint, only the block inputs are needed
             h = sk.block_inputs(remap[seqs[sl]], calls)
             if streams is None:
                 D = h.shape[-1]
@@ -457,9 +502,13 @@ class RefitStage:
                 place = choose_offload(opts["offload"], nbytes, per_block, self.device)
                 streams = Streams((n_seq, T, D), self.stream_dtype, place, self.device,
                                   (self.scratch / "calibration-streams") if self.scratch else None)
-            streams.put("orig", sl, h)
-            streams.put("new", sl, h)
+            if state is None:
+                streams.put("orig", sl, h)
+                streams.put("new", sl, h)
         assert streams is not None and D is not None
+        if state is not None:
+            streams.load(self.resume_dir / CHECKPOINT)
+        last_checkpoint = time.perf_counter()
 
         # rows of each span that enter the fits / the drift measure (see `holdout`, `skip_first`)
         n_hold = min(n_seq - 1, int(round(float(opts["holdout"]) * n_seq)))
@@ -476,13 +525,11 @@ class RefitStage:
 
         a = spec.attention
         group_fn = methods.GROUPINGS[self.settings.grouping]
-        drift: list[float] = []
-        drift_first: list[float] = []
         tokens = n_seq * T
-        bar = tqdm(total=L_n * len(spans) * 3, desc="calibrating", unit="batch", disable=not self.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(total=L_n * len(spans) * 3, initial=start * len(spans) * 3, desc="calibrating", unit="batch",
+                   disable=not self.progress, dynamic_ncols=True)
         f64 = torch.float64
-        for L in range(L_n):
+        for L in range(start, L_n):
             tl = time.perf_counter()
             bar.set_description(f"calibrating layer {L + 1}/{L_n}")
             block = sk.load_block(L)
@@ -626,6 +673,10 @@ class RefitStage:
             secs = time.perf_counter() - tl
             bar.set_postfix_str(f"{tokens / secs:,.0f} tok/s" + (f", drift {drift[-1]:.3f}" if drift else ""))
             yield L, pooled
+            if (self.resume_dir is not None and L + 1 < L_n
+                    and time.perf_counter() - last_checkpoint >= float(opts["checkpoint_seconds"])):
+                self._checkpoint(L + 1, seqs, where, streams, drift, drift_first)
+                last_checkpoint = time.perf_counter()
         bar.close()
         self.summary = {
             "calibration": where, "calibration_sequences": n_seq, "seq_len": T, "tokens": n_seq * T,
@@ -634,4 +685,24 @@ class RefitStage:
             "stream_bytes": streams.nbytes, "options": self.opts,
             "residual_drift": drift, "residual_drift_first": drift_first,
             "peak_memory_bytes": peak.peak(), "seconds": round(time.perf_counter() - t0, 3),
+            "resumed_at_layer": start if state is not None else None,
         }
+
+    def _checkpoint(self, layers_done: int, seqs: Tensor, where: str, streams: Streams, drift: list[float],
+                    drift_first: list[float]) -> None:
+        """Save what a resumed run needs, atomically: a kill during the save keeps the last one."""
+        assert self.resume_dir is not None
+        tmp, final = self.resume_dir / (CHECKPOINT + ".tmp"), self.resume_dir / CHECKPOINT
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(seqs, tmp / "seqs.pt")
+        streams.save(tmp)
+        state = {"layers_done": layers_done, "where": where, "drift": drift, "drift_first": drift_first,
+                 "written": self.written() if self.written else []}
+        (tmp / "state.json").write_text(json.dumps(state) + "\n")
+        old = self.resume_dir / (CHECKPOINT + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)

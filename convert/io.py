@@ -19,6 +19,7 @@ import os
 import pickle
 import struct
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -278,7 +279,9 @@ class ShardWriter:
     thus be written in file order and the converted attention layer by layer.
     """
 
-    def __init__(self, folder: Path, plan: list[Planned], max_shard_bytes: int, metadata: dict[str, str] | None = None):
+    def __init__(self, folder: Path, plan: list[Planned], max_shard_bytes: int, metadata: dict[str, str] | None = None,
+                 written: Iterable[str] = ()):
+        """`written`: tensors an interrupted run already wrote into `folder` (resuming it)."""
         self.folder = folder
         self.shards = plan_shards(plan, max_shard_bytes)
         n = len(self.shards)
@@ -293,7 +296,8 @@ class ShardWriter:
                 self._slot[p.name] = (i, offset, p)
                 offset += p.nbytes
         self._files: dict[int, BinaryIO] = {}
-        self._written: set[str] = set()
+        self._written: set[str] = set(written)
+        self._resuming = bool(self._written)
         self._at = (0, 0)  # (shard, offset) of the tensor being written
         self.total_bytes = sum(p.nbytes for p in plan)
 
@@ -310,11 +314,22 @@ class ShardWriter:
 
     def _file(self, i: int) -> BinaryIO:
         if i not in self._files:
-            f = open(self.folder / self.filenames[i], "wb")
-            f.write(self._headers[i])
-            f.flush()
+            path = self.folder / self.filenames[i]
+            if self._resuming and path.is_file():
+                f = open(path, "r+b")  # keep what the interrupted run wrote
+                if f.read(len(self._headers[i])) != self._headers[i]:
+                    f.close()
+                    raise GqakitError(f"{path} does not belong to this conversion; delete {self.folder} and re-run")
+            else:
+                f = open(path, "wb")
+                f.write(self._headers[i])
+                f.flush()
             self._files[i] = f
         return self._files[i]
+
+    @property
+    def written(self) -> list[str]:
+        return sorted(self._written)
 
     def _next(self, name: str) -> Planned:
         """The plan entry of the next tensor written; sets where it goes."""

@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from gqakit.convert.pooling import PoolContext, contiguous_groups
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.modelcard import render_model_card
-from gqakit.core.outdir import atomic_output_dir, check_output_path
+from gqakit.core.outdir import RESUME_DIR, atomic_output_dir, check_output_path, resumable_output_dir
 
 # Calibration memory no longer grows with the token count times the depth (one block and two
 # hidden-state streams at a time), so the default budget is set by time, not memory:
@@ -285,15 +287,27 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
     t0 = time.perf_counter()
-    with atomic_output_dir(Path(out), overwrite=overwrite, src=Path(src)) as tmp:
-        writer = ShardWriter(tmp, plan.tensors, max_bytes, {"gqakit": gqakit.__version__})
+    if staged:  # long runs keep their work when killed, and resume from it
+        folder = resumable_output_dir(Path(out), fingerprint=_fingerprint(opened, plan, settings),
+                                      overwrite=overwrite, src=Path(src))
+    else:
+        folder = _not_resumable(atomic_output_dir(Path(out), overwrite=overwrite, src=Path(src)))
+    with folder as (tmp, resumed):
+        from gqakit.convert.calibrate import load_checkpoint
+
+        state = load_checkpoint(tmp / RESUME_DIR) if resumed else None
+        if resumed and progress:
+            tqdm.write(f"resuming the conversion in {tmp}" + (f" after layer {state['layers_done'] - 1}" if state else ""))
+        writer = ShardWriter(tmp, plan.tensors, max_bytes, {"gqakit": gqakit.__version__},
+                             written=state["written"] if state else ())
+        done = set(writer.written)
         try:
             planned_dtype = {p.name: p.dtype for p in plan.tensors}
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
                        disable=not progress or staged)
             # 1. every tensor the method leaves as it is, in file order
             for name in opened.source.names():
-                if name in plan.layer_of:
+                if name in plan.layer_of or name in done:
                     continue
                 raw = opened.source.raw(name)
                 if raw is not None and opened.source.meta(name)[0] == planned_dtype[name]:
@@ -308,7 +322,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
             stage = None
             if staged:
                 stage = methods.STAGES[method](opened, plan, settings, device=dev, progress=progress,
-                                               scratch=tmp / ".scratch")
+                                               scratch=tmp / ".scratch", resume_dir=tmp / RESUME_DIR,
+                                               written=lambda: writer.written)
                 layers = stage.layers()
             else:
                 layers = _per_layer_heads(opened, plan, settings)
@@ -316,6 +331,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
                 names = set(layer_names(spec, layer).values())
                 out_dtypes = {n: planned_dtype[n] for n in plan.layer_of if n in names}
                 for n, t in write_heads(spec, new, layer, out_dtypes).items():
+                    if n in done:  # already in the shards (a resumed run restarts after its checkpoint)
+                        continue
                     writer.write(n, t)
                     bar.update(t.numel() * t.dtype.itemsize)
             writer.finish()
@@ -329,6 +346,20 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
         if calibration and progress:
             tqdm.write(drift_summary(calibration))
     return Path(out).expanduser().resolve()
+
+
+@contextmanager
+def _not_resumable(ctx: Any) -> Iterator[tuple[Path, bool]]:
+    with ctx as tmp:
+        yield tmp, False
+
+
+def _fingerprint(opened: Opened, plan: Plan, settings: Settings) -> str:
+    """What makes two runs the same conversion: settings, source files, plan, gqakit version."""
+    files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in opened.source.files() if p.exists()]
+    key = {"settings": asdict(settings), "files": files, "version": gqakit.__version__,
+           "tensors": [(p.name, str(p.dtype), list(p.shape)) for p in plan.tensors]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def drift_summary(cal: dict[str, Any]) -> str:

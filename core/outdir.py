@@ -9,6 +9,7 @@ the next run removes it once the process that made it is gone.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import uuid
@@ -105,3 +106,79 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+PARTIAL_MARK = ".gqakit-partial"
+PARTIAL_STAMP = "gqakit_partial.json"
+RESUME_DIR = ".resume"  # inside the partial folder: a run that saved a checkpoint there is kept on failure
+
+
+def partial_dir(out: Path) -> Path:
+    out = Path(out).expanduser().resolve()
+    return out.parent / f".{out.name}{PARTIAL_MARK}"
+
+
+@contextmanager
+def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False,
+                         src: Path | None = None) -> Iterator[tuple[Path, bool]]:
+    """Like `atomic_output_dir`, for long runs: the work folder `.OUT.gqakit-partial` is kept
+    when the run fails or is killed, and a later run of the same command (same
+    `fingerprint`) resumes in it. Yields (folder, resumed). A partial folder of another
+    command is replaced; one without gqakit's stamp is never touched."""
+    out = check_output_path(out, overwrite=overwrite, src=src)
+    part = partial_dir(out)
+    stamp = part / PARTIAL_STAMP
+    resumed = False
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if part.exists():
+            try:
+                info = json.loads(stamp.read_text())
+            except (OSError, ValueError):
+                raise GqakitError(f"{part} exists and was not left by gqakit; move it away") from None
+            if _alive(int(info.get("pid", 0))):
+                raise GqakitError(f"another gqakit run (pid {info['pid']}) is writing {out}")
+            if info.get("fingerprint") == fingerprint:
+                resumed = True
+            else:
+                shutil.rmtree(part)
+        part.mkdir(exist_ok=resumed)
+        stamp.write_text(json.dumps({"fingerprint": fingerprint, "pid": os.getpid()}) + "\n")
+    except OSError as e:
+        raise GqakitError(_describe_oserror(e, out)) from None
+    try:
+        yield part, resumed
+    except BaseException as e:
+        if not (part / RESUME_DIR).is_dir():
+            shutil.rmtree(part, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise GqakitError(_describe_oserror(e, out)) from None
+            raise
+        if isinstance(e, (GqakitError, OSError)):
+            msg = _describe_oserror(e, out) if isinstance(e, OSError) else str(e)
+            raise GqakitError(f"{msg} (finished layers are kept in {part}; re-run the same command to resume)") from None
+        raise
+    try:
+        shutil.rmtree(part / RESUME_DIR, ignore_errors=True)
+        stamp.unlink()
+        if out.exists():
+            old = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            os.rename(part, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(part, out)
+    except OSError as e:
+        raise GqakitError(_describe_oserror(e, out)) from None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

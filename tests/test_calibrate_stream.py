@@ -198,3 +198,75 @@ def test_convert_cli_refuses_bad_refit_input(tiny_model, tmp_path, capsys, args,
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, one_thread):
+    """A run interrupted at layer 2 of 4 leaves no OUT, keeps its work in the partial folder,
+    and the same command resumes there: layers 0-1 are not recomputed, and the result is
+    bit-identical to an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from gqakit.convert import calibrate
+    from gqakit.core.outdir import partial_dir
+
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)
+    kw = dict(calibration_tokens=256, options={"seq_len": 32, "checkpoint_seconds": 0}, progress=False,
+              device="cpu")
+    whole = convert_checkpoint(src, tmp_path / "whole", 1, "align-refit", **kw)
+
+    loaded = []
+    real = calibrate.Skeleton.load_block
+    kill = {"at": 2}
+
+    def load_block(self, L):
+        loaded.append(L)
+        if kill and L == kill["at"]:
+            kill.clear()
+            raise KeyboardInterrupt
+        return real(self, L)
+
+    monkeypatch.setattr(calibrate.Skeleton, "load_block", load_block)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(src, out, 1, "align-refit", **kw)
+    assert not out.exists() and partial_dir(out).is_dir()
+    assert loaded == [0, 1, 2]
+    loaded.clear()
+    convert_checkpoint(src, out, 1, "align-refit", **kw)
+    assert loaded == [2, 3] and not partial_dir(out).exists()
+    a, b = load_file(out / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rec = json.loads((out / "gqakit_convert.json").read_text())["calibration"]
+    ref = json.loads((whole / "gqakit_convert.json").read_text())["calibration"]
+    assert rec["resumed_at_layer"] == 2 and rec["residual_drift"] == ref["residual_drift"]
+    assert not any(p.name.startswith(".") for p in out.iterdir())
+
+
+def test_partial_folder_of_another_command_is_replaced_and_foreign_one_refused(tiny_model, tmp_path):
+    from gqakit.core.outdir import partial_dir
+
+    src = tiny_model("llama", num_key_value_heads=4)
+    out = tmp_path / "out"
+    part = partial_dir(out)
+    part.mkdir()
+    (part / "mine.txt").write_text("not gqakit's")
+    with pytest.raises(GqakitError, match="was not left by gqakit"):
+        convert_checkpoint(src, out, 2, "align-refit", calibration_tokens=128, options={"seq_len": 32},
+                           progress=False)
+    assert (part / "mine.txt").read_text() == "not gqakit's"
+    (part / "mine.txt").unlink()
+    (part / "gqakit_partial.json").write_text(json.dumps({"fingerprint": "other", "pid": 0}))
+    convert_checkpoint(src, out, 2, "align-refit", calibration_tokens=128, options={"seq_len": 32}, progress=False)
+    assert out.is_dir() and not part.exists()
+
+
+def test_failure_before_any_checkpoint_leaves_nothing(tiny_model, tmp_path):
+    from gqakit.core.outdir import partial_dir
+
+    src = tiny_model("llama", num_key_value_heads=4)
+    data = tmp_path / "short.txt"
+    data.write_text("abc")
+    with pytest.raises(GqakitError, match="fewer than one sequence"):
+        convert_checkpoint(src, tmp_path / "out", 2, "align-refit", calibration_data=str(data),
+                           options={"seq_len": 32}, progress=False)
+    assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()

@@ -67,7 +67,7 @@ from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.errors import GqakitError
 
 DEFAULTS: dict[str, Any] = {
-    "seq_len": 256, "batch": 16, "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
+    "seq_len": 256, "batch": "auto", "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
     "skip_first": 0, "row_weight": "relative", "holdout": 0.0, "dtype": "auto", "stream_dtype": "auto",
     "offload": "auto", "checkpoint_seconds": 120.0,
 }
@@ -90,6 +90,8 @@ def refit_options(options: dict[str, Any] | None) -> dict[str, Any]:
         if key in CHOICES:
             if value not in CHOICES[key]:
                 raise GqakitError(f"align-refit option {key}={value!r}; choose from {', '.join(CHOICES[key])}")
+        elif key == "batch" and value == "auto":
+            pass
         elif key in _MIN_INT:
             if isinstance(value, bool) or not isinstance(value, int) or value < _MIN_INT[key]:
                 raise GqakitError(f"align-refit option {key} must be an integer >= {_MIN_INT[key]}, got {value!r}")
@@ -203,6 +205,8 @@ def load_checkpoint(resume_dir: Path | None) -> dict[str, Any] | None:
 def _empty_cache(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()
+    else:
+        _trim()
 
 
 # ----------------------------------------------------------------------------- streams
@@ -412,8 +416,23 @@ class Skeleton:
 
 # ----------------------------------------------------------------------------- the stage
 
-def _aug(x: Tensor) -> Tensor:
-    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
+def _add_moment(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += [a 1]^T [b 1] in place, without building the augmented copies."""
+    D = a.shape[1]
+    acc[:D, :D].addmm_(a.T, b)
+    acc[:D, D] += a.sum(0)
+    acc[D, :D] += b.sum(0)
+    acc[D, D] += a.shape[0]
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise), so RSS tracks use."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Grab:
@@ -459,6 +478,10 @@ class RefitStage:
             self.dtype = torch.float64 if small else torch.float32
         else:
             self.dtype = getattr(torch, self.opts["dtype"])
+        # sequences per block forward: small on the CPU, where every row's float64 temporaries
+        # count against host memory; larger on a GPU, where wide batches keep it busy
+        b = self.opts["batch"]
+        self.batch = int(b) if b != "auto" else (32 if str(device).startswith("cuda") else 4)
         sd = self.opts["stream_dtype"]
         self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
         self.summary: dict[str, Any] = {}
@@ -486,7 +509,7 @@ class RefitStage:
         n_seq, T = seqs.shape
         sk = self.skeleton = Skeleton(self.opened, spec, L_n, self.device, self.dtype)
         remap = sk.load_outer(seqs)
-        step = int(opts["batch"])
+        step = self.batch
         spans = [slice(i, min(i + step, n_seq)) for i in range(0, n_seq, step)]
         calls: dict[int, list] = {}
         D = None
@@ -556,7 +579,7 @@ class RefitStage:
                 except _Stop:
                     return None
 
-            # 1. moments of the attention inputs, original vs converted stream
+            # 1. moments of the attention inputs, original vs converted stream (x with a 1 appended)
             s_oo = torch.zeros(D + 1, D + 1, dtype=f64, device=self.device)
             s_on, s_nn = torch.zeros_like(s_oo), torch.zeros_like(s_oo)
             n_rows = 0
@@ -566,22 +589,26 @@ class RefitStage:
                     for sl in spans:
                         keep = masks(sl)[0]
                         run(sl, "orig")
-                        xo = _aug(g.rows[keep].to(f64))
+                        xo = g.rows[keep].to(f64)
                         run(sl, "new")
-                        xn = _aug(g.rows[keep].to(f64))
-                        s_oo += xo.T @ xo
-                        s_on += xo.T @ xn
-                        s_nn += xn.T @ xn
+                        xn = g.rows[keep].to(f64)
+                        _add_moment(s_oo, xo, xo)
+                        _add_moment(s_on, xo, xn)
+                        _add_moment(s_nn, xn, xn)
                         n_rows += xo.shape[0]
+                        del xo, xn
                         bar.update(1)
                 finally:
                     g.remove()
             if n_rows == 0:
                 raise GqakitError("no calibration rows left for the fits: lower skip_first or holdout, or pass "
                                   "more --calibration-tokens")
-            s_oo, s_on, s_nn = (s.cpu() / n_rows for s in (s_oo, s_on, s_nn))
-            eye = torch.eye(D + 1, dtype=f64)
-            whiten = torch.linalg.cholesky(s_oo + 1e-8 * float(torch.diagonal(s_oo).mean()) * eye)
+            for m in (s_oo, s_on, s_nn):
+                m /= n_rows
+            s_oo, s_on, s_nn = s_oo.cpu(), s_on.cpu(), s_nn.cpu()
+            s_oo.diagonal().add_(1e-8 * float(torch.diagonal(s_oo).mean()))
+            whiten = torch.linalg.cholesky(s_oo)
+            del s_oo
 
             # 2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64
             src_t = {n: self.opened.source.get(sk.src(n)) for n in attn_rel}
@@ -590,11 +617,13 @@ class RefitStage:
                               {"whiten": whiten})
             h = regroup(heads, group_fn(heads, ctx))
             al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
+            del heads, h, src_t
             pooled = pool_mean(al, G)
             if float(opts["q_ridge"]) >= 0:
                 pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
                                        s_ab=s_on, s_bb=s_nn, ridge=float(opts["q_ridge"]))
-            del s_oo, s_on, s_nn, whiten, eye
+            del s_on, s_nn, whiten, al
+            _trim()
 
             def as_block(hd: AttnHeads) -> dict[str, Tensor]:
                 out = write_heads(spec, expand_kv(hd, KV), L, {n: self.dtype for n in attn_rel})
@@ -639,8 +668,9 @@ class RefitStage:
                         finally:
                             g.remove()
                         z = g.rows[keep].to(f64) * w
-                        zz += z.T @ z
-                        zt += z.T @ (target * w)
+                        zz.addmm_(z.T, z)
+                        zt.addmm_(z.T, target * w)
+                        del z, target, w
                     streams.put("orig", sl, ro_next)
                     bar.update(1)
             if fit_o:
@@ -682,7 +712,7 @@ class RefitStage:
             "calibration": where, "calibration_sequences": n_seq, "seq_len": T, "tokens": n_seq * T,
             "device": self.device, "compute_dtype": str(self.dtype).replace("torch.", ""),
             "stream_dtype": str(self.stream_dtype).replace("torch.", ""), "streams_on": streams.where,
-            "stream_bytes": streams.nbytes, "options": self.opts,
+            "stream_bytes": streams.nbytes, "batch": self.batch, "options": self.opts,
             "residual_drift": drift, "residual_drift_first": drift_first,
             "peak_memory_bytes": peak.peak(), "seconds": round(time.perf_counter() - t0, 3),
             "resumed_at_layer": start if state is not None else None,

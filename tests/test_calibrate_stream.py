@@ -29,7 +29,7 @@ def _reference(src, settings):
     seqs, _ = calibration_sequences(opened, settings.calibration_data, settings.calibration_tokens,
                                     opts["seq_len"], settings.seed, sample_batch=opts["sample_batch"],
                                     progress=False, source_params=plan.source_params)
-    batches = list(seqs.split(opts["batch"]))
+    batches = list(seqs.split(4 if opts["batch"] == "auto" else opts["batch"]))  # the CPU's auto batch
     return reference_refit(opened, plan, settings, batches, opts)
 
 

@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench/results/methods.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.pipeline import convert_checkpoint
+    from gqakit.core.device import PeakMemory
 
     m = dict(MODELS[args.model])
     if args.max_chars:
@@ -81,16 +82,23 @@ def main() -> None:
         for method, grouping in combos:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "out"
+                peak = PeakMemory("cpu")
+                peak.reset()  # the conversion's own peak (VmHWM), before the evaluation loads anything
                 t0 = time.perf_counter()
                 convert_checkpoint(m["src"], out, g, method, grouping=grouping, calibration_data=calib,
                                    calibration_tokens=args.calibration_tokens, options=json.loads(args.options) if method == "align-refit" else None,
                                    progress=False)
                 secs = time.perf_counter() - t0
+                convert_peak = peak.peak()
+                record = json.loads((out / "gqakit_convert.json").read_text())
                 ppl = perplexity(out, m["data"], m["max_chars"])
             row = {"model": args.model, "G": g, "method": method, "grouping": grouping, "ppl": round(ppl, 3),
                    "convert_seconds": round(secs, 2), "calibration": calib if method == "align-refit" else None,
                    "calibration_tokens": args.calibration_tokens if method == "align-refit" else None,
-                   "options": json.loads(args.options), "eval_chars": m["max_chars"]}
+                   "options": json.loads(args.options), "eval_chars": m["max_chars"],
+                   "convert_peak_rss_bytes": convert_peak, "device": "cpu", "cores": os.cpu_count()}
+            if "calibration" in record:
+                row["final_drift"] = (record["calibration"]["residual_drift"] or [None])[-1]
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(args.out, "a") as f:

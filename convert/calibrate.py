@@ -175,8 +175,8 @@ def calibration_sequences(opened: Any, data: str | None, tokens: int, seq_len: i
     bos = _bos_id(cfg)
     model = load_causal_lm(path, dtype=torch.float32, device=device)
     out = []
-    with torch.inference_mode(), torch.random.fork_rng(devices=[device] if device.startswith("cuda") else []):
-        torch.manual_seed(seed)
+    with torch.inference_mode(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # seeds the GPU's generator too
         for i in tqdm(range(0, n_seq, sample_batch), desc="sampling calibration text", disable=not progress):
             b = min(sample_batch, n_seq - i)
             start = torch.full((b, 1), bos, dtype=torch.long, device=device)
@@ -479,9 +479,9 @@ class RefitStage:
         else:
             self.dtype = getattr(torch, self.opts["dtype"])
         # sequences per block forward: small on the CPU, where every row's float64 temporaries
-        # count against host memory; larger on a GPU, where wide batches keep it busy
+        # count against host memory; larger on a GPU (4,096 tokens), where wide batches keep it busy
         b = self.opts["batch"]
-        self.batch = int(b) if b != "auto" else (32 if str(device).startswith("cuda") else 4)
+        self.batch = int(b) if b != "auto" else (16 if str(device).startswith("cuda") else 4)
         sd = self.opts["stream_dtype"]
         self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
         self.summary: dict[str, Any] = {}

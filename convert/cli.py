@@ -75,6 +75,14 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
 
     options = _parse_options(refit_options)
     if dry_run:
+        from gqakit.convert.methods import STAGES
+        from gqakit.core.device import resolve_device
+
+        if method in STAGES:
+            from gqakit.convert.calibrate import refit_options as check_options
+
+            check_options(options)
+            resolve_device(device)
         opened = open_checkpoint(src)
         plan = make_plan(opened, Settings(str(src), num_kv_heads, method, grouping, dtype))
         s = plan.shape

@@ -270,3 +270,21 @@ def test_failure_before_any_checkpoint_leaves_nothing(tiny_model, tmp_path):
         convert_checkpoint(src, tmp_path / "out", 2, "align-refit", calibration_data=str(data),
                            options={"seq_len": 32}, progress=False)
     assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+
+
+def test_calibration_from_a_local_datasets_source(tiny_model, tmp_path, monkeypatch):
+    """--calibration-data hf:NAME[:CONFIG][:SPLIT], read offline (here: a local folder of text files)."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "a.txt").write_text("abc def ghi jkl mno pqr stu vwx yz\n" * 300)
+    src = tiny_model("llama", num_key_value_heads=4)
+    out = convert_checkpoint(src, tmp_path / "out", 2, "align-refit", calibration_data=f"hf:{ds}::train",
+                             calibration_tokens=256, options={"seq_len": 32}, progress=False)
+    cal = json.loads((out / "gqakit_convert.json").read_text())["calibration"]
+    assert cal["calibration"].startswith(f"hf:{ds}::train") and cal["tokens"] == 256
+    with pytest.raises(GqakitError, match="cannot load dataset"):
+        convert_checkpoint(src, tmp_path / "out2", 2, "align-refit", calibration_data="hf:no-such-dataset-here",
+                           options={"seq_len": 32}, progress=False)
+    assert not (tmp_path / "out2").exists()

@@ -173,7 +173,7 @@ def calibration_sequences(opened: Any, data: str | None, tokens: int, seq_len: i
     from gqakit.core.loading import load_causal_lm
 
     bos = _bos_id(cfg)
-    model = load_causal_lm(path, dtype=torch.float32, device=device)
+    model = load_causal_lm(path, dtype=torch.float32, device=device, progress=progress)
     out = []
     with torch.inference_mode(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # seeds the GPU's generator too

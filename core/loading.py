@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +69,23 @@ def load_config(path: str | Path, *, trust_remote_code: bool | None = None) -> A
         raise GqakitError(f"cannot read the model config of {path}: {str(e).splitlines()[0]}") from None
 
 
+@contextmanager
+def hf_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights") off for a block unless `enabled`
+    (enabled leaves them as they are: a global -q still wins)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
 def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
-                   trust_remote_code: bool | None = None, **kwargs: Any) -> Any:
+                   trust_remote_code: bool | None = None, progress: bool = True, **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained` for a folder or a .gguf file, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -76,9 +93,10 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
     folder, gguf = split_source(path)
     trc = is_gqakit_remote(folder) if trust_remote_code is None else trust_remote_code
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc, **kwargs
-        )
+        with hf_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc, **kwargs
+            )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise GqakitError(f"cannot load the model at {path}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval()

@@ -288,3 +288,13 @@ def test_calibration_from_a_local_datasets_source(tiny_model, tmp_path, monkeypa
         convert_checkpoint(src, tmp_path / "out2", 2, "align-refit", calibration_data="hf:no-such-dataset-here",
                            options={"seq_len": 32}, progress=False)
     assert not (tmp_path / "out2").exists()
+
+
+def test_sampling_that_cannot_fit_asks_for_calibration_data(tiny_model, tmp_path, monkeypatch):
+    from gqakit.convert import calibrate
+
+    monkeypatch.setattr(calibrate, "available_memory", lambda device: 1000)
+    src = tiny_model("llama", num_key_value_heads=4)
+    with pytest.raises(GqakitError, match="needs the whole model in memory.*pass --calibration-data"):
+        convert_checkpoint(src, tmp_path / "out", 2, "align-refit", options={"seq_len": 32}, progress=False)
+    assert not list(tmp_path.glob("*out*"))

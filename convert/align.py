@@ -245,11 +245,13 @@ def refit_o_proj(z: Tensor, target: Tensor, o: Tensor, ridge: float) -> Tensor:
 def refit_o_proj_moments(zz: Tensor, zt: Tensor, o: Tensor, ridge: float) -> Tensor:
     """`refit_o_proj` from its normal equations Z^T Z [H*D, H*D] and Z^T target [H*D, out],
     which a streamed caller accumulates batch by batch. The ridge is relative to the mean
-    diagonal of Z^T Z, so scaling every row weight by one constant changes nothing."""
+    diagonal of Z^T Z, so scaling every row weight by one constant changes nothing.
+    Consumes `zz` and `zt` (overwritten in place: the solve needs no copies of them)."""
     out, H, D = o.shape
     lam = ridge * float(torch.diagonal(zz).mean()) + 1e-30
-    rhs = zt + lam * o.reshape(out, H * D).T
-    sol = torch.linalg.solve(zz + lam * torch.eye(H * D, dtype=zz.dtype), rhs)
+    zz.diagonal().add_(lam)
+    rhs = zt.add_(o.reshape(out, H * D).T.to(zt.dtype), alpha=lam)
+    sol = torch.linalg.solve(zz, rhs)
     return sol.T.reshape(out, H, D)
 
 

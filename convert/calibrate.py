@@ -610,7 +610,11 @@ class RefitStage:
             whiten = torch.linalg.cholesky(s_oo)
             del s_oo
 
-            # 2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64
+            # 2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64; the
+            # block is not needed meanwhile, so it goes back to meta and is read again after
+            del original, params
+            sk.free_block(L)
+            _empty_cache(self.device)
             src_t = {n: self.opened.source.get(sk.src(n)) for n in attn_rel}
             heads = read_heads(spec, shape, src_t, L, dtype=f64)
             ctx = PoolContext(G, contiguous_groups(KV, G), spec.rotary.style, shape.rotary_dim, L, None,
@@ -630,6 +634,9 @@ class RefitStage:
                 return {n: t.to(self.device) for n, t in out.items()}
 
             converted = as_block(pooled)
+            block = sk.load_block(L)
+            params = dict(block.named_parameters())
+            original = {n: params[r].data for n, r in attn_rel.items()}
             # 4. o_proj normal equations (and the original stream advanced one block)
             fit_o = float(opts["o_ridge"]) >= 0
             H_D = pooled.o.shape[1] * pooled.o.shape[2]
@@ -680,6 +687,8 @@ class RefitStage:
 
             # 5. the converted stream advanced one block; drift against the original one
             use(converted)
+            del original
+            _trim()
             err = torch.zeros(2, dtype=f64, device=self.device)
             cnt = torch.zeros(2, dtype=f64, device=self.device)
             with torch.inference_mode():
@@ -688,8 +697,9 @@ class RefitStage:
                     streams.put("new", sl, rn_next)
                     if L + 1 < L_n:
                         _, measure, first = masks(sl)
-                        ro = streams.get("orig", sl, self.dtype).reshape(-1, D).to(f64)
-                        rel = (rn_next.reshape(-1, D).to(f64) - ro).norm(dim=1) / ro.norm(dim=1).clamp_min(1e-30)
+                        ro = streams.get("orig", sl, self.dtype).reshape(-1, D)
+                        rel = ((rn_next.reshape(-1, D) - ro).norm(dim=1).to(f64)
+                               / ro.norm(dim=1).to(f64).clamp_min(1e-30))
                         err += torch.stack([rel[measure].sum(), rel[first].sum()])
                         cnt += torch.stack([measure.sum(), first.sum()]).to(f64)
                     bar.update(1)
@@ -698,7 +708,7 @@ class RefitStage:
                 drift.append(e[0])
                 drift_first.append(e[1])
             sk.free_block(L)
-            del original, converted, params
+            del converted, params
             _empty_cache(self.device)
             secs = time.perf_counter() - tl
             bar.set_postfix_str(f"{tokens / secs:,.0f} tok/s" + (f", drift {drift[-1]:.3f}" if drift else ""))

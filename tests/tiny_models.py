@@ -15,8 +15,8 @@ HIDDEN, LAYERS, VOCAB = 32, 2, 64
 
 
 def _configs() -> dict[str, Any]:
-    from transformers import (GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
-                              OPTConfig, PhiConfig, Qwen2Config)
+    from transformers import (Gemma2Config, GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
+                              OlmoConfig, OPTConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen3Config, StableLmConfig)
 
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None)
     common = dict(vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=False, **ids)
@@ -34,6 +34,26 @@ def _configs() -> dict[str, Any]:
         "gemma": lambda **o: GemmaConfig(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
                                             "num_hidden_layers": LAYERS, "num_attention_heads": 4,
                                             "num_key_value_heads": 4, "head_dim": 16, **o}),
+        # gemma2: sliding-window layers alternate with global ones (a window shorter than the
+        # calibration sequences, so each layer type gets its own mask)
+        "gemma2": lambda **o: Gemma2Config(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
+                                              "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+                                              "num_key_value_heads": 8, "head_dim": 8, "sliding_window": 16, **o}),
+        # phi3: fused qkv_proj rows [q | k | v] (not transposed)
+        "phi3": lambda **o: Phi3Config(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
+                                          "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+                                          "num_key_value_heads": 8, **o}),
+        "olmo": lambda **o: OlmoConfig(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
+                                          "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+                                          "num_key_value_heads": 8, **o}),
+        # qwen3: per-head q/k norms
+        "qwen3": lambda **o: Qwen3Config(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
+                                            "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+                                            "num_key_value_heads": 8, "head_dim": 8, **o}),
+        # stablelm: partial rotary
+        "stablelm": lambda **o: StableLmConfig(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
+                                                  "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+                                                  "num_key_value_heads": 8, "partial_rotary_factor": 0.5, **o}),
         # phi: partial rotary, biases everywhere
         "phi": lambda **o: PhiConfig(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
                                         "num_hidden_layers": LAYERS, "num_attention_heads": 4,
@@ -52,7 +72,8 @@ def _configs() -> dict[str, Any]:
     }
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi", "gpt2", "gpt_neox", "opt"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "phi", "phi3", "stablelm", "gpt2",
+            "gpt_neox", "opt"]
 
 
 def tiny_tokenizer() -> Any:

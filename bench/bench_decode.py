@@ -16,7 +16,7 @@ predicted speedup; a step bound by kernel launches or Python gets less.
     .venv/bin/python bench/bench_decode.py                      # CPU-sized default
     .venv/bin/python bench/bench_decode.py --hidden 4096 --layers 32 --heads 32 --kv-heads 8,1 \
         --intermediate 11008 --vocab 32000 --batch 1,16,64 --prompt-len 512,2048 \
-        --device cuda --dtype bfloat16
+        --device cuda --dtype bfloat16 --cuda-graphs
 
 Prints a Markdown table for docs/benchmarks.md (also written to `--md`) and writes the raw
 numbers as JSON to `--out`, rewritten after every grid point so a run stopped early keeps
@@ -81,6 +81,20 @@ def comparisons(data: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
+def decode_modes(data: dict[str, Any]) -> str:
+    """How the decode steps ran (eager, compiled, CUDA graphs), and why graphs were dropped if they were."""
+    modes = sorted({r.get("decode_mode", "eager") for r in data["rows"] if r["status"] == "ok"})
+    text = ", ".join(modes) or ("compiled" if data["args"].get("compile") else "eager")
+    errors = {e for e in data.get("graph_errors", {}).values() if e}
+    if errors:
+        text += " (CUDA graphs requested, fell back to eager: " + "; ".join(sorted(errors)) + ")"
+    return text
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The description and table for docs/benchmarks.md, from the JSON this script writes."""
     a, roof, run = data["args"], data["roof"], data["run"]
@@ -92,10 +106,10 @@ def markdown(data: dict[str, Any]) -> str:
         + ("" if data.get("complete") else " (stopped before the grid was complete)") + ".",
         f"Model: Llama-shaped, random weights, hidden {a['hidden']}, {a['layers']} layers, {a['heads']} heads x "
         f"head_dim {a['hidden'] // a['heads']}, MLP {a['intermediate']}, vocab {a['vocab']}; "
-        + ", ".join(f"{n}: {data['params'][n] / 1e9:.2f} B params, {data['kv_bytes_per_token'][n] / 1024:.0f} KiB KV/token"
+        + ", ".join(f"{n}: {_count(data['params'][n])} params, {data['kv_bytes_per_token'][n] / 1024:g} KiB KV/token"
                     for n in data["params"]) + ".",
         f"Decode: {a['new_tokens']} new tokens after a random prompt, {a['warmup']} warm-up run(s) excluded, "
-        f"median of {a['reps']}; " + ("compiled" if a.get("compile") else "eager") + ".",
+        f"median of {a['reps']}; decode steps: " + decode_modes(data) + ".",
         "Attention path: " + "; ".join(f"{n}: {p['decode_path']}" for n, p in data["probes"].items()) + ".",
         "",
         "| batch | prompt | G | KV cache MHA → GQA | MHA ms/token | GQA ms/token | measured speedup | "
@@ -132,6 +146,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay each decode step as a CUDA graph (no compilation; falls back to eager if capture fails)")
     ap.add_argument("--out", default="bench_decode.json")
     ap.add_argument("--md", default=None, help="also write the Markdown table to this file")
     args = ap.parse_args()
@@ -149,7 +165,8 @@ def main() -> None:
     benches = {}
     for name, kv in models.items():
         m = build(args.hidden, args.layers, args.heads, kv, args.intermediate, args.vocab, positions, dtype, args.device)
-        benches[name] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile)
+        benches[name] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
+                                    cuda_graphs=args.cuda_graphs)
     bw, fl = copy_bandwidth(args.device), matmul_flops(args.device, dtype)
     roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
     data: dict[str, Any] = {
@@ -162,6 +179,7 @@ def main() -> None:
 
     def save() -> None:
         data["comparisons"] = comparisons(data)
+        data["graph_errors"] = {n: b.graph_error for n, b in benches.items()}
         tmp = f"{args.out}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2, default=str)

@@ -51,8 +51,12 @@ PROFILES: dict[str, dict[str, Any]] = {
         "device": "cuda", "dtype": "bfloat16", "tokenizer_vocab": 32000, "tokenizer_chars": 2_000_000,
         # 3 models (32, 8, 1 KV heads) are 36 GiB of bf16 weights. MHA at batch 64 x 2,048
         # needs a 68 GiB cache: it reports "oom", which is itself the point (GQA fits).
+        # Eager decode of a 32-layer HF model is bound by kernel launches (tens of ms per
+        # step) long before HBM is: steps are replayed as CUDA graphs (captured per grid
+        # point, checked against eager, eager again if capture fails); torch.compile would
+        # recompile for every batch and cache length, minutes the budget does not have.
         "decode": {**LLAMA2_7B, "kv_heads": "8,1", "batch": "1,16,64", "prompt_len": "512,2048",
-                   "new_tokens": 32, "reps": 3, "warmup": 1},
+                   "new_tokens": 32, "reps": 3, "warmup": 1, "cuda_graphs": True},
         # 8,192 tokens per step keeps activations near 20 GiB next to 18 GiB of fp32
         # weights, gradients and AdamW state; 50 steps take well under a minute.
         "uptrain": {**LLAMA_1B, "kv_heads": 4, "seq_len": 2048, "micro_batch": 4, "steps": 50, "log_every": 10},
@@ -61,7 +65,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "dry": {
         "device": "cpu", "dtype": "float32", "tokenizer_vocab": 512, "tokenizer_chars": 60_000,
         "decode": {**PICO, "kv_heads": "2,1", "batch": "1,2", "prompt_len": "16,32", "new_tokens": 4,
-                   "reps": 1, "warmup": 1},
+                   "reps": 1, "warmup": 1, "cuda_graphs": True},  # ignored on the CPU (eager), but passed
         "uptrain": {**PICO, "kv_heads": 2, "seq_len": 64, "micro_batch": 2, "steps": 6, "log_every": 2},
         "convert": {**PICO, "kv_heads": 2, "method": "align-refit", "calibration_tokens": 2048},
     },
@@ -206,7 +210,7 @@ def step_decode(p: dict[str, Any], out: Path, work: Path) -> None:
             "--kv-heads", d["kv_heads"], "--intermediate", d["intermediate"], "--vocab", d["vocab"],
             "--batch", d["batch"], "--prompt-len", d["prompt_len"], "--new-tokens", d["new_tokens"],
             "--reps", d["reps"], "--warmup", d["warmup"], "--device", p["device"], "--dtype", p["dtype"],
-            "--out", out / "decode.json"]
+            "--out", out / "decode.json", *(["--cuda-graphs"] if d.get("cuda_graphs") else [])]
     sys.argv = [str(a) for a in argv]
     sys.path.insert(0, str(HERE))
     import bench_decode

@@ -100,3 +100,32 @@ def test_bad_settings(tiny_model):
         parse_ints("0", "--batch")
     assert parse_ints("1, 8,32", "--batch") == (1, 8, 32)
     assert percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)
+
+
+def test_cuda_graphs_are_ignored_off_cuda(tiny_model):
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32, cuda_graphs=True)
+    assert not bench.cuda_graphs and bench.decode_mode == "eager"
+    roof = {"copy_bandwidth": 1e10, "ridge_flops_per_byte": 10.0}
+    assert bench.run_point(1, 8, 2, 1, 0, roof)["decode_mode"] == "eager"
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_replays_the_eager_steps(tiny_model):
+    """A captured decode step gives the eager step's greedy tokens, and the point says it used graphs."""
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2)).to("cuda")
+    bench = DecodeBench(model, device="cuda", dtype=torch.float32, cuda_graphs=True)
+    roof = {"copy_bandwidth": 1e12, "ridge_flops_per_byte": 100.0}
+    for batch in (1, 3):
+        point = bench.run_point(batch, 16, 8, 2, 1, roof)
+        assert bench.graph_error is None and bench._graph_checked
+        assert point["status"] == "ok" and point["decode_mode"] == "CUDA graph per step"
+    with torch.inference_mode():
+        cache = bench._cache(2, 24)
+        graph = bench._capture(cache, 2)
+        prompt = torch.randint(0, bench.vocab, (2, 16), device="cuda")
+        eager, graphed = [], []
+        bench._generate(cache, prompt, 8, tokens=eager)
+        cache.reset()
+        bench._generate(cache, prompt, 8, graph=graph, tokens=graphed)
+    assert torch.equal(torch.cat(eager, 1), torch.cat(graphed, 1))

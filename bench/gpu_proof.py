@@ -49,8 +49,9 @@ PICO = {"hidden": 64, "layers": 2, "heads": 8, "intermediate": 128, "vocab": 512
 PROFILES: dict[str, dict[str, Any]] = {
     "gpu": {
         "device": "cuda", "dtype": "bfloat16", "tokenizer_vocab": 32000, "tokenizer_chars": 2_000_000,
-        # 3 models (32, 8, 1 KV heads) are 36 GiB of bf16 weights. MHA at batch 64 x 2,048
-        # needs a 68 GiB cache: it reports "oom", which is itself the point (GQA fits).
+        # 3 models (32, 8, 1 KV heads) are 12.6 + 11.1 + 10.6 GiB of bf16 weights. MHA at
+        # batch 64 x (2,048 + 32) needs a 65 GiB cache: it reports "oom", which is itself
+        # the point (the 8-KV-head cache is 16 GiB).
         # Eager decode of a 32-layer HF model is bound by kernel launches (tens of ms per
         # step) long before HBM is: steps are replayed as CUDA graphs (captured per grid
         # point, checked against eager, eager again if capture fails); torch.compile would

@@ -129,3 +129,15 @@ def test_cuda_graph_decode_replays_the_eager_steps(tiny_model):
         cache.reset()
         bench._generate(cache, prompt, 8, graph=graph, tokens=graphed)
     assert torch.equal(torch.cat(eager, 1), torch.cat(graphed, 1))
+
+
+@pytest.mark.gpu
+def test_masked_cuda_prefill_matches_stock_sdpa():
+    """The CUDA prefill path (K/V copied up to all heads under a mask) computes plain attention."""
+    q, k, v = (torch.randn(2, 8, 6, 4, device="cuda"), torch.randn(2, 2, 10, 4, device="cuda"),
+               torch.randn(2, 2, 10, 4, device="cuda"))
+    mask = torch.ones(2, 1, 6, 10, dtype=torch.bool, device="cuda").tril(diagonal=4)
+    out, _ = gqa_sdpa_forward(None, q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                            attn_mask=mask)
+    torch.testing.assert_close(out, ref.transpose(1, 2))

@@ -60,15 +60,19 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
 
     c = p["convert"]
     phase("build")
-    tok = gpu_proof.tokenizer(work, p["tokenizer_vocab"], p["tokenizer_chars"])
-    # ~4-5 characters per token of this BPE; 8 per token leaves room.
-    calib = gpu_proof.text_file(work, "text.txt", max(8 * c["calibration_tokens"], p["tokenizer_chars"]))
-    n_tok = len(tok(calib.read_text(), add_special_tokens=False)["input_ids"])
+    tok = gpu_proof.tokenizer(work, p)
+    # About 4 characters per token of this BPE; 8 per token leaves room.
+    text = gpu_proof.text_file(work, p).read_text()[: 8 * c["calibration_tokens"]]
+    calib = work / "calibration.txt"
+    calib.write_text(text)
+    n_tok = len(tok(text, add_special_tokens=False)["input_ids"])
+    if n_tok < c["calibration_tokens"]:
+        raise RuntimeError(f"calibration text has {n_tok:,} tokens, fewer than the {c['calibration_tokens']:,} asked for")
     src, out = work / "convert-src", work / "convert-out"
     build_device = device or p["device"]
     say(f"convert: building the {c['layers']}-layer source checkpoint on {build_device}")
     source = gpu_proof.build_llama(src, c, c["heads"], device=build_device, dtype=p["dtype"], tok=tok)
-    say(f"convert: source {source['parameters'] / 1e9:.2f} B params, {source['bytes_on_disk'] / 2**30:.2f} GiB, "
+    say(f"convert: source {gpu_proof.count(source['parameters'])} params, {source['bytes_on_disk'] / 2**30:.2f} GiB, "
         f"built in {source['build_s']} s; calibration text {n_tok:,} tokens")
     argv = ["convert", str(src), str(out), "-g", str(c["kv_heads"]), "--method", c["method"],
             *(["--device", device] if device is not None else []),

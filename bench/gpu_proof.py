@@ -48,7 +48,10 @@ PICO = {"hidden": 64, "layers": 2, "heads": 8, "intermediate": 128, "vocab": 512
 
 PROFILES: dict[str, dict[str, Any]] = {
     "gpu": {
-        "device": "cuda", "dtype": "bfloat16", "tokenizer_vocab": 32000, "tokenizer_chars": 2_000_000,
+        # Text: 2.5 M characters (~590 k tokens of this BPE) cover the 410 k uptraining
+        # tokens and the 131 k calibration tokens; the BPE trains on the first 1 M.
+        "device": "cuda", "dtype": "bfloat16", "text_chars": 2_500_000,
+        "tokenizer_vocab": 32000, "tokenizer_chars": 1_000_000,
         # 3 models (32, 8, 1 KV heads) are 12.6 + 11.1 + 10.6 GiB of bf16 weights. MHA at
         # batch 64 x (2,048 + 32) needs a 65 GiB cache: it reports "oom", which is itself
         # the point (the 8-KV-head cache is 16 GiB).
@@ -64,7 +67,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "convert": {**LLAMA2_7B, "kv_heads": 8, "method": "align-refit", "calibration_tokens": 131_072},
     },
     "dry": {
-        "device": "cpu", "dtype": "float32", "tokenizer_vocab": 512, "tokenizer_chars": 60_000,
+        "device": "cpu", "dtype": "float32", "text_chars": 60_000, "tokenizer_vocab": 512, "tokenizer_chars": 60_000,
         "decode": {**PICO, "kv_heads": "2,1", "batch": "1,2", "prompt_len": "16,32", "new_tokens": 4,
                    "reps": 1, "warmup": 1, "cuda_graphs": True},  # ignored on the CPU (eager), but passed
         "uptrain": {**PICO, "kv_heads": 2, "seq_len": 64, "micro_batch": 2, "steps": 6, "log_every": 2},
@@ -78,6 +81,13 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 def say(msg: str) -> None:
     print(f"[gpu_proof {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def count(n: float | None) -> str:
+    """1.10 B, 15.3 M or 115,008: parameter counts at any size."""
+    if n is None:
+        return "n/a"
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,.0f}"
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -135,24 +145,28 @@ def proof_text(min_chars: int) -> str:
     return "\n\n".join(texts)
 
 
-def text_file(work: Path, name: str, min_chars: int) -> Path:
-    path = work / name
-    if not path.is_file() or path.stat().st_size < min_chars:
-        path.write_text(proof_text(min_chars))
+def text_file(work: Path, p: dict[str, Any]) -> Path:
+    """WORK/text.txt: the profile's `text_chars` of standard-library text, written once per run."""
+    path = work / "text.txt"
+    if not path.is_file() or path.stat().st_size < p["text_chars"]:
+        t0 = time.time()
+        path.write_text(proof_text(p["text_chars"]))
+        say(f"text: {path.stat().st_size:,} bytes of standard-library docstrings in {time.time() - t0:.1f} s")
     return path
 
 
-def tokenizer(work: Path, vocab: int, chars: int) -> Any:
-    """A byte-level BPE with `vocab` entries (or fewer, if the text has fewer merges), trained once."""
+def tokenizer(work: Path, p: dict[str, Any]) -> Any:
+    """A byte-level BPE with at most `tokenizer_vocab` entries (fewer if the text has fewer merges), trained once."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    vocab, chars = p["tokenizer_vocab"], p["tokenizer_chars"]
     folder = work / f"tokenizer-{vocab}"
     if (folder / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(folder)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     t0 = time.time()
-    text = text_file(work, "text.txt", chars).read_text()[:chars]
+    text = text_file(work, p).read_text()[:chars]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -239,16 +253,15 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
     path = out / "uptrain.json"
     write_json(path, res)
     tokens_per_step = u["seq_len"] * u["micro_batch"]
-    need_chars = 6 * tokens_per_step * u["steps"]  # ~4-5 chars per BPE token; a second epoch is fine
-    tok = tokenizer(work, p["tokenizer_vocab"], p["tokenizer_chars"])
-    train_txt = text_file(work, "text.txt", max(need_chars, p["tokenizer_chars"]))
+    tok = tokenizer(work, p)
+    train_txt = text_file(work, p)  # fewer tokens than the budget just means a second epoch
 
     res["phase"] = "build"
     write_json(path, res)
     mha = work / "uptrain-mha"
     res["source_model"] = build_llama(mha, u, u["heads"], device=dev, dtype=p["dtype"], tok=tok,
                                       positions=max(4096, u["seq_len"]))
-    say(f"uptrain: built {res['source_model']['parameters'] / 1e9:.3f} B-param MHA in {res['source_model']['build_s']} s")
+    say(f"uptrain: built a {count(res['source_model']['parameters'])}-parameter MHA model in {res['source_model']['build_s']} s")
 
     res["phase"] = "convert"
     write_json(path, res)
@@ -295,7 +308,7 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
             "tok_per_s_steady": steady(train_rows, "tok_per_s"),
             "mfu_steady": steady(train_rows, "mfu"),
             "peak_flops_per_device": peak,
-            "flops_per_token_formula": "6 * parameters + 12 * layers * hidden * seq_len (uptrain/trainer.py)",
+            "flops_per_token_formula": "6 x parameters + 12 x layers x hidden x seq_len",
             "final_loss": train_rows[-1]["loss"] if train_rows else None,
             "peak_gpu_memory_allocated": int(torch.cuda.max_memory_allocated()) if dev.startswith("cuda") else None,
         }
@@ -388,12 +401,12 @@ def summary(profile: str, out: Path) -> dict[str, Any]:
                    f"AdamW, all weights trained; {u['steps']} steps of {r['tokens_per_step']:,} tokens "
                    f"({u['micro_batch']} x {u['seq_len']}), logged every {u['log_every']}; the first logged "
                    f"interval (start-up, warm-up) is left out of the medians. MFU = tokens/s x "
-                   f"{r['flops_per_token_formula']} / peak dense bf16 FLOP/s "
-                   f"({peak}).",
+                   f"({r['flops_per_token_formula']}) FLOP per token, as uptrain/trainer.py counts them, "
+                   f"/ the device's dense bf16 peak ({peak}).",
                    "",
                    "| parameters | tokens/step | steps | tokens/s (median) | MFU (median) | peak GPU memory | uptrain wall s |",
                    "|---|---|---|---|---|---|---|",
-                   f"| {r['parameters'] / 1e9:.3f} B | {r['tokens_per_step']:,} | {u['steps']} | "
+                   f"| {count(r['parameters'])} | {r['tokens_per_step']:,} | {u['steps']} | "
                    f"{(r['tok_per_s_steady'] or 0):,.0f} | {mfu_txt} | "
                    f"{_gib(r.get('peak_gpu_memory_allocated'))} | {data.get('uptrain_s', 0):.0f} |", ""]
         elif step == "convert":
@@ -418,7 +431,7 @@ def _convert_md(data: dict[str, Any]) -> list[str]:
         if title:
             lines += [f"{title}:", ""]
         lines += [f"Source: random Llama-shaped checkpoint, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} "
-                  f"heads (MHA), MLP {c['intermediate']}, vocab {c['vocab']}, {r['source']['parameters'] / 1e9:.2f} B "
+                  f"heads (MHA), MLP {c['intermediate']}, vocab {c['vocab']}, {count(r['source']['parameters'])} "
                   f"params, {r['source']['dtype']}, {r['source']['bytes_on_disk'] / 2**30:.2f} GiB on disk. "
                   f"Command: `{r['command']}`.", "",
                   "| G | method | calibration tokens | device | wall s | peak GPU memory (max_memory_allocated) | peak host RSS |",

@@ -133,7 +133,7 @@ def test_cuda_graph_decode_replays_the_eager_steps(tiny_model):
 
 @pytest.mark.gpu
 def test_masked_cuda_prefill_matches_stock_sdpa():
-    """The CUDA prefill path (K/V copied up to all heads under a mask) computes plain attention."""
+    """The CUDA prefill path (K/V copied up to all heads) computes the same attention as the CPU one."""
     q, k, v = (torch.randn(2, 8, 6, 4, device="cuda"), torch.randn(2, 2, 10, 4, device="cuda"),
                torch.randn(2, 2, 10, 4, device="cuda"))
     mask = torch.ones(2, 1, 6, 10, dtype=torch.bool, device="cuda").tril(diagonal=4)
@@ -141,3 +141,7 @@ def test_masked_cuda_prefill_matches_stock_sdpa():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
                                                             attn_mask=mask)
     torch.testing.assert_close(out, ref.transpose(1, 2))
+    # Unmasked, causal over a longer (static-cache) key length: upper-left alignment, as on the CPU.
+    out, _ = gqa_sdpa_forward(None, q, k, v, None, is_causal=True)
+    ref, _ = gqa_sdpa_forward(None, q.cpu(), k.cpu(), v.cpu(), None, is_causal=True)
+    torch.testing.assert_close(out.cpu(), ref)

@@ -88,7 +88,7 @@ MISSING=$(missing)
 if [ -n "$MISSING" ] && compgen -G ".whl/*.whl" >/dev/null; then
   say "missing: $MISSING; installing the wheels in .whl/ into $WORK/site"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .whl/*.whl 2>&1 | tee -a "$LOG"
-  export PYTHONPATH=$WORK/site:$PYTHONPATH
+  export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
   MISSING=$(missing)
 fi
 [ -z "$MISSING" ] || say "still missing: $MISSING (steps that need them will fail; run bench/gpu_wheels.sh where PyPI is reachable and carry .whl/)"

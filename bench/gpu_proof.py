@@ -381,42 +381,52 @@ def summary(profile: str, out: Path) -> dict[str, Any]:
                                                           if step in shell else "") + ".", ""]
         if data is None:
             continue
-        if step == "decode" and data.get("rows") is not None:
-            sys.path.insert(0, str(HERE))
-            import bench_decode
-
-            md += [bench_decode.markdown(data), ""]
-            results["steps"][step]["comparisons"] = bench_decode.comparisons(data)
-        elif step == "uptrain" and data.get("result"):
-            r, s, u = data["result"], data.get("source_model", {}), data["settings"]
-            mfu = r.get("mfu_steady")
-            peak = "n/a" if r["peak_flops_per_device"] is None else f"{r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s"
-            mfu_txt = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
-            results["steps"][step]["result"] = r
-            md += [f"Device: {data['run'].get('device_name')}, torch {data['run'].get('torch')}, "
-                   f"transformers {data['run'].get('transformers')}. Model: random Llama-shaped, hidden {u['hidden']}, "
-                   f"{u['layers']} layers, {u['heads']} query heads, converted to {u['kv_heads']} KV heads "
-                   f"(`gqakit convert --method mean`), MLP {u['intermediate']}, vocab {u['vocab']}. "
-                   f"Mixed precision ({data['config']['train']['precision']}: bf16 on a GPU), fp32 master weights, "
-                   f"AdamW, all weights trained; {u['steps']} steps of {r['tokens_per_step']:,} tokens "
-                   f"({u['micro_batch']} x {u['seq_len']}), logged every {u['log_every']}; the first logged "
-                   f"interval (start-up, warm-up) is left out of the medians. MFU = tokens/s x "
-                   f"({r['flops_per_token_formula']}) FLOP per token, as uptrain/trainer.py counts them, "
-                   f"/ the device's dense bf16 peak ({peak}).",
-                   "",
-                   "| parameters | tokens/step | steps | tokens/s (median) | MFU (median) | peak GPU memory | uptrain wall s |",
-                   "|---|---|---|---|---|---|---|",
-                   f"| {count(r['parameters'])} | {r['tokens_per_step']:,} | {u['steps']} | "
-                   f"{(r['tok_per_s_steady'] or 0):,.0f} | {mfu_txt} | "
-                   f"{_gib(r.get('peak_gpu_memory_allocated'))} | {data.get('uptrain_s', 0):.0f} |", ""]
-        elif step == "convert":
-            results["steps"][step]["result"] = data.get("result")
-            md += _convert_md(data)
+        try:
+            md += _step_md(step, data, results["steps"][step])
+        except (KeyError, TypeError, ValueError) as e:  # a partial file: say so, keep the rest of the summary
+            md += [f"(results file {f.name} is incomplete: {type(e).__name__}: {e})", ""]
     md.append("Raw numbers: gpu_proof.json, decode.json, uptrain.json, convert.json; logs: log.txt.")
     results["markdown"] = "\n".join(md) + "\n"
     write_json(out / "gpu_proof.json", results)
     (out / "gpu_proof.md").write_text(results["markdown"])
     return results
+
+
+def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str]:
+    """Markdown lines for one step's results; fills `entry` (its part of gpu_proof.json)."""
+    md: list[str] = []
+    if step == "decode" and data.get("rows") is not None:
+        sys.path.insert(0, str(HERE))
+        import bench_decode
+
+        md += [bench_decode.markdown(data), ""]
+        entry["comparisons"] = bench_decode.comparisons(data)
+    elif step == "uptrain" and data.get("result"):
+        r, u = data["result"], data["settings"]
+        mfu = r.get("mfu_steady")
+        peak = "n/a" if r["peak_flops_per_device"] is None else f"{r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s"
+        mfu_txt = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+        entry["result"] = r
+        md += [f"Device: {data['run'].get('device_name')}, torch {data['run'].get('torch')}, "
+               f"transformers {data['run'].get('transformers')}. Model: random Llama-shaped, hidden {u['hidden']}, "
+               f"{u['layers']} layers, {u['heads']} query heads, converted to {u['kv_heads']} KV heads "
+               f"(`gqakit convert --method mean`), MLP {u['intermediate']}, vocab {u['vocab']}. "
+               f"Mixed precision ({data['config']['train']['precision']}: bf16 on a GPU), fp32 master weights, "
+               f"AdamW, all weights trained; {u['steps']} steps of {r['tokens_per_step']:,} tokens "
+               f"({u['micro_batch']} x {u['seq_len']}), logged every {u['log_every']}; the first logged "
+               f"interval (start-up, warm-up) is left out of the medians. MFU = tokens/s x "
+               f"({r['flops_per_token_formula']}) FLOP per token, as uptrain/trainer.py counts them, "
+               f"/ the device's dense bf16 peak ({peak}).",
+               "",
+               "| parameters | tokens/step | steps | tokens/s (median) | MFU (median) | peak GPU memory | uptrain wall s |",
+               "|---|---|---|---|---|---|---|",
+               f"| {count(r['parameters'])} | {r['tokens_per_step']:,} | {u['steps']} | "
+               f"{(r['tok_per_s_steady'] or 0):,.0f} | {mfu_txt} | "
+               f"{_gib(r.get('peak_gpu_memory_allocated'))} | {data.get('uptrain_s', 0):.0f} |", ""]
+    elif step == "convert":
+        entry["result"] = data.get("result")
+        md += _convert_md(data)
+    return md
 
 
 def _convert_md(data: dict[str, Any]) -> list[str]:

@@ -80,3 +80,21 @@ def test_convert_step_skips_or_measures(dry_run):
         assert c["status"] == "skipped: convert has no --device yet"
         fb = c["fallback_cpu_run"]  # the dry run still drives a real conversion
         assert fb["output_kv_heads"] == 2 and fb["wall_s"] > 0 and fb["calibration_text_tokens"] >= 2048
+
+
+def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
+    """What the shell script writes when steps go wrong becomes a status per step, never a crash."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_proof
+
+    (tmp_path / "steps.tsv").write_text("decode\t124\t200.0\t200\nuptrain\t1\t12.5\t150\nconvert\t-1\t0\t3\n")
+    # decode was killed after one grid point: its JSON is the one rewritten after that point.
+    (tmp_path / "decode.json").write_text(json.dumps({"complete": False, "rows": [], "comparisons": []}))
+    (tmp_path / "uptrain.json").write_text(json.dumps({"status": "running", "phase": "convert"}))
+    res = gpu_proof.summary("gpu", tmp_path)
+    st = {k: v["status"] for k, v in res["steps"].items()}
+    assert st == {"decode": "timed out after 200 s", "uptrain": "failed (exit 1, in convert; see log.txt)",
+                  "convert": "not run: no time left in the budget"}
+    md = (tmp_path / "gpu_proof.md").read_text()
+    assert "timed out after 200 s" in md and "Dry run" not in md
+    assert json.loads((tmp_path / "gpu_proof.json").read_text())["steps"]["convert"]["file"] is None

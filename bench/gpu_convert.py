@@ -23,6 +23,7 @@ test suite either way.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -90,8 +91,6 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     peak_gpu = int(torch.cuda.max_memory_allocated()) if cuda else None
-    import json
-
     cfg = json.loads((out / "config.json").read_text())
     if cfg.get("num_key_value_heads") != c["kv_heads"]:
         raise RuntimeError(f"output has {cfg.get('num_key_value_heads')} KV heads, expected {c['kv_heads']}")
@@ -99,6 +98,8 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
            "wall_s": round(wall, 2), "peak_gpu_memory_allocated": peak_gpu,
            "peak_gpu_memory_reserved": int(torch.cuda.max_memory_reserved()) if cuda else None,
            "peak_host_rss": _proc_bytes("/proc/self/status", "VmHWM:"),
+           "note": ("no GPU memory was allocated in this process: did the conversion run elsewhere?"
+                    if cuda and device and device.startswith("cuda") and not peak_gpu else None),
            "calibration_text_tokens": n_tok, "source": source, "output_bytes_on_disk": gpu_proof.folder_bytes(out),
            "output_kv_heads": cfg["num_key_value_heads"]}
     gb = lambda n: "n/a" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -448,6 +447,8 @@ def _convert_md(data: dict[str, Any]) -> list[str]:
                   "|---|---|---|---|---|---|---|",
                   f"| {c['kv_heads']} | {c['method']} | {c['calibration_tokens']:,} | {r['device']} | {r['wall_s']:.1f} | "
                   f"{_gib(r.get('peak_gpu_memory_allocated'))} | {_gib(r.get('peak_host_rss'))} |", ""]
+        if r.get("note"):
+            lines += [f"Note: {r['note']}", ""]
     return lines
 
 

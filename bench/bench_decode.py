@@ -130,7 +130,7 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
@@ -150,7 +150,11 @@ def main() -> None:
                     help="replay each decode step as a CUDA graph (no compilation; falls back to eager if capture fails)")
     ap.add_argument("--out", default="bench_decode.json")
     ap.add_argument("--md", default=None, help="also write the Markdown table to this file")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     import torch
 

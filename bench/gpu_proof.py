@@ -217,15 +217,20 @@ def meta_parameters(folder: Path) -> int:
 # --------------------------------------------------------------------------- step 1: decode grid
 
 
-def step_decode(p: dict[str, Any], out: Path, work: Path) -> None:
-    """bench/bench_decode.py with the profile's grid; it rewrites OUT/decode.json after every point."""
+def decode_argv(p: dict[str, Any], out: Path) -> list[str]:
+    """bench/bench_decode.py's command line for the profile's grid."""
     d = p["decode"]
-    argv = ["bench_decode.py", "--hidden", d["hidden"], "--layers", d["layers"], "--heads", d["heads"],
+    argv = ["--hidden", d["hidden"], "--layers", d["layers"], "--heads", d["heads"],
             "--kv-heads", d["kv_heads"], "--intermediate", d["intermediate"], "--vocab", d["vocab"],
             "--batch", d["batch"], "--prompt-len", d["prompt_len"], "--new-tokens", d["new_tokens"],
             "--reps", d["reps"], "--warmup", d["warmup"], "--device", p["device"], "--dtype", p["dtype"],
             "--out", out / "decode.json", *(["--cuda-graphs"] if d.get("cuda_graphs") else [])]
-    sys.argv = [str(a) for a in argv]
+    return [str(a) for a in argv]
+
+
+def step_decode(p: dict[str, Any], out: Path, work: Path) -> None:
+    """bench/bench_decode.py with the profile's grid; it rewrites OUT/decode.json after every point."""
+    sys.argv = ["bench_decode.py", *decode_argv(p, out)]
     sys.path.insert(0, str(HERE))
     import bench_decode
 
@@ -239,6 +244,21 @@ def steady(rows: list[dict[str, Any]], key: str) -> float | None:
     """Median of `key` over the logged rows after the first (which holds start-up and warm-up)."""
     vals = [r[key] for r in rows[1:] if key in r] or [r[key] for r in rows if key in r]
     return statistics.median(vals) if vals else None
+
+
+def uptrain_config(p: dict[str, Any], model: Path, text: Path, run_dir: Path) -> dict[str, Any]:
+    """The `gqakit uptrain` config of the profile: plain text, no eval, no checkpoints."""
+    u = p["uptrain"]
+    return {
+        "model": {"path": str(model)},
+        "data": {"files": [str(text)], "sample_by": "paragraph", "cache_dir": str(run_dir.parent / "cache")},
+        "train": {"tokens": u["seq_len"] * u["micro_batch"] * u["steps"], "seq_len": u["seq_len"],
+                  "micro_batch": u["micro_batch"], "grad_accum": 1, "lr": 3e-4, "warmup_steps": 5,
+                  "precision": "auto", "cpu": p["device"] == "cpu", "seed": 0},
+        "eval": {"every": 0},
+        "output": {"dir": str(run_dir), "save_every": 0},
+        "logging": {"every": u["log_every"], "tensorboard": False},
+    }
 
 
 def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
@@ -273,16 +293,7 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
     res["phase"] = "uptrain"
     write_json(path, res)
     run_dir = work / "uptrain-run"
-    cfg = {
-        "model": {"path": str(gqa)},
-        "data": {"files": [str(train_txt)], "sample_by": "paragraph", "cache_dir": str(work / "cache")},
-        "train": {"tokens": tokens_per_step * u["steps"], "seq_len": u["seq_len"], "micro_batch": u["micro_batch"],
-                  "grad_accum": 1, "lr": 3e-4, "warmup_steps": 5, "precision": "auto", "cpu": dev == "cpu",
-                  "seed": 0},
-        "eval": {"every": 0},
-        "output": {"dir": str(run_dir), "save_every": 0},
-        "logging": {"every": u["log_every"], "tensorboard": False},
-    }
+    cfg = uptrain_config(p, gqa, train_txt, run_dir)
     cfg_path = work / "uptrain.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     res["config"] = cfg

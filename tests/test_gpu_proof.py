@@ -98,3 +98,32 @@ def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
     md = (tmp_path / "gpu_proof.md").read_text()
     assert "timed out after 200 s" in md and "Dry run" not in md
     assert json.loads((tmp_path / "gpu_proof.json").read_text())["steps"]["convert"]["file"] is None
+
+
+def test_gpu_profile_is_valid_without_a_gpu(tmp_path: Path):
+    """The GPU sizes never run here: check what can be checked (arguments, config, memory plan)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_decode
+    import gpu_proof
+
+    from gqakit.uptrain.config import load_config
+
+    p = {**gpu_proof.PROFILES["gpu"], "name": "gpu"}
+    args = bench_decode.parser().parse_args(gpu_proof.decode_argv(p, tmp_path))
+    assert (args.device, args.dtype, args.cuda_graphs, args.kv_heads) == ("cuda", "bfloat16", True, "8,1")
+    cfg = load_config(gpu_proof.uptrain_config(p, tmp_path / "m", tmp_path / "t.txt", tmp_path / "run"))
+    assert cfg.train.precision == "auto" and not cfg.train.cpu
+    assert cfg.train.budget() // (cfg.train.seq_len * cfg.train.micro_batch) == p["uptrain"]["steps"]
+    # The decode models (bf16) leave room on an 80 GB H100 for the GQA caches of every grid point.
+    d = p["decode"]
+    head_dim = d["hidden"] // d["heads"]
+
+    def weights(kv: int) -> int:
+        per_layer = 2 * d["hidden"] ** 2 + 2 * d["hidden"] * kv * head_dim + 3 * d["hidden"] * d["intermediate"]
+        return 2 * (d["layers"] * per_layer + 2 * d["vocab"] * d["hidden"])
+
+    kvs = [d["heads"], *map(int, d["kv_heads"].split(","))]
+    longest = max(map(int, d["prompt_len"].split(","))) + d["new_tokens"]
+    biggest = max(map(int, d["batch"].split(",")))
+    gqa_cache = 2 * d["layers"] * max(kvs[1:]) * head_dim * 2 * biggest * longest
+    assert sum(weights(kv) for kv in kvs) + gqa_cache < 60e9

@@ -95,10 +95,12 @@ fi
 [ -z "$MISSING" ] || say "still missing: $MISSING (steps that need them will fail; run bench/gpu_wheels.sh where PyPI is reachable and carry .whl/)"
 
 say "profile $PROFILE, budget ${BUDGET}s, python $PY, commit $GQAKIT_PROOF_COMMIT, out $OUTDIR, work $WORK"
-{ "$PY" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "| torch", torch.__version__,
-  "| transformers", transformers.__version__, "| cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-} 2>&1 | tee -a "$LOG"
+if [ "$PROFILE" = gpu ]; then  # (each step's JSON records versions too; this is for the log)
+  { "$PY" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "| torch", torch.__version__,
+    "| transformers", transformers.__version__, "| cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  } 2>&1 | tee -a "$LOG"
+fi
 
 # ---- one step: NAME LIMIT_S COMMAND...; the limit is cut to what is left of the budget
 run_step() {

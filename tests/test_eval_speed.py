@@ -145,3 +145,41 @@ def test_masked_cuda_prefill_matches_stock_sdpa():
     out, _ = gqa_sdpa_forward(None, q, k, v, None, is_causal=True)
     ref, _ = gqa_sdpa_forward(None, q.cpu(), k.cpu(), v.cpu(), None, is_causal=True)
     torch.testing.assert_close(out.cpu(), ref)
+
+
+def test_graph_replay_plumbing_matches_eager_steps(tiny_model, monkeypatch):
+    """The CUDA-graph decode loop (static token/position buffers, replay, read the static logits),
+    run on the CPU with a stand-in graph that replays the eager step: the same greedy tokens,
+    and the self-check passes. A stand-in that ignores its token input fails the check: eager again."""
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    roof = {"copy_bandwidth": 1e10, "ridge_flops_per_byte": 10.0}
+
+    def bench_with_stand_in(stale: bool) -> DecodeBench:
+        bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+
+        def capture(cache, batch):
+            tok = torch.zeros((batch, 1), dtype=torch.long)
+            pos = torch.zeros((1, 1), dtype=torch.long)
+            logits = torch.zeros(batch, 1, bench.vocab)
+            frozen = tok.clone()
+
+            class Graph:
+                def replay(self):
+                    t = frozen if stale else tok  # stale: the token baked in at capture
+                    logits.copy_(model(input_ids=t, past_key_values=cache, position_ids=pos, use_cache=True,
+                                       logits_to_keep=1).logits)
+            cache.reset()
+            return Graph(), tok, pos, logits
+
+        bench.cuda_graphs, bench._capture = True, capture
+        return bench
+
+    bench = bench_with_stand_in(stale=False)
+    point = bench.run_point(2, 8, 6, 1, 1, roof)
+    assert point["decode_mode"] == "CUDA graph per step" and bench._graph_checked and bench.graph_error is None
+
+    bench = bench_with_stand_in(stale=True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the fallback syncs the (absent) GPU
+    point = bench.run_point(2, 8, 6, 1, 1, roof)
+    assert point["status"] == "ok" and point["decode_mode"] == "eager"
+    assert "other greedy tokens" in bench.graph_error and not bench.cuda_graphs

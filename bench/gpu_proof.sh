@@ -25,7 +25,8 @@
 # `bash bench/gpu_wheels.sh` fills it on a machine that reaches PyPI.
 # Environment: GQAKIT_PROOF_BUDGET_S (seconds for all steps; default 540 on a GPU),
 # GQAKIT_PROOF_WORK (scratch folder for models and text; default a new temporary one,
-# removed at the end; the GPU run needs about 35 GB of disk there).
+# removed at the end; the GPU run needs about 30 GB of disk there at most),
+# GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git).
 set -uo pipefail
 
 usage() { echo "usage: bash bench/gpu_proof.sh [--dry-run] [OUTDIR]   (OUTDIR defaults to \$OUT)" >&2; exit 2; }
@@ -34,7 +35,7 @@ OUTDIR=
 for arg in "$@"; do
   case "$arg" in
     --dry-run) PROFILE=dry ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUTDIR" ] || usage; OUTDIR=$arg ;;
   esac

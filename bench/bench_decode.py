@@ -1,16 +1,26 @@
 """Decode speed and KV cache, MHA vs GQA, measured in one run on one device.
 
 Builds a Llama-shaped model with random weights (transformers' own initialisation, not
-zeros; decode speed does not depend on what the weights say) in two versions that differ
-only in the number of KV heads, and times both with gqakit's decode benchmark
-(static cache, warm-up excluded, synchronized timing, median of repetitions). Grid
-points alternate between the two models so machine drift hits both alike.
+zeros; decode speed does not depend on what the weights say), directly on the device,
+in versions that differ only in the number of KV heads (the MHA one and one per
+`--kv-heads` value), and times them with gqakit's decode benchmark (static cache,
+warm-up excluded, synchronized timing, median of repetitions). Grid points alternate
+between the models so machine drift hits all alike.
+
+Each GQA point is compared with the MHA one twice: the measured speedup (ratio of
+per-token decode times) and the speedup predicted by bytes (ratio of the bytes a decode
+step must read: all weights once plus the filled KV cache). A decode step that is
+memory-bound and reaches the same fraction of bandwidth for both models gets the
+predicted speedup; a step bound by kernel launches or Python gets less.
 
     .venv/bin/python bench/bench_decode.py                      # CPU-sized default
-    .venv/bin/python bench/bench_decode.py --hidden 2048 --layers 16 --batch 1,16,64 \
-        --prompt-len 512,4096 --new-tokens 128 --device cuda --dtype bfloat16 --compile
+    .venv/bin/python bench/bench_decode.py --hidden 4096 --layers 32 --heads 32 --kv-heads 8,1 \
+        --intermediate 11008 --vocab 32000 --batch 1,16,64 --prompt-len 512,2048 \
+        --device cuda --dtype bfloat16 --cuda-graphs
 
-Prints a Markdown table for docs/benchmarks.md and writes the raw numbers as JSON.
+Prints a Markdown table for docs/benchmarks.md (also written to `--md`) and writes the raw
+numbers as JSON to `--out`, rewritten after every grid point so a run stopped early keeps
+what it measured.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -33,17 +44,98 @@ def build(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab
                       num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
                       max_position_embeddings=positions, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    # Initialised on the device itself: a 7B-shaped model initialised on the host first
+    # would take minutes of CPU time before the first measurement.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     assert all(p.abs().sum() > 0 for p in model.parameters() if p.dim() > 1), "weights must not be zeros"
     return model
 
 
-def main() -> None:
+def model_name(heads: int, kv: int) -> str:
+    return f"{'MHA' if kv == heads else 'GQA'} ({kv} KV head{'s' if kv > 1 else ''})"
+
+
+def comparisons(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (prompt, batch, GQA model): measured and predicted-by-bytes speedup over MHA."""
+    heads = data["args"]["heads"]
+    mha = model_name(heads, heads)
+    by = {(r["model"], r["batch"], r["prompt_len"]): r for r in data["rows"]}
+    out = []
+    for r in data["rows"]:
+        a = by.get((mha, r["batch"], r["prompt_len"]))
+        if r["model"] == mha or a is None:
+            continue
+        row: dict[str, Any] = {"batch": r["batch"], "prompt_len": r["prompt_len"], "kv_heads": r["kv_heads"],
+                               "mha_status": a["status"], "gqa_status": r["status"]}
+        if a["status"] == "ok" and r["status"] == "ok":
+            ma, mg = a["decode_ms_per_token"]["median"], r["decode_ms_per_token"]["median"]
+            row.update({
+                "mha_ms_per_token": ma, "gqa_ms_per_token": mg, "measured_speedup": ma / mg,
+                "predicted_speedup_bytes": a["bytes_per_step"]["total"] / r["bytes_per_step"]["total"],
+                "mha_kv_cache_bytes": a["kv_cache_bytes"], "gqa_kv_cache_bytes": r["kv_cache_bytes"],
+                "mha_roofline_fraction": a["roofline_fraction"], "gqa_roofline_fraction": r["roofline_fraction"],
+                "mha_memory_bound": a["memory_bound"], "gqa_memory_bound": r["memory_bound"],
+            })
+        out.append(row)
+    return out
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
+def decode_modes(data: dict[str, Any]) -> str:
+    """How the decode steps ran (eager, compiled, CUDA graphs), and why graphs were dropped if they were."""
+    modes = sorted({r.get("decode_mode", "eager") for r in data["rows"] if r["status"] == "ok"})
+    text = ", ".join(modes) or ("compiled" if data["args"].get("compile") else "eager")
+    errors = {e for e in data.get("graph_errors", {}).values() if e}
+    if errors:
+        text += " (CUDA graphs requested, fell back to eager: " + "; ".join(sorted(errors)) + ")"
+    return text
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The description and table for docs/benchmarks.md, from the JSON this script writes."""
+    a, roof, run = data["args"], data["roof"], data["run"]
+    bw, fl = roof["copy_bandwidth"], roof["matmul_flops"]
+    lines = [
+        f"Device: {run['device_name']}, dtype {a['dtype']}, torch {run['torch']}, transformers "
+        f"{run['transformers']}; copy bandwidth {bw / 1e9:.1f} GB/s, matmul {fl / 1e12:.1f} TFLOP/s "
+        f"(ridge {fl / bw:.1f} FLOP/byte); grid took {data.get('elapsed_s', 0):.0f} s"
+        + ("" if data.get("complete") else " (stopped before the grid was complete)") + ".",
+        f"Model: Llama-shaped, random weights, hidden {a['hidden']}, {a['layers']} layers, {a['heads']} heads x "
+        f"head_dim {a['hidden'] // a['heads']}, MLP {a['intermediate']}, vocab {a['vocab']}; "
+        + ", ".join(f"{n}: {_count(data['params'][n])} params, {data['kv_bytes_per_token'][n] / 1024:g} KiB KV/token"
+                    for n in data["params"]) + ".",
+        f"Decode: {a['new_tokens']} new tokens after a random prompt, {a['warmup']} warm-up run(s) excluded, "
+        f"median of {a['reps']}; decode steps: " + decode_modes(data) + ".",
+        "Attention path: " + "; ".join(f"{n}: {p['decode_path']}" for n, p in data["probes"].items()) + ".",
+        "",
+        "| batch | prompt | G | KV cache MHA → GQA | MHA ms/token | GQA ms/token | measured speedup | "
+        "predicted by bytes | MHA % of copy BW | GQA % of copy BW | memory-bound (MHA / GQA) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in comparisons(data):
+        head = f"| {c['batch']} | {c['prompt_len']} | {c['kv_heads']} |"
+        if "measured_speedup" not in c:
+            lines.append(f"{head} | {c['mha_status']} | {c['gqa_status']} | | | | | |")
+            continue
+        yn = lambda v: "yes" if v else "no"  # noqa: E731
+        lines.append(
+            f"{head} {c['mha_kv_cache_bytes'] / 2**20:,.1f} → {c['gqa_kv_cache_bytes'] / 2**20:,.1f} MiB | "
+            f"{c['mha_ms_per_token']:.2f} | {c['gqa_ms_per_token']:.2f} | {c['measured_speedup']:.2f}× | "
+            f"{c['predicted_speedup_bytes']:.2f}× | {100 * c['mha_roofline_fraction']:.0f}% | "
+            f"{100 * c['gqa_roofline_fraction']:.0f}% | {yn(c['mha_memory_bound'])} / {yn(c['gqa_memory_bound'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads of the GQA model (the MHA one has --heads)")
+    ap.add_argument("--kv-heads", default="2", help="KV heads of the GQA model(s), e.g. 8,1 (the MHA one has --heads)")
     ap.add_argument("--intermediate", type=int, default=1408)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch", default="1,8")
@@ -54,8 +146,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay each decode step as a CUDA graph (no compilation; falls back to eager if capture fails)")
     ap.add_argument("--out", default="bench_decode.json")
-    args = ap.parse_args()
+    ap.add_argument("--md", default=None, help="also write the Markdown table to this file")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     import torch
 
@@ -64,54 +163,51 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     batches, lens = parse_ints(args.batch, "--batch"), parse_ints(args.prompt_len, "--prompt-len")
+    kvs = [k for k in parse_ints(args.kv_heads, "--kv-heads") if k != args.heads]
     positions = max(lens) + args.new_tokens
-    models = {f"MHA ({args.heads} KV heads)": args.heads, f"GQA ({args.kv_heads} KV heads)": args.kv_heads}
+    models = {model_name(args.heads, kv): kv for kv in [args.heads, *kvs]}
     benches = {}
     for name, kv in models.items():
         m = build(args.hidden, args.layers, args.heads, kv, args.intermediate, args.vocab, positions, dtype, args.device)
-        benches[name] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile)
+        benches[name] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
+                                    cuda_graphs=args.cuda_graphs)
     bw, fl = copy_bandwidth(args.device), matmul_flops(args.device, dtype)
     roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
-    probes = {n: b.probe() for n, b in benches.items()}
-    rows = []
+    data: dict[str, Any] = {
+        "args": vars(args), "roof": roof, "probes": {n: b.probe() for n, b in benches.items()},
+        "params": {n: sum(x.numel() for x in b.model.parameters()) for n, b in benches.items()},
+        "kv_bytes_per_token": {n: b.kv_bytes_per_token for n, b in benches.items()},
+        "rows": [], "comparisons": [], "complete": False, "elapsed_s": 0.0,
+        "run": run_info(command=sys.argv, device=args.device, dtype=dtype),
+    }
+
+    def save() -> None:
+        data["comparisons"] = comparisons(data)
+        data["graph_errors"] = {n: b.graph_error for n, b in benches.items()}
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+        os.replace(tmp, args.out)  # a reader (or a kill) never sees half a file
+
     t0 = time.time()
+    save()
     for p in lens:
         for b in batches:
             for name, bench in benches.items():
                 r = bench.run_point(b, p, args.new_tokens, args.reps, args.warmup, roof)
-                rows.append({"model": name, **r})
+                data["rows"].append({"model": name, "kv_heads": models[name], **r})
+                data["elapsed_s"] = time.time() - t0
+                save()
                 print(f"{name:>20} b{b:<3} p{p:<5} {r['status']}"
                       + (f" {r['tokens_per_s']['median']:8.1f} tok/s" if r["status"] == "ok" else ""),
                       file=sys.stderr, flush=True)
-    elapsed = time.time() - t0
-    mha, gqa = list(benches)
-    params = {n: sum(x.numel() for x in b.model.parameters()) for n, b in benches.items()}
-    print(f"\nDevice: {run_info(command=None, device=args.device, dtype=dtype)['device_name']}, dtype {args.dtype}, "
-          f"torch {torch.__version__}; copy bandwidth {bw / 1e9:.1f} GB/s, matmul {fl / 1e9:.0f} GFLOP/s "
-          f"(ridge {fl / bw:.1f} FLOP/byte); grid took {elapsed:.0f} s.")
-    print(f"Model: Llama-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads x head_dim "
-          f"{args.hidden // args.heads}, MLP {args.intermediate}, vocab {args.vocab}; "
-          + ", ".join(f"{n}: {params[n] / 1e6:.1f} M params, {benches[n].kv_bytes_per_token / 1024:.0f} KiB KV/token"
-                      for n in benches) + ".")
-    print(f"Attention path: " + "; ".join(f"{n}: {p['decode_path']}" for n, p in probes.items()) + ".\n")
-    print("| batch | prompt | KV cache MHA → GQA (cache object) | MHA ms/token | GQA ms/token | speedup | "
-          "MHA % of copy BW | GQA % of copy BW | memory-bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    by = {(r["model"], r["batch"], r["prompt_len"]): r for r in rows}
-    for p in lens:
-        for b in batches:
-            a, g = by[(mha, b, p)], by[(gqa, b, p)]
-            if a["status"] != "ok" or g["status"] != "ok":
-                print(f"| {b} | {p} | | {a['status']} | {g['status']} | | | | |")
-                continue
-            ma, mg = a["decode_ms_per_token"]["median"], g["decode_ms_per_token"]["median"]
-            print(f"| {b} | {p} | {a['kv_cache_bytes'] / 2**20:.1f} → {g['kv_cache_bytes'] / 2**20:.1f} MiB | "
-                  f"{ma:.2f} | {mg:.2f} | {ma / mg:.2f}× | {100 * a['roofline_fraction']:.0f}% | "
-                  f"{100 * g['roofline_fraction']:.0f}% | {'yes' if a['memory_bound'] else 'no'} / "
-                  f"{'yes' if g['memory_bound'] else 'no'} |")
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "roof": roof, "probes": probes, "params": params, "rows": rows,
-                   "run": run_info(command=sys.argv, device=args.device, dtype=dtype)}, f, indent=2, default=str)
+    data["complete"] = True
+    save()
+    table = markdown(data)
+    print("\n" + table)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table)
 
 
 if __name__ == "__main__":

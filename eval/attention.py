@@ -9,7 +9,12 @@ unconditionally:
 
 - decode (one query token): the H/G query heads that share a KV head become H/G query
   *rows* of that one head, so SDPA sees G heads and reads each K/V head once;
-- prefill: SDPA's own `enable_gqa=True`.
+- prefill: SDPA's own `enable_gqa=True` on the CPU. On CUDA, a one-off copy of K/V up
+  to all heads instead: the static cache hands attention its whole pre-allocated length,
+  so prefill is causal over a non-square score matrix (or masked), which flash does not
+  take, and whether the memory-efficient kernel takes `enable_gqa` depends on the torch
+  release; what is left is the math kernel, whose O(prompt²) score tensor does not fit
+  at large batch x prompt. Prefill only: decode steps never copy.
 
 `probe_attention_path` then checks what really reached SDPA in one decode step, so the
 results say which path ran instead of assuming it.
@@ -41,6 +46,8 @@ def gqa_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_ma
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = bool(causal and attention_mask is None and q_len > 1)
         kw = {"enable_gqa": True} if groups > 1 else {}
+        if groups > 1 and q_len > 1 and query.is_cuda:
+            key, value, kw = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), {}
         out = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                    is_causal=causal, **kw)
     return out.transpose(1, 2).contiguous(), None

@@ -7,6 +7,10 @@ second run with the same files and tokenizer does not tokenize again. Tokens are
 concatenated with EOS between documents and cut into blocks of `seq_len`: every
 position of every block is a real token, so no compute is wasted on padding.
 
+Without `datasets` installed (a bare GPU image, say), plain-text and JSON-lines files and
+in-memory documents are still read, split and tokenized the same way in plain Python
+(no tokenization cache); parquet and hub data sets need it.
+
 Sharding is done by `BlockOrder`, not by a DataLoader: the order of blocks is a pure
 function of (seed, global sample index). That is what makes `--resume` reproduce the
 one-go run exactly, and what makes 1 process with grad_accum=4 see the same blocks per
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -73,6 +78,57 @@ def _builder(files: list[Path], what: str) -> str:
     return kind
 
 
+def have_datasets() -> bool:
+    """Whether the `datasets` package can be imported (it is optional for local text)."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def split_text(text: str, sample_by: str) -> list[str]:
+    """Documents of one text file, split as `datasets`' text builder splits them.
+
+    line: each line, without its newline; paragraph: pieces between blank lines ("\\n\\n"),
+    empty pieces dropped; document: the whole file.
+    """
+    if sample_by == "line":
+        return [line.rstrip("\n") for line in io.StringIO(text).readlines()]
+    if sample_by == "paragraph":
+        return [p for p in text.split("\n\n") if p]
+    return [text]
+
+
+def read_documents(files: list[Path], *, text_field: str, sample_by: str, what: str) -> list[str]:
+    """`load_documents` without `datasets`: text and JSON-lines files, as a list of strings."""
+    kind = _builder(files, what)
+    if kind == "parquet":
+        raise GqakitError(f"{what}: parquet files need the `datasets` package (pip install datasets); "
+                          "or give .txt / .jsonl files")
+    docs: list[str] = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")  # universal newlines, as the text builder reads
+        except (OSError, UnicodeDecodeError) as e:
+            raise GqakitError(f"{what}: cannot read {f.name}: {e}") from None
+        if kind == "text":
+            docs += split_text(text, sample_by)
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise GqakitError(f"{what}: {f.name} line {n} is not JSON; without the `datasets` package "
+                                  "only JSON-lines files are read") from None
+            if not isinstance(row, dict) or text_field not in row:
+                raise GqakitError(f"data.text_field: {f.name} line {n} has no field {text_field!r}")
+            docs.append(str(row[text_field]))
+    return docs
+
+
 def load_documents(files: list[Path], *, text_field: str, sample_by: str, cache_dir: Path, what: str) -> Any:
     """A `datasets.Dataset` with one column `text`, one row per document."""
     import datasets
@@ -110,35 +166,50 @@ def hub_documents(cfg: DataCfg, cache_dir: Path) -> Any:
 # --------------------------------------------------------------------------- tokenize + pack
 
 
-def tokenize(ds: Any, tokenizer: Any, *, add_bos: bool, add_eos: bool = True, num_proc: int | None = None) -> Any:
-    """Map documents to token ids, with BOS before and EOS after each when asked.
-
-    `datasets` fingerprints this function together with the tokenizer, and stores the
-    result next to the source's arrow files: a second run loads it instead of re-tokenizing.
-    """
+def _encoder(tokenizer: Any, add_bos: bool, add_eos: bool) -> Callable[[list[str]], list[list[int]]]:
+    """Documents -> token ids, with BOS before and EOS after each when asked; blank ones -> []."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if add_bos and bos is None:
         raise GqakitError("data.add_bos: the tokenizer has no BOS token")
     if add_eos and eos is None:
         raise GqakitError("data.add_eos: the tokenizer has no EOS token; set data.add_eos=false")
 
-    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+    def encode(texts: list[str]) -> list[list[int]]:
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         out = []
-        for doc, text in zip(ids, batch["text"]):
+        for doc, text in zip(ids, texts):
             if not text.strip():
                 out.append([])
                 continue
             out.append(([bos] if add_bos else []) + doc + ([eos] if add_eos else []))
-        return {"input_ids": out}
+        return out
 
-    return ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names,
-                  num_proc=num_proc, desc="tokenizing")
+    return encode
+
+
+def tokenize(ds: Any, tokenizer: Any, *, add_bos: bool, add_eos: bool = True, num_proc: int | None = None) -> Any:
+    """Map documents to token ids, with BOS before and EOS after each when asked.
+
+    `datasets` fingerprints this function together with the tokenizer, and stores the
+    result next to the source's arrow files: a second run loads it instead of re-tokenizing.
+    """
+    encode = _encoder(tokenizer, add_bos, add_eos)
+    return ds.map(lambda batch: {"input_ids": encode(batch["text"])}, batched=True, batch_size=1000,
+                  remove_columns=ds.column_names, num_proc=num_proc, desc="tokenizing")
+
+
+def tokenize_list(texts: list[str], tokenizer: Any, *, add_bos: bool, add_eos: bool = True) -> list[list[int]]:
+    """`tokenize` without `datasets` (and without its cache), 1,000 documents at a time."""
+    encode = _encoder(tokenizer, add_bos, add_eos)
+    return [ids for i in range(0, len(texts), 1000) for ids in encode(texts[i:i + 1000])]
 
 
 def pack(tokenized: Any, seq_len: int, what: str) -> torch.Tensor:
-    """Concatenate all documents and cut them into [N, seq_len] blocks (the tail is dropped)."""
-    col = tokenized.with_format("numpy")["input_ids"]
+    """Concatenate all documents and cut them into [N, seq_len] blocks (the tail is dropped).
+
+    `tokenized` is a tokenized `datasets.Dataset` or a list of token-id lists.
+    """
+    col = tokenized if isinstance(tokenized, list) else tokenized.with_format("numpy")["input_ids"]
     parts = [np.asarray(x, dtype=np.int64) for x in col if len(x)]
     flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     n = len(flat) // seq_len
@@ -268,12 +339,28 @@ def _split(seq: list[int], sep: int) -> list[list[int]]:
 def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Path | None = None,
                  main_first: Callable[[], Any] = nullcontext, is_main: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(train blocks [N, S], eval blocks [M, S] or None), with the checks the issue asks for."""
-    import datasets
-
+    use_ds = have_datasets()
     cache = default_cache_dir(cfg)
     eval_files: list[Path] = []
     if cfg.eval_file:
         eval_files = resolve_files([cfg.eval_file], "data.eval_file")
+
+    def documents(files: list[Path] | None, texts: list[str] | None, sample_by: str, text_field: str, what: str) -> Any:
+        """A `datasets.Dataset` of documents, or a plain list of them without `datasets`."""
+        if files is not None:
+            if use_ds:
+                return load_documents(files, text_field=text_field, sample_by=sample_by, cache_dir=cache, what=what)
+            return read_documents(files, text_field=text_field, sample_by=sample_by, what=what)
+        if use_ds:
+            import datasets
+
+            return datasets.Dataset.from_dict({"text": list(texts or [])})
+        return list(texts or [])
+
+    def blocks(docs: Any, num_proc: int | None, what: str) -> torch.Tensor:
+        kw = {"add_bos": cfg.add_bos, "add_eos": cfg.add_eos}
+        ids = tokenize(docs, tokenizer, num_proc=num_proc, **kw) if use_ds else tokenize_list(docs, tokenizer, **kw)
+        return pack(ids, seq_len, what)
 
     with main_first():  # one process tokenizes and fills the cache, the others then read it
         if cfg.files:
@@ -281,27 +368,28 @@ def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Pa
             clash = set(files) & set(eval_files)
             if clash:
                 raise GqakitError(f"data.eval_file: {clash.pop()} is also a training file; keep held-out text apart")
-            docs = load_documents(files, text_field=cfg.text_field, sample_by=cfg.sample_by, cache_dir=cache, what="data.files")
+            docs = documents(files, None, cfg.sample_by, cfg.text_field, "data.files")
         elif cfg.texts is not None:
             if not any(t.strip() for t in cfg.texts):
                 raise GqakitError("data.texts: all documents are empty")
-            docs = datasets.Dataset.from_dict({"text": list(cfg.texts)})
+            docs = documents(None, cfg.texts, cfg.sample_by, cfg.text_field, "data.texts")
         elif cfg.hf_dataset is not None:
+            if not use_ds:
+                raise GqakitError("data.hf_dataset: needs the `datasets` package (pip install datasets)")
             docs = hub_documents(cfg, cache)
         else:
             assert teacher_path is not None and cfg.teacher_samples is not None
             f = teacher_samples_file(cfg.teacher_samples, teacher_path, cache, is_main=is_main)
-            docs = load_documents([f], text_field="text", sample_by="document", cache_dir=cache, what="data.teacher_samples")
-        train = pack(tokenize(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos, num_proc=cfg.num_proc), seq_len, "training data")
+            docs = documents([f], None, "document", "text", "data.teacher_samples")
+        train = blocks(docs, cfg.num_proc, "training data")
 
         held: torch.Tensor | None = None
         if eval_files or cfg.eval_texts is not None:
             if eval_files:
-                edocs = load_documents(eval_files, text_field=cfg.text_field, sample_by=cfg.sample_by,
-                                       cache_dir=cache, what="data.eval_file")
+                edocs = documents(eval_files, None, cfg.sample_by, cfg.text_field, "data.eval_file")
             else:
-                edocs = datasets.Dataset.from_dict({"text": list(cfg.eval_texts or [])})
-            held = pack(tokenize(edocs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos), seq_len, "data.eval_file")
+                edocs = documents(None, cfg.eval_texts, cfg.sample_by, cfg.text_field, "data.eval_texts")
+            held = blocks(edocs, None, "data.eval_file")
             if cfg.eval_max_blocks:
                 held = held[: cfg.eval_max_blocks]
     return train, held

@@ -1,0 +1,144 @@
+"""Step 3 of `bench/gpu_proof.sh`: a streamed, calibrated conversion of a 7B-shaped checkpoint.
+
+Builds a random Llama-2-7B-shaped MHA checkpoint (hidden 4096, 32 layers, 32 heads, MLP
+11008, vocab 32000, bf16, about 12.6 GiB) on disk, then runs
+
+    gqakit convert SRC OUT -g 8 --method align-refit --device cuda \\
+        --calibration-data TEXT --calibration-tokens 131072
+
+in this process (through the CLI's own entry point), so that
+`torch.cuda.max_memory_allocated` after it is the conversion's peak GPU memory; the
+peak host RSS (VmHWM, reset before the conversion) is recorded too. The calibration
+text is standard-library docstrings, built in code (`../shared` is not on a GPU machine).
+
+`--device` is being added to `gqakit convert` (layer-streamed calibration on the GPU).
+Until `gqakit convert --help` lists it, this step writes "skipped: convert has no
+--device yet" and exits 0 without building anything. The dry profile (pico model, CPU)
+then still runs the conversion without `--device`, so this driver is exercised by the
+test suite either way.
+
+    python bench/gpu_convert.py --profile gpu --out OUT --work WORK
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_proof  # noqa: E402  (bench/gpu_proof.py: profiles and synthetic inputs)
+from gpu_proof import say, write_json  # noqa: E402
+
+SKIPPED = "skipped: convert has no --device yet"
+
+
+def convert_has_device() -> bool:
+    """Whether `gqakit convert --help` lists `--device` (read from the click command itself)."""
+    from gqakit.convert.cli import convert_cmd
+
+    return any("--device" in p.opts for p in convert_cmd.params)
+
+
+def _vmhwm_reset() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
+                 phase: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Build the source checkpoint and calibration text, convert, measure; folders removed after."""
+    import torch
+
+    from gqakit.eval.speed import _proc_bytes
+
+    c = p["convert"]
+    phase("build")
+    tok = gpu_proof.tokenizer(work, p)
+    # About 4 characters per token of this BPE; 8 per token leaves room.
+    text = gpu_proof.text_file(work, p).read_text()[: 8 * c["calibration_tokens"]]
+    calib = work / "calibration.txt"
+    calib.write_text(text)
+    n_tok = len(tok(text, add_special_tokens=False)["input_ids"])
+    if n_tok < c["calibration_tokens"]:
+        raise RuntimeError(f"calibration text has {n_tok:,} tokens, fewer than the {c['calibration_tokens']:,} asked for")
+    src, out = work / "convert-src", work / "convert-out"
+    build_device = device or p["device"]
+    say(f"convert: building the {c['layers']}-layer source checkpoint on {build_device}")
+    source = gpu_proof.build_llama(src, c, c["heads"], device=build_device, dtype=p["dtype"], tok=tok)
+    say(f"convert: source {gpu_proof.count(source['parameters'])} params, {source['bytes_on_disk'] / 2**30:.2f} GiB, "
+        f"built in {source['build_s']} s; calibration text {n_tok:,} tokens")
+    argv = ["convert", str(src), str(out), "-g", str(c["kv_heads"]), "--method", c["method"],
+            *(["--device", device] if device is not None else []),
+            "--calibration-data", str(calib), "--calibration-tokens", str(c["calibration_tokens"]), "--overwrite", "-q"]
+    phase("convert")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    _vmhwm_reset()
+    t0 = time.perf_counter()
+    gpu_proof.run_cli(argv)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    peak_gpu = int(torch.cuda.max_memory_allocated()) if cuda else None
+    cfg = json.loads((out / "config.json").read_text())
+    if cfg.get("num_key_value_heads") != c["kv_heads"]:
+        raise RuntimeError(f"output has {cfg.get('num_key_value_heads')} KV heads, expected {c['kv_heads']}")
+    res = {"command": "gqakit " + " ".join(argv).replace(str(work) + "/", "WORK/"), "device": device or "default",
+           "wall_s": round(wall, 2), "peak_gpu_memory_allocated": peak_gpu,
+           "peak_gpu_memory_reserved": int(torch.cuda.max_memory_reserved()) if cuda else None,
+           "peak_host_rss": _proc_bytes("/proc/self/status", "VmHWM:"),
+           "note": ("no GPU memory was allocated in this process: did the conversion run elsewhere?"
+                    if cuda and device and device.startswith("cuda") and not peak_gpu else None),
+           "calibration_text_tokens": n_tok, "source": source, "output_bytes_on_disk": gpu_proof.folder_bytes(out),
+           "output_kv_heads": cfg["num_key_value_heads"]}
+    gb = lambda n: "n/a" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
+    say(f"convert: {wall:.1f} s, peak GPU memory {gb(peak_gpu)} (max_memory_allocated), "
+        f"peak host RSS {gb(res['peak_host_rss'])}")
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=sorted(gpu_proof.PROFILES), default="gpu")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    p = {**gpu_proof.PROFILES[args.profile], "name": args.profile}
+    path = args.out / "convert.json"
+    res: dict[str, Any] = {"status": "running", "phase": "check", "profile": args.profile, "settings": p["convert"],
+                           "run": gpu_proof.run_facts(p["device"])}
+    write_json(path, res)
+
+    def set_phase(name: str) -> None:
+        res["phase"] = name
+        write_json(path, res)
+
+    if not convert_has_device():
+        say(f"convert: {SKIPPED}")
+        if args.profile == "dry":  # still exercise this driver, without the flag
+            res["fallback_cpu_run"] = convert_once(p, args.work, device=None, phase=set_phase)
+        res.update(status=SKIPPED, phase="done")
+        write_json(path, res)
+        return
+    res["result"] = convert_once(p, args.work, device=p["device"], phase=set_phase)
+    res.update(status="ok", phase="done")
+    write_json(path, res)
+
+
+if __name__ == "__main__":
+    main()

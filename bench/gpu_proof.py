@@ -1,0 +1,491 @@
+"""The steps of `bench/gpu_proof.sh`: sizes, synthetic models and text, uptrain MFU, summary.
+
+`bench/gpu_proof.sh` runs every GPU measurement of the project in one call of a GPU
+machine that has no internet and no `../shared`: everything is built here, in code.
+Each step is a separate process with its own time limit, run by the shell script:
+
+    python bench/gpu_proof.py decode  --profile gpu --out OUT --work WORK   # bench/bench_decode.py grid
+    python bench/gpu_proof.py uptrain --profile gpu --out OUT --work WORK   # `gqakit uptrain` tokens/s, MFU
+    python bench/gpu_convert.py       --profile gpu --out OUT --work WORK   # streamed align-refit convert
+    python bench/gpu_proof.py summary --profile gpu --out OUT               # OUT/gpu_proof.json + .md
+
+Profile `gpu` is sized for one H100 in about nine minutes in all; profile `dry` runs the
+same code paths with pico sizes on the CPU (the test suite runs it).
+
+Synthetic inputs:
+- text: docstrings of Python's standard library (as `gqakit demo` uses), read with
+  `ast` from the interpreter's own source files, and stdlib source itself when more is
+  needed; never random bytes, so token statistics look like text;
+- tokenizer: a byte-level BPE trained on that text in a few seconds (`tokenizers`);
+- models: Llama-shaped, transformers' own random initialisation (not zeros), built on
+  the device and saved with `save_pretrained`.
+Speed and memory do not depend on what the weights or the text say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HERE = Path(__file__).resolve().parent
+
+# Llama-2-7B: hidden 4096, 32 layers, 32 heads (MHA), MLP 11008, vocab 32000.
+LLAMA2_7B = {"hidden": 4096, "layers": 32, "heads": 32, "intermediate": 11008, "vocab": 32000}
+# TinyLlama-1.1B's shape: hidden 2048, 22 layers, 32 heads, MLP 5632, vocab 32000.
+LLAMA_1B = {"hidden": 2048, "layers": 22, "heads": 32, "intermediate": 5632, "vocab": 32000}
+PICO = {"hidden": 64, "layers": 2, "heads": 8, "intermediate": 128, "vocab": 512}
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "gpu": {
+        # Text: 2.5 M characters (~590 k tokens of this BPE) cover the 410 k uptraining
+        # tokens and the 131 k calibration tokens; the BPE trains on the first 1 M.
+        "device": "cuda", "dtype": "bfloat16", "text_chars": 2_500_000,
+        "tokenizer_vocab": 32000, "tokenizer_chars": 1_000_000,
+        # 3 models (32, 8, 1 KV heads) are 12.6 + 11.1 + 10.6 GiB of bf16 weights. MHA at
+        # batch 64 x (2,048 + 32) needs a 65 GiB cache: it reports "oom", which is itself
+        # the point (the 8-KV-head cache is 16 GiB).
+        # Eager decode of a 32-layer HF model is bound by kernel launches (tens of ms per
+        # step) long before HBM is: steps are replayed as CUDA graphs (captured per grid
+        # point, checked against eager, eager again if capture fails); torch.compile would
+        # recompile for every batch and cache length, minutes the budget does not have.
+        "decode": {**LLAMA2_7B, "kv_heads": "8,1", "batch": "1,16,64", "prompt_len": "512,2048",
+                   "new_tokens": 32, "reps": 3, "warmup": 1, "cuda_graphs": True},
+        # 8,192 tokens per step keeps activations near 20 GiB next to 18 GiB of fp32
+        # weights, gradients and AdamW state; 50 steps take well under a minute.
+        "uptrain": {**LLAMA_1B, "kv_heads": 4, "seq_len": 2048, "micro_batch": 4, "steps": 50, "log_every": 10},
+        "convert": {**LLAMA2_7B, "kv_heads": 8, "method": "align-refit", "calibration_tokens": 131_072},
+    },
+    "dry": {
+        "device": "cpu", "dtype": "float32", "text_chars": 60_000, "tokenizer_vocab": 512, "tokenizer_chars": 60_000,
+        "decode": {**PICO, "kv_heads": "2,1", "batch": "1,2", "prompt_len": "16,32", "new_tokens": 4,
+                   "reps": 1, "warmup": 1, "cuda_graphs": True},  # ignored on the CPU (eager), but passed
+        "uptrain": {**PICO, "kv_heads": 2, "seq_len": 64, "micro_batch": 2, "steps": 6, "log_every": 2},
+        "convert": {**PICO, "kv_heads": 2, "method": "align-refit", "calibration_tokens": 2048},
+    },
+}
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def say(msg: str) -> None:
+    print(f"[gpu_proof {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def count(n: float | None) -> str:
+    """1.10 B, 15.3 M or 115,008: parameter counts at any size."""
+    if n is None:
+        return "n/a"
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically: a step killed by its time limit leaves the last complete version."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def run_cli(argv: list[str]) -> None:
+    """`gqakit ARGV` in this process (so its GPU memory is this process's); raises on failure."""
+    from gqakit.cli import main
+
+    try:
+        main(argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise RuntimeError(f"`gqakit {' '.join(argv[:1])}` exited with {e.code} (its message is above)") from None
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def run_facts(device: str) -> dict[str, Any]:
+    import torch
+
+    from gqakit.eval.results import run_info
+
+    return run_info(command=sys.argv, device=device, dtype=torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- synthetic inputs
+
+
+def proof_text(min_chars: int) -> str:
+    """Standard-library docstrings (then stdlib source, if they run short): at least `min_chars`."""
+    import sysconfig
+
+    from gqakit.eval.demo import training_texts
+
+    texts = training_texts(limit_chars=min_chars)
+    total = sum(len(t) for t in texts)
+    if total < min_chars:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for f in sorted(root.glob("*.py")):
+            if total >= min_chars:
+                break
+            try:
+                src = f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            texts.append(src)
+            total += len(src)
+    return "\n\n".join(texts)
+
+
+def text_file(work: Path, p: dict[str, Any]) -> Path:
+    """WORK/text.txt: the profile's `text_chars` of standard-library text, written once per run."""
+    path = work / "text.txt"
+    if not path.is_file() or path.stat().st_size < p["text_chars"]:
+        t0 = time.time()
+        path.write_text(proof_text(p["text_chars"]))
+        say(f"text: {path.stat().st_size:,} bytes of standard-library docstrings in {time.time() - t0:.1f} s")
+    return path
+
+
+def tokenizer(work: Path, p: dict[str, Any]) -> Any:
+    """A byte-level BPE with at most `tokenizer_vocab` entries (fewer if the text has fewer merges), trained once."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab, chars = p["tokenizer_vocab"], p["tokenizer_chars"]
+    folder = work / f"tokenizer-{vocab}"
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(folder)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t0 = time.time()
+    text = text_file(work, p).read_text()[:chars]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(text.split("\n\n"), trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(folder)
+    say(f"tokenizer: byte-level BPE, {len(tok):,} entries, trained on {len(text):,} chars in {time.time() - t0:.1f} s")
+    return tok
+
+
+def build_llama(folder: Path, shape: dict[str, Any], kv_heads: int, *, device: str, dtype: str, tok: Any,
+                positions: int = 4096) -> dict[str, Any]:
+    """Save a random Llama-shaped model (initialised on `device`) with `tok`; returns its facts."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    t0 = time.time()
+    cfg = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                      num_attention_heads=shape["heads"], num_key_value_heads=kv_heads,
+                      intermediate_size=shape["intermediate"], vocab_size=shape["vocab"],
+                      max_position_embeddings=positions, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    assert all(p.abs().sum() > 0 for p in model.parameters() if p.dim() > 1), "weights must not be zeros"
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"path": str(folder), "parameters": params, "kv_heads": kv_heads, "dtype": dtype,
+            "bytes_on_disk": folder_bytes(folder), "build_s": round(time.time() - t0, 2), **shape}
+
+
+def meta_parameters(folder: Path) -> int:
+    """Parameter count of a saved model, from its config alone (built on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- step 1: decode grid
+
+
+def decode_argv(p: dict[str, Any], out: Path) -> list[str]:
+    """bench/bench_decode.py's command line for the profile's grid."""
+    d = p["decode"]
+    argv = ["--hidden", d["hidden"], "--layers", d["layers"], "--heads", d["heads"],
+            "--kv-heads", d["kv_heads"], "--intermediate", d["intermediate"], "--vocab", d["vocab"],
+            "--batch", d["batch"], "--prompt-len", d["prompt_len"], "--new-tokens", d["new_tokens"],
+            "--reps", d["reps"], "--warmup", d["warmup"], "--device", p["device"], "--dtype", p["dtype"],
+            "--out", out / "decode.json", *(["--cuda-graphs"] if d.get("cuda_graphs") else [])]
+    return [str(a) for a in argv]
+
+
+def step_decode(p: dict[str, Any], out: Path, work: Path) -> None:
+    """bench/bench_decode.py with the profile's grid; it rewrites OUT/decode.json after every point."""
+    sys.argv = ["bench_decode.py", *decode_argv(p, out)]
+    sys.path.insert(0, str(HERE))
+    import bench_decode
+
+    bench_decode.main()
+
+
+# --------------------------------------------------------------------------- step 2: uptrain MFU
+
+
+def steady(rows: list[dict[str, Any]], key: str) -> float | None:
+    """Median of `key` over the logged rows after the first (which holds start-up and warm-up)."""
+    vals = [r[key] for r in rows[1:] if key in r] or [r[key] for r in rows if key in r]
+    return statistics.median(vals) if vals else None
+
+
+def uptrain_config(p: dict[str, Any], model: Path, text: Path, run_dir: Path) -> dict[str, Any]:
+    """The `gqakit uptrain` config of the profile: plain text, no eval, no checkpoints."""
+    u = p["uptrain"]
+    return {
+        "model": {"path": str(model)},
+        "data": {"files": [str(text)], "sample_by": "paragraph", "cache_dir": str(run_dir.parent / "cache")},
+        "train": {"tokens": u["seq_len"] * u["micro_batch"] * u["steps"], "seq_len": u["seq_len"],
+                  "micro_batch": u["micro_batch"], "grad_accum": 1, "lr": 3e-4, "warmup_steps": 5,
+                  "precision": "auto", "cpu": p["device"] == "cpu", "seed": 0},
+        "eval": {"every": 0},
+        "output": {"dir": str(run_dir), "save_every": 0},
+        "logging": {"every": u["log_every"], "tensorboard": False},
+    }
+
+
+def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
+    """Random 1B Llama (MHA) -> `gqakit convert` (mean) -> `gqakit uptrain` for some tens of steps."""
+    import torch
+    import yaml
+
+    u, dev = p["uptrain"], p["device"]
+    res: dict[str, Any] = {"status": "running", "phase": "setup", "profile": p["name"], "device": dev,
+                           "settings": u, "run": run_facts(dev)}
+    path = out / "uptrain.json"
+    write_json(path, res)
+    tokens_per_step = u["seq_len"] * u["micro_batch"]
+    tok = tokenizer(work, p)
+    train_txt = text_file(work, p)  # fewer tokens than the budget just means a second epoch
+
+    res["phase"] = "build"
+    write_json(path, res)
+    mha = work / "uptrain-mha"
+    res["source_model"] = build_llama(mha, u, u["heads"], device=dev, dtype=p["dtype"], tok=tok,
+                                      positions=max(4096, u["seq_len"]))
+    say(f"uptrain: built a {count(res['source_model']['parameters'])}-parameter MHA model in {res['source_model']['build_s']} s")
+
+    res["phase"] = "convert"
+    write_json(path, res)
+    gqa = work / "uptrain-gqa"
+    t0 = time.time()
+    run_cli(["convert", str(mha), str(gqa), "-g", str(u["kv_heads"]), "--method", "mean", "--overwrite", "-q"])
+    res["convert_s"] = round(time.time() - t0, 2)
+    shutil.rmtree(mha, ignore_errors=True)
+
+    res["phase"] = "uptrain"
+    write_json(path, res)
+    run_dir = work / "uptrain-run"
+    cfg = uptrain_config(p, gqa, train_txt, run_dir)
+    cfg_path = work / "uptrain.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    res["config"] = cfg
+    if dev.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    try:
+        run_cli(["uptrain", str(cfg_path), "--overwrite", "-q"])
+    finally:
+        res["uptrain_s"] = round(time.time() - t0, 2)
+        log = run_dir / "log.jsonl"
+        rows = [json.loads(r) for r in log.read_text().splitlines() if r.strip()] if log.is_file() else []
+        res["log"] = rows
+        train_rows = [r for r in rows if "tok_per_s" in r]
+        from gqakit.uptrain.trainer import _peak_flops
+
+        peak = _peak_flops(torch.device(dev)) if dev.startswith("cuda") else None
+        res["result"] = {
+            "parameters": meta_parameters(gqa) if (gqa / "config.json").is_file() else None,
+            "tokens_per_step": tokens_per_step,
+            "steps_logged": [r["step"] for r in train_rows],
+            "tok_per_s_steady": steady(train_rows, "tok_per_s"),
+            "mfu_steady": steady(train_rows, "mfu"),
+            "peak_flops_per_device": peak,
+            "flops_per_token_formula": "6 x parameters + 12 x layers x hidden x seq_len",
+            "final_loss": train_rows[-1]["loss"] if train_rows else None,
+            "peak_gpu_memory_allocated": int(torch.cuda.max_memory_allocated()) if dev.startswith("cuda") else None,
+        }
+        write_json(path, res)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(gqa, ignore_errors=True)
+    r = res["result"]
+    res.update(status="ok", phase="done")
+    write_json(path, res)
+    say(f"uptrain: {r['tok_per_s_steady'] or 0:,.0f} tok/s steady"
+        + (f", MFU {100 * r['mfu_steady']:.1f}%" if r["mfu_steady"] is not None else ", no MFU (no known peak FLOP/s)"))
+
+
+# --------------------------------------------------------------------------- summary
+
+
+STEPS = [("decode", "1. Decode grid (bench/bench_decode.py)"), ("uptrain", "2. Uptrain throughput and MFU"),
+         ("convert", "3. Streamed calibrated conversion")]
+
+
+def _read_steps(out: Path) -> dict[str, dict[str, Any]]:
+    """OUT/steps.tsv, written by the shell script: step, exit code, seconds, time limit."""
+    found: dict[str, dict[str, Any]] = {}
+    f = out / "steps.tsv"
+    for line in (f.read_text().splitlines() if f.is_file() else []):
+        parts = line.split("\t")
+        if len(parts) >= 4 and parts[1].lstrip("-").isdigit():
+            found[parts[0]] = {"rc": int(parts[1]), "wall_s": float(parts[2]), "limit_s": float(parts[3])}
+    return found
+
+
+def _status(step: str, shell: dict[str, Any] | None, data: dict[str, Any] | None) -> str:
+    if shell is None:
+        return "not run"
+    if shell["rc"] == -1:
+        return "not run: no time left in the budget"
+    if shell["rc"] in (124, 137):
+        return f"timed out after {shell['limit_s']:.0f} s" + (f" (in {data['phase']})" if data and data.get("phase") else "")
+    if data is None:
+        return f"failed (exit {shell['rc']}, no results; see log.txt)"
+    st = str(data.get("status", "ok" if step == "decode" and data.get("complete") else "?"))
+    if shell["rc"] != 0 and not st.startswith("skipped"):
+        return f"failed (exit {shell['rc']}" + (f", in {data['phase']}" if data.get("phase") else "") + "; see log.txt)"
+    return st
+
+
+def _gib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def summary(profile: str, out: Path) -> dict[str, Any]:
+    shell = _read_steps(out)
+    commit = os.environ.get("GQAKIT_PROOF_COMMIT") or "unknown"
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results: dict[str, Any] = {"profile": profile, "commit": commit, "date": date, "steps": {}}
+    md = [f"### GPU proof run: `bash bench/gpu_proof.sh{' --dry-run' if profile == 'dry' else ''} OUTDIR`", "",
+          f"Commit {commit}, {date}; all steps in one process each, one after another, on one device.", ""]
+    if profile == "dry":
+        md += ["**Dry run: pico models on the CPU. These numbers only show that the script works; "
+               "they are not measurements.**", ""]
+    for step, title in STEPS:
+        f = out / f"{step}.json"
+        try:
+            data = json.loads(f.read_text()) if f.is_file() else None
+        except json.JSONDecodeError:
+            data = None
+        status = _status(step, shell.get(step), data)
+        results["steps"][step] = {"status": status, "shell": shell.get(step), "file": f.name if data else None}
+        md += [f"#### {title}", "", f"Status: {status}" + (f"; {shell[step]['wall_s']:.0f} s of a {shell[step]['limit_s']:.0f} s limit"
+                                                          if step in shell else "") + ".", ""]
+        if data is None:
+            continue
+        try:
+            md += _step_md(step, data, results["steps"][step])
+        except (KeyError, TypeError, ValueError) as e:  # a partial file: say so, keep the rest of the summary
+            md += [f"(results file {f.name} is incomplete: {type(e).__name__}: {e})", ""]
+    md.append("Raw numbers: gpu_proof.json, decode.json, uptrain.json, convert.json; logs: log.txt.")
+    results["markdown"] = "\n".join(md) + "\n"
+    write_json(out / "gpu_proof.json", results)
+    (out / "gpu_proof.md").write_text(results["markdown"])
+    return results
+
+
+def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str]:
+    """Markdown lines for one step's results; fills `entry` (its part of gpu_proof.json)."""
+    md: list[str] = []
+    if step == "decode" and data.get("rows") is not None:
+        sys.path.insert(0, str(HERE))
+        import bench_decode
+
+        md += [bench_decode.markdown(data), ""]
+        entry["comparisons"] = bench_decode.comparisons(data)
+    elif step == "uptrain" and data.get("result"):
+        r, u = data["result"], data["settings"]
+        mfu = r.get("mfu_steady")
+        peak = "n/a" if r["peak_flops_per_device"] is None else f"{r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s"
+        mfu_txt = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+        entry["result"] = r
+        md += [f"Device: {data['run'].get('device_name')}, torch {data['run'].get('torch')}, "
+               f"transformers {data['run'].get('transformers')}. Model: random Llama-shaped, hidden {u['hidden']}, "
+               f"{u['layers']} layers, {u['heads']} query heads, converted to {u['kv_heads']} KV heads "
+               f"(`gqakit convert --method mean`), MLP {u['intermediate']}, vocab {u['vocab']}. "
+               f"Mixed precision ({data['config']['train']['precision']}: bf16 on a GPU), fp32 master weights, "
+               f"AdamW, all weights trained; {u['steps']} steps of {r['tokens_per_step']:,} tokens "
+               f"({u['micro_batch']} x {u['seq_len']}), logged every {u['log_every']}; the first logged "
+               f"interval (start-up, warm-up) is left out of the medians. MFU = tokens/s x "
+               f"({r['flops_per_token_formula']}) FLOP per token, as uptrain/trainer.py counts them, "
+               f"/ the device's dense bf16 peak ({peak}).",
+               "",
+               "| parameters | tokens/step | steps | tokens/s (median) | MFU (median) | peak GPU memory | uptrain wall s |",
+               "|---|---|---|---|---|---|---|",
+               f"| {count(r['parameters'])} | {r['tokens_per_step']:,} | {u['steps']} | "
+               f"{(r['tok_per_s_steady'] or 0):,.0f} | {mfu_txt} | "
+               f"{_gib(r.get('peak_gpu_memory_allocated'))} | {data.get('uptrain_s', 0):.0f} |", ""]
+    elif step == "convert":
+        entry["result"] = data.get("result")
+        md += _convert_md(data)
+    return md
+
+
+def _convert_md(data: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    if data.get("status", "").startswith("skipped"):
+        lines += [f"Not measured: {data['status']}.", ""]
+    for key, title in (("result", None), ("fallback_cpu_run", "Dry-run fallback: the same driver without --device")):
+        r = data.get(key)
+        if not r:
+            continue
+        c = data["settings"]
+        if title:
+            lines += [f"{title}:", ""]
+        lines += [f"Source: random Llama-shaped checkpoint, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} "
+                  f"heads (MHA), MLP {c['intermediate']}, vocab {c['vocab']}, {count(r['source']['parameters'])} "
+                  f"params, {r['source']['dtype']}, {r['source']['bytes_on_disk'] / 2**30:.2f} GiB on disk. "
+                  f"Command: `{r['command']}`.", "",
+                  "| G | method | calibration tokens | device | wall s | peak GPU memory (max_memory_allocated) | peak host RSS |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| {c['kv_heads']} | {c['method']} | {c['calibration_tokens']:,} | {r['device']} | {r['wall_s']:.1f} | "
+                  f"{_gib(r.get('peak_gpu_memory_allocated'))} | {_gib(r.get('peak_host_rss'))} |", ""]
+        if r.get("note"):
+            lines += [f"Note: {r['note']}", ""]
+    return lines
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=["decode", "uptrain", "summary"])
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
+    ap.add_argument("--out", type=Path, required=True, help="results folder (JSON, Markdown)")
+    ap.add_argument("--work", type=Path, help="scratch folder for models and text (not for summary)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.step == "summary":
+        res = summary(args.profile, args.out)
+        width = max(len(s) for s in res["steps"])
+        for s, r in res["steps"].items():
+            print(f"  {s:<{width}}  {r['status']}")
+        return
+    if args.work is None:
+        ap.error("--work is needed for this step")
+    args.work.mkdir(parents=True, exist_ok=True)
+    p = {**PROFILES[args.profile], "name": args.profile}
+    {"decode": step_decode, "uptrain": step_uptrain}[args.step](p, args.out, args.work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""`bench/gpu_proof.sh --dry-run`: the one-call GPU measurement script, at pico size on the CPU.
+
+The GPU run happens rarely (one call of a lent machine); the dry run goes through the
+same steps and code paths every time the suite runs, so the script cannot rot unseen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("gpu_proof")
+    env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_WORK": str(out.parent / "gpu_proof_work")}
+    env.pop("OUT", None)
+    r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=240)
+    return out, r
+
+
+def test_dry_run_finishes_and_writes_every_result(dry_run):
+    out, r = dry_run
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name in ("decode.json", "uptrain.json", "convert.json", "gpu_proof.json", "gpu_proof.md", "log.txt", "steps.tsv"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "gpu_proof.json").read_text())
+    assert summary["profile"] == "dry"
+    assert set(summary["steps"]) == {"decode", "uptrain", "convert"}
+    for step, s in summary["steps"].items():
+        assert s["status"] == "ok" or s["status"].startswith("skipped"), (step, s)
+        assert s["shell"]["rc"] == 0
+    # Every step's limit is recorded, and the budget was not the reason anything stopped.
+    assert all(len(line.split("\t")) == 4 for line in (out / "steps.tsv").read_text().splitlines())
+
+
+def test_decode_reports_measured_and_predicted_speedup(dry_run):
+    out, _ = dry_run
+    d = json.loads((out / "decode.json").read_text())
+    assert d["complete"] and d["args"]["device"] == "cpu"
+    assert {r["kv_heads"] for r in d["rows"]} == {8, 2, 1}  # MHA and both GQA models
+    comps = d["comparisons"]
+    assert len(comps) == 2 * len(d["rows"]) // 3
+    for c in comps:
+        assert c["measured_speedup"] > 0
+        # Fewer KV heads: fewer bytes per step, never more.
+        assert c["predicted_speedup_bytes"] > 1
+        assert c["gqa_kv_cache_bytes"] * 8 == c["mha_kv_cache_bytes"] * c["kv_heads"]
+    md = (out / "gpu_proof.md").read_text()
+    assert "predicted by bytes" in md and "Dry run" in md
+
+
+def test_uptrain_step_reads_tokens_per_second_from_the_log(dry_run):
+    out, _ = dry_run
+    u = json.loads((out / "uptrain.json").read_text())
+    assert u["status"] == "ok" and u["config"]["train"]["cpu"] is True
+    r = u["result"]
+    assert r["tok_per_s_steady"] > 0 and r["final_loss"] > 0
+    assert r["steps_logged"] == list(range(2, 7, 2))
+    assert r["mfu_steady"] is None  # no peak FLOP/s for a CPU
+    assert r["parameters"] < u["source_model"]["parameters"]  # converted to fewer KV heads
+
+
+def test_convert_step_skips_or_measures(dry_run):
+    out, _ = dry_run
+    from gqakit.convert.cli import convert_cmd
+
+    c = json.loads((out / "convert.json").read_text())
+    if any("--device" in p.opts for p in convert_cmd.params):
+        assert c["status"] == "ok" and c["result"]["output_kv_heads"] == 2
+    else:
+        assert c["status"] == "skipped: convert has no --device yet"
+        fb = c["fallback_cpu_run"]  # the dry run still drives a real conversion
+        assert fb["output_kv_heads"] == 2 and fb["wall_s"] > 0 and fb["calibration_text_tokens"] >= 2048
+
+
+def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
+    """What the shell script writes when steps go wrong becomes a status per step, never a crash."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_proof
+
+    (tmp_path / "steps.tsv").write_text("decode\t124\t200.0\t200\nuptrain\t1\t12.5\t150\nconvert\t-1\t0\t3\n")
+    # decode was killed after one grid point: its JSON is the one rewritten after that point.
+    (tmp_path / "decode.json").write_text(json.dumps({"complete": False, "rows": [], "comparisons": []}))
+    (tmp_path / "uptrain.json").write_text(json.dumps({"status": "running", "phase": "convert"}))
+    res = gpu_proof.summary("gpu", tmp_path)
+    st = {k: v["status"] for k, v in res["steps"].items()}
+    assert st == {"decode": "timed out after 200 s", "uptrain": "failed (exit 1, in convert; see log.txt)",
+                  "convert": "not run: no time left in the budget"}
+    md = (tmp_path / "gpu_proof.md").read_text()
+    assert "timed out after 200 s" in md and "Dry run" not in md
+    assert json.loads((tmp_path / "gpu_proof.json").read_text())["steps"]["convert"]["file"] is None
+
+
+def test_gpu_profile_is_valid_without_a_gpu(tmp_path: Path):
+    """The GPU sizes never run here: check what can be checked (arguments, config, memory plan)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_decode
+    import gpu_proof
+
+    from gqakit.uptrain.config import load_config
+
+    p = {**gpu_proof.PROFILES["gpu"], "name": "gpu"}
+    args = bench_decode.parser().parse_args(gpu_proof.decode_argv(p, tmp_path))
+    assert (args.device, args.dtype, args.cuda_graphs, args.kv_heads) == ("cuda", "bfloat16", True, "8,1")
+    cfg = load_config(gpu_proof.uptrain_config(p, tmp_path / "m", tmp_path / "t.txt", tmp_path / "run"))
+    assert cfg.train.precision == "auto" and not cfg.train.cpu
+    assert cfg.train.budget() // (cfg.train.seq_len * cfg.train.micro_batch) == p["uptrain"]["steps"]
+    # The decode models (bf16) leave room on an 80 GB H100 for the GQA caches of every grid point.
+    d = p["decode"]
+    head_dim = d["hidden"] // d["heads"]
+
+    def weights(kv: int) -> int:
+        per_layer = 2 * d["hidden"] ** 2 + 2 * d["hidden"] * kv * head_dim + 3 * d["hidden"] * d["intermediate"]
+        return 2 * (d["layers"] * per_layer + 2 * d["vocab"] * d["hidden"])
+
+    kvs = [d["heads"], *map(int, d["kv_heads"].split(","))]
+    longest = max(map(int, d["prompt_len"].split(","))) + d["new_tokens"]
+    biggest = max(map(int, d["batch"].split(",")))
+    gqa_cache = 2 * d["layers"] * max(kvs[1:]) * head_dim * 2 * biggest * longest
+    assert sum(weights(kv) for kv in kvs) + gqa_cache < 60e9

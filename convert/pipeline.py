@@ -25,7 +25,7 @@ from gqakit.convert.io import Planned, ShardWriter, Source, DictSource, open_sou
 from gqakit.convert.layout import layer_names, output_shapes, read_heads, write_heads
 from gqakit.convert.pooling import METHODS, PoolContext, contiguous_groups
 from gqakit.core.errors import GqakitError
-from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
+from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, read_config_json
 from gqakit.core.modelcard import render_model_card
 from gqakit.core.outdir import atomic_output_dir, check_output_path
 
@@ -100,10 +100,7 @@ def open_checkpoint(src: str | Path) -> Opened:
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise GqakitError(f"no config.json in {src}; is it a Hugging Face model folder?")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise GqakitError(f"{cfg_path} is not valid JSON: {e}") from None
+    config = read_config_json(src)
     return Opened(src, None, config, open_source(src))
 
 
@@ -243,7 +240,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
     if grouping not in methods.GROUPINGS:
         raise GqakitError(f"unknown grouping {grouping!r}; choose from {', '.join(methods.GROUPINGS)}")
     max_bytes = parse_size(max_shard_size)
-    check_output_path(Path(out), overwrite=overwrite, src=Path(src))
+    inputs = [("source", Path(src)), ("calibration data", calibration_data)]
+    check_output_path(Path(out), overwrite=overwrite, inputs=inputs)
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
     t0 = time.perf_counter()
@@ -252,7 +250,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
     gen = torch.Generator().manual_seed(seed)
     method_fn = methods.all_methods()[method]
     group_fn = methods.GROUPINGS[grouping]
-    with atomic_output_dir(Path(out), overwrite=overwrite, src=Path(src)) as tmp:
+    with atomic_output_dir(Path(out), overwrite=overwrite, inputs=inputs) as tmp:
         writer = ShardWriter(tmp, plan.tensors, max_bytes, {"gqakit": gqakit.__version__})
         src_names = opened.source.names()
         planned_dtype = {p.name: p.dtype for p in plan.tensors}

@@ -184,3 +184,92 @@ def test_compare_out_holding_its_inputs(world, capfd):
     rep = world / "rep"
     refused(world, ["compare", rep / "a.json", rep / "b.json", "--out", rep, "--overwrite"], capfd, "--out", "a.json")
     refused(world, ["compare", rep / "a.json", rep / "b.json", "--out", rep / "a.json", "--overwrite"], capfd, "a.json")
+
+
+# ============================================================================ uptrain: NaN
+
+
+def test_divergence_never_writes_a_nan_checkpoint(world, assets, capfd):
+    """lr=1e8 (the issue's case: step 2's loss is finite, its update is not): the error names a checkpoint that really is good."""
+    import torch
+    from safetensors.torch import load_file
+
+    run = world / "nan"
+    cfg = write_cfg(world, assets, out=run, tokens=16 * 2 * 30)
+    code, _, err = run_cli(["uptrain", cfg, "train.lr=1e8", "output.save_every=1", "train.warmup_steps=0", "-q"], capfd)
+    line = assert_refused(code, err, "training diverged at step", "the last good checkpoint is")
+    named = Path(line.split("the last good checkpoint is ")[1].split(")")[0])
+    assert named.is_dir() and not (run / "model").exists()
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        for name, t in load_file(ckpt / "model.safetensors").items():
+            assert torch.isfinite(t).all(), (ckpt.name, name)
+    # The named checkpoint is the newest one, and its weights give a finite loss.
+    assert named == max((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    from gqakit.core.loading import load_causal_lm
+
+    model = load_causal_lm(world / "g2")
+    model.load_state_dict(load_file(named / "model.safetensors"), strict=False)
+    x = torch.tensor([[33 + (j * 3) % 61 for j in range(16)]]) - 30
+    assert torch.isfinite(model(input_ids=x, labels=x).loss)
+
+
+# ============================================================================ uptrain: resume
+
+
+def test_resume_damaged_checkpoint_names_the_file_and_an_intact_one(world, assets, capfd):
+    cfg = write_cfg(world, assets, tokens=16 * 2 * 6)
+    for name, damage in (("optimizer.bin", lambda b: b[: len(b) // 2]),
+                         ("model.safetensors", lambda b: b[:100]),
+                         ("trainer_state.json", lambda b: b"\x00\xff garbage")):
+        f = world / "run" / "checkpoints" / "step-4" / name
+        good = f.read_bytes()
+        f.write_bytes(damage(good))
+        refused(world, ["uptrain", cfg, "--resume", "-q"], capfd, "step-4 is damaged", name, "step-2 is intact")
+        f.write_bytes(good)
+
+
+def test_resume_with_different_data_files_is_refused(world, assets, capfd):
+    other = world / "data" / "other.txt"
+    other.write_text("\n\n".join(TEXTS[::-1]))
+    cfg = write_cfg(world, assets, tokens=16 * 2 * 6)
+    refused(world, ["uptrain", cfg, f"data.files=[{other}]", "--resume", "-q"], capfd, "--resume",
+            "training data differ", "data.files")
+    # Same path, new content: the tokens' fingerprint catches it.
+    (world / "data" / "train.txt").write_text("\n\n".join(TEXTS[::-1]))
+    refused(world, ["uptrain", cfg, "--resume", "-q"], capfd, "--resume", "training data differ")
+
+
+def test_failed_checkpoint_write_says_disk_and_path(world, assets, capfd, monkeypatch):
+    import errno
+
+    import accelerate
+
+    def full(self, output_dir=None, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+
+    monkeypatch.setattr(accelerate.Accelerator, "save_state", full)
+    cfg = write_cfg(world, assets, out=world / "new")
+    code, _, err = run_cli(["uptrain", cfg, "output.save_every=2", "-q"], capfd)
+    line = assert_refused(code, err, "no space left", "disk full or over quota", str(world / "new" / "checkpoints"))
+    assert not list((world / "new" / "checkpoints").glob(".step-*")), "a half-written checkpoint was left behind"
+
+
+def test_interrupt_says_how_to_resume(world, assets, capfd, monkeypatch):
+    from gqakit.uptrain import trainer
+
+    real = trainer.save_checkpoint
+    calls = []
+
+    def save_then_ctrl_c(*a, **kw):
+        real(*a, **kw)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_ctrl_c)
+    cfg = write_cfg(world, assets, out=world / "new", tokens=16 * 2 * 8)
+    code, _, err = run_cli(["uptrain", cfg, "output.save_every=2", "-q"], capfd)
+    assert code == 130 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gqakit: interrupted: "), err
+    assert "step-4" in lines[0] and f"gqakit uptrain {cfg} output.save_every=2 --resume" in lines[0]

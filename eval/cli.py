@@ -54,9 +54,10 @@ def command_line() -> list[str]:
 @click.option("--max-batch-limit", default=4096, show_default=True, help="Stop the max-batch search here.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto.")
 @click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16, or auto (fp32 CPU, bf16 GPU).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit results file.")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, new_tokens,
-             reps, warmup, compile_, max_batch_search, max_batch_limit, device, dtype, quiet) -> None:
+             reps, warmup, compile_, max_batch_search, max_batch_limit, device, dtype, overwrite, quiet) -> None:
     """Measure perplexity and decode speed of MODEL (a folder or a .gguf file).
 
     Perplexity is token-level over a sliding window (--context, --stride), plus bits per
@@ -78,12 +79,14 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
     ppl = bool(data) if ppl is None else ppl
     settings = None
     if speed:
+        if new_tokens < 1 or reps < 1 or warmup < 0 or max_batch_limit < 1:
+            raise GqakitError("--new-tokens, --reps and --max-batch-limit must be at least 1, --warmup at least 0")
         settings = SpeedSettings(batches=parse_ints(batches, "--batch"), prompt_lens=parse_ints(prompt_lens, "--prompt-len"),
                                  new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
                                  max_batch_search=max_batch_search, max_batch_limit=max_batch_limit)
     res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
                    text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
-                   command=command_line(), progress=not quiet)
+                   command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
     _print_summary(res, out)
 
 

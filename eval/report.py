@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.outdir import atomic_output_dir
+from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
 from gqakit.eval.results import SCHEMA, read_results
 
 REPORT_SCHEMA = "gqakit.compare/1"
@@ -212,7 +212,7 @@ def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] |
                  train_log: str | Path | None = None, overwrite: bool = False,
                  command: list[str] | None = None) -> dict[str, Any]:
     """Read results files, write report.md / report.json / plots into OUT (atomically)."""
-    from gqakit.eval.plots import make_plots
+    from gqakit.eval.plots import make_plots, read_train_log
 
     results = [read_results(p) for p in paths]
     if names is not None and len(names) != len(results):
@@ -220,10 +220,14 @@ def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] |
     names = names or [_name(r) for r in results]
     if len(set(names)) != len(names):  # two folders called `model`: fall back to their file names
         names = [Path(p).stem for p in paths]
+    if train_log is not None:
+        read_train_log(train_log)  # a bad log is refused before anything is written
+    inputs = [("results file", p) for p in paths] + [("training log", train_log)]
+    check_output_path(Path(out), overwrite=overwrite, inputs=inputs, kind=REPORT, flag="--out")
     report = build_report(results, names, command)
     if train_log is not None:
         report["train_log"] = str(train_log)
-    with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+    with atomic_output_dir(Path(out), overwrite=overwrite, inputs=inputs, kind=REPORT, flag="--out") as tmp:
         plots = make_plots(report, results, tmp, train_log=train_log)
         report["plots"] = plots
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -106,15 +106,9 @@ def max_positions(cfg: Any) -> int | None:
 
 def write_results(results: dict[str, Any], out: Path) -> Path:
     """Write atomically (temp file + rename) so a crash never leaves half a JSON."""
-    out = Path(out).expanduser()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-        tmp.replace(out)
-    except OSError as e:
-        raise GqakitError(f"could not write {out}: {e.strerror or e}") from None
-    return out
+    from gqakit.core.outdir import write_file_atomic
+
+    return write_file_atomic(Path(out), json.dumps(results, indent=2, default=str) + "\n")
 
 
 def read_results(path: str | Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ Kept apart from the click layer so the demo and tests call it directly.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +14,29 @@ from gqakit.eval.results import SCHEMA, model_info, run_info, write_results
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def check_device(device: str | None) -> None:
+    """The spelling of --device, before torch is imported."""
+    if device is not None and not DEVICE_RE.match(device):
+        raise GqakitError(f"--device must be cpu, cuda, cuda:N, mps or auto; got {device!r}")
 
 
 def resolve_device(device: str | None) -> str:
     import torch
 
+    check_device(device)
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise GqakitError(f"--device {device} requested but no CUDA device is available")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise GqakitError(f"--device {device} requested but no CUDA device is available")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise GqakitError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA devices")
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise GqakitError("--device mps requested but MPS is not available")
     return device
 
 
@@ -29,35 +44,89 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
     """float32 on CPU (half is slow there), bfloat16 on GPU, unless told otherwise."""
     import torch
 
+    check_dtype(dtype)
     if dtype in (None, "auto"):
         return torch.float32 if device == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise GqakitError(f"--dtype must be one of {', '.join(sorted(set(DTYPES)))}; got {dtype!r}")
     return getattr(torch, DTYPES[dtype])
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype not in (None, "auto") and dtype not in DTYPES:
+        raise GqakitError(f"--dtype must be one of auto, {', '.join(sorted(set(DTYPES)))}; got {dtype!r}")
+
+
+def check_eval_inputs(model_path: str | Path, *, data: str | None, ppl: bool, speed: bool, context: int,
+                      stride: int | None, max_chars: int | None, device: str | None, dtype: str | None,
+                      out: Path | None, overwrite: bool) -> Path | None:
+    """Every check that needs no torch and no loaded model; returns OUT resolved. Writes nothing."""
+    from gqakit.core.loading import split_source
+    from gqakit.core.outdir import RESULTS, check_output_path
+
+    if not ppl and not speed:
+        raise GqakitError("nothing to measure: pass --ppl, --speed or both")
+    if ppl and not data:
+        raise GqakitError("--ppl needs --data FILE (or hf:NAME[:CONFIG][:SPLIT])")
+    split_source(model_path)  # a missing path or a broken config.json, before anything slow
+    if ppl:
+        if context < 2:
+            raise GqakitError(f"--context must be at least 2 tokens (got {context})")
+        if stride is not None and not 1 <= stride <= context:
+            raise GqakitError(f"--stride must be between 1 and --context ({context}); got {stride}")
+        if max_chars is not None and max_chars < 1:
+            raise GqakitError(f"--max-chars must be a positive number of characters; got {max_chars}")
+    check_device(device)
+    check_dtype(dtype)
+    if out is None:
+        return None
+    inputs = [("model", model_path)]
+    if ppl and data and not data.startswith("hf:"):
+        inputs.append(("data file", data))
+    return check_output_path(Path(out), overwrite=overwrite, inputs=inputs, kind=RESULTS, flag="--out")
 
 
 def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = True, speed: bool = False,
              context: int = 512, stride: int | None = None, max_chars: int | None = None,
              text_field: str = "text", speed_settings: Any = None, device: str | None = None,
              dtype: str | None = None, out: Path | None = None, command: list[str] | None = None,
-             progress: bool = True) -> dict[str, Any]:
-    """Measure perplexity and/or decode speed of one model; write `out` if given."""
-    import torch
+             progress: bool = True, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Measure perplexity and/or decode speed of one model; write `out` if given.
 
-    from gqakit.core.loading import load_causal_lm, load_tokenizer, split_source
-
-    if not ppl and not speed:
-        raise GqakitError("nothing to measure: pass --ppl, --speed or both")
-    if ppl and not data:
-        raise GqakitError("--ppl needs --data FILE (or hf:NAME[:CONFIG][:SPLIT])")
-    split_source(model_path)  # a clear error for a missing path before anything slow
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    Every input is checked before the model is loaded, and OUT before anything runs: an
+    existing file is replaced only with `overwrite`, and only when it is a gqakit results
+    file; OUT is never the model, the data, or inside either.
+    """
+    out = check_eval_inputs(model_path, data=data, ppl=ppl, speed=speed, context=context, stride=stride,
+                            max_chars=max_chars, device=device, dtype=dtype, out=out, overwrite=overwrite)
     doc = None
     if ppl:
         from gqakit.eval.perplexity import read_text
 
         doc = read_text(data, max_chars=max_chars, text_field=text_field)  # fail on bad data before loading
+    from gqakit.core.quiet import quiet_libraries
+
+    with quiet_libraries(quiet):
+        results = _measure(model_path, doc, ppl=ppl, speed=speed, context=context, stride=stride,
+                           speed_settings=speed_settings, device=device, dtype=dtype, command=command,
+                           progress=progress and not quiet)
+    if out is not None:
+        from gqakit.core.outdir import RESULTS, check_output_path
+
+        # again: the file may have appeared while the model ran
+        inputs = [("model", model_path)] + ([("data file", data)] if doc is not None and not data.startswith("hf:") else [])
+        check_output_path(out, overwrite=overwrite, inputs=inputs, kind=RESULTS, flag="--out")
+        write_results(results, Path(out))
+    return results
+
+
+def _measure(model_path: str | Path, doc: Any, *, ppl: bool, speed: bool, context: int, stride: int | None,
+             speed_settings: Any, device: str | None, dtype: str | None, command: list[str] | None,
+             progress: bool) -> dict[str, Any]:
+    import torch
+
+    from gqakit.core.loading import load_causal_lm, load_tokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     model = load_causal_lm(model_path, dtype=dt, device=dev)
     info = model_info(model, model_path, torch.finfo(dt).bits // 8)
     results: dict[str, Any] = {"schema": SCHEMA, "run": run_info(command=command, device=dev, dtype=dt),
@@ -73,6 +142,4 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
 
         results["speed"] = evaluate_speed(model, speed_settings or SpeedSettings(), device=dev, dtype=dt,
                                           max_positions=info["max_positions"], progress=progress)
-    if out is not None:
-        write_results(results, Path(out))
     return results

@@ -42,7 +42,7 @@ def _groupings() -> list[str]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: Path | None,
                 calibration_tokens: int, dtype: str, max_shard_size: str, seed: int, overwrite: bool,
                 dry_run: bool, quiet: bool) -> None:
@@ -62,7 +62,7 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
 
     if dry_run:
-        opened = open_checkpoint(src)
+        opened = open_checkpoint(src, progress=not quiet)
         plan = make_plan(opened, Settings(str(src), num_kv_heads, method, grouping, dtype))
         s = plan.shape
         click.echo(f"{plan.family}: {s.num_layers} layers, {s.num_heads} query heads, "
@@ -70,10 +70,13 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
         click.echo(f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
                    f"{len(plan.tensors)} tensors; method {method}; nothing written (dry run)")
         return
-    path = convert_checkpoint(src, out, num_kv_heads, method, grouping=grouping, dtype=dtype, overwrite=overwrite,
-                              max_shard_size=max_shard_size, seed=seed,
-                              calibration_data=str(calibration_data) if calibration_data else None,
-                              calibration_tokens=calibration_tokens, progress=not quiet)
+    from gqakit.core.quiet import quiet_libraries
+
+    with quiet_libraries(quiet):
+        path = convert_checkpoint(src, out, num_kv_heads, method, grouping=grouping, dtype=dtype, overwrite=overwrite,
+                                  max_shard_size=max_shard_size, seed=seed,
+                                  calibration_data=str(calibration_data) if calibration_data else None,
+                                  calibration_tokens=calibration_tokens, progress=not quiet)
     click.echo(f"wrote {path}")
 
 
@@ -103,7 +106,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
 
     if batch < 1 or (context is not None and context < 1) or dtype_bytes < 1:
         raise GqakitError("--batch, --context and --dtype-bytes must be positive")
-    opened = open_checkpoint(src)
+    opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
     s = archmod.shape_of(spec, opened.config)
     ctx = context or int(opened.config.get("max_position_embeddings") or opened.config.get("n_positions") or 2048)

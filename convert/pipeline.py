@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -87,12 +88,12 @@ class Opened:
     source: Source
 
 
-def open_checkpoint(src: str | Path) -> Opened:
+def open_checkpoint(src: str | Path, *, progress: bool = True) -> Opened:
     src = Path(src).expanduser()
     if not src.exists():
         raise GqakitError(f"source not found: {src}")
     if src.is_file() and src.suffix == ".gguf":
-        return _open_gguf(src)
+        return _open_gguf(src, progress=progress)
     if not src.is_dir():
         raise GqakitError(f"source {src} is neither a model folder nor a .gguf file")
     if not any(src.iterdir()):
@@ -104,12 +105,16 @@ def open_checkpoint(src: str | Path) -> Opened:
     return Opened(src, None, config, open_source(src))
 
 
-def _open_gguf(path: Path) -> Opened:
+def _open_gguf(path: Path, *, progress: bool = True) -> Opened:
     """GGUF input: transformers dequantizes it to float; the tensors then stream as usual."""
     from gqakit.core.loading import load_causal_lm
 
-    tqdm.write(f"reading {path.name} (GGUF, dequantized by transformers)")
-    model = load_causal_lm(path)
+    from gqakit.core.quiet import quiet_libraries
+
+    if progress:
+        tqdm.write(f"reading {path.name} (GGUF, dequantized by transformers)", file=sys.stderr)
+    with quiet_libraries(not progress):
+        model = load_causal_lm(path)
     config = model.config.to_dict()
     if not config.get("architectures"):
         config["architectures"] = [type(model).__name__]
@@ -242,7 +247,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
     max_bytes = parse_size(max_shard_size)
     inputs = [("source", Path(src)), ("calibration data", calibration_data)]
     check_output_path(Path(out), overwrite=overwrite, inputs=inputs)
-    opened = open_checkpoint(src)
+    opened = open_checkpoint(src, progress=progress)
     plan = make_plan(opened, settings)
     t0 = time.perf_counter()
     extras = _prepare_extras(opened, plan, settings)

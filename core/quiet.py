@@ -106,8 +106,11 @@ def _hub() -> Iterator[None]:
 
 
 @contextmanager
-def quiet_libraries(enabled: bool = True, *, datasets: bool = True) -> Iterator[None]:
-    """While active (and `enabled`), the libraries gqakit uses print nothing but errors."""
+def quiet_libraries(enabled: bool = True, *, hf: bool = True) -> Iterator[None]:
+    """While active (and `enabled`), the libraries gqakit uses print nothing but errors.
+
+    hf=False leaves the Hugging Face libraries unimported (a verb that never loads a
+    model, like `compare`, then silences only warnings and logs)."""
     if not enabled:
         yield
         return
@@ -116,8 +119,8 @@ def quiet_libraries(enabled: bool = True, *, datasets: bool = True) -> Iterator[
         stack.enter_context(_loggers())
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")
-        stack.enter_context(_transformers())
-        stack.enter_context(_hub())
-        if datasets:
+        if hf:
+            stack.enter_context(_transformers())
+            stack.enter_context(_hub())
             stack.enter_context(_datasets())
         yield

@@ -115,8 +115,9 @@ def _print_summary(res: dict, out: Path) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Report folder to write.")
 @click.option("--names", help="Comma-separated row names (default: model folder names).")
 @click.option("--train-log", type=click.Path(path_type=Path), help="Uptraining log (JSONL or CSV with step and loss) to plot.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing report folder.")
-def compare_cmd(results, out, names, train_log, overwrite) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit report (never its inputs).")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (the warnings stay in report.md).")
+def compare_cmd(results, out, names, train_log, overwrite, quiet) -> None:
     """Put several `gqakit eval` results side by side; the first is the baseline.
 
     Writes report.md (one row per model: parameters, KV heads, KV bytes/token, perplexity
@@ -134,8 +135,11 @@ def compare_cmd(results, out, names, train_log, overwrite) -> None:
     if len(results) < 1:
         raise GqakitError("give at least one results file")
     name_list = [n.strip() for n in names.split(",")] if names else None
-    md = write_report(list(results), out, names=name_list, train_log=train_log, overwrite=overwrite,
-                      command=command_line())
-    for w in md.get("warnings", []):
+    from gqakit.core.quiet import quiet_libraries
+
+    with quiet_libraries(quiet, hf=False):
+        md = write_report(list(results), out, names=name_list, train_log=train_log, overwrite=overwrite,
+                          command=command_line())
+    for w in [] if quiet else md.get("warnings", []):
         click.echo(f"gqakit: warning: {w}", err=True)
     click.echo(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(md['plots'])} plots")

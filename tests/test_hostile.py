@@ -273,3 +273,185 @@ def test_interrupt_says_how_to_resume(world, assets, capfd, monkeypatch):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gqakit: interrupted: "), err
     assert "step-4" in lines[0] and f"gqakit uptrain {cfg} output.save_every=2 --resume" in lines[0]
+
+
+# ============================================================================ damaged files: one line naming the file
+
+
+def _garbage_gguf(path: Path) -> Path:
+    """A GGUF header that parses (magic, version 3, counts), then random bytes."""
+    import os
+    import struct
+
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 5, 7) + os.urandom(4000))
+    return path
+
+
+def test_eval_corrupt_or_truncated_safetensors(world, capfd):
+    f = world / "g2" / "model.safetensors"
+    good = f.read_bytes()
+    data = world / "data" / "eval.txt"
+    for bad in (good[: len(good) // 2], good[:6], b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}" + good[24:]):
+        f.write_bytes(bad)
+        refused(world, ["eval", world / "g2", "--data", data, "--context", 16, "--out", world / "new" / "r.json", "-q"],
+                capfd, "model.safetensors", "truncated or corrupt")
+    f.write_bytes(good)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\x8f\x00\xff\xfe random \x00 bytes \xc3\x28", "config.json"),
+    (b"[1, 2, 3]", "not a list"),
+    (None, "num_attention_heads must be a positive integer, got 0"),
+    (b'{"num_attention_heads": "8", "architectures": ["LlamaForCausalLM"]}', "num_attention_heads"),
+])
+def test_broken_config_json_in_every_verb(world, assets, capfd, content, needle):
+    cfg_file = world / "g2" / "config.json"
+    if content is None:
+        content = json.dumps({**json.loads(cfg_file.read_text()), "num_attention_heads": 0}).encode()
+    cfg_file.write_bytes(content)
+    data = world / "data" / "eval.txt"
+    refused(world, ["eval", world / "g2", "--data", data, "--context", 16, "--out", world / "r.json", "-q"], capfd,
+            "config.json", needle)
+    refused(world, ["inspect", world / "g2"], capfd, "config.json", needle)
+    refused(world, ["convert", world / "g2", world / "g1", "-g", 1, "-q"], capfd, "config.json", needle)
+    refused(world, ["uptrain", write_cfg(world, assets, out=world / "new"), "-q"], capfd, "config.json", needle)
+
+
+def test_random_bytes_config_files(world, capfd):
+    import os
+
+    cfg = world / "cfg.yaml"
+    cfg.write_bytes(b"\xff\xfe\x00" + os.urandom(500))
+    refused(world, ["uptrain", cfg, "-q"], capfd, "cfg.yaml", "not valid YAML")
+    cfg.write_bytes(b"model: {path: [\x00\x01\x02}\n")
+    refused(world, ["uptrain", cfg, "-q"], capfd, "cfg.yaml", "not valid YAML")
+    refused(world, ["uptrain", world / "data" / "eval.txt", "-q"], capfd, "eval.txt", "mapping")
+
+
+def test_gguf_with_valid_header_then_garbage(world, capfd):
+    bad = _garbage_gguf(world / "bad.gguf")
+    data = world / "data" / "eval.txt"
+    for args in (["eval", bad, "--data", data, "--context", 16, "--out", world / "r.json", "-q"],
+                 ["inspect", bad],
+                 ["convert", bad, world / "out", "-g", 1, "-q"]):
+        line = refused(world, args, capfd, "bad.gguf", "truncated or corrupt GGUF")
+        assert "JSON" not in line
+
+
+def test_eval_unknown_device(world, capfd):
+    data = world / "data" / "eval.txt"
+    refused(world, ["eval", world / "g2", "--data", data, "--device", "tpu9", "--out", world / "r.json"], capfd,
+            "--device", "tpu9")
+    refused(world, ["eval", world / "g2", "--data", data, "--device", "cuda:99", "--out", world / "r.json"], capfd,
+            "--device", "cuda:99")
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda r: r["perplexity"].__setitem__("token_perplexity", "5.3"), "perplexity.token_perplexity"),
+    (lambda r: r.__setitem__("model", None), "model"),
+    (lambda r: r["model"].__setitem__("parameters", "many"), "model.parameters"),
+    (lambda r: r.__setitem__("perplexity", None), "perplexity is null"),
+    (lambda r: r["run"].pop("dtype"), "run.dtype"),
+])
+def test_compare_damaged_results(world, capfd, edit, needle):
+    bad = json.loads((world / "rep" / "b.json").read_text())
+    edit(bad)
+    (world / "rep" / "bad.json").write_text(json.dumps(bad))
+    refused(world, ["compare", world / "rep" / "a.json", world / "rep" / "bad.json", "--out", world / "new"], capfd,
+            "bad.json", needle)
+
+
+# ============================================================================ accepted silently before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--stride", "0"], "--stride"),
+    (["--stride", "-3"], "--stride"),
+    (["--max-chars", "-10"], "--max-chars"),
+    (["--max-chars", "0"], "--max-chars"),
+    (["--context", "1"], "--context"),
+])
+def test_eval_bad_numbers(world, capfd, args, needle):
+    data = world / "data" / "eval.txt"
+    refused(world, ["eval", world / "g2", "--data", data, "--context", 16, *args, "--out", world / "r.json"], capfd,
+            needle)
+
+
+def test_uptrain_eval_file_with_the_content_of_a_training_file(world, assets, capfd):
+    copy = world / "data" / "held-out.txt"
+    copy.write_bytes((world / "data" / "train.txt").read_bytes())
+    cfg = write_cfg(world, assets, out=world / "new")
+    refused(world, ["uptrain", cfg, f"data.eval_file={copy}", "-q"], capfd, "data.eval_file", "same content",
+            "train.txt")
+
+
+@pytest.mark.parametrize("value", [".inf", "inf", "-.inf", ".nan", "1e400"])
+def test_uptrain_non_finite_numbers_refused_at_validation(world, assets, capfd, value):
+    cfg = write_cfg(world, assets, out=world / "new")
+    refused(world, ["uptrain", cfg, f"train.lr={value}", "-q"], capfd, "train.lr")
+
+
+def test_uptrain_bad_sizes_before_anything_is_written(world, assets, capfd):
+    cfg = write_cfg(world, assets, out=world / "new" / "deeper")
+    for override, needle in (("train.seq_len=4096", "train.seq_len"), ("train.tokens=10", "train.tokens"),
+                             ("train.micro_batch=0", "train.micro_batch"),
+                             (f"teacher.path={world}/nope", "teacher.path"),
+                             (f"data.files=[{world}/data/*.md]", "no file matches")):
+        refused(world, ["uptrain", cfg, override, "-q"], capfd, needle)
+
+
+# ============================================================================ the output rule, everywhere
+
+
+def test_output_rule_across_verbs(world, assets, capfd):
+    data = world / "data"
+    cfg = write_cfg(world, assets, out=world / "new")
+    # uptrain: output.dir is the model, inside it, around the data, or holds the config file
+    refused(world, ["uptrain", cfg, f"output.dir={world / 'g2'}", "--overwrite", "-q"], capfd, "is the model.path")
+    refused(world, ["uptrain", cfg, f"output.dir={world / 'g2' / 'run'}", "-q"], capfd, "inside the model.path")
+    refused(world, ["uptrain", cfg, f"output.dir={world}", "--overwrite", "-q"], capfd, "contains")
+    # --overwrite of a folder gqakit did not write, or of another kind of gqakit output
+    (world / "mine").mkdir()
+    (world / "mine" / "notes.txt").write_text("mine")
+    refused(world, ["uptrain", cfg, f"output.dir={world / 'mine'}", "--overwrite", "-q"], capfd, "not written by gqakit")
+    refused(world, ["uptrain", cfg, f"output.dir={world / 'report'}", "--overwrite", "-q"], capfd, "compare report")
+    (world / "run" / "notes.txt").write_text("added by hand")
+    refused(world, ["uptrain", cfg, f"output.dir={world / 'run'}", "--overwrite", "-q"], capfd, "notes.txt",
+            "did not write")
+    (world / "run" / "notes.txt").unlink()
+    # convert: OUT is the calibration text or holds it; an uptrain run is not a model folder
+    refused(world, ["convert", world / "mha", data, "-g", 2, "--method", "align-refit", "--calibration-data",
+                    data / "train.txt", "--overwrite", "-q"], capfd, "contains the calibration data")
+    refused(world, ["convert", world / "mha", data / "train.txt", "-g", 2, "--method", "align-refit",
+                    "--calibration-data", data / "train.txt", "--overwrite", "-q"], capfd, "is the calibration data")
+    refused(world, ["convert", world / "mha", world / "run", "-g", 2, "--overwrite", "-q"], capfd, "uptrain run")
+    # eval: --out is a folder, a file that is not a result, or inside the data folder's file
+    refused(world, ["eval", world / "g2", "--data", data / "eval.txt", "--out", world / "report", "--overwrite"], capfd,
+            "--out", "is a directory")
+    refused(world, ["eval", world / "g2", "--data", data / "eval.txt", "--out", data / "train.txt", "--overwrite"], capfd,
+            "not a gqakit results file")
+    refused(world, ["eval", world / "g2", "--data", data / "eval.txt", "--out", world / "cfg.yaml", "--overwrite"], capfd,
+            "not a gqakit results file")
+    # compare: --out is a folder of the user's, or a model folder
+    refused(world, ["compare", world / "rep" / "a.json", "--out", world / "mine", "--overwrite"], capfd,
+            "not written by gqakit")
+    refused(world, ["compare", world / "rep" / "a.json", "--out", world / "g2", "--overwrite"], capfd, "model folder")
+    refused(world, ["compare", world / "rep" / "a.json", "--train-log", world / "run" / "log.jsonl",
+                    "--out", world / "run", "--overwrite"], capfd, "contains the training log")
+    # demo: --overwrite of a folder that is not an earlier demo
+    refused(world, ["demo", "--out", world / "mine", "--overwrite"], capfd, "not written by gqakit")
+
+
+def test_overwrite_replaces_gqakit_outputs(world, assets, capfd):
+    """The other half of the rule: what gqakit wrote is replaced with --overwrite, and only that."""
+    data = world / "data" / "eval.txt"
+    code, _, err = run_cli(["eval", world / "g2", "--data", data, "--context", 16, "--out", world / "rep" / "a.json",
+                            "--overwrite", "-q"], capfd)
+    assert code == 0 and err == "", err
+    assert json.loads((world / "rep" / "a.json").read_text())["model"]["kv_heads"] == 2
+    code, _, err = run_cli(["compare", world / "rep" / "a.json", world / "rep" / "b.json", "--out", world / "report",
+                            "--overwrite", "-q"], capfd)
+    assert code == 0 and err == "", err
+    code, _, err = run_cli(["uptrain", write_cfg(world, assets), "--overwrite", "-q"], capfd)
+    assert code == 0 and err == "", err
+    assert (world / "run" / "model" / "model.safetensors").is_file()

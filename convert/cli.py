@@ -59,6 +59,7 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
       gqakit convert model.gguf ./out -g 1 --dry-run
     """
+    precheck_source(src)
     from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
 
     if dry_run:
@@ -78,6 +79,19 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
                                   calibration_data=str(calibration_data) if calibration_data else None,
                                   calibration_tokens=calibration_tokens, progress=not quiet)
     click.echo(f"wrote {path}")
+
+
+def precheck_source(src: Path) -> None:
+    """The checks of SRC that need no torch: a missing path, a broken config.json or
+    safetensors header, a damaged GGUF are answered before the heavy imports."""
+    from gqakit.core.loading import check_gguf, check_weights, read_config_json
+
+    src = Path(src).expanduser()
+    if src.is_file() and src.suffix == ".gguf":
+        check_gguf(src)
+    elif src.is_dir() and (src / "config.json").is_file():
+        read_config_json(src)
+        check_weights(src)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -102,10 +116,11 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
       gqakit inspect ./llama-mha
       gqakit inspect ./llama-mha --batch 16 --context 8192
     """
-    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
-
     if batch < 1 or (context is not None and context < 1) or dtype_bytes < 1:
         raise GqakitError("--batch, --context and --dtype-bytes must be positive")
+    precheck_source(src)
+    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
+
     opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
     s = archmod.shape_of(spec, opened.config)

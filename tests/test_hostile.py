@@ -455,3 +455,111 @@ def test_overwrite_replaces_gqakit_outputs(world, assets, capfd):
     code, _, err = run_cli(["uptrain", write_cfg(world, assets), "--overwrite", "-q"], capfd)
     assert code == 0 and err == "", err
     assert (world / "run" / "model" / "model.safetensors").is_file()
+
+
+# ============================================================================ the terminal (real processes)
+
+SCRIPT = r"""
+import json, os, sys, time
+from gqakit.cli import main
+
+def run(tag, args):
+    # each command's stderr goes to its own file, at the file-descriptor level
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.path.join(sys.argv[1], tag + ".err"), "wb") as f:
+        os.dup2(f.fileno(), 2)
+        t0 = time.perf_counter()
+        try:
+            main(args)
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+    return {"code": code, "seconds": time.perf_counter() - t0, "torch": "torch" in sys.modules}
+
+cmds = json.loads(sys.argv[2])
+print(json.dumps({tag: run(tag, args) for tag, args in cmds}))
+"""
+
+
+def run_script(cmds: list, tmp: Path) -> tuple[dict, dict]:
+    import os
+    import subprocess
+    import sys
+
+    logs = tmp / "logs"
+    logs.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(logs), json.dumps([[t, [str(a) for a in c]] for t, c in cmds])],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    return res, {t: (logs / f"{t}.err").read_text() for t, _ in cmds}
+
+
+def test_cheap_checks_answer_before_torch_is_imported(world, assets, tmp_path):
+    """Paths, config and numbers are checked without importing torch: answers in well under a second."""
+    cfg = write_cfg(world, assets)
+    data = world / "data" / "eval.txt"
+    cmds = [("missing", ["uptrain", world / "missing.yaml"]),
+            ("key", ["uptrain", cfg, "train.nope=1"]),
+            ("seq", ["uptrain", cfg, "train.seq_len=4096", "--overwrite"]),
+            ("lr", ["uptrain", cfg, "train.lr=.inf"]),
+            ("stride", ["eval", world / "g2", "--data", data, "--stride", "0", "--out", world / "x.json"]),
+            ("device", ["eval", world / "g2", "--data", data, "--device", "tpu9", "--out", world / "x.json"]),
+            ("exists", ["eval", world / "g2", "--data", data, "--out", world / "rep" / "a.json"]),
+            ("compare", ["compare", world / "rep" / "a.json", "--out", world / "rep", "--overwrite"]),
+            ("inspect", ["inspect", _garbage_gguf(world / "bad.gguf")])]
+    res, errs = run_script(cmds, tmp_path)
+    for tag, _ in cmds:
+        assert res[tag]["code"] == 2, (tag, errs[tag])
+        assert len(errs[tag].strip().splitlines()) == 1, (tag, errs[tag])
+    assert not res[cmds[-1][0]]["torch"], "a cheap check imported torch"
+    assert res["missing"]["seconds"] < 0.5, res["missing"]
+
+
+def test_quiet_means_nothing_on_stderr(world, assets, tmp_path):
+    """-q: no loading bars, GGUF dequantisation bars or shared-tensor warnings; an error is one line."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_convert_gguf import write_llama_gguf
+    from tiny_models import build
+    from transformers import AutoModelForCausalLM
+
+    gguf = write_llama_gguf(AutoModelForCausalLM.from_pretrained(world / "mha"), world / "mha.gguf")
+    build("llama", world / "tied", num_key_value_heads=4, tie_word_embeddings=True)
+    tree = uptrain_tree(world / "tied-g2", world / "data" / "train.txt", world / "tied-run", cache_of(assets))
+    tree["output"]["save_every"] = 2  # accelerate warns about the tied (shared) tensor at every save
+    tree["logging"]["tensorboard"] = True
+    (world / "tied.yaml").write_text(yaml.safe_dump(tree))
+    data = world / "data" / "eval.txt"
+    cmds = [("convert_gguf", ["convert", gguf, world / "gguf-g2", "-g", 2, "-q"]),
+            ("convert", ["convert", world / "tied", world / "tied-g2", "-g", 2, "-q"]),
+            ("uptrain", ["uptrain", world / "tied.yaml", "-q"]),
+            ("eval_gguf", ["eval", gguf, "--data", data, "--context", 16, "--out", world / "g.json", "-q"]),
+            ("eval", ["eval", world / "tied-run" / "model", "--data", data, "--context", 16, "--speed", "--batch", 1,
+                      "--prompt-len", 8, "--new-tokens", 2, "--reps", 1, "--out", world / "t.json", "-q"]),
+            ("compare", ["compare", world / "g.json", world / "t.json", "--out", world / "cmp", "-q"]),
+            ("error", ["eval", gguf, "--data", data, "--context", 100000, "--out", world / "e.json", "-q"]),
+            ("loud", ["eval", gguf, "--data", data, "--context", 16, "--out", world / "loud.json"])]
+    res, errs = run_script(cmds, tmp_path)
+    for tag in ("convert_gguf", "convert", "uptrain", "eval_gguf", "eval", "compare"):
+        assert res[tag]["code"] == 0 and errs[tag] == "", (tag, errs[tag])
+    assert res["error"]["code"] == 2 and len(errs["error"].splitlines()) == 1, errs["error"]
+    assert errs["error"].startswith("gqakit: error: --context 100000"), errs["error"]
+    assert res["loud"]["code"] == 0 and errs["loud"] != "", "without -q the bars should show (the test must be able to fail)"
+    assert (world / "tied-run" / "uptrain").is_dir(), "tensorboard logs in output.dir/uptrain"
+
+
+def test_plan_says_cpu_and_help_names_the_tensorboard_folder(world, assets, capfd):
+    code, out, err = run_cli(["uptrain", write_cfg(world, assets, out=world / "new", tokens=32)], capfd)
+    assert code == 0, err
+    plan = next(ln for ln in out.splitlines() if " x cpu" in ln)
+    assert "(NO)" not in plan and "on 1 x cpu, fp32" in plan
+    code, out, _ = run_cli(["uptrain", "--help"], capfd)
+    assert code == 0 and "tensorboard" in out and "uptrain/" in out
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "tensorboard --logdir" in readme

@@ -563,3 +563,23 @@ def test_plan_says_cpu_and_help_names_the_tensorboard_folder(world, assets, capf
     assert code == 0 and "tensorboard" in out and "uptrain/" in out
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "tensorboard --logdir" in readme
+
+
+def test_disk_full_leaves_no_folder_behind(world, capfd, monkeypatch):
+    """A write that fails (disk full) is one line with the path, and removes what the run created."""
+    import errno
+
+    from gqakit.convert import io as convert_io
+    from gqakit.core import outdir
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert_io.ShardWriter, "finish", full)
+    refused(world, ["convert", world / "mha", world / "new" / "deep" / "g4", "-g", 4, "-q"], capfd,
+            "no space left", str(world / "new" / "deep" / "g4"))
+    real = outdir.Path.write_text
+    monkeypatch.setattr(outdir.Path, "write_text", lambda self, *a, **k: full() if outdir.TMP_MARK in self.name
+                        else real(self, *a, **k))
+    refused(world, ["eval", world / "g2", "--data", world / "data" / "eval.txt", "--context", 16,
+                    "--out", world / "new" / "r.json", "-q"], capfd, "no space left", "r.json")

@@ -181,6 +181,15 @@ def evaluate(accelerator: Any, model: Any, blocks: torch.Tensor, micro: int) -> 
     return float(nll[0] / nll[1])
 
 
+def _step_of(row: str) -> float:
+    """The step of a log.jsonl row; a damaged row counts as after every checkpoint (dropped)."""
+    try:
+        r = json.loads(row)
+        return r.get("step", 0) if isinstance(r, dict) and isinstance(r.get("step", 0), int) else math.inf
+    except ValueError:
+        return math.inf
+
+
 class RunLog:
     """log.jsonl (always) plus accelerate trackers (tensorboard when installed)."""
 
@@ -188,7 +197,7 @@ class RunLog:
         self.acc, self.path = accelerator, path
         if accelerator.is_main_process and resume_step is not None and path.is_file():
             # Drop rows the killed run wrote after its last checkpoint: they will be redone.
-            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r).get("step", 0) <= resume_step]
+            rows = [r for r in path.read_text(errors="replace").splitlines() if _step_of(r) <= resume_step]
             path.write_text("".join(r + "\n" for r in rows))
 
     def __call__(self, row: dict[str, Any]) -> None:
@@ -324,7 +333,7 @@ def _run(checked: Checked, quiet: bool) -> Path:
     train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, teacher_path=teacher_path,
                                              main_first=accelerator.main_process_first, is_main=is_main,
                                              progress=not quiet)
-    data_sha = hashlib.sha256(train_blocks.numpy().tobytes()).hexdigest()
+    data_sha = hashlib.sha256(train_blocks.contiguous().numpy().data).hexdigest()  # no copy of the blocks
     if checked.mode == "resume":
         old = (checked.resume_state.get("data") or {}).get("sha256")
         if old is not None and old != data_sha:
@@ -467,7 +476,7 @@ def _run(checked: Checked, quiet: bool) -> Path:
                             raise diverged("the loss is NaN/inf")
                         # A finite loss can still have a non-finite gradient or update: check both
                         # before the step is accepted. (fp16's loss scaler skips such steps itself.)
-                        grad_norm = accelerator.clip_grad_norm_(trained, t.grad_clip or float("inf"))
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
                         if accelerator.scaler is None and not math.isfinite(float(grad_norm)):
                             raise diverged("the gradient norm is NaN/inf")
                         optimizer.step()

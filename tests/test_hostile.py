@@ -583,3 +583,9 @@ def test_disk_full_leaves_no_folder_behind(world, capfd, monkeypatch):
                         else real(self, *a, **k))
     refused(world, ["eval", world / "g2", "--data", world / "data" / "eval.txt", "--context", 16,
                     "--out", world / "new" / "r.json", "-q"], capfd, "no space left", "r.json")
+
+
+def test_resume_refuses_early_when_the_final_model_folder_is_not_gqakits(world, assets, capfd):
+    (world / "run" / "model" / "my-notes.txt").write_text("mine")
+    refused(world, ["uptrain", write_cfg(world, assets, tokens=16 * 2 * 6), "--resume", "-q"], capfd,
+            "model", "my-notes.txt")

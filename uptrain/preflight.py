@@ -26,7 +26,7 @@ from typing import Any
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import (UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, read_st_header,
                                  split_source)
-from gqakit.core.outdir import RUN, check_not_an_input, check_output_path
+from gqakit.core.outdir import MODEL, RUN, check_not_an_input, check_output_path
 from gqakit.uptrain.config import UptrainConfig, load_config
 
 CKPT_DIR = "checkpoints"
@@ -279,6 +279,8 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
     if resume:
         checked.mode = "resume"
         checked.resume_step, checked.resume_state = _check_resume(cfg, out)
+        if (out / "model").exists():  # the final export replaces it: only if gqakit wrote it
+            check_output_path(out / "model", overwrite=True, inputs=inputs, kind=MODEL, flag="output.dir/model")
     elif out.exists() and any(out.iterdir()):
         if not overwrite:
             raise GqakitError(f"output.dir {out} is not empty; pass --overwrite to replace it or --resume to continue")

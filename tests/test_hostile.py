@@ -250,7 +250,7 @@ def test_failed_checkpoint_write_says_disk_and_path(world, assets, capfd, monkey
     monkeypatch.setattr(accelerate.Accelerator, "save_state", full)
     cfg = write_cfg(world, assets, out=world / "new")
     code, _, err = run_cli(["uptrain", cfg, "output.save_every=2", "-q"], capfd)
-    line = assert_refused(code, err, "no space left", "disk full or over quota", str(world / "new" / "checkpoints"))
+    assert_refused(code, err, "no space left", "disk full or over quota", str(world / "new" / "checkpoints"))
     assert not list((world / "new" / "checkpoints").glob(".step-*")), "a half-written checkpoint was left behind"
 
 

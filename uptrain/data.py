@@ -15,7 +15,6 @@ optimizer step as 2 processes with grad_accum=2.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os

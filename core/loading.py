@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -193,10 +194,13 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
     else:
         check_weights(folder)
     trc = is_gqakit_remote(folder) if trust_remote_code is None else trust_remote_code
+    from gqakit.core.quiet import gguf_bars_off
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc, **kwargs
-        )
+        with gguf_bars_off() if gguf else nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc, **kwargs
+            )
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, SafetensorError) as e:
         raise GqakitError(f"cannot load the model at {path}: {_first_line(e)}") from None
     return model.to(device).eval()

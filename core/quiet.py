@@ -4,8 +4,9 @@ gqakit's own progress bars take a `progress` flag. The libraries underneath prin
 transformers' "Loading weights" bars and warnings, the GGUF dequantisation bar (a plain
 tqdm inside transformers), datasets' and the Hub's bars, accelerate's "Removed shared
 tensor" warning, Python warnings. `quiet_libraries()` turns all of them off while it is
-active and restores every setting afterwards, so an in-process caller (tests, the
-demo) is left as it was.
+active and restores the settings it changed afterwards. It imports nothing heavy: a
+library first imported inside the block reads the environment variables set here
+(and keeps those quiet defaults in this process).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
+# Read by the libraries when they are first imported (inside the block), and by
+# `gguf_bars_off` (GQAKIT_QUIET).
 ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-       "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+       "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "GQAKIT_QUIET": "1"}
 LOGGERS = ("transformers", "accelerate", "datasets", "huggingface_hub", "torch", "gguf", "tensorboard")
 
 
@@ -51,38 +54,50 @@ def _loggers() -> Iterator[None]:
 
 @contextmanager
 def _transformers() -> Iterator[None]:
+    if "transformers" not in sys.modules:  # imported later, inside the block: ENV applies
+        yield
+        return
     import transformers.utils.logging as hf_logging
 
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # The GGUF loader uses tqdm directly, not transformers' switchable one.
-    gguf_mod = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    if gguf_mod is None:
-        try:
-            import transformers.modeling_gguf_pytorch_utils as gguf_mod
-        except Exception:  # an install without the gguf extras: nothing to silence
-            gguf_mod = None
-    old_tqdm = getattr(gguf_mod, "tqdm", None)
-    if old_tqdm is not None:
-        gguf_mod.tqdm = functools.partial(old_tqdm, disable=True)
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
-        if old_tqdm is not None:
-            gguf_mod.tqdm = old_tqdm
+
+
+@contextmanager
+def gguf_bars_off() -> Iterator[None]:
+    """Around a GGUF load: its dequantisation bar is a plain tqdm, off only by patching.
+
+    Does something only inside `quiet_libraries` (the caller imports the GGUF loader anyway)."""
+    if os.environ.get("GQAKIT_QUIET") != "1":
+        yield
+        return
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_mod
+    except Exception:  # no gguf support installed: the load itself will say so
+        yield
+        return
+    old = gguf_mod.tqdm
+    gguf_mod.tqdm = functools.partial(old, disable=True)
+    try:
+        yield
+    finally:
+        gguf_mod.tqdm = old
 
 
 @contextmanager
 def _datasets() -> Iterator[None]:
-    try:
-        import datasets
-    except ImportError:
+    if "datasets" not in sys.modules:  # imported later, inside the block: ENV applies
         yield
         return
+    import datasets
+
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:

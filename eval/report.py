@@ -43,6 +43,11 @@ def comparability_warnings(results: list[dict[str, Any]], names: list[str]) -> l
                              "their perplexities are not comparable")
             elif p0["tokenizer"].get("vocab_size") != p["tokenizer"].get("vocab_size") or p0["tokens"] != p["tokens"]:
                 warns.append(f"{n} and {n0} tokenize the data differently: compare bits per byte, not token perplexity")
+    for n, r in zip(names, results):
+        seen = r.get("perplexity", {}).get("data", {}).get("seen_in_training") or []
+        if seen and isinstance(seen[0], dict):
+            warns.append(f"{n} was evaluated on text it was trained on ({seen[0].get('file')}): "
+                         "its perplexity is not a held-out number")
     spd = [(n, r["run"]) for n, r in zip(names, results) if "speed" in r]
     if len(spd) > 1:
         n0, r0 = spd[0]

@@ -102,12 +102,20 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
         from gqakit.eval.perplexity import read_text
 
         doc = read_text(data, max_chars=max_chars, text_field=text_field)  # fail on bad data before loading
+    seen = seen_in_training(model_path, doc) if doc is not None else []
     from gqakit.core.quiet import quiet_libraries
 
     with quiet_libraries(quiet):
         results = _measure(model_path, doc, ppl=ppl, speed=speed, context=context, stride=stride,
                            speed_settings=speed_settings, device=device, dtype=dtype, command=command,
                            progress=progress and not quiet)
+    if seen:
+        results["perplexity"]["data"]["seen_in_training"] = seen
+        if not quiet:
+            import click
+
+            click.echo(f"gqakit: warning: the evaluation text is part of {seen[0]['file']}, which this model was "
+                       f"trained on ({seen[0]['as']}): its perplexity is not a held-out number", err=True)
     if out is not None:
         from gqakit.core.outdir import RESULTS, check_output_path
 
@@ -143,3 +151,44 @@ def _measure(model_path: str | Path, doc: Any, *, ppl: bool, speed: bool, contex
         results["speed"] = evaluate_speed(model, speed_settings or SpeedSettings(), device=dev, dtype=dt,
                                           max_positions=info["max_positions"], progress=progress)
     return results
+
+
+def seen_in_training(model_path: str | Path, doc: Any) -> list[dict[str, str]]:
+    """Files the model's own records say it was trained or calibrated on that hold the
+    evaluation text (equal content, or the text as a part): recorded with the result.
+
+    Reads `gqakit_uptrain.yaml` (data.files) and `gqakit_convert.json` (calibration data)
+    of a gqakit model folder; files that are gone or larger than 2 GB are skipped."""
+    import glob
+    import json
+
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        return []
+    candidates: list[tuple[str, str]] = []
+    try:
+        import yaml
+
+        up = yaml.safe_load((folder / "gqakit_uptrain.yaml").read_text()) if (folder / "gqakit_uptrain.yaml").is_file() else {}
+        pats = (((up or {}).get("settings") or {}).get("data") or {}).get("files") or []
+        candidates += [(f, "uptrain data.files") for pat in pats if isinstance(pat, str)
+                       for f in sorted(glob.glob(str(Path(pat).expanduser()), recursive=True))]
+        conv = json.loads((folder / "gqakit_convert.json").read_text()) if (folder / "gqakit_convert.json").is_file() else {}
+        calib = ((conv or {}).get("settings") or {}).get("calibration_data")
+        if isinstance(calib, str):
+            candidates.append((calib, "convert --calibration-data"))
+    except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
+        return []
+    needle = doc.text.strip()
+    found = []
+    for f, what in dict.fromkeys(candidates):
+        p = Path(f)
+        try:
+            if not p.is_file() or p.stat().st_size > 2 << 30:
+                continue
+            text = p.read_bytes().decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+        except OSError:
+            continue
+        if needle and needle in text:
+            found.append({"file": str(p.resolve()), "as": what})
+    return found

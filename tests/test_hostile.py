@@ -589,3 +589,21 @@ def test_resume_refuses_early_when_the_final_model_folder_is_not_gqakits(world, 
     (world / "run" / "model" / "my-notes.txt").write_text("mine")
     refused(world, ["uptrain", write_cfg(world, assets, tokens=16 * 2 * 6), "--resume", "-q"], capfd,
             "model", "my-notes.txt")
+
+
+def test_eval_on_the_training_text_is_recorded(world, assets, capfd):
+    """`eval --data` on text the uptrained model was trained on: warned, and recorded with the number."""
+    train = world / "data" / "train.txt"
+    model = world / "run" / "model"
+    settings = yaml.safe_load((model / "gqakit_uptrain.yaml").read_text())
+    settings["settings"]["data"]["files"] = [str(train)]  # the copy in this world
+    (model / "gqakit_uptrain.yaml").write_text(yaml.safe_dump(settings))
+    part = world / "part.txt"
+    part.write_text(train.read_text()[:2000].rsplit("\n", 1)[0])  # a piece of it, not the whole file
+    code, _, err = run_cli(["eval", model, "--data", part, "--context", 16, "--out", world / "r.json"], capfd)
+    assert code == 0 and "trained on" in err, err
+    seen = json.loads((world / "r.json").read_text())["perplexity"]["data"]["seen_in_training"]
+    assert seen == [{"file": str(train.resolve()), "as": "uptrain data.files"}]
+    code, _, err = run_cli(["eval", model, "--data", world / "data" / "eval.txt", "--context", 16,
+                            "--out", world / "held.json", "-q"], capfd)
+    assert code == 0 and err == "" and "seen_in_training" not in (world / "held.json").read_text()

@@ -221,8 +221,10 @@ class Interrupted(GqakitError):
 
 def _nonfinite(accelerator: Any, tensors: Iterable[torch.Tensor]) -> bool:
     """True when any tensor on any process holds NaN or inf."""
-    flags = [torch.isfinite(x).all() for x in tensors if x.is_floating_point() and x.numel()]
-    bad = (~torch.stack(flags).all()).float() if flags else torch.zeros((), device=accelerator.device)
+    dev = accelerator.device
+    # (optimizer state mixes devices: AdamW keeps its step counters on the CPU)
+    flags = [torch.isfinite(x).all().to(dev) for x in tensors if x.is_floating_point() and x.numel()]
+    bad = (~torch.stack(flags).all()).float() if flags else torch.zeros((), device=dev)
     return bool(accelerator.reduce(bad.to(accelerator.device).reshape(1), "sum").item() > 0)
 
 

@@ -223,7 +223,9 @@ def _nonfinite(accelerator: Any, tensors: Iterable[torch.Tensor]) -> bool:
     """True when any tensor on any process holds NaN or inf."""
     dev = accelerator.device
     # (optimizer state mixes devices: AdamW keeps its step counters on the CPU)
-    flags = [torch.isfinite(x).all().to(dev) for x in tensors if x.is_floating_point() and x.numel()]
+    # (FSDP2 shards are DTensors: each process checks its local shard, the reduce sums up)
+    local = [x.to_local() if hasattr(x, "to_local") else x for x in tensors]
+    flags = [torch.isfinite(x).all().to(dev) for x in local if x.is_floating_point() and x.numel()]
     bad = (~torch.stack(flags).all()).float() if flags else torch.zeros((), device=dev)
     return bool(accelerator.reduce(bad.to(accelerator.device).reshape(1), "sum").item() > 0)
 

@@ -607,3 +607,15 @@ def test_eval_on_the_training_text_is_recorded(world, assets, capfd):
     code, _, err = run_cli(["eval", model, "--data", world / "data" / "eval.txt", "--context", 16,
                             "--out", world / "held.json", "-q"], capfd)
     assert code == 0 and err == "" and "seen_in_training" not in (world / "held.json").read_text()
+
+
+def test_resume_from_the_runs_own_settings_file(world, capfd):
+    """`gqakit uptrain RUN/gqakit_uptrain.yaml --resume`: the run's own record may sit in the run."""
+    settings = world / "run" / "gqakit_uptrain.yaml"
+    paths = [f"model.path={world / 'g2'}", f"data.files=[{world / 'data' / 'train.txt'}]",
+             f"output.dir={world / 'run'}"]
+    code, _, err = run_cli(["uptrain", settings, *paths, "train.tokens=192", "--resume", "-q"], capfd)
+    assert code == 0 and err == "", err
+    assert max(json.loads(r)["step"] for r in (world / "run" / "log.jsonl").read_text().splitlines()) == 6
+    # but an --overwrite from it would delete it: refused
+    refused(world, ["uptrain", settings, *paths, "--overwrite", "-q"], capfd, "contains the config file")

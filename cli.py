@@ -75,12 +75,15 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        # A usage mistake is one line too, with where to look for the right usage.
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        click.echo(f"gqakit: error: {' '.join(e.format_message().split())}{hint}", err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except GqakitError as e:
-        click.echo(f"gqakit: error: {e}", err=True)
+        click.echo(f"gqakit: {e.label}: {e.one_line()}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("gqakit: interrupted", err=True)

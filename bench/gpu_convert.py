@@ -11,11 +11,9 @@ in this process (through the CLI's own entry point), so that
 peak host RSS (VmHWM, reset before the conversion) is recorded too. The calibration
 text is standard-library docstrings, built in code (`../shared` is not on a GPU machine).
 
-`--device` is being added to `gqakit convert` (layer-streamed calibration on the GPU).
-Until `gqakit convert --help` lists it, this step writes "skipped: convert has no
---device yet" and exits 0 without building anything. The dry profile (pico model, CPU)
-then still runs the conversion without `--device`, so this driver is exercised by the
-test suite either way.
+Besides wall time and peak memory it records the conversion's own calibration record
+(tokens, where the streams lived, residual drift) and checks the issue's GPU memory
+target: peak allocated <= 2 x one decoder block (in the compute dtype) + the two streams.
 
     python bench/gpu_convert.py --profile gpu --out OUT --work WORK
 """
@@ -35,16 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_proof  # noqa: E402  (bench/gpu_proof.py: profiles and synthetic inputs)
 from gpu_proof import say, write_json  # noqa: E402
 
-SKIPPED = "skipped: convert has no --device yet"
-
-
-def convert_has_device() -> bool:
-    """Whether `gqakit convert --help` lists `--device` (read from the click command itself)."""
-    from gqakit.convert.cli import convert_cmd
-
-    return any("--device" in p.opts for p in convert_cmd.params)
-
-
 def _vmhwm_reset() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -57,7 +45,7 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
     """Build the source checkpoint and calibration text, convert, measure; folders removed after."""
     import torch
 
-    from gqakit.eval.speed import _proc_bytes
+    from gqakit.core.device import proc_bytes
 
     c = p["convert"]
     phase("build")
@@ -92,16 +80,28 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
     wall = time.perf_counter() - t0
     peak_gpu = int(torch.cuda.max_memory_allocated()) if cuda else None
     cfg = json.loads((out / "config.json").read_text())
+    cal = json.loads((out / "gqakit_convert.json").read_text())["calibration"]
+    per_layer = source["parameters"] // c["layers"]  # upper bound: embeddings and head counted in
+    block_bytes = (c["hidden"] * c["hidden"] * 4 + 3 * c["hidden"] * c["intermediate"]) * (
+        8 if cal["compute_dtype"] == "float64" else 4)
+    budget = 2 * block_bytes + (cal["stream_bytes"] if cal["streams_on"] == "device" else 0)
     if cfg.get("num_key_value_heads") != c["kv_heads"]:
         raise RuntimeError(f"output has {cfg.get('num_key_value_heads')} KV heads, expected {c['kv_heads']}")
     res = {"command": "gqakit " + " ".join(argv).replace(str(work) + "/", "WORK/"), "device": device or "default",
            "wall_s": round(wall, 2), "peak_gpu_memory_allocated": peak_gpu,
            "peak_gpu_memory_reserved": int(torch.cuda.max_memory_reserved()) if cuda else None,
-           "peak_host_rss": _proc_bytes("/proc/self/status", "VmHWM:"),
+           "peak_host_rss": proc_bytes("/proc/self/status", "VmHWM:"),
            "note": ("no GPU memory was allocated in this process: did the conversion run elsewhere?"
                     if cuda and device and device.startswith("cuda") and not peak_gpu else None),
            "calibration_text_tokens": n_tok, "source": source, "output_bytes_on_disk": gpu_proof.folder_bytes(out),
-           "output_kv_heads": cfg["num_key_value_heads"]}
+           "output_kv_heads": cfg["num_key_value_heads"],
+           "calibration": {k: cal[k] for k in ("tokens", "seq_len", "batch", "device", "compute_dtype", "stream_dtype",
+                                               "streams_on", "stream_bytes", "seconds", "peak_memory_bytes")},
+           "final_residual_drift": (cal["residual_drift"] or [None])[-1],
+           "calibration_tokens_per_s_per_layer": round(cal["tokens"] * c["layers"] / cal["seconds"], 1),
+           "block_bytes": block_bytes, "params_per_layer_upper_bound": per_layer,
+           "gpu_memory_target_bytes": budget if cuda else None,
+           "gpu_memory_within_target": (peak_gpu <= budget) if cuda and peak_gpu else None}
     gb = lambda n: "n/a" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
     say(f"convert: {wall:.1f} s, peak GPU memory {gb(peak_gpu)} (max_memory_allocated), "
         f"peak host RSS {gb(res['peak_host_rss'])}")
@@ -128,13 +128,6 @@ def main() -> None:
         res["phase"] = name
         write_json(path, res)
 
-    if not convert_has_device():
-        say(f"convert: {SKIPPED}")
-        if args.profile == "dry":  # still exercise this driver, without the flag
-            res["fallback_cpu_run"] = convert_once(p, args.work, device=None, phase=set_phase)
-        res.update(status=SKIPPED, phase="done")
-        write_json(path, res)
-        return
     res["result"] = convert_once(p, args.work, device=p["device"], phase=set_phase)
     res.update(status="ok", phase="done")
     write_json(path, res)

@@ -440,27 +440,25 @@ def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str
 
 
 def _convert_md(data: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    if data.get("status", "").startswith("skipped"):
-        lines += [f"Not measured: {data['status']}.", ""]
-    for key, title in (("result", None), ("fallback_cpu_run", "Dry-run fallback: the same driver without --device")):
-        r = data.get(key)
-        if not r:
-            continue
-        c = data["settings"]
-        if title:
-            lines += [f"{title}:", ""]
-        lines += [f"Source: random Llama-shaped checkpoint, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} "
-                  f"heads (MHA), MLP {c['intermediate']}, vocab {c['vocab']}, {count(r['source']['parameters'])} "
-                  f"params, {r['source']['dtype']}, {r['source']['bytes_on_disk'] / 2**30:.2f} GiB on disk. "
-                  f"Command: `{r['command']}`.", "",
-                  "| G | method | calibration tokens | device | wall s | peak GPU memory (max_memory_allocated) | peak host RSS |",
-                  "|---|---|---|---|---|---|---|",
-                  f"| {c['kv_heads']} | {c['method']} | {c['calibration_tokens']:,} | {r['device']} | {r['wall_s']:.1f} | "
-                  f"{_gib(r.get('peak_gpu_memory_allocated'))} | {_gib(r.get('peak_host_rss'))} |", ""]
-        if r.get("note"):
-            lines += [f"Note: {r['note']}", ""]
-    return lines
+    r = data.get("result")
+    if not r:
+        return []
+    c, cal = data["settings"], r["calibration"]
+    target = r.get("gpu_memory_target_bytes")
+    within = r.get("gpu_memory_within_target")
+    return [f"Source: random Llama-shaped checkpoint, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} "
+            f"heads (MHA), MLP {c['intermediate']}, vocab {c['vocab']}, {count(r['source']['parameters'])} "
+            f"params, {r['source']['dtype']}, {r['source']['bytes_on_disk'] / 2**30:.2f} GiB on disk. "
+            f"Command: `{r['command']}`. Calibration: {cal['tokens']:,} tokens ({cal['seq_len']}-token sequences, "
+            f"{cal['batch']} per block forward), {cal['compute_dtype']} blocks, streams in {cal['stream_dtype']} "
+            f"on {cal['streams_on']} ({_gib(cal['stream_bytes'])}).", "",
+            "| G | method | calibration tokens | device | wall s | peak GPU memory (max_memory_allocated) "
+            "| target: 2 blocks + streams | peak host RSS | residual drift, last layer |",
+            "|---|---|---|---|---|---|---|---|---|",
+            f"| {c['kv_heads']} | {c['method']} | {cal['tokens']:,} | {r['device']} | {r['wall_s']:.1f} | "
+            f"{_gib(r.get('peak_gpu_memory_allocated'))} | {_gib(target)}"
+            f"{'' if within is None else (' (met)' if within else ' (missed)')} | {_gib(r.get('peak_host_rss'))} | "
+            f"{r['final_residual_drift']:.4f} |", ""] + ([f"Note: {r['note']}", ""] if r.get("note") else [])
 
 
 # --------------------------------------------------------------------------- entry point

@@ -52,7 +52,7 @@ def _groupings() -> list[str]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: str | None,
                 calibration_tokens: int, device: str, refit_options: tuple[str, ...], dtype: str, max_shard_size: str,
                 seed: int, overwrite: bool, dry_run: bool, quiet: bool) -> None:
@@ -71,9 +71,13 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
       gqakit convert model.gguf ./out -g 1 --dry-run
     """
+    from gqakit.core.device import check_device
+
+    precheck_source(src)
+    check_device(device)
+    options = _parse_options(refit_options)
     from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
 
-    options = _parse_options(refit_options)
     if dry_run:
         from gqakit.convert.methods import STAGES
         from gqakit.core.device import resolve_device
@@ -83,7 +87,7 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
 
             check_options(options)
             resolve_device(device)
-        opened = open_checkpoint(src)
+        opened = open_checkpoint(src, progress=not quiet)
         plan = make_plan(opened, Settings(str(src), num_kv_heads, method, grouping, dtype))
         s = plan.shape
         click.echo(f"{plan.family}: {s.num_layers} layers, {s.num_heads} query heads, "
@@ -91,10 +95,13 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
         click.echo(f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
                    f"{len(plan.tensors)} tensors; method {method}; nothing written (dry run)")
         return
-    path = convert_checkpoint(src, out, num_kv_heads, method, grouping=grouping, dtype=dtype, overwrite=overwrite,
-                              max_shard_size=max_shard_size, seed=seed,
-                              calibration_data=calibration_data, calibration_tokens=calibration_tokens,
-                              options=options, device=device, progress=not quiet)
+    from gqakit.core.quiet import quiet_libraries
+
+    with quiet_libraries(quiet):
+        path = convert_checkpoint(src, out, num_kv_heads, method, grouping=grouping, dtype=dtype, overwrite=overwrite,
+                                  max_shard_size=max_shard_size, seed=seed, calibration_data=calibration_data,
+                                  calibration_tokens=calibration_tokens, options=options, device=device,
+                                  progress=not quiet)
     click.echo(f"wrote {path}")
 
 
@@ -110,6 +117,19 @@ def _parse_options(items: tuple[str, ...]) -> dict[str, object]:
         except json.JSONDecodeError:
             out[key.strip()] = value
     return out
+
+
+def precheck_source(src: Path) -> None:
+    """The checks of SRC that need no torch: a missing path, a broken config.json or
+    safetensors header, a damaged GGUF are answered before the heavy imports."""
+    from gqakit.core.loading import check_gguf, check_weights, read_config_json
+
+    src = Path(src).expanduser()
+    if src.is_file() and src.suffix == ".gguf":
+        check_gguf(src)
+    elif src.is_dir() and (src / "config.json").is_file():
+        read_config_json(src)
+        check_weights(src)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -134,11 +154,12 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
       gqakit inspect ./llama-mha
       gqakit inspect ./llama-mha --batch 16 --context 8192
     """
-    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
-
     if batch < 1 or (context is not None and context < 1) or dtype_bytes < 1:
         raise GqakitError("--batch, --context and --dtype-bytes must be positive")
-    opened = open_checkpoint(src)
+    precheck_source(src)
+    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
+
+    opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
     s = archmod.shape_of(spec, opened.config)
     ctx = context or int(opened.config.get("max_position_embeddings") or opened.config.get("n_positions") or 2048)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.loading import read_st_header
 
 ST_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -160,21 +161,7 @@ class SafetensorsSource(Source):
         return (self._where[name], *self._range[name])
 
 
-def _read_st_header(path: Path) -> dict[str, Any]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError("file shorter than its header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError("header larger than the file")
-        header = json.loads(f.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ValueError(f"file is {size} bytes but its header needs {8 + n + end}")
-    header["__data_start__"] = 8 + n
-    return header
+_read_st_header = read_st_header  # lives in core.loading (no torch needed)
 
 
 class DictSource(Source):

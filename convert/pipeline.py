@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from gqakit.convert.io import Planned, ShardWriter, Source, DictSource, open_sou
 from gqakit.convert.layout import AttnHeads, layer_names, output_shapes, read_heads, write_heads
 from gqakit.convert.pooling import PoolContext, contiguous_groups
 from gqakit.core.errors import GqakitError
-from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
+from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, read_config_json
 from gqakit.core.modelcard import render_model_card
 from gqakit.core.outdir import RESUME_DIR, atomic_output_dir, check_output_path, resumable_output_dir
 
@@ -94,12 +95,12 @@ class Opened:
     source: Source
 
 
-def open_checkpoint(src: str | Path) -> Opened:
+def open_checkpoint(src: str | Path, *, progress: bool = True) -> Opened:
     src = Path(src).expanduser()
     if not src.exists():
         raise GqakitError(f"source not found: {src}")
     if src.is_file() and src.suffix == ".gguf":
-        return _open_gguf(src)
+        return _open_gguf(src, progress=progress)
     if not src.is_dir():
         raise GqakitError(f"source {src} is neither a model folder nor a .gguf file")
     if not any(src.iterdir()):
@@ -107,19 +108,20 @@ def open_checkpoint(src: str | Path) -> Opened:
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise GqakitError(f"no config.json in {src}; is it a Hugging Face model folder?")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise GqakitError(f"{cfg_path} is not valid JSON: {e}") from None
+    config = read_config_json(src)
     return Opened(src, None, config, open_source(src))
 
 
-def _open_gguf(path: Path) -> Opened:
+def _open_gguf(path: Path, *, progress: bool = True) -> Opened:
     """GGUF input: transformers dequantizes it to float; the tensors then stream as usual."""
     from gqakit.core.loading import load_causal_lm
 
-    tqdm.write(f"reading {path.name} (GGUF, dequantized by transformers)")
-    model = load_causal_lm(path)
+    from gqakit.core.quiet import quiet_libraries
+
+    if progress:
+        tqdm.write(f"reading {path.name} (GGUF, dequantized by transformers)", file=sys.stderr)
+    with quiet_libraries(not progress):
+        model = load_causal_lm(path)
     config = model.config.to_dict()
     if not config.get("architectures"):
         config["architectures"] = [type(model).__name__]
@@ -283,15 +285,17 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
         raise GqakitError(f"method {method} takes no options (got {', '.join(settings.options)})")
     dev = resolve_device(device)
     max_bytes = parse_size(max_shard_size)
-    check_output_path(Path(out), overwrite=overwrite, src=Path(src))
-    opened = open_checkpoint(src)
+    calib_file = calibration_data if calibration_data and not str(calibration_data).startswith("hf:") else None
+    inputs = [("source", Path(src)), ("calibration data", calib_file)]
+    check_output_path(Path(out), overwrite=overwrite, inputs=inputs)
+    opened = open_checkpoint(src, progress=progress)
     plan = make_plan(opened, settings)
     t0 = time.perf_counter()
     if staged:  # long runs keep their work when killed, and resume from it
         folder = resumable_output_dir(Path(out), fingerprint=_fingerprint(opened, plan, settings),
-                                      overwrite=overwrite, src=Path(src))
+                                      overwrite=overwrite, inputs=inputs)
     else:
-        folder = _not_resumable(atomic_output_dir(Path(out), overwrite=overwrite, src=Path(src)))
+        folder = _not_resumable(atomic_output_dir(Path(out), overwrite=overwrite, inputs=inputs))
     with folder as (tmp, resumed):
         from gqakit.convert.calibrate import load_checkpoint
 

@@ -8,23 +8,30 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def check_device(device: str | None) -> None:
+    """The spelling of --device, checked before torch is imported."""
+    if device is not None and not _DEVICE.match(str(device)):
+        raise GqakitError(f"--device must be auto, cpu, cuda, cuda:N or mps; got {device!r}")
 
 
 def resolve_device(device: str | None) -> str:
     """'auto' (or None): the first CUDA GPU when present, else the CPU. Anything else is checked."""
     import torch
 
+    check_device(device)
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if not _DEVICE.match(str(device)):
-        raise GqakitError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise GqakitError(f"--device {device} requested but no CUDA device is available")
         index = int(device.split(":")[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():
-            raise GqakitError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+            raise GqakitError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA devices")
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise GqakitError("--device mps requested but MPS is not available")
     return device
 
 

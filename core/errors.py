@@ -1,8 +1,9 @@
 """One exception type for every user-facing failure.
 
-Anything raised as `GqakitError` is printed by the CLI as one line on stderr with a
-non-zero exit code, never as a traceback. Raise it for bad input and for conditions a
-user can fix; let real bugs propagate as ordinary exceptions.
+Anything raised as `GqakitError` is printed by the CLI as one line on stderr,
+`gqakit: <label>: <message>`, with a non-zero exit code, never as a traceback. Raise it
+for bad input and for conditions a user can fix; let real bugs propagate as ordinary
+exceptions.
 """
 
 from __future__ import annotations
@@ -12,3 +13,8 @@ class GqakitError(Exception):
     """A failure caused by the user's input or environment, with a one-line message."""
 
     exit_code = 2
+    label = "error"
+
+    def one_line(self) -> str:
+        """The message on one line, whatever the text it quotes (file content, library errors)."""
+        return " ".join(str(self).split())

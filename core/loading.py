@@ -4,14 +4,20 @@ Folders written by `gqakit convert` for families without stock GQA support carry
 modeling file `gqakit_modeling_<family>.py` and an `auto_map` in config.json. Those are
 loaded with `trust_remote_code=True` automatically, because the code is gqakit's own;
 any other remote code needs the caller's explicit `trust_remote_code=True`.
+
+Every file is checked before transformers sees it (config.json, safetensors headers and
+sizes, GGUF structure), so a damaged model is one line naming the file, never a
+traceback from deep inside a loader. The checks import nothing heavy.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +30,106 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 CONVERT_SETTINGS = "gqakit_convert.json"   # written by `gqakit convert`
 UPTRAIN_SETTINGS = "gqakit_uptrain.yaml"   # written by `gqakit uptrain`
 REMOTE_PREFIX = "gqakit_modeling_"
+ST_INDEX = "model.safetensors.index.json"
+
+# Sizes a config may leave out or set to null, but never to zero, a negative or a string.
+POSITIVE_KEYS = ("num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers",
+                 "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim",
+                 "n_head", "n_layer", "n_embd", "n_positions", "n_ctx")
+
+
+def read_config_json(folder: str | Path) -> dict[str, Any]:
+    """config.json of FOLDER as a dict, or one GqakitError saying what is wrong with it."""
+    p = Path(folder) / "config.json"
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise GqakitError(f"cannot read {p}: {e.strerror or e}") from None
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise GqakitError(f"{p} is not valid JSON: not UTF-8 text (a damaged or binary file)") from None
+    except json.JSONDecodeError as e:
+        raise GqakitError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise GqakitError(f"{p} must hold a JSON object of settings, not a {type(cfg).__name__}")
+    for where, sub in (("", cfg), ("text_config.", cfg.get("text_config"))):
+        if not isinstance(sub, dict):
+            continue
+        for key in POSITIVE_KEYS:
+            v = sub.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise GqakitError(f"{p}: {where}{key} must be a positive integer, got {v!r}")
+    return cfg
+
+
+def read_st_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file, checked against the file's size.
+
+    Raises ValueError for a truncated or malformed file (OSError if unreadable)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("file shorter than its header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError("header larger than the file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, IndexError, ValueError):
+        raise ValueError("header lacks data_offsets") from None
+    if 8 + n + end > size:
+        raise ValueError(f"file is {size} bytes but its header needs {8 + n + end}")
+    header["__data_start__"] = 8 + n
+    return header
+
+
+def check_weights(folder: Path) -> None:
+    """Every safetensors file of FOLDER (and its index) is whole; else one line naming the file."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if (folder / ST_INDEX).is_file():
+        try:
+            index = json.loads((folder / ST_INDEX).read_bytes().decode("utf-8"))
+            shards = sorted(set(index["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise GqakitError(f"{folder / ST_INDEX} is not a valid index: {e}") from None
+        for rel in shards:
+            if not isinstance(rel, str) or not (folder / rel).is_file():
+                raise GqakitError(f"index {ST_INDEX} names shard {rel!r}, which is missing from {folder}")
+        files = [folder / rel for rel in shards]
+    for f in files:
+        try:
+            read_st_header(f)
+        except (OSError, ValueError) as e:
+            raise GqakitError(f"cannot read {f}: truncated or corrupt safetensors file ({e})") from None
+
+
+@lru_cache(maxsize=16)
+def _check_gguf(path: str, size: int, mtime: int) -> None:
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, struct.error, numpy errors, ... on damage
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise GqakitError(f"cannot read {path}: truncated or corrupt GGUF file ({first})") from None
+
+
+def check_gguf(path: Path) -> None:
+    st = Path(path).stat()
+    _check_gguf(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 def split_source(path: str | Path) -> tuple[Path, str | None]:
-    """(folder, gguf file name or None) for a folder or a .gguf path."""
+    """(folder, gguf file name or None) for a folder or a .gguf path; config.json is checked."""
     p = Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
@@ -39,6 +141,7 @@ def split_source(path: str | Path) -> tuple[Path, str | None]:
         raise GqakitError(f"{p} is neither a model folder nor a .gguf file")
     if not (p / "config.json").is_file():
         raise GqakitError(f"{p} has no config.json; is it a Hugging Face model folder?")
+    read_config_json(p)
     return p, None
 
 
@@ -46,9 +149,13 @@ def is_gqakit_remote(folder: Path) -> bool:
     """True when config.json's auto_map points only at gqakit's own modeling file."""
     try:
         cfg = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(cfg, dict):
         return False
     amap = cfg.get("auto_map") or {}
+    if not isinstance(amap, dict):
+        return False
     mods = {v.split(".")[0] for v in amap.values() if isinstance(v, str)}
     return bool(mods) and all(m.startswith(REMOTE_PREFIX) and (Path(folder) / f"{m}.py").is_file() for m in mods)
 
@@ -58,15 +165,21 @@ def is_gqakit_output(folder: Path) -> bool:
     return (folder / CONVERT_SETTINGS).is_file() or (folder / UPTRAIN_SETTINGS).is_file()
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
 def load_config(path: str | Path, *, trust_remote_code: bool | None = None) -> Any:
     from transformers import AutoConfig
 
     folder, gguf = split_source(path)
+    if gguf:
+        check_gguf(folder / gguf)
     trc = is_gqakit_remote(folder) if trust_remote_code is None else trust_remote_code
     try:
         return AutoConfig.from_pretrained(folder, gguf_file=gguf, trust_remote_code=trc)
-    except (OSError, ValueError, KeyError) as e:
-        raise GqakitError(f"cannot read the model config of {path}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise GqakitError(f"cannot read the model config of {path}: {_first_line(e)}") from None
 
 
 @contextmanager
@@ -88,17 +201,24 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
                    trust_remote_code: bool | None = None, progress: bool = True, **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained` for a folder or a .gguf file, in eval mode."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     folder, gguf = split_source(path)
+    if gguf:
+        check_gguf(folder / gguf)
+    else:
+        check_weights(folder)
     trc = is_gqakit_remote(folder) if trust_remote_code is None else trust_remote_code
+    from gqakit.core.quiet import gguf_bars_off
+
     try:
-        with hf_bars(progress):
+        with hf_bars(progress), gguf_bars_off() if gguf else nullcontext():
             model = AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc, **kwargs
             )
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise GqakitError(f"cannot load the model at {path}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, SafetensorError) as e:
+        raise GqakitError(f"cannot load the model at {path}: {_first_line(e)}") from None
     return model.to(device).eval()
 
 
@@ -106,7 +226,9 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     folder, gguf = split_source(path)
+    if gguf:
+        check_gguf(folder / gguf)
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    except (OSError, ValueError, KeyError) as e:
-        raise GqakitError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise GqakitError(f"cannot load the tokenizer of {path}: {_first_line(e)}") from None

@@ -44,6 +44,8 @@ def read_text(data: str, *, max_chars: int | None = None, text_field: str = "tex
     # must score the same (a stray "\r" is a rare byte-fallback token that costs a lot).
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     if max_chars is not None:
+        if max_chars < 1:
+            raise GqakitError(f"--max-chars must be a positive number of characters; got {max_chars}")
         text = text[:max_chars]
     if not text.strip():
         raise GqakitError(f"data file {p} is empty")
@@ -68,6 +70,8 @@ def _read_hf(spec: str, *, max_chars: int | None, text_field: str) -> EvalText:
     # WikiText rows carry their own newlines; plain sentence datasets do not.
     text = "".join(rows) if rows and all(r.endswith("\n") for r in rows) else "\n".join(rows)
     if max_chars is not None:
+        if max_chars < 1:
+            raise GqakitError(f"--max-chars must be a positive number of characters; got {max_chars}")
         text = text[:max_chars]
     if not text.strip():
         raise GqakitError(f"dataset {spec} has no text in column {text_field!r}")

@@ -54,9 +54,10 @@ def command_line() -> list[str]:
 @click.option("--max-batch-limit", default=4096, show_default=True, help="Stop the max-batch search here.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto.")
 @click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16, or auto (fp32 CPU, bf16 GPU).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit results file.")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, new_tokens,
-             reps, warmup, compile_, max_batch_search, max_batch_limit, device, dtype, quiet) -> None:
+             reps, warmup, compile_, max_batch_search, max_batch_limit, device, dtype, overwrite, quiet) -> None:
     """Measure perplexity and decode speed of MODEL (a folder or a .gguf file).
 
     Perplexity is token-level over a sliding window (--context, --stride), plus bits per
@@ -78,12 +79,14 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
     ppl = bool(data) if ppl is None else ppl
     settings = None
     if speed:
+        if new_tokens < 1 or reps < 1 or warmup < 0 or max_batch_limit < 1:
+            raise GqakitError("--new-tokens, --reps and --max-batch-limit must be at least 1, --warmup at least 0")
         settings = SpeedSettings(batches=parse_ints(batches, "--batch"), prompt_lens=parse_ints(prompt_lens, "--prompt-len"),
                                  new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
                                  max_batch_search=max_batch_search, max_batch_limit=max_batch_limit)
     res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
                    text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
-                   command=command_line(), progress=not quiet)
+                   command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
     _print_summary(res, out)
 
 
@@ -112,8 +115,9 @@ def _print_summary(res: dict, out: Path) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Report folder to write.")
 @click.option("--names", help="Comma-separated row names (default: model folder names).")
 @click.option("--train-log", type=click.Path(path_type=Path), help="Uptraining log (JSONL or CSV with step and loss) to plot.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing report folder.")
-def compare_cmd(results, out, names, train_log, overwrite) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit report (never its inputs).")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (the warnings stay in report.md).")
+def compare_cmd(results, out, names, train_log, overwrite, quiet) -> None:
     """Put several `gqakit eval` results side by side; the first is the baseline.
 
     Writes report.md (one row per model: parameters, KV heads, KV bytes/token, perplexity
@@ -131,8 +135,11 @@ def compare_cmd(results, out, names, train_log, overwrite) -> None:
     if len(results) < 1:
         raise GqakitError("give at least one results file")
     name_list = [n.strip() for n in names.split(",")] if names else None
-    md = write_report(list(results), out, names=name_list, train_log=train_log, overwrite=overwrite,
-                      command=command_line())
-    for w in md.get("warnings", []):
+    from gqakit.core.quiet import quiet_libraries
+
+    with quiet_libraries(quiet, hf=False):
+        md = write_report(list(results), out, names=name_list, train_log=train_log, overwrite=overwrite,
+                          command=command_line())
+    for w in [] if quiet else md.get("warnings", []):
         click.echo(f"gqakit: warning: {w}", err=True)
     click.echo(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(md['plots'])} plots")

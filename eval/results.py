@@ -106,15 +106,9 @@ def max_positions(cfg: Any) -> int | None:
 
 def write_results(results: dict[str, Any], out: Path) -> Path:
     """Write atomically (temp file + rename) so a crash never leaves half a JSON."""
-    out = Path(out).expanduser()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-        tmp.replace(out)
-    except OSError as e:
-        raise GqakitError(f"could not write {out}: {e.strerror or e}") from None
-    return out
+    from gqakit.core.outdir import write_file_atomic
+
+    return write_file_atomic(Path(out), json.dumps(results, indent=2, default=str) + "\n")
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
@@ -132,4 +126,115 @@ def read_results(path: str | Path) -> dict[str, Any]:
                           "make one with `gqakit eval`")
     if "model" not in data or "run" not in data:
         raise GqakitError(f"{p} is a truncated gqakit results file (no 'model' or 'run' block)")
+    check_results(data, p)
     return data
+
+
+# ----------------------------------------------------------------------------- the fields compare reads
+# Validated up front, so a hand-edited or damaged file (a perplexity that is a string, a
+# model that is null) is one line naming the file and the key, not a crash mid-report.
+
+def _schema_models() -> Any:
+    from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+    Num = StrictFloat  # strict: 5 and 5.0 pass, "5" and null do not
+
+    class _M(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+    class Run(_M):
+        command: StrictStr
+        date: StrictStr
+        gqakit: StrictStr
+        git: StrictStr | None = None
+        torch: StrictStr
+        transformers: StrictStr
+        device_name: StrictStr
+        dtype: StrictStr
+
+    class Model(_M):
+        path: StrictStr
+        parameters: StrictInt
+        heads: StrictInt
+        kv_heads: StrictInt
+        kv_bytes_per_token: Num
+
+    class Data(_M):
+        path: StrictStr
+        sha256: StrictStr
+
+    class Tok(_M):
+        name_or_path: StrictStr = ""
+        vocab_size: StrictInt | None = None
+
+    class Ppl(_M):
+        token_perplexity: Num
+        bits_per_byte: Num
+        word_perplexity: Num
+        context: StrictInt
+        stride: StrictInt
+        tokens: StrictInt
+        data: Data
+        tokenizer: Tok
+
+    class Stat(_M):
+        median: Num
+
+    class Point(_M):
+        batch: StrictInt
+        prompt_len: StrictInt
+        status: StrictStr
+        tokens_per_s: Stat | None = None
+        decode_ms_per_token: Stat | None = None
+        prefill_ms: Stat | None = None
+        roofline_fraction: Num | None = None
+        memory_bound: StrictBool | None = None
+        kv_cache_bytes: Num | None = None
+        peak_memory_bytes: Num | None = None
+
+        @model_validator(mode="after")
+        def _ok_has_numbers(self) -> "Point":
+            if self.status == "ok":
+                for k in ("tokens_per_s", "decode_ms_per_token", "prefill_ms", "roofline_fraction", "memory_bound"):
+                    if getattr(self, k) is None:
+                        raise ValueError(f"grid point with status ok lacks {k}")
+            return self
+
+    class MaxBatch(_M):
+        prompt_len: StrictInt
+        max_batch: StrictInt
+        at_limit: StrictBool
+        method: StrictStr = ""
+
+    class Attention(_M):
+        decode_path: StrictStr | None = None
+
+    class Speed(_M):
+        grid: list[Point] = []
+        max_batch: list[MaxBatch] = []
+        attention: Attention = Attention()
+
+    class Results(_M):
+        run: Run
+        model: Model
+        perplexity: Ppl | None = None
+        speed: Speed | None = None
+
+    return Results
+
+
+def check_results(data: dict[str, Any], path: Path) -> None:
+    """One GqakitError naming the file and the first bad key, or nothing."""
+    from pydantic import ValidationError
+
+    for key in ("perplexity", "speed"):
+        if key in data and data[key] is None:
+            raise GqakitError(f"{path} is not a valid gqakit results file: {key} is null")
+    try:
+        _schema_models().model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(x) for x in err["loc"])
+        got = repr(err.get("input"))
+        got = got if len(got) <= 60 else got[:57] + "..."
+        raise GqakitError(f"{path} is not a valid gqakit results file: {key}: {err['msg']} (got {got})") from None

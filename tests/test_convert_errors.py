@@ -149,12 +149,18 @@ def test_out_exists_or_equals_or_inside_source(src, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert_one_line_error(*run_cli(["convert", src, out, "-g", 2], capsys), "--overwrite")
     assert (out / "keep.txt").read_text() == "mine"
-    assert_one_line_error(*run_cli(["convert", src, src, "-g", 2], capsys), "inside")
+    assert_one_line_error(*run_cli(["convert", src, src, "-g", 2], capsys), "is the source")
     assert_one_line_error(*run_cli(["convert", src, src / "sub", "-g", 2], capsys), "inside")
     assert_one_line_error(*run_cli(["convert", src, src.parent, "-g", 2, "--overwrite"], capsys), "contains the source")
     assert digest(src) == before
-    code, _ = run_cli(["convert", src, out, "-g", 2, "--overwrite", "-q"], capsys)
-    assert code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --overwrite replaces only what gqakit wrote: a folder of the user's is refused, kept whole.
+    assert_one_line_error(*run_cli(["convert", src, out, "-g", 2, "--overwrite", "-q"], capsys), "not written by gqakit")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    code, _ = run_cli(["convert", src, out, "-g", 2, "-q"], capsys)  # empty now: fine to fill
+    assert code == 0 and (out / "model.safetensors").is_file()
+    code, _ = run_cli(["convert", src, out, "-g", 1, "--overwrite", "-q"], capsys)  # gqakit's own: replaced
+    assert code == 0 and json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
 
 
 class Evil:

@@ -206,19 +206,25 @@ def test_errors_output_folder(converted: Path, tmp_path: Path):
     _expect(cfg(converted, out), "not empty; pass --overwrite")
     assert (out / "x").read_text() == "keep me"
     _expect(cfg(converted, out), "no checkpoint", resume=True)
-    _expect(cfg(converted, converted / "sub"), "source or inside it")
+    _expect(cfg(converted, converted / "sub"), "is inside the model.path")
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(converted: Path, tmp_path: Path):
+def test_divergence_stops_before_a_bad_checkpoint(converted: Path, tmp_path: Path):
+    from safetensors.torch import load_file
+
     out = tmp_path / "nan"
     # An absurd learning rate without clipping blows the weights up within a few steps.
     c = cfg(converted, out, lr=1e12, grad_clip=None, warmup_steps=0, tokens=16 * 2 * 40)
     c["output"]["save_every"] = 1
-    with pytest.raises(GqakitError, match=r"loss is NaN/inf at step (\d+); stopped \(the last good checkpoint is") as e:
+    with pytest.raises(GqakitError, match=r"training diverged at step (\d+): .*NaN/inf; stopped before it reached "
+                                          r"a checkpoint \(the last good checkpoint is (\S+)\)") as e:
         run_uptrain(c, quiet=True)
-    step = int(str(e.value).split("step ")[1].split(";")[0])
+    step = int(str(e.value).split("step ")[1].split(":")[0])
+    named = Path(str(e.value).split("checkpoint is ")[1].split(")")[0])
     ckpts = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*"))
-    assert ckpts[-1] == step - 1 and not (out / "model").exists()
+    assert ckpts[-1] == step - 1 and named == out / "checkpoints" / f"step-{step - 1}" and not (out / "model").exists()
+    for p in (out / "checkpoints").glob("step-*"):
+        assert all(torch.isfinite(v).all() for v in load_file(p / "model.safetensors").values()), p
     assert all(math.isfinite(r["loss"]) for r in rows(out) if "loss" in r)
 
 

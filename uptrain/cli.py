@@ -8,17 +8,24 @@ import click
 @click.command("uptrain", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output.dir (deletes it first).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace output.dir when it holds an earlier gqakit run (only after every check has passed).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in output.dir/checkpoints.")
 @click.option("--dry-run", is_flag=True, help="Validate the config, print it resolved, and stop.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar or plan; errors still print.")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars, plan or library warnings).")
 def uptrain_cmd(config: str, overrides: tuple[str, ...], overwrite: bool, resume: bool, dry_run: bool, quiet: bool) -> None:
     """Continue pre-training a converted (GQA) model, driven by a YAML CONFIG.
 
     OVERRIDES are dotted `section.key=value` pairs (values are YAML); an unknown key
     is an error. The run folder `output.dir` holds `checkpoints/step-N/`, `log.jsonl`,
-    the resolved `gqakit_uptrain.yaml`, and at the end the final model in `model/`,
-    loadable like any `gqakit convert` output.
+    the tensorboard logs in `uptrain/` (`tensorboard --logdir output.dir`; when
+    tensorboard is installed and logging.tensorboard is true), the resolved
+    `gqakit_uptrain.yaml`, and at the end the final model in `model/`, loadable like
+    any `gqakit convert` output.
+
+    Every input (model, teacher, data files, eval file, sizes) is checked before
+    anything is written; --overwrite deletes an earlier run only after that, and only
+    a run gqakit wrote. Ctrl-C prints the command that resumes the run.
 
     \b
     Examples:
@@ -33,6 +40,10 @@ def uptrain_cmd(config: str, overrides: tuple[str, ...], overwrite: bool, resume
 
         click.echo(to_yaml(load_config(config, overrides)), nl=False)
         return
-    from gqakit.uptrain.trainer import run_uptrain
+    # Cheap checks first (config, paths, sizes, the run folder): no torch import yet.
+    from gqakit.uptrain.preflight import preflight
 
-    run_uptrain(config, overrides, overwrite=overwrite, resume=resume, quiet=quiet)
+    checked = preflight(config, overrides, overwrite=overwrite, resume=resume)
+    from gqakit.uptrain.trainer import run_checked
+
+    run_checked(checked, quiet=quiet)

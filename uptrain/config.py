@@ -23,7 +23,8 @@ from gqakit.core.errors import GqakitError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr: .inf` or `nan` is refused here, not discovered at step 1.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelCfg(_Section):
@@ -242,7 +243,11 @@ def read_tree(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if not path.is_file():
         raise GqakitError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text())
+        tree = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise GqakitError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise GqakitError(f"{path} is not valid YAML: not UTF-8 text (a binary or damaged file?)") from None
     except yaml.YAMLError as e:
         raise GqakitError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(tree, dict):

@@ -19,7 +19,6 @@ optimizer step as 2 processes with grad_accum=2.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import io
 import json
@@ -34,6 +33,7 @@ import torch
 
 from gqakit.core.errors import GqakitError
 from gqakit.uptrain.config import DataCfg, TeacherSamplesCfg
+from gqakit.uptrain.preflight import resolve_files  # noqa: F401  (re-exported)
 
 TEXT_SUFFIXES = {".txt", ".raw", ".md", ".text"}
 JSON_SUFFIXES = {".jsonl", ".json"}
@@ -47,21 +47,6 @@ def default_cache_dir(cfg: DataCfg) -> Path:
 
 
 # --------------------------------------------------------------------------- files
-
-
-def resolve_files(patterns: Sequence[str], what: str = "data.files") -> list[Path]:
-    """Expand globs; every pattern must match at least one non-empty file."""
-    files: list[Path] = []
-    for pat in patterns:
-        hits = sorted(glob.glob(os.path.expanduser(pat), recursive=True))
-        hits = [h for h in hits if Path(h).is_file()]
-        if not hits:
-            raise GqakitError(f"{what}: no file matches {pat!r}")
-        files += [Path(h).resolve() for h in hits]
-    for f in files:
-        if f.stat().st_size == 0:
-            raise GqakitError(f"{what}: {f} is empty")
-    return list(dict.fromkeys(files))
 
 
 def _builder(files: list[Path], what: str) -> str:
@@ -271,7 +256,8 @@ def sample_tokens(model: Any, prompt: Sequence[int], num: int, length: int, *, t
 
 
 def teacher_samples_file(ts: TeacherSamplesCfg, teacher_path: Path, cache_dir: Path,
-                         main_first: Callable[[], Any] = nullcontext, is_main: bool = True) -> Path:
+                         main_first: Callable[[], Any] = nullcontext, is_main: bool = True,
+                         progress: bool = True) -> Path:
     """Sample documents from the teacher once and cache them as jsonl; later runs reuse the file."""
     from gqakit.core.loading import load_causal_lm, load_tokenizer
 
@@ -296,7 +282,7 @@ def teacher_samples_file(ts: TeacherSamplesCfg, teacher_path: Path, cache_dir: P
         cuda = [model.device.index or 0] if model.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), torch.inference_mode():
             torch.manual_seed(ts.seed)
-            bar = tqdm(total=ts.num, desc="sampling teacher text", unit="seq")
+            bar = tqdm(total=ts.num, desc="sampling teacher text", unit="seq", disable=not progress)
             done = 0
             while done < ts.num:
                 b = min(ts.batch_size, ts.num - done)
@@ -337,7 +323,8 @@ def _split(seq: list[int], sep: int) -> list[list[int]]:
 
 
 def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Path | None = None,
-                 main_first: Callable[[], Any] = nullcontext, is_main: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 main_first: Callable[[], Any] = nullcontext, is_main: bool = True,
+                 progress: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(train blocks [N, S], eval blocks [M, S] or None), with the checks the issue asks for."""
     use_ds = have_datasets()
     cache = default_cache_dir(cfg)
@@ -379,7 +366,7 @@ def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Pa
             docs = hub_documents(cfg, cache)
         else:
             assert teacher_path is not None and cfg.teacher_samples is not None
-            f = teacher_samples_file(cfg.teacher_samples, teacher_path, cache, is_main=is_main)
+            f = teacher_samples_file(cfg.teacher_samples, teacher_path, cache, is_main=is_main, progress=progress)
             docs = documents([f], None, "document", "text", "data.teacher_samples")
         train = blocks(docs, cfg.num_proc, "training data")
 

@@ -10,12 +10,13 @@ The same code runs on CPU (tests), one GPU, or many processes through
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,28 +25,19 @@ import torch
 import torch.nn.functional as F
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.loading import UPTRAIN_SETTINGS, is_gqakit_output, load_causal_lm, load_config as load_hf_config, load_tokenizer
-from gqakit.core.outdir import check_output_path
-from gqakit.uptrain.config import UptrainConfig, load_config, to_yaml
+from gqakit.core.loading import UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_tokenizer
+from gqakit.core.outdir import (MANIFEST, RUN, RUN_ENTRIES, check_output_path, describe_oserror, make_dirs,
+                                remove_if_empty, write_manifest)
+from gqakit.uptrain.config import UptrainConfig, to_yaml
 from gqakit.uptrain.data import BlockOrder, build_blocks
+from gqakit.uptrain.preflight import (CKPT_DIR, RESUME_KEYS, STATE_FILE, Checked, checkpoint_files,  # noqa: F401
+                                      checkpoints, damaged_message, preflight)
 
-CKPT_DIR = "checkpoints"
-STATE_FILE = "trainer_state.json"
 LOG_FILE = "log.jsonl"
 MODEL_DIR = "model"
-# Settings that fix the data order and the meaning of a step: a resumed run must match them.
-RESUME_KEYS = ("seq_len", "micro_batch", "grad_accum", "seed")
 
 # Dense bf16 peak FLOP/s per device, for MFU (H100/H200 SXM; A100; L4; A10G).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12, "4090": 165e12}
-
-
-def _max_positions(hf_cfg: Any) -> int | None:
-    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
-        v = getattr(hf_cfg, k, None)
-        if isinstance(v, int):
-            return v
-    return None
 
 
 def _same_tokenizer(a: Any, b: Any) -> bool:
@@ -189,6 +181,15 @@ def evaluate(accelerator: Any, model: Any, blocks: torch.Tensor, micro: int) -> 
     return float(nll[0] / nll[1])
 
 
+def _step_of(row: str) -> float:
+    """The step of a log.jsonl row; a damaged row counts as after every checkpoint (dropped)."""
+    try:
+        r = json.loads(row)
+        return r.get("step", 0) if isinstance(r, dict) and isinstance(r.get("step", 0), int) else math.inf
+    except ValueError:
+        return math.inf
+
+
 class RunLog:
     """log.jsonl (always) plus accelerate trackers (tensorboard when installed)."""
 
@@ -196,7 +197,7 @@ class RunLog:
         self.acc, self.path = accelerator, path
         if accelerator.is_main_process and resume_step is not None and path.is_file():
             # Drop rows the killed run wrote after its last checkpoint: they will be redone.
-            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r).get("step", 0) <= resume_step]
+            rows = [r for r in path.read_text(errors="replace").splitlines() if _step_of(r) <= resume_step]
             path.write_text("".join(r + "\n" for r in rows))
 
     def __call__(self, row: dict[str, Any]) -> None:
@@ -207,74 +208,109 @@ class RunLog:
             self.acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, step=row["step"])
 
 
-def _checkpoints(out: Path) -> list[tuple[int, Path]]:
-    found = []
-    for p in (out / CKPT_DIR).glob("step-*"):
-        if (p / STATE_FILE).is_file() and p.name[5:].isdigit():
-            found.append((int(p.name[5:]), p))
-    return sorted(found)
+class Diverged(GqakitError):
+    """Training produced NaN/inf: stopped before the bad values reach a checkpoint."""
 
 
-def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
-    """accelerate.save_state into a temp folder, renamed when complete (SIGKILL-safe)."""
+class Interrupted(GqakitError):
+    """Ctrl-C: say where the run stands and how to continue it."""
+
+    exit_code = 130
+    label = "interrupted"
+
+
+def _nonfinite(accelerator: Any, tensors: Iterable[torch.Tensor]) -> bool:
+    """True when any tensor on any process holds NaN or inf."""
+    dev = accelerator.device
+    # (optimizer state mixes devices: AdamW keeps its step counters on the CPU)
+    # (FSDP2 shards are DTensors: each process checks its local shard, the reduce sums up)
+    local = [x.to_local() if hasattr(x, "to_local") else x for x in tensors]
+    flags = [torch.isfinite(x).all().to(dev) for x in local if x.is_floating_point() and x.numel()]
+    bad = (~torch.stack(flags).all()).float() if flags else torch.zeros((), device=dev)
+    return bool(accelerator.reduce(bad.to(accelerator.device).reshape(1), "sum").item() > 0)
+
+
+def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
+    for st in optimizer.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                yield v
+
+
+def _last_good(out: Path) -> str:
+    last = checkpoints(out)
+    return f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was saved yet"
+
+
+def _write_failed(e: BaseException, path: Path) -> GqakitError:
+    if isinstance(e, OSError):
+        return GqakitError(describe_oserror(e, path))
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return GqakitError(f"could not write {path} (disk full or over quota?): {first}")
+
+
+def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any], keep_last: int,
+                    model: Any = None, optimizer: Any = None) -> None:
+    """accelerate.save_state into a temp folder, renamed when complete (SIGKILL-safe).
+
+    Never writes non-finite values: the weights and the optimizer state are checked first.
+    The sha256 of every file goes into trainer_state.json, so `--resume` can tell a damaged
+    checkpoint from a whole one. A failed write (disk full, quota) removes the temp folder
+    and becomes one line naming the path.
+    """
     final = out / CKPT_DIR / f"step-{step}"
     tmp = out / CKPT_DIR / f".step-{step}.tmp"
+    if model is not None and _nonfinite(accelerator, [*model.parameters(), *_optimizer_tensors(optimizer)]):
+        raise Diverged(f"the state at step {step} holds NaN/inf values; not saved; {_last_good(out)}; lower train.lr?")
+    failed: BaseException | None = None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    try:
+        accelerator.save_state(str(tmp))
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        failed = e
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        for _, old in _checkpoints(out)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    if accelerator.is_main_process and failed is None:
+        try:
+            state = {**state, "files": checkpoint_files(tmp)}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        except OSError as e:
+            failed = e
+        else:
+            for _, old in checkpoints(out)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    if failed is not None:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(failed, tmp)
     accelerator.wait_for_everyone()
-
-
-def _prepare_output(cfg: UptrainConfig, out: Path, src: Path, *, overwrite: bool, resume: bool, is_main: bool) -> int | None:
-    """Check OUT; returns the checkpoint step to resume from, or None for a fresh run."""
-    if overwrite and resume:
-        raise GqakitError("--overwrite and --resume exclude each other")
-    check_output_path(out, overwrite=True, src=src)  # refuses OUT == model folder or around it
-    if resume:
-        ckpts = _checkpoints(out)
-        if not ckpts:
-            raise GqakitError(f"--resume: no checkpoint in {out / CKPT_DIR}; start without --resume")
-        saved = out / UPTRAIN_SETTINGS
-        if saved.is_file():
-            import yaml
-            old = (yaml.safe_load(saved.read_text()) or {}).get("train", {})
-            for k in RESUME_KEYS:
-                if k in old and old[k] != getattr(cfg.train, k):
-                    raise GqakitError(f"--resume: train.{k} was {old[k]} in this run, now {getattr(cfg.train, k)}; "
-                                      "the data order would differ")
-        return ckpts[-1][0]
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise GqakitError(f"output.dir {out} is not empty; pass --overwrite to replace it or --resume to continue")
-        if is_main:
-            shutil.rmtree(out)
-    return None
 
 
 def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), *,
                 overwrite: bool = False, resume: bool = False, quiet: bool = False) -> Path:
     """Uptrain a converted model; returns the final model folder (`output.dir/model`)."""
+    checked = preflight(config, overrides, overwrite=overwrite, resume=resume)
+    return run_checked(checked, quiet=quiet)
+
+
+def run_checked(checked: Checked, *, quiet: bool = False) -> Path:
+    """The run itself, after `preflight`: load, check what needs torch, then write."""
+    from gqakit.core.quiet import quiet_libraries
+
+    with quiet_libraries(quiet):
+        return _run(checked, quiet)
+
+
+def _run(checked: Checked, quiet: bool) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import is_tensorboard_available, set_seed
     from tqdm.auto import tqdm
 
-    cfg = load_config(config, overrides)
+    cfg, src, out = checked.cfg, checked.src, checked.out
     t = cfg.train
-    src = Path(cfg.model.path).expanduser().resolve()
-    if not (src / "config.json").is_file():
-        raise GqakitError(f"model.path: {src} is not a model folder (no config.json)")
-    if not is_gqakit_output(src):
-        raise GqakitError(f"model.path: {src} is not a converted model (no gqakit_convert.json); run `gqakit convert` first")
-    out = Path(cfg.output.dir).expanduser().resolve()
-
     precision = t.precision
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() and not t.cpu and torch.cuda.is_bf16_supported() else "fp32"
@@ -287,24 +323,27 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
                               log_with="tensorboard" if use_tb else None, project_dir=str(out))
     say = accelerator.print if not quiet else (lambda *a, **k: None)
     is_main = accelerator.is_main_process
-    resume_step = _prepare_output(cfg, out, src, overwrite=overwrite, resume=resume, is_main=is_main)
-    accelerator.wait_for_everyone()
-    out.mkdir(parents=True, exist_ok=True)
 
-    # ---- model, tokenizer, teacher: check they fit together before any work
+    # ---- model, tokenizer, teacher, data: everything is loaded and checked before the
+    # run folder is touched (an --overwrite deletes the old run only after this block).
     hf_cfg = load_hf_config(src)
-    max_pos = _max_positions(hf_cfg)
-    if max_pos is not None and t.seq_len > max_pos:
-        raise GqakitError(f"train.seq_len: {t.seq_len} is longer than the model's {max_pos} positions")
     tokenizer = load_tokenizer(src)
-    teacher_path = Path(cfg.teacher.path).expanduser().resolve() if cfg.teacher.path else None
+    teacher_path = checked.teacher
     if teacher_path is not None:
         if not _same_tokenizer(tokenizer, load_tokenizer(teacher_path)):
             raise GqakitError(f"teacher.path: the tokenizer of {teacher_path} differs from the model's")
 
     set_seed(t.seed)
     train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, teacher_path=teacher_path,
-                                             main_first=accelerator.main_process_first, is_main=is_main)
+                                             main_first=accelerator.main_process_first, is_main=is_main,
+                                             progress=not quiet)
+    data_sha = hashlib.sha256(train_blocks.contiguous().numpy().data).hexdigest()  # no copy of the blocks
+    if checked.mode == "resume":
+        old = (checked.resume_state.get("data") or {}).get("sha256")
+        if old is not None and old != data_sha:
+            raise GqakitError("--resume: the training data differ from this run's (data.files or their content "
+                              f"changed; token fingerprint {old[:12]} -> {data_sha[:12]}); the data order would "
+                              "differ: restore the data, or start a new run")
     model = load_causal_lm(src)  # fp32 master weights; autocast handles bf16
     model.config.use_cache = False
     if t.trainable:
@@ -326,9 +365,35 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
                 hf_cfg.num_hidden_layers, hf_cfg.hidden_size):
             raise GqakitError(f"teacher.{'hidden' if use_hidden else 'layer'}_weight: the teacher's layers or hidden size differ from the model's")
         teacher.requires_grad_(False)
+
+    world = accelerator.num_processes
+    order = BlockOrder(len(train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
+                       world=world, rank=accelerator.process_index)
+    tokens_per_step = order.global_batch * t.seq_len
+    total_steps = t.budget() // tokens_per_step
+    if total_steps < 1:
+        raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step ({tokens_per_step} tokens)")
+
+    # ---- every check has passed: only now is the run folder replaced or created
+    if is_main:
+        if checked.mode == "overwrite":
+            # check again right before deleting: the folder may have changed since preflight
+            check_output_path(out, overwrite=True, inputs=[("model.path", src)], kind=RUN, flag="output.dir")
+            shutil.rmtree(out)
+        made: list[Path] = []
+        try:
+            made = make_dirs(out)
+            if checked.mode != "resume" or not (out / MANIFEST).is_file():
+                write_manifest(out, RUN, RUN_ENTRIES)
+            (out / UPTRAIN_SETTINGS).write_text(to_yaml(cfg))
+        except OSError as e:
+            (out / MANIFEST).unlink(missing_ok=True) if checked.mode != "resume" else None
+            remove_if_empty(made)
+            raise GqakitError(describe_oserror(e, out)) from None
+    accelerator.wait_for_everyone()
+
     if t.compile:
         model = torch.compile(model)
-
     # nanoGPT: decay matrices, not biases or norms.
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
@@ -338,38 +403,35 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
     model.train()
 
     # ---- the plan, printed before the first step
-    world = accelerator.num_processes
-    order = BlockOrder(len(train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
-                       world=world, rank=accelerator.process_index)
-    tokens_per_step = order.global_batch * t.seq_len
-    total_steps = t.budget() // tokens_per_step
-    if total_steps < 1:
-        raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step ({tokens_per_step} tokens)")
     warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * total_steps)
     n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
     n_train = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
     flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
     peak = _peak_flops(accelerator.device)
+    dist = accelerator.distributed_type.value
     say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, {hf_cfg.num_attention_heads} query / "
-        f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type} "
-        f"({accelerator.distributed_type.value}), {precision}")
+        f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type}"
+        + (f" ({dist})" if dist != "NO" else "") + f", {precision}")
     say(f"uptrain: {len(train_blocks)} training blocks of {t.seq_len} tokens; "
         f"{tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x {world} proc x {t.seq_len}); "
         f"{total_steps} steps = {total_steps * tokens_per_step:,} planned tokens ({order.epochs(total_steps):.2f} epochs)")
-    if is_main:
-        (out / UPTRAIN_SETTINGS).write_text(to_yaml(cfg))
     if use_tb:
         accelerator.init_trackers("uptrain", config={f"{s}.{k}": v for s, sec in cfg.model_dump().items()
                                                      if isinstance(sec, dict) for k, v in sec.items()
                                                      if isinstance(v, (int, float, str, bool))})
+        say(f"uptrain: tensorboard logs in {out / 'uptrain'} (tensorboard --logdir {out})")
 
     step = 0
-    if resume_step is not None:
-        ckpt = out / CKPT_DIR / f"step-{resume_step}"
-        accelerator.load_state(str(ckpt))  # weights, optimizer, RNG streams
-        step = json.loads((ckpt / STATE_FILE).read_text())["step"]
+    if checked.mode == "resume":
+        ckpt = out / CKPT_DIR / f"step-{checked.resume_step}"
+        try:
+            accelerator.load_state(str(ckpt))  # weights, optimizer, RNG streams
+        except Exception as e:  # accelerate and torch raise many types for a file they cannot read
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise GqakitError(damaged_message(ckpt, f"it does not load: {first}", out)) from None
+        step = checked.resume_state["step"]
         say(f"uptrain: resumed from {ckpt} at step {step}")
-    log = RunLog(accelerator, out / LOG_FILE, resume_step)
+    log = RunLog(accelerator, out / LOG_FILE, checked.resume_step)
 
     eval_micro = cfg.eval.micro_batch or t.micro_batch
     eval_loss = None
@@ -381,73 +443,94 @@ def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str]
     bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
     loss, kl_mean, hid_mean, layer_mean, grad_norm = float("nan"), 0.0, 0.0, 0.0, None
     t0, tokens_since = time.perf_counter(), 0
-    while step < total_steps:
-        lr = lr_at(step, cfg, total_steps, warmup)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        # All micro-batches of this step are known up front, so the global count of
-        # predicted tokens is known before the first backward: each micro-batch's summed
-        # loss is divided by it, and the step's gradient is that of the mean over all
-        # tokens of the step (not a mean of per-micro-batch means).
-        micro = [train_blocks[order.indices(step, a)].to(accelerator.device) for a in range(t.grad_accum)]
-        n_tok = accelerator.reduce(torch.tensor(sum(x[:, 1:].numel() for x in micro), device=accelerator.device), "sum")
-        # DDP/FSDP average gradients over processes and accelerator.backward divides by
-        # grad_accum; multiplying by both undoes that averaging.
-        scale = world * t.grad_accum / n_tok.item()
-        sums = torch.zeros(4, device=accelerator.device, dtype=torch.float64)
-        for x in micro:
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    ls = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=use_hidden, layer=use_layer)
-                    objective = (cfg.teacher.lm_weight * ls.ce + cfg.teacher.kl_weight * ls.kl
-                                 + cfg.teacher.hidden_weight * ls.hidden + cfg.teacher.layer_weight * ls.layer)
-                accelerator.backward(objective * scale)
-                sums += torch.stack([ls.ce.detach(), ls.kl.detach(), ls.hidden.detach(), ls.layer.detach()]).double()
-                if accelerator.sync_gradients:
-                    sums = accelerator.reduce(sums, "sum") / n_tok.double()
-                    loss, kl_mean, hid_mean, layer_mean = (float(v) for v in sums)
-                    if not math.isfinite(loss) or not math.isfinite(kl_mean):
-                        last = _checkpoints(out)
-                        keep = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was saved yet"
-                        raise GqakitError(f"loss is NaN/inf at step {step + 1}; stopped ({keep}); lower train.lr?")
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.grad_clip) if t.grad_clip else None
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_since += tokens_per_step
-        bar.update(1)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    data_state = {"files": [str(f) for f in checked.files], "sha256": data_sha}
 
-        if step % cfg.logging.every == 0 or step == total_steps:
-            dt = time.perf_counter() - t0
-            tps = tokens_since / dt
-            row = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "lr": lr, "tok_per_s": round(tps, 1)}
-            if teacher is not None:
-                row["kl"] = kl_mean
-            if use_hidden:
-                row["hidden_mse"] = hid_mean
-            if use_layer:
-                row["layer_mse"] = layer_mean
-            if grad_norm is not None:
-                row["grad_norm"] = float(grad_norm)
-            if peak:
-                row["mfu"] = round(tps * flops_per_token / (peak * world), 4)
-            log(row)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", **({"mfu": f"{row['mfu']:.1%}"} if peak else {}))
-            t0, tokens_since = time.perf_counter(), 0
-        if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0 or step == total_steps):
-            eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
-            log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
-            bar.write(f"step {step}: held-out perplexity {math.exp(eval_loss):.3f}") if is_main and not quiet else None
-        if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == total_steps):
-            save_checkpoint(accelerator, out, step, {"step": step, "tokens": step * tokens_per_step, "loss": loss},
-                            cfg.output.keep_last)
+    def diverged(what: str) -> Diverged:
+        return Diverged(f"training diverged at step {step + 1}: {what}; stopped before it reached a checkpoint "
+                        f"({_last_good(out)}); lower train.lr?")
+
+    try:
+        while step < total_steps:
+            lr = lr_at(step, cfg, total_steps, warmup)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            # All micro-batches of this step are known up front, so the global count of
+            # predicted tokens is known before the first backward: each micro-batch's summed
+            # loss is divided by it, and the step's gradient is that of the mean over all
+            # tokens of the step (not a mean of per-micro-batch means).
+            micro = [train_blocks[order.indices(step, a)].to(accelerator.device) for a in range(t.grad_accum)]
+            n_tok = accelerator.reduce(torch.tensor(sum(x[:, 1:].numel() for x in micro), device=accelerator.device), "sum")
+            # DDP/FSDP average gradients over processes and accelerator.backward divides by
+            # grad_accum; multiplying by both undoes that averaging.
+            scale = world * t.grad_accum / n_tok.item()
+            sums = torch.zeros(4, device=accelerator.device, dtype=torch.float64)
+            for x in micro:
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        ls = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=use_hidden, layer=use_layer)
+                        objective = (cfg.teacher.lm_weight * ls.ce + cfg.teacher.kl_weight * ls.kl
+                                     + cfg.teacher.hidden_weight * ls.hidden + cfg.teacher.layer_weight * ls.layer)
+                    accelerator.backward(objective * scale)
+                    sums += torch.stack([ls.ce.detach(), ls.kl.detach(), ls.hidden.detach(), ls.layer.detach()]).double()
+                    if accelerator.sync_gradients:
+                        sums = accelerator.reduce(sums, "sum") / n_tok.double()
+                        loss, kl_mean, hid_mean, layer_mean = (float(v) for v in sums)
+                        if not all(math.isfinite(v) for v in (loss, kl_mean, hid_mean, layer_mean)):
+                            raise diverged("the loss is NaN/inf")
+                        # A finite loss can still have a non-finite gradient or update: check both
+                        # before the step is accepted. (fp16's loss scaler skips such steps itself.)
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+                        if accelerator.scaler is None and not math.isfinite(float(grad_norm)):
+                            raise diverged("the gradient norm is NaN/inf")
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        if _nonfinite(accelerator, trained):
+                            raise diverged("the update made weights NaN/inf")
+            step += 1
+            tokens_since += tokens_per_step
+            bar.update(1)
+
+            if step % cfg.logging.every == 0 or step == total_steps:
+                dt = time.perf_counter() - t0
+                tps = tokens_since / dt
+                row = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "lr": lr, "tok_per_s": round(tps, 1)}
+                if teacher is not None:
+                    row["kl"] = kl_mean
+                if use_hidden:
+                    row["hidden_mse"] = hid_mean
+                if use_layer:
+                    row["layer_mse"] = layer_mean
+                if grad_norm is not None:
+                    row["grad_norm"] = float(grad_norm)
+                if peak:
+                    row["mfu"] = round(tps * flops_per_token / (peak * world), 4)
+                log(row)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", **({"mfu": f"{row['mfu']:.1%}"} if peak else {}))
+                t0, tokens_since = time.perf_counter(), 0
+            if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0 or step == total_steps):
+                eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
+                log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
+                bar.write(f"step {step}: held-out perplexity {math.exp(eval_loss):.3f}") if is_main and not quiet else None
+            if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == total_steps):
+                save_checkpoint(accelerator, out, step, {"step": step, "tokens": step * tokens_per_step, "loss": loss,
+                                                         "data": data_state},
+                                cfg.output.keep_last, model=model, optimizer=optimizer)
+    except KeyboardInterrupt:
+        bar.close()
+        last = checkpoints(out)
+        if last:
+            where = f"resume from {last[-1][1].name} with: {checked.resume_command()}"
+        else:
+            where = "no checkpoint was saved yet (set output.save_every to keep one); start again with --overwrite"
+        raise Interrupted(f"uptrain stopped at step {step} of {total_steps}; {where}") from None
     bar.close()
 
     if eval_blocks is not None and (not cfg.eval.every or eval_loss is None):
         eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
         log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
-    if resume_step == total_steps and math.isnan(loss):
-        loss = json.loads((out / CKPT_DIR / f"step-{step}" / STATE_FILE).read_text()).get("loss", loss)
+    if checked.resume_step == total_steps and math.isnan(loss):
+        loss = checked.resume_state.get("loss", loss)
 
     # ---- export: gather the full state dict on every process (FSDP needs all of them)
     state_dict = accelerator.get_state_dict(model)

@@ -1,0 +1,289 @@
+"""Every check of an uptrain run that needs no torch, done before anything is written.
+
+`preflight` reads the config and checks the model folder, the teacher, the data files
+and globs, the eval file, the sizes against the model's positions, the output folder
+(the shared rule of `core.outdir`: never an input, never around one; `--overwrite`
+only replaces a run gqakit wrote) and, with `--resume`, the checkpoint and the settings
+that fix the data order. It deletes and writes nothing, and it imports neither torch
+nor transformers, so a wrong path or number is answered in a fraction of a second.
+
+The trainer then loads the model and data (more checks that need them) and only after
+all of that deletes an old run (`--overwrite`) and creates the run folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gqakit.core.errors import GqakitError
+from gqakit.core.loading import (UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, read_st_header,
+                                 split_source)
+from gqakit.core.outdir import MODEL, RUN, check_not_an_input, check_output_path
+from gqakit.uptrain.config import UptrainConfig, load_config
+
+CKPT_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+# Settings that fix the data order and the meaning of a step: a resumed run must match them.
+RESUME_KEYS = ("seq_len", "micro_batch", "grad_accum", "seed")
+# Data settings that change the token stream: a resumed run must match them too.
+RESUME_DATA_KEYS = ("texts", "hf_dataset", "hf_config", "hf_split", "text_field", "sample_by", "add_bos", "add_eos",
+                    "teacher_samples")
+
+
+@dataclass
+class Checked:
+    """What preflight found: the resolved paths and how the run folder will be used."""
+
+    cfg: UptrainConfig
+    src: Path
+    out: Path
+    teacher: Path | None
+    files: list[Path]
+    eval_files: list[Path]
+    mode: str                      # "fresh", "overwrite" or "resume"
+    resume_step: int | None = None
+    resume_state: dict[str, Any] = field(default_factory=dict)
+    config_path: Path | None = None
+    overrides: tuple[str, ...] = ()
+
+    def resume_command(self) -> str:
+        """The command that continues this run."""
+        cfg = str(self.config_path) if self.config_path else "CONFIG.yaml"
+        return " ".join(["gqakit uptrain", cfg, *self.overrides, "--resume"])
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def resolve_files(patterns: Sequence[str], what: str = "data.files") -> list[Path]:
+    """Expand globs; every pattern must match at least one non-empty file."""
+    files: list[Path] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(os.path.expanduser(pat), recursive=True))
+        hits = [h for h in hits if Path(h).is_file()]
+        if not hits:
+            raise GqakitError(f"{what}: no file matches {pat!r}")
+        files += [Path(h).resolve() for h in hits]
+    for f in files:
+        if f.stat().st_size == 0:
+            raise GqakitError(f"{what}: {f} is empty")
+    return list(dict.fromkeys(files))
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    return a.stat().st_size == b.stat().st_size and file_sha256(a) == file_sha256(b)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the run's checkpoints, oldest first (a folder needs its state file)."""
+    found = []
+    for p in (out / CKPT_DIR).glob("step-*"):
+        if (p / STATE_FILE).is_file() and p.name[5:].isdigit():
+            found.append((int(p.name[5:]), p))
+    return sorted(found)
+
+
+def checkpoint_files(ckpt: Path) -> dict[str, str]:
+    """sha256 of every file of a checkpoint but its state file (recorded in the state file)."""
+    return {str(p.relative_to(ckpt)): file_sha256(p) for p in sorted(ckpt.rglob("*"))
+            if p.is_file() and p.name != STATE_FILE}
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    """trainer_state.json of a checkpoint; ValueError says what is wrong with it."""
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{STATE_FILE}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
+        raise ValueError(f"{STATE_FILE}: no integer 'step'")
+    if state["step"] != int(ckpt.name[5:]):
+        raise ValueError(f"{STATE_FILE}: step {state['step']} does not match the folder name")
+    return state
+
+
+def damage(ckpt: Path) -> str | None:
+    """None when the checkpoint is whole, else 'FILE: what is wrong'.
+
+    Checkpoints written by this version record the sha256 of each file; older ones are
+    checked for structure (safetensors header and size, the zip CRCs of torch files).
+    """
+    try:
+        state = read_state(ckpt)
+    except ValueError as e:
+        return str(e)
+    recorded = state.get("files")
+    if isinstance(recorded, dict):
+        for rel, digest in recorded.items():
+            p = ckpt / rel
+            if not p.is_file():
+                return f"{rel}: missing"
+            if file_sha256(p) != digest:
+                return f"{rel}: its content differs from what was saved (damaged or changed)"
+        return None
+    for p in sorted(ckpt.rglob("*")):
+        if not p.is_file() or p.name == STATE_FILE:
+            continue
+        rel = str(p.relative_to(ckpt))
+        try:
+            if p.suffix == ".safetensors":
+                read_st_header(p)
+            elif p.suffix in (".bin", ".pkl", ".pt"):
+                with zipfile.ZipFile(p) as z:
+                    bad = z.testzip()
+                if bad is not None:
+                    return f"{rel}: member {bad} is corrupt"
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+            return f"{rel}: truncated or corrupt ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def intact_before(out: Path, step: int) -> Path | None:
+    """The newest checkpoint older than STEP that is whole."""
+    for s, p in reversed(checkpoints(out)):
+        if s < step and damage(p) is None:
+            return p
+    return None
+
+
+def damaged_message(ckpt: Path, what: str, out: Path) -> str:
+    step = int(ckpt.name[5:])
+    good = intact_before(out, step)
+    hint = (f"{good.name} is intact: move {ckpt} away and run --resume again to continue from it"
+            if good is not None else "no earlier checkpoint is intact: start again with --overwrite")
+    return f"--resume: checkpoint {ckpt.name} is damaged ({what}); {hint}"
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def _max_positions(cfg: Mapping[str, Any]) -> int | None:
+    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = cfg.get(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _saved_settings(out: Path) -> dict[str, Any]:
+    import yaml
+
+    p = out / UPTRAIN_SETTINGS
+    if not p.is_file():
+        return {}
+    try:
+        tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        raise GqakitError(f"--resume: {p} is damaged (not YAML); the run's settings cannot be compared") from None
+    return tree if isinstance(tree, dict) else {}
+
+
+def _check_resume(cfg: UptrainConfig, out: Path) -> tuple[int, dict[str, Any]]:
+    """The step to resume from and its state; the data's fingerprint is compared once tokenized."""
+    ckpts = checkpoints(out)
+    if not ckpts:
+        raise GqakitError(f"--resume: no checkpoint in {out / CKPT_DIR}; start without --resume")
+    saved = _saved_settings(out)
+    old_train = saved.get("train") if isinstance(saved.get("train"), dict) else {}
+    for k in RESUME_KEYS:
+        if k in old_train and old_train[k] != getattr(cfg.train, k):
+            raise GqakitError(f"--resume: train.{k} was {old_train[k]} in this run, now {getattr(cfg.train, k)}; "
+                              "the data order would differ")
+    old_data = saved.get("data") if isinstance(saved.get("data"), dict) else {}
+    new_data = cfg.data.model_dump(mode="json")
+    for k in RESUME_DATA_KEYS:
+        if k in old_data and old_data[k] != new_data.get(k):
+            raise GqakitError(f"--resume: data.{k} differs from this run's; the training data would differ")
+    step, ckpt = ckpts[-1]
+    what = damage(ckpt)
+    if what is not None:
+        raise GqakitError(damaged_message(ckpt, what, out))
+    state = read_state(ckpt)
+    return step, state
+
+
+def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), *, overwrite: bool = False,
+              resume: bool = False) -> Checked:
+    """All the checks that need no torch; raises one GqakitError, writes nothing."""
+    if overwrite and resume:
+        raise GqakitError("--overwrite and --resume exclude each other")
+    cfg = load_config(config, overrides)
+    t, d = cfg.train, cfg.data
+    config_path = None if isinstance(config, Mapping) else Path(config).expanduser().resolve()
+
+    # ---- the model and the teacher
+    src = Path(cfg.model.path).expanduser().resolve()
+    if not src.is_dir() or not (src / "config.json").is_file():
+        raise GqakitError(f"model.path: {src} is not a model folder (no config.json)")
+    if not is_gqakit_output(src):
+        raise GqakitError(f"model.path: {src} is not a converted model (no gqakit_convert.json); run `gqakit convert` first")
+    hf_cfg = read_config_json(src)
+    check_weights(src)
+    max_pos = _max_positions(hf_cfg)
+    if max_pos is not None and t.seq_len > max_pos:
+        raise GqakitError(f"train.seq_len: {t.seq_len} is longer than the model's {max_pos} positions")
+    teacher = None
+    if cfg.teacher.path:
+        teacher = Path(cfg.teacher.path).expanduser().resolve()
+        try:
+            split_source(teacher)
+        except GqakitError as e:
+            raise GqakitError(f"teacher.path: {e}") from None
+        if teacher.is_dir():
+            check_weights(teacher)
+
+    # ---- data
+    files = resolve_files(d.files) if d.files else []
+    eval_files = resolve_files([d.eval_file], "data.eval_file") if d.eval_file else []
+    for ef in eval_files:
+        for tf in files:
+            if ef == tf:
+                raise GqakitError(f"data.eval_file: {ef} is also a training file; keep held-out text apart")
+            if _same_content(ef, tf):
+                raise GqakitError(f"data.eval_file: {ef} has the same content as the training file {tf}; "
+                                  "keep held-out text apart")
+
+    # ---- the run folder: never an input, never around one
+    out = Path(cfg.output.dir).expanduser().resolve()
+    inputs: list[tuple[str, Path | None]] = [("model.path", src), ("teacher.path", teacher)]
+    inputs += [("training file", f) for f in files] + [("data.eval_file", f) for f in eval_files]
+    if d.cache_dir:
+        inputs.append(("data.cache_dir", Path(d.cache_dir).expanduser()))
+    if config_path is not None and not (resume and config_path == out / UPTRAIN_SETTINGS):
+        inputs.append(("config file", config_path))
+    check_not_an_input(out, inputs, "output.dir")
+    if out.exists() and not out.is_dir():
+        raise GqakitError(f"output.dir {out} is a file, not a folder")
+
+    checked = Checked(cfg, src, out, teacher, files, eval_files, "fresh", config_path=config_path,
+                      overrides=tuple(overrides))
+    if resume:
+        checked.mode = "resume"
+        checked.resume_step, checked.resume_state = _check_resume(cfg, out)
+        if (out / "model").exists():  # the final export replaces it: only if gqakit wrote it
+            check_output_path(out / "model", overwrite=True, inputs=inputs, kind=MODEL, flag="output.dir/model")
+    elif out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise GqakitError(f"output.dir {out} is not empty; pass --overwrite to replace it or --resume to continue")
+        check_output_path(out, overwrite=True, inputs=inputs, kind=RUN, flag="output.dir")
+        checked.mode = "overwrite"
+    return checked

@@ -43,14 +43,19 @@ def read_text(data: str, *, max_chars: int | None = None, text_field: str = "tex
     # Universal newlines, as Python's text mode reads files: a CRLF file and its LF copy
     # must score the same (a stray "\r" is a rare byte-fallback token that costs a lot).
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if max_chars is not None:
-        if max_chars < 1:
-            raise GqakitError(f"--max-chars must be a positive number of characters; got {max_chars}")
-        text = text[:max_chars]
+    text = _clip(text, max_chars)
     if not text.strip():
         raise GqakitError(f"data file {p} is empty")
     digest = hashlib.sha256(raw if max_chars is None else text.encode("utf-8")).hexdigest()
     return EvalText(text=text, source=str(p.resolve()), sha256=digest, max_chars=max_chars)
+
+
+def _clip(text: str, max_chars: int | None) -> str:
+    if max_chars is None:
+        return text
+    if max_chars < 1:
+        raise GqakitError(f"--max-chars must be a positive number of characters; got {max_chars}")
+    return text[:max_chars]
 
 
 def _read_hf(spec: str, *, max_chars: int | None, text_field: str) -> EvalText:
@@ -69,10 +74,7 @@ def _read_hf(spec: str, *, max_chars: int | None, text_field: str) -> EvalText:
     rows = [r for r in ds[text_field] if r]
     # WikiText rows carry their own newlines; plain sentence datasets do not.
     text = "".join(rows) if rows and all(r.endswith("\n") for r in rows) else "\n".join(rows)
-    if max_chars is not None:
-        if max_chars < 1:
-            raise GqakitError(f"--max-chars must be a positive number of characters; got {max_chars}")
-        text = text[:max_chars]
+    text = _clip(text, max_chars)
     if not text.strip():
         raise GqakitError(f"dataset {spec} has no text in column {text_field!r}")
     return EvalText(text=text, source=spec, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),

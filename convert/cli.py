@@ -46,7 +46,7 @@ def _groupings() -> list[str]:
                    "One decoder block is on it at a time.")
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
               help="align-refit setting, repeatable: seq_len, batch, q_ridge, o_ridge, skip_first, holdout, "
-                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk).")
+                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 500MB.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
@@ -61,6 +61,8 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     SRC is a Hugging Face model folder (safetensors, sharded or not, or
     pytorch_model*.bin) or a .gguf file. OUT is a complete model folder that loads
     with stock transformers. SRC is never modified; OUT appears only when complete.
+    align-refit holds one decoder block at a time on --device; if it is killed, the
+    same command run again resumes after its last finished layer.
 
     \b
     Examples:

@@ -487,258 +487,246 @@ class RefitStage:
         self.summary: dict[str, Any] = {}
         self.skeleton: Skeleton | None = None
 
-    def layers(self) -> Iterator[tuple[int, AttnHeads]]:
-        from gqakit.convert import methods
+    # ------------------------------------------------------------------ the stage, block by block
 
+    def layers(self) -> Iterator[tuple[int, AttnHeads]]:
         t0 = time.perf_counter()
         peak = PeakMemory(self.device)
         peak.reset()
-        opts, spec, shape = self.opts, self.spec, self.plan.shape
-        G, KV, L_n = self.settings.num_kv_heads, shape.num_kv_heads, shape.num_layers
+        start = self._prepare()
+        L_n = self.plan.shape.num_layers
+        self.bar = tqdm(total=L_n * len(self.spans) * 3, initial=start * len(self.spans) * 3, desc="calibrating",
+                        unit="batch", disable=not self.progress, dynamic_ncols=True)
+        last_checkpoint = time.perf_counter()
+        for L in range(start, L_n):
+            tl = time.perf_counter()
+            self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
+            blk = _Block(self, L)
+            whiten, s_on, s_nn = self._input_moments(blk)
+            blk.free()  # the CPU fits do not need it: back to meta, read again after
+            pooled = self._fit_heads(blk, whiten, s_on, s_nn)
+            del whiten, s_on, s_nn
+            _trim()
+            blk.load()
+            pooled, converted = self._fit_o_proj(blk, pooled)
+            self._advance_converted(blk, converted)
+            del converted  # the block's weights now: freed with it
+            blk.free()
+            secs = time.perf_counter() - tl
+            self.bar.set_postfix_str(f"{self.tokens / secs:,.0f} tok/s"
+                                     + (f", drift {self.drift[-1]:.3f}" if self.drift else ""))
+            yield L, pooled
+            if (self.resume_dir is not None and L + 1 < L_n
+                    and time.perf_counter() - last_checkpoint >= float(self.opts["checkpoint_seconds"])):
+                self._checkpoint(L + 1)
+                last_checkpoint = time.perf_counter()
+        self.bar.close()
+        self.summary = {
+            "calibration": self.where, "calibration_sequences": self.seqs.shape[0], "seq_len": self.seqs.shape[1],
+            "tokens": self.tokens, "device": self.device, "compute_dtype": str(self.dtype).replace("torch.", ""),
+            "stream_dtype": str(self.stream_dtype).replace("torch.", ""), "streams_on": self.streams.where,
+            "stream_bytes": self.streams.nbytes, "batch": self.batch, "options": self.opts,
+            "residual_drift": self.drift, "residual_drift_first": self.drift_first,
+            "peak_memory_bytes": peak.peak(), "seconds": round(time.perf_counter() - t0, 3),
+            "resumed_at_layer": start if self.resumed else None,
+        }
+
+    def _prepare(self) -> int:
+        """Calibration tokens, the skeleton, every block's extra inputs and the two streams
+        (from a checkpoint when resuming). Returns the first layer to fit."""
+        L_n = self.plan.shape.num_layers
         state = load_checkpoint(self.resume_dir)
+        self.resumed = state is not None
         if state is not None:
-            ck = self.resume_dir / CHECKPOINT
-            seqs, where = torch.load(ck / "seqs.pt"), state["where"]
-            start, drift, drift_first = state["layers_done"], state["drift"], state["drift_first"]
+            assert self.resume_dir is not None
+            self.seqs, self.where = torch.load(self.resume_dir / CHECKPOINT / "seqs.pt"), state["where"]
+            start, self.drift, self.drift_first = state["layers_done"], state["drift"], state["drift_first"]
         else:
-            seqs, where = calibration_sequences(
+            self.seqs, self.where = calibration_sequences(
                 self.opened, self.settings.calibration_data, self.settings.calibration_tokens,
-                int(opts["seq_len"]), self.settings.seed, sample_batch=int(opts["sample_batch"]),
+                int(self.opts["seq_len"]), self.settings.seed, sample_batch=int(self.opts["sample_batch"]),
                 device=self.device, progress=self.progress, source_params=self.plan.source_params)
-            start, drift, drift_first = 0, [], []
-        n_seq, T = seqs.shape
-        sk = self.skeleton = Skeleton(self.opened, spec, L_n, self.device, self.dtype)
-        remap = sk.load_outer(seqs)
-        step = self.batch
-        spans = [slice(i, min(i + step, n_seq)) for i in range(0, n_seq, step)]
-        calls: dict[int, list] = {}
-        D = None
+            start, self.drift, self.drift_first = 0, [], []
+        n_seq, T = self.seqs.shape
+        self.tokens = n_seq * T
+        sk = self.skeleton = Skeleton(self.opened, self.spec, L_n, self.device, self.dtype)
+        remap = sk.load_outer(self.seqs)
+        self.spans = [slice(i, min(i + self.batch, n_seq)) for i in range(0, n_seq, self.batch)]
+        self.calls: dict[int, list] = {}
         streams: Streams | None = None
-        for sl in spans:
-            if state is not None and (sl.stop - sl.start) in calls:
+        for sl in self.spans:
+            if state is not None and (sl.stop - sl.start) in self.calls:
                 continue  # resuming: the streams come from the checkpoint, only the block inputs are needed
-            h = sk.block_inputs(remap[seqs[sl]], calls)
+            h = sk.block_inputs(remap[self.seqs[sl]], self.calls)
             if streams is None:
-                D = h.shape[-1]
+                self.hidden = h.shape[-1]
                 per_block = self.plan.source_params // max(L_n, 1) * self.dtype.itemsize
-                nbytes = 2 * n_seq * T * D * self.stream_dtype.itemsize
-                place = choose_offload(opts["offload"], nbytes, per_block, self.device)
-                streams = Streams((n_seq, T, D), self.stream_dtype, place, self.device,
+                nbytes = 2 * n_seq * T * self.hidden * self.stream_dtype.itemsize
+                place = choose_offload(self.opts["offload"], nbytes, per_block, self.device)
+                streams = Streams((n_seq, T, self.hidden), self.stream_dtype, place, self.device,
                                   (self.scratch / "calibration-streams") if self.scratch else None)
             if state is None:
                 streams.put("orig", sl, h)
                 streams.put("new", sl, h)
-        assert streams is not None and D is not None
+        assert streams is not None
+        self.streams = streams
         if state is not None:
+            assert self.resume_dir is not None
             streams.load(self.resume_dir / CHECKPOINT)
-        last_checkpoint = time.perf_counter()
+        return start
 
-        # rows of each span that enter the fits / the drift measure (see `holdout`, `skip_first`)
-        n_hold = min(n_seq - 1, int(round(float(opts["holdout"]) * n_seq)))
-        pos = torch.arange(T, device=self.device)
+    def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:
+        """Rows of span `sl`: those that enter the fits, those the drift is measured on, and
+        the first positions of the measured sequences (see `holdout`, `skip_first`)."""
+        n_seq, T = self.seqs.shape
+        n_hold = min(n_seq - 1, int(round(float(self.opts["holdout"]) * n_seq)))
+        seq = torch.arange(sl.start, sl.stop, device=self.device).repeat_interleave(T)
+        p = torch.arange(T, device=self.device).repeat(sl.stop - sl.start)
+        held = seq >= n_seq - n_hold
+        skip = p >= int(self.opts["skip_first"])
+        measure = (skip & held) if n_hold else skip
+        first = (p == 0) & held if n_hold else (p == 0)
+        return skip & ~held, measure, first
 
-        def masks(sl: slice) -> tuple[Tensor, Tensor, Tensor]:
-            seq = torch.arange(sl.start, sl.stop, device=self.device).repeat_interleave(T)
-            p = pos.repeat(sl.stop - sl.start)
-            held = seq >= n_seq - n_hold
-            skip = p >= int(opts["skip_first"])
-            measure = (skip & held) if n_hold else skip
-            first = (p == 0) & held if n_hold else (p == 0)
-            return skip & ~held, measure, first
+    def _input_moments(self, blk: "_Block") -> tuple[Tensor, Tensor, Tensor]:
+        """1. float64 moments of the attention inputs [x 1] of both streams, batch by batch:
+        (Cholesky factor of E[x~ x~^T], E[x~ x~'^T], E[x~' x~'^T]), on the CPU."""
+        D, f64 = self.hidden, torch.float64
+        s_oo = torch.zeros(D + 1, D + 1, dtype=f64, device=self.device)
+        s_on, s_nn = torch.zeros_like(s_oo), torch.zeros_like(s_oo)
+        n_rows = 0
+        g = _Grab(blk.q_in, stop=True)
+        with torch.inference_mode():
+            try:
+                for sl in self.spans:
+                    keep = self._masks(sl)[0]
+                    blk.run(sl, "orig")
+                    xo = g.rows[keep].to(f64)
+                    blk.run(sl, "new")
+                    xn = g.rows[keep].to(f64)
+                    _add_moment(s_oo, xo, xo)
+                    _add_moment(s_on, xo, xn)
+                    _add_moment(s_nn, xn, xn)
+                    n_rows += xo.shape[0]
+                    del xo, xn
+                    self.bar.update(1)
+            finally:
+                g.remove()
+        if n_rows == 0:
+            raise GqakitError("no calibration rows left for the fits: lower skip_first or holdout, or pass "
+                              "more --calibration-tokens")
+        for m in (s_oo, s_on, s_nn):
+            m /= n_rows
+        s_oo, s_on, s_nn = s_oo.cpu(), s_on.cpu(), s_nn.cpu()
+        s_oo.diagonal().add_(1e-8 * float(torch.diagonal(s_oo).mean()))
+        return torch.linalg.cholesky(s_oo), s_on, s_nn
 
-        a = spec.attention
-        group_fn = methods.GROUPINGS[self.settings.grouping]
-        tokens = n_seq * T
-        bar = tqdm(total=L_n * len(spans) * 3, initial=start * len(spans) * 3, desc="calibrating", unit="batch",
-                   disable=not self.progress, dynamic_ncols=True)
-        f64 = torch.float64
-        for L in range(start, L_n):
-            tl = time.perf_counter()
-            bar.set_description(f"calibrating layer {L + 1}/{L_n}")
-            block = sk.load_block(L)
-            prefix = sk.block_names[L] + "."
-            attn_prefix = a.prefix.format(layer=L)
-            q_in = block.get_submodule((attn_prefix + (a.q or a.qkv))[len(prefix):])
-            o_mod = block.get_submodule((attn_prefix + a.o)[len(prefix):])
-            names = layer_names(spec, L)
-            params = dict(block.named_parameters())
-            attn_rel = {n: n[len(prefix):] for n in names.values() if n[len(prefix):] in params}
-            original = {n: params[r].data for n, r in attn_rel.items()}
+    def _fit_heads(self, blk: "_Block", whiten: Tensor, s_on: Tensor, s_nn: Tensor) -> AttnHeads:
+        """2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64."""
+        from gqakit.convert import methods
 
-            def use(weights: dict[str, Tensor]) -> None:
-                cur = dict(block.named_parameters())
-                for n, r in attn_rel.items():
-                    cur[r].data = weights[n]
+        spec, shape, G, L = self.spec, self.plan.shape, self.settings.num_kv_heads, blk.L
+        src_t = {n: self.opened.source.get(self.skeleton.src(n)) for n in blk.attn_rel}
+        heads = read_heads(spec, shape, src_t, L, dtype=torch.float64)
+        ctx = PoolContext(G, contiguous_groups(shape.num_kv_heads, G), spec.rotary.style, shape.rotary_dim, L, None,
+                          {"whiten": whiten})
+        h = regroup(heads, methods.GROUPINGS[self.settings.grouping](heads, ctx))
+        al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
+        del heads, h, src_t
+        pooled = pool_mean(al, G)
+        if float(self.opts["q_ridge"]) >= 0:
+            pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
+                                   s_ab=s_on, s_bb=s_nn, ridge=float(self.opts["q_ridge"]))
+        return pooled
 
-            def run(sl: slice, x: Tensor | str) -> Tensor | None:
-                """Block L on span `sl` of a stream (by name) or on `x`; None when a hook stopped it."""
-                if isinstance(x, str):
-                    x = streams.get(x, sl, self.dtype)
+    def _fit_o_proj(self, blk: "_Block", pooled: AttnHeads) -> tuple[AttnHeads, dict[str, Tensor]]:
+        """4. o_proj's float64 normal equations on the converted block, towards the original
+        residual stream after attention; advances the original stream one block on the way.
+        Returns the final heads and their block weights."""
+        D, f64, opts = self.hidden, torch.float64, self.opts
+        converted = blk.weights(pooled)
+        fit_o = float(opts["o_ridge"]) >= 0
+        H_D = pooled.o.shape[1] * pooled.o.shape[2]
+        zz = torch.zeros(H_D, H_D, dtype=f64, device=self.device) if fit_o else None
+        zt = torch.zeros(H_D, pooled.o.shape[0], dtype=f64, device=self.device) if fit_o else None
+        o_bias = blk.o_bias()
+        with torch.inference_mode():
+            for sl in self.spans:
+                keep = self._masks(sl)[0]
+                blk.use(blk.original)
+                ro = self.streams.get("orig", sl, self.dtype)
+                grab_out = _Grab(blk.o_mod, output=True)
                 try:
-                    return _call_block(block, x, calls[sl.stop - sl.start][L])
-                except _Stop:
-                    return None
-
-            # 1. moments of the attention inputs, original vs converted stream (x with a 1 appended)
-            s_oo = torch.zeros(D + 1, D + 1, dtype=f64, device=self.device)
-            s_on, s_nn = torch.zeros_like(s_oo), torch.zeros_like(s_oo)
-            n_rows = 0
-            g = _Grab(q_in, stop=True)
-            with torch.inference_mode():
-                try:
-                    for sl in spans:
-                        keep = masks(sl)[0]
-                        run(sl, "orig")
-                        xo = g.rows[keep].to(f64)
-                        run(sl, "new")
-                        xn = g.rows[keep].to(f64)
-                        _add_moment(s_oo, xo, xo)
-                        _add_moment(s_on, xo, xn)
-                        _add_moment(s_nn, xn, xn)
-                        n_rows += xo.shape[0]
-                        del xo, xn
-                        bar.update(1)
+                    ro_next = blk.run(sl, ro)
                 finally:
-                    g.remove()
-            if n_rows == 0:
-                raise GqakitError("no calibration rows left for the fits: lower skip_first or holdout, or pass "
-                                  "more --calibration-tokens")
-            for m in (s_oo, s_on, s_nn):
-                m /= n_rows
-            s_oo, s_on, s_nn = s_oo.cpu(), s_on.cpu(), s_nn.cpu()
-            s_oo.diagonal().add_(1e-8 * float(torch.diagonal(s_oo).mean()))
-            whiten = torch.linalg.cholesky(s_oo)
-            del s_oo
-
-            # 2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64; the
-            # block is not needed meanwhile, so it goes back to meta and is read again after
-            del original, params
-            sk.free_block(L)
-            _empty_cache(self.device)
-            src_t = {n: self.opened.source.get(sk.src(n)) for n in attn_rel}
-            heads = read_heads(spec, shape, src_t, L, dtype=f64)
-            ctx = PoolContext(G, contiguous_groups(KV, G), spec.rotary.style, shape.rotary_dim, L, None,
-                              {"whiten": whiten})
-            h = regroup(heads, group_fn(heads, ctx))
-            al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
-            del heads, h, src_t
-            pooled = pool_mean(al, G)
-            if float(opts["q_ridge"]) >= 0:
-                pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
-                                       s_ab=s_on, s_bb=s_nn, ridge=float(opts["q_ridge"]))
-            del s_on, s_nn, whiten, al
-            _trim()
-
-            def as_block(hd: AttnHeads) -> dict[str, Tensor]:
-                out = write_heads(spec, expand_kv(hd, KV), L, {n: self.dtype for n in attn_rel})
-                return {n: t.to(self.device) for n, t in out.items()}
-
-            converted = as_block(pooled)
-            block = sk.load_block(L)
-            params = dict(block.named_parameters())
-            original = {n: params[r].data for n, r in attn_rel.items()}
-            # 4. o_proj normal equations (and the original stream advanced one block)
-            fit_o = float(opts["o_ridge"]) >= 0
-            H_D = pooled.o.shape[1] * pooled.o.shape[2]
-            zz = torch.zeros(H_D, H_D, dtype=f64, device=self.device) if fit_o else None
-            zt = torch.zeros(H_D, pooled.o.shape[0], dtype=f64, device=self.device) if fit_o else None
-            o_bias_name = names["o.weight"][: -len("weight")] + "bias"
-            o_bias = params[o_bias_name[len(prefix):]].data.to(f64) if o_bias_name[len(prefix):] in params else None
-            with torch.inference_mode():
-                for sl in spans:
-                    keep = masks(sl)[0]
-                    use(original)
-                    ro = streams.get("orig", sl, self.dtype)
-                    grab_out = _Grab(o_mod, output=True)
+                    grab_out.remove()
+                if fit_o:
+                    out_o = grab_out.rows[keep].to(f64)
+                    ro_rows = ro.reshape(-1, D)[keep].to(f64)
+                    target = out_o
+                    if opts["target"] == "residual":
+                        rn_rows = self.streams.get("new", sl, self.dtype).reshape(-1, D)[keep].to(f64)
+                        target = target + (ro_rows - rn_rows)
+                    if opts["row_weight"] == "relative":
+                        post = ro_rows + out_o
+                        w = (1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)).sqrt().unsqueeze(1)
+                    else:
+                        w = torch.ones(out_o.shape[0], 1, dtype=f64, device=self.device)
+                    if o_bias is not None:
+                        target = target - o_bias
+                    blk.use(converted)
+                    g = _Grab(blk.o_mod, stop=True)
                     try:
-                        ro_next = run(sl, ro)
+                        blk.run(sl, "new")
                     finally:
-                        grab_out.remove()
-                    if fit_o:
-                        out_o = grab_out.rows[keep].to(f64)
-                        ro_rows = ro.reshape(-1, D)[keep].to(f64)
-                        target = out_o
-                        if opts["target"] == "residual":
-                            rn_rows = streams.get("new", sl, self.dtype).reshape(-1, D)[keep].to(f64)
-                            target = target + (ro_rows - rn_rows)
-                        if opts["row_weight"] == "relative":
-                            post = ro_rows + out_o
-                            w = (1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)).sqrt().unsqueeze(1)
-                        else:
-                            w = torch.ones(out_o.shape[0], 1, dtype=f64, device=self.device)
-                        if o_bias is not None:
-                            target = target - o_bias
-                        use(converted)
-                        g = _Grab(o_mod, stop=True)
-                        try:
-                            run(sl, "new")
-                        finally:
-                            g.remove()
-                        z = g.rows[keep].to(f64) * w
-                        zz.addmm_(z.T, z)
-                        zt.addmm_(z.T, target * w)
-                        del z, target, w
-                    streams.put("orig", sl, ro_next)
-                    bar.update(1)
-            if fit_o:
-                pooled = pooled.replace(o=refit_o_proj_moments(zz.cpu(), zt.cpu(), pooled.o, float(opts["o_ridge"])))
-                converted = as_block(pooled)
-            del zz, zt
+                        g.remove()
+                    z = g.rows[keep].to(f64) * w
+                    zz.addmm_(z.T, z)
+                    zt.addmm_(z.T, target * w)
+                    del z, target, w
+                self.streams.put("orig", sl, ro_next)
+                self.bar.update(1)
+        if fit_o:
+            pooled = pooled.replace(o=refit_o_proj_moments(zz.cpu(), zt.cpu(), pooled.o, float(opts["o_ridge"])))
+            converted = blk.weights(pooled)
+        return pooled, converted
 
-            # 5. the converted stream advanced one block; drift against the original one
-            use(converted)
-            del original
-            _trim()
-            err = torch.zeros(2, dtype=f64, device=self.device)
-            cnt = torch.zeros(2, dtype=f64, device=self.device)
-            with torch.inference_mode():
-                for sl in spans:
-                    rn_next = run(sl, "new")
-                    streams.put("new", sl, rn_next)
-                    if L + 1 < L_n:
-                        _, measure, first = masks(sl)
-                        ro = streams.get("orig", sl, self.dtype).reshape(-1, D)
-                        rel = ((rn_next.reshape(-1, D) - ro).norm(dim=1).to(f64)
-                               / ro.norm(dim=1).to(f64).clamp_min(1e-30))
-                        err += torch.stack([rel[measure].sum(), rel[first].sum()])
-                        cnt += torch.stack([measure.sum(), first.sum()]).to(f64)
-                    bar.update(1)
-            if L + 1 < L_n:
-                e = (err / cnt.clamp_min(1)).tolist()
-                drift.append(e[0])
-                drift_first.append(e[1])
-            sk.free_block(L)
-            del converted, params
-            _empty_cache(self.device)
-            secs = time.perf_counter() - tl
-            bar.set_postfix_str(f"{tokens / secs:,.0f} tok/s" + (f", drift {drift[-1]:.3f}" if drift else ""))
-            yield L, pooled
-            if (self.resume_dir is not None and L + 1 < L_n
-                    and time.perf_counter() - last_checkpoint >= float(opts["checkpoint_seconds"])):
-                self._checkpoint(L + 1, seqs, where, streams, drift, drift_first)
-                last_checkpoint = time.perf_counter()
-        bar.close()
-        self.summary = {
-            "calibration": where, "calibration_sequences": n_seq, "seq_len": T, "tokens": n_seq * T,
-            "device": self.device, "compute_dtype": str(self.dtype).replace("torch.", ""),
-            "stream_dtype": str(self.stream_dtype).replace("torch.", ""), "streams_on": streams.where,
-            "stream_bytes": streams.nbytes, "batch": self.batch, "options": self.opts,
-            "residual_drift": drift, "residual_drift_first": drift_first,
-            "peak_memory_bytes": peak.peak(), "seconds": round(time.perf_counter() - t0, 3),
-            "resumed_at_layer": start if state is not None else None,
-        }
+    def _advance_converted(self, blk: "_Block", converted: dict[str, Tensor]) -> None:
+        """5. the converted stream advanced one block; its drift from the original one recorded."""
+        D, f64 = self.hidden, torch.float64
+        last = blk.L + 1 == self.plan.shape.num_layers
+        blk.use(converted)
+        blk.original = None
+        _trim()
+        err = torch.zeros(2, dtype=f64, device=self.device)
+        cnt = torch.zeros(2, dtype=f64, device=self.device)
+        with torch.inference_mode():
+            for sl in self.spans:
+                rn_next = blk.run(sl, "new")
+                self.streams.put("new", sl, rn_next)
+                if not last:
+                    _, measure, first = self._masks(sl)
+                    ro = self.streams.get("orig", sl, self.dtype).reshape(-1, D)
+                    rel = ((rn_next.reshape(-1, D) - ro).norm(dim=1).to(f64)
+                           / ro.norm(dim=1).to(f64).clamp_min(1e-30))
+                    err += torch.stack([rel[measure].sum(), rel[first].sum()])
+                    cnt += torch.stack([measure.sum(), first.sum()]).to(f64)
+                self.bar.update(1)
+        if not last:
+            e = (err / cnt.clamp_min(1)).tolist()
+            self.drift.append(e[0])
+            self.drift_first.append(e[1])
 
-    def _checkpoint(self, layers_done: int, seqs: Tensor, where: str, streams: Streams, drift: list[float],
-                    drift_first: list[float]) -> None:
+    def _checkpoint(self, layers_done: int) -> None:
         """Save what a resumed run needs, atomically: a kill during the save keeps the last one."""
         assert self.resume_dir is not None
         tmp, final = self.resume_dir / (CHECKPOINT + ".tmp"), self.resume_dir / CHECKPOINT
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        torch.save(seqs, tmp / "seqs.pt")
-        streams.save(tmp)
-        state = {"layers_done": layers_done, "where": where, "drift": drift, "drift_first": drift_first,
-                 "written": self.written() if self.written else []}
+        torch.save(self.seqs, tmp / "seqs.pt")
+        self.streams.save(tmp)
+        state = {"layers_done": layers_done, "where": self.where, "drift": self.drift,
+                 "drift_first": self.drift_first, "written": self.written() if self.written else []}
         (tmp / "state.json").write_text(json.dumps(state) + "\n")
         old = self.resume_dir / (CHECKPOINT + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -746,3 +734,67 @@ class RefitStage:
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
+
+
+class _Block:
+    """Decoder block L of the stage's skeleton: loaded on the device or freed, its attention
+    weights swappable between the original and a converted set, run on a span of a stream."""
+
+    def __init__(self, stage: RefitStage, L: int):
+        self.stage, self.L = stage, L
+        sk, a = stage.skeleton, stage.spec.attention
+        assert sk is not None
+        self.prefix = sk.block_names[L] + "."
+        attn = a.prefix.format(layer=L)
+        self.q_name = (attn + (a.q or a.qkv))[len(self.prefix):]
+        self.o_name = (attn + a.o)[len(self.prefix):]
+        self.names = layer_names(stage.spec, L)
+        on_meta = dict(sk.blocks[L].named_parameters())
+        self.attn_rel = {n: n[len(self.prefix):] for n in self.names.values() if n[len(self.prefix):] in on_meta}
+        self.original: dict[str, Tensor] | None = None
+        self.load()
+
+    def load(self) -> None:
+        self.block = self.stage.skeleton.load_block(self.L)
+        params = dict(self.block.named_parameters())
+        self.original = {n: params[r].data for n, r in self.attn_rel.items()}
+
+    def free(self) -> None:
+        self.original = None
+        self.stage.skeleton.free_block(self.L)
+        _empty_cache(self.stage.device)
+
+    @property
+    def q_in(self) -> Any:
+        return self.block.get_submodule(self.q_name)
+
+    @property
+    def o_mod(self) -> Any:
+        return self.block.get_submodule(self.o_name)
+
+    def o_bias(self) -> Tensor | None:
+        rel = (self.names["o.weight"][: -len("weight")] + "bias")[len(self.prefix):]
+        params = dict(self.block.named_parameters())
+        return params[rel].data.to(torch.float64) if rel in params else None
+
+    def weights(self, heads: AttnHeads) -> dict[str, Tensor]:
+        """`heads` as this block's attention tensors (K/V repeated back to the block's head count)."""
+        st = self.stage
+        out = write_heads(st.spec, expand_kv(heads, st.plan.shape.num_kv_heads), self.L,
+                          {n: st.dtype for n in self.attn_rel})
+        return {n: t.to(st.device) for n, t in out.items()}
+
+    def use(self, weights: dict[str, Tensor]) -> None:
+        cur = dict(self.block.named_parameters())
+        for n, r in self.attn_rel.items():
+            cur[r].data = weights[n]
+
+    def run(self, sl: slice, x: Tensor | str) -> Tensor | None:
+        """The block on span `sl` of a stream (by name) or on `x`; None when a hook stopped it."""
+        st = self.stage
+        if isinstance(x, str):
+            x = st.streams.get(x, sl, st.dtype)
+        try:
+            return _call_block(self.block, x, st.calls[sl.stop - sl.start][self.L])
+        except _Stop:
+            return None

@@ -18,3 +18,10 @@ class GqakitError(Exception):
     def one_line(self) -> str:
         """The message on one line, whatever the text it quotes (file content, library errors)."""
         return " ".join(str(self).split())
+
+
+class Interrupted(GqakitError):
+    """Ctrl-C: say where the run stands and how to continue it."""
+
+    exit_code = 130
+    label = "interrupted"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, Interrupted
 
 TMP_MARK = ".gqakit-tmp-"
 MANIFEST = ".gqakit-output.json"
@@ -360,9 +360,12 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
             if isinstance(e, OSError):
                 raise GqakitError(describe_oserror(e, out)) from None
             raise
+        kept = f"finished layers are kept in {part}; re-run the same command to resume"
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"stopped; {kept}") from None
         if isinstance(e, (GqakitError, OSError)):
             msg = describe_oserror(e, out) if isinstance(e, OSError) else str(e)
-            raise GqakitError(f"{msg} (finished layers are kept in {part}; re-run the same command to resume)") from None
+            raise GqakitError(f"{msg} ({kept})") from None
         raise
     try:
         shutil.rmtree(part / RESUME_DIR, ignore_errors=True)

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, Interrupted
 from gqakit.core.loading import UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_tokenizer
 from gqakit.core.outdir import (MANIFEST, RUN, RUN_ENTRIES, check_output_path, describe_oserror, make_dirs,
                                 remove_if_empty, write_manifest)
@@ -210,13 +210,6 @@ class RunLog:
 
 class Diverged(GqakitError):
     """Training produced NaN/inf: stopped before the bad values reach a checkpoint."""
-
-
-class Interrupted(GqakitError):
-    """Ctrl-C: say where the run stands and how to continue it."""
-
-    exit_code = 130
-    label = "interrupted"
 
 
 def _nonfinite(accelerator: Any, tensors: Iterable[torch.Tensor]) -> bool:

@@ -478,10 +478,10 @@ class RefitStage:
             self.dtype = torch.float64 if small else torch.float32
         else:
             self.dtype = getattr(torch, self.opts["dtype"])
-        # sequences per block forward: small on the CPU, where every row's float64 temporaries
-        # count against host memory; larger on a GPU (4,096 tokens), where wide batches keep it busy
+        # sequences per block forward: 4 on the CPU, 8 on a GPU (2,048 tokens: enough to keep
+        # it busy, while the float64 temporaries of the fits stay small next to the streams)
         b = self.opts["batch"]
-        self.batch = int(b) if b != "auto" else (16 if str(device).startswith("cuda") else 4)
+        self.batch = int(b) if b != "auto" else (8 if str(device).startswith("cuda") else 4)
         sd = self.opts["stream_dtype"]
         self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
         self.summary: dict[str, Any] = {}

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gqakit.convert import arch as archmod
+from gqakit.core import arch as archmod
 from gqakit.convert.align import (align_heads, expand_kv, pool_mean, refit_o_proj_moments, refit_queries)
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
@@ -110,13 +110,6 @@ def source_path(opened: Any) -> Path:
     return Path(opened.folder) / opened.gguf if opened.gguf else Path(opened.folder)
 
 
-def max_positions(config: dict[str, Any]) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
-        if config.get(key):
-            return int(config[key])
-    return None
-
-
 def _bos_id(config: dict[str, Any], tokenizer: Any = None) -> int:
     tid = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     if tid is None:
@@ -146,7 +139,7 @@ def calibration_sequences(opened: Any, data: str | None, tokens: int, seq_len: i
     """Token ids [n_seq, seq_len] (each sequence starts with BOS) and where they came from."""
     path = source_path(opened)
     cfg = {**opened.config, **{k: v for k, v in _generation_config(opened).items() if v is not None}}
-    max_pos = max_positions(opened.config)
+    max_pos = archmod.max_positions(opened.config)
     seq_len = min(seq_len, max_pos) if max_pos else seq_len
     n_seq = max(1, math.ceil(tokens / seq_len))
     if data:
@@ -305,9 +298,7 @@ class Skeleton:
         with init_empty_weights(include_buffers=False):  # buffers (rotary inv_freq, masks) stay real
             self.model = AutoModelForCausalLM.from_config(config)
         self.model.eval()
-        pre = [spec.attention.prefix.format(layer=L) for L in range(num_layers)]
-        # the attention prefix ends "<block>.<attention module>.": the block is what comes before
-        self.block_names = [p[:-1].rsplit(".", 1)[0] for p in pre]
+        self.block_names = [spec.block_name(L) for L in range(num_layers)]
         self.blocks = [self.model.get_submodule(n) for n in self.block_names]
         self.body = getattr(self.model, "base_model", None) or self.model
         names = set(self.source.names())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gqakit.convert import arch as archmod
+from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
 
 
@@ -164,11 +164,11 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
     opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
     s = archmod.shape_of(spec, opened.config)
-    ctx = context or int(opened.config.get("max_position_embeddings") or opened.config.get("n_positions") or 2048)
+    ctx = context or s.max_positions or 2048
     rows = []
     for g in [d for d in range(s.num_kv_heads, 0, -1) if s.num_kv_heads % d == 0]:
         plan = make_plan(opened, Settings(str(src), g))
-        per_tok = plan.kv_bytes_per_token(g, dtype_bytes)
+        per_tok = s.kv_bytes_per_token(dtype_bytes, g)
         rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
                      "kv_cache_bytes": per_tok * batch * ctx,
                      "parameters_removed": plan.source_params - plan.output_params})

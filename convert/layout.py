@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from gqakit.convert.arch import ArchSpec, Shape
+from gqakit.core.arch import ArchSpec, Shape
 
 
 @dataclass

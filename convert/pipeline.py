@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 import gqakit
-from gqakit.convert import arch as archmod
+from gqakit.core import arch as archmod
 from gqakit.convert.io import Planned, ShardWriter, Source, DictSource, open_source
 from gqakit.convert.layout import AttnHeads, layer_names, output_shapes, read_heads, write_heads
 from gqakit.convert.pooling import PoolContext, contiguous_groups
@@ -80,9 +80,6 @@ class Plan:
     layer_of: dict[str, int]  # attention tensor name -> layer
     source_params: int
     output_params: int
-
-    def kv_bytes_per_token(self, kv_heads: int, bytes_per_elem: int) -> int:
-        return 2 * self.shape.num_layers * kv_heads * self.shape.head_dim * bytes_per_elem
 
 
 # ----------------------------------------------------------------------------- source
@@ -389,7 +386,7 @@ def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, s
         shutil.copy2(f, tmp / f.name)
     s, G = plan.shape, settings.num_kv_heads
     elem = _attention_itemsize(plan)
-    before, after = plan.kv_bytes_per_token(s.num_kv_heads, elem), plan.kv_bytes_per_token(G, elem)
+    before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, G)
     record = {"gqakit_version": gqakit.__version__, "settings": asdict(settings), "family": plan.family,
               "num_heads": s.num_heads, "num_kv_heads_before": s.num_kv_heads, "num_kv_heads": G,
               "head_dim": s.head_dim, "num_layers": s.num_layers,

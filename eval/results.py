@@ -77,31 +77,22 @@ def run_info(*, command: list[str] | None, device: Any, dtype: Any) -> dict[str,
 
 def model_info(model: Any, path: str | Path, dtype_bytes: int) -> dict[str, Any]:
     """Shape facts of a loaded model, and the KV-cache bytes one token costs."""
+    from gqakit.core.arch import loaded_shape
+
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    layers = int(cfg.num_hidden_layers)
+    s = loaded_shape(cfg)
     return {
         "path": str(path),
         "model_type": getattr(cfg, "model_type", None),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "layers": layers,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_positions": max_positions(cfg),
+        "layers": s.num_layers,
+        "heads": s.num_heads,
+        "kv_heads": s.num_kv_heads,
+        "head_dim": s.head_dim,
+        "max_positions": s.max_positions,
         # K and V, every layer, every KV head: what each cached token costs.
-        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * dtype_bytes,
+        "kv_bytes_per_token": s.kv_bytes_per_token(dtype_bytes),
     }
-
-
-def max_positions(cfg: Any) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 def write_results(results: dict[str, Any], out: Path) -> Path:

@@ -27,6 +27,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from gqakit.core.arch import loaded_shape
 from gqakit.core.device import PeakMemory, available_memory  # noqa: F401  (re-exported)
 from gqakit.core.errors import GqakitError
 from gqakit.eval.attention import SdpaSpy, describe_path, use_gqa_attention
@@ -117,10 +118,9 @@ class DecodeBench:
 
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.cfg = model.config.get_text_config(decoder=True)
-        self.heads = int(self.cfg.num_attention_heads)
-        self.kv_heads = int(getattr(self.cfg, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.heads)
-        self.layers = int(self.cfg.num_hidden_layers)
+        shape = loaded_shape(self.cfg)
+        self.heads, self.kv_heads, self.head_dim, self.layers = (shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                                                 shape.num_layers)
         self.vocab = int(self.cfg.vocab_size)
         self.elem = torch.finfo(dtype).bits // 8
         self.attn_impl = use_gqa_attention(model)
@@ -131,7 +131,7 @@ class DecodeBench:
         # which it reads only the B looked-up rows.
         self.weight_bytes = (params - (0 if tied else emb.numel())) * self.elem
         self.matmul_params = params - emb.numel() + (emb.numel() if tied or model.get_output_embeddings() is not None else 0)
-        self.kv_bytes_per_token = 2 * self.layers * self.kv_heads * self.head_dim * self.elem
+        self.kv_bytes_per_token = shape.kv_bytes_per_token(self.elem)
         sig = inspect.signature(model.forward).parameters
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
         self.compiled = False

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gqakit.convert import arch as archmod
+from gqakit.core import arch as archmod
 from gqakit.convert.align import align_heads, expand_kv, pool_mean, refit_o_proj, refit_queries
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup

@@ -139,7 +139,7 @@ def test_unsupported_architecture_lists_supported(src, tmp_path, capsys):
     cfg["architectures"], cfg["model_type"] = ["MambaForCausalLM"], "mamba"
     (bad / "config.json").write_text(json.dumps(cfg))
     assert_one_line_error(*run_cli(["convert", bad, tmp_path / "o", "-g", 2], capsys),
-                          "MambaForCausalLM", "llama", "gpt2", "convert/architectures")
+                          "MambaForCausalLM", "llama", "gpt2", "core/architectures")
 
 
 def test_out_exists_or_equals_or_inside_source(src, tmp_path, capsys):

@@ -24,7 +24,7 @@ def llama70b_mha_source(layers: int = 80, hidden: int = 8192, heads: int = 64, i
     t["model.norm.weight"], t["lm_head.weight"] = meta(hidden), meta(vocab, hidden)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
               "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-              "intermediate_size": inter, "vocab_size": vocab}
+              "intermediate_size": inter, "vocab_size": vocab, "max_position_embeddings": 8192}
     return Opened(Path("/nonexistent"), None, config, DictSource(t))
 
 
@@ -37,7 +37,8 @@ def test_plan_70b_shapes_on_meta():
     removed = 80 * 2 * (64 - 8) * 128 * 8192
     assert plan.source_params - plan.output_params == removed
     assert plan.source_params > 68e9
-    assert plan.kv_bytes_per_token(64, 2) == 8 * plan.kv_bytes_per_token(8, 2) == 2 * 80 * 64 * 128 * 2
+    assert plan.shape.kv_bytes_per_token(2, 64) == 8 * plan.shape.kv_bytes_per_token(2, 8) == 2 * 80 * 64 * 128 * 2
+    assert plan.shape.max_positions == 8192
     shards = plan_shards(plan.tensors, 5_000_000_000)
     assert all(sum(p.nbytes for p in s) <= 5_000_000_000 for s in shards if len(s) > 1)
     assert sum(len(s) for s in shards) == len(plan.tensors) and 25 <= len(shards) <= 30

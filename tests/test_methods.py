@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gqakit.convert import align as A
-from gqakit.convert import arch as archmod
+from gqakit.core import arch as archmod
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.methods import GROUPINGS, align_transform, all_methods
 from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup

@@ -318,11 +318,12 @@ def test_layer_local_distillation_is_teacher_forced(mha: Path, converted: Path, 
     """teacher.layer_weight feeds each student layer the teacher's input: the error of one
     layer does not reach the next, so per-layer errors add up (the free-running hidden-state
     term does not); 0 for the teacher itself; no hook is left behind; it trains."""
-    from gqakit.uptrain.trainer import decoder_layers, token_losses
+    from gqakit.core.arch import decoder_blocks
+    from gqakit.uptrain.trainer import token_losses
 
     teacher = load_causal_lm(mha)
     x = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [1, 9, 8, 7, 6, 5, 4, 3]])
-    hooks = [len(m._forward_pre_hooks) for m in decoder_layers(teacher)]
+    hooks = [len(m._forward_pre_hooks) for m in decoder_blocks(teacher)]
     with torch.no_grad():
         assert float(token_losses(teacher, x, teacher, 1.0, layer=True).layer) == 0.0
         first, second, both = (token_losses(_perturb_k(load_causal_lm(mha), ls), x, teacher, 1.0, hidden=True, layer=True)
@@ -330,7 +331,7 @@ def test_layer_local_distillation_is_teacher_forced(mha: Path, converted: Path, 
     assert float(first.layer) > 0 and float(second.layer) > 0
     assert float(first.layer + second.layer) == pytest.approx(float(both.layer), rel=1e-5)
     assert float(first.hidden + second.hidden) != pytest.approx(float(both.hidden), rel=1e-3)
-    assert [len(m._forward_pre_hooks) for m in decoder_layers(teacher)] == hooks
+    assert [len(m._forward_pre_hooks) for m in decoder_blocks(teacher)] == hooks
 
     c = cfg(converted, tmp_path / "layer")
     c["teacher"] = {"path": str(mha), "kl_weight": 0.0, "lm_weight": 0.0, "layer_weight": 1.0}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.arch import max_positions
 from gqakit.core.loading import (UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, read_st_header,
                                  split_source)
 from gqakit.core.outdir import MODEL, RUN, check_not_an_input, check_output_path
@@ -176,14 +177,6 @@ def damaged_message(ckpt: Path, what: str, out: Path) -> str:
 # ----------------------------------------------------------------------------- the checks
 
 
-def _max_positions(cfg: Mapping[str, Any]) -> int | None:
-    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
-        v = cfg.get(k)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return None
-
-
 def _saved_settings(out: Path) -> dict[str, Any]:
     import yaml
 
@@ -238,7 +231,7 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
         raise GqakitError(f"model.path: {src} is not a converted model (no gqakit_convert.json); run `gqakit convert` first")
     hf_cfg = read_config_json(src)
     check_weights(src)
-    max_pos = _max_positions(hf_cfg)
+    max_pos = max_positions(hf_cfg)
     if max_pos is not None and t.seq_len > max_pos:
         raise GqakitError(f"train.seq_len: {t.seq_len} is longer than the model's {max_pos} positions")
     teacher = None

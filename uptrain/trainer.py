@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gqakit.core.arch import decoder_blocks
 from gqakit.core.errors import GqakitError, Interrupted
 from gqakit.core.loading import UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_tokenizer
 from gqakit.core.outdir import (MANIFEST, RUN, RUN_ENTRIES, check_output_path, describe_oserror, make_dirs,
@@ -69,17 +70,6 @@ class Losses(NamedTuple):
     hidden: torch.Tensor
     layer: torch.Tensor
     n: int
-
-
-def decoder_layers(model: Any) -> torch.nn.ModuleList:
-    """The model's stack of decoder blocks: the ModuleList with one entry per hidden layer."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP / torch.compile wrappers
-        model = getattr(model, "module", None) or model._orig_mod
-    n = model.config.num_hidden_layers
-    for _, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
-            return mod
-    raise GqakitError(f"teacher.layer_weight: cannot find the {n} decoder layers of {type(model).__name__}")
 
 
 @contextmanager
@@ -140,7 +130,7 @@ def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: 
     kl, mse, local = zero, zero, zero
     if teacher is not None:
         t_io: list = []
-        recording = layer_hooks(decoder_layers(teacher), record=t_io) if layer else nullcontext()
+        recording = layer_hooks(decoder_blocks(teacher), record=t_io) if layer else nullcontext()
         with torch.no_grad(), recording:
             t_out = teacher(input_ids=x, output_hidden_states=hidden)
             t_logits = t_out.logits[:, :-1].float()
@@ -152,7 +142,7 @@ def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: 
             mse = sum((_sq_err(h_s, h_t) for h_s, h_t in zip(out.hidden_states[1:], t_out.hidden_states[1:])), zero)
         if layer:
             s_io: list = []
-            with layer_hooks(decoder_layers(model), record=s_io, feed=[i for i, _ in t_io]):
+            with layer_hooks(decoder_blocks(model), record=s_io, feed=[i for i, _ in t_io]):
                 model(input_ids=x)
             local = sum((_sq_err(o_s, o_t) for (_, o_s), (_, o_t) in zip(s_io, t_io)), zero)
     return Losses(ce, kl, mse, local, target.numel())

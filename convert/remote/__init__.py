@@ -3,37 +3,29 @@
 `gqakit convert` copies `modeling_file(family)` next to the converted weights and merges
 `remote_config_updates(family, G)` into config.json; stock transformers then loads the folder
 with `trust_remote_code=True` (gqakit's `core.loading` enables it for these files only).
-The modeling files import only torch and transformers, never gqakit.
+The modeling files import only torch and transformers, never gqakit. Their class names
+are the `remote` entry of the family's JSON file in `core/architectures/`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
+from gqakit.core.arch import Remote, registry
 from gqakit.core.errors import GqakitError
 
-
-class RemoteFamily(NamedTuple):
-    config_class: str
-    model_class: str
-
-
-REMOTE_FAMILIES: dict[str, RemoteFamily] = {
-    "gpt2": RemoteFamily("GqakitGPT2Config", "GqakitGPT2LMHeadModel"),
-    "gpt_neox": RemoteFamily("GqakitGPTNeoXConfig", "GqakitGPTNeoXForCausalLM"),
-    "opt": RemoteFamily("GqakitOPTConfig", "GqakitOPTForCausalLM"),
-}
 
 _HERE = Path(__file__).resolve().parent
 
 
-def _family(family: str) -> RemoteFamily:
-    try:
-        return REMOTE_FAMILIES[family]
-    except KeyError:
-        raise GqakitError(f"no gqakit modeling file for model family {family!r} "
-                          f"(have: {', '.join(REMOTE_FAMILIES)})") from None
+def _family(family: str) -> Remote:
+    """The table's `remote` entry of `family` (its modeling file's class names)."""
+    spec = registry().get(family)
+    if spec is None or spec.remote is None:
+        have = [f for f, s in registry().items() if s.remote is not None]
+        raise GqakitError(f"no gqakit modeling file for model family {family!r} (have: {', '.join(have)})")
+    return spec.remote
 
 
 def modeling_file(family: str) -> Path:

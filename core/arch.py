@@ -1,0 +1,250 @@
+"""Architecture knowledge as data: the one source of model geometry for every stage.
+
+Each model family is one JSON file in `core/architectures/` (validated here with
+`extra="forbid"`, so stale or misspelt keys fail loudly). A checkpoint's family is found
+from `config.architectures[0]`, falling back to `config.model_type`. An entry says where
+the decoder blocks are (`block`), where each block's attention tensors are and how they
+are laid out (`attention`), which config.json keys hold the geometry (`config`, the
+context length included), how rotary embeddings rotate (`rotary`), and, for families whose
+stock transformers class has no GQA, the classes of gqakit's modeling file (`remote`).
+
+To support a new family, add one JSON file there (and, only when transformers has no GQA
+for it, `convert/remote/gqakit_modeling_<family>.py`); nothing else needs to change unless
+its attention uses a new fused layout. `tests/test_architectures.py` checks every entry
+against a tiny model built from it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from gqakit.core.errors import GqakitError
+
+ARCH_DIR = "core/architectures/"
+# context-length keys tried for a model whose family is not in the table (eval of any model)
+FALLBACK_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConfigKeys(_Strict):
+    """Names of the config.json keys that hold each quantity in this family."""
+
+    num_layers: str
+    num_heads: str
+    num_kv_heads: str | None  # None: stock config has no such key (MHA only)
+    hidden_size: str
+    head_dim: str | None      # None: always hidden_size // num_heads
+    max_positions: list[str]  # the context length: the first of these keys that is set
+
+
+class Attention(_Strict):
+    """Where one layer's attention projections live and how they are laid out.
+
+    layouts:
+      separate     q, k, v and o are separate Linear weights [out, in]
+      fused_concat one qkv weight whose output axis is [q heads | k heads | v heads];
+                   `transposed` for GPT-2's Conv1D, which stores [in, out]
+      grouped_qkv  one qkv Linear whose output axis is (kv heads, H/kv + 2, head_dim):
+                   each group's query heads, then its K head, then its V head (GPT-NeoX)
+    """
+
+    layout: Literal["separate", "fused_concat", "grouped_qkv"]
+    prefix: str  # with "{layer}"
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    qkv: str | None = None
+    o: str
+    transposed: bool = False
+
+    @model_validator(mode="after")
+    def _names_match_layout(self) -> "Attention":
+        if "{layer}" not in self.prefix:
+            raise ValueError("prefix must contain {layer}")
+        if self.layout == "separate" and not (self.q and self.k and self.v) or self.layout != "separate" and not self.qkv:
+            raise ValueError(f"layout {self.layout} needs " + ("q, k, v" if self.layout == "separate" else "qkv"))
+        return self
+
+
+class Rotary(_Strict):
+    style: Literal["rotate_half", "interleaved", "none"]
+    fraction_key: str | None = None  # config key of the rotary fraction (partial rotary)
+
+
+class Remote(_Strict):
+    """Classes of `convert/remote/gqakit_modeling_<family>.py`, for families whose stock
+    transformers class ignores num_key_value_heads."""
+
+    config_class: str
+    model_class: str
+
+
+class ArchSpec(_Strict):
+    family: str
+    model_types: list[str]
+    architectures: list[str]
+    block: str                 # module path of decoder block {layer}, e.g. "model.layers.{layer}"
+    remote: Remote | None      # None: stock transformers reads num_key_value_heads (native GQA)
+    config: ConfigKeys
+    attention: Attention
+    rotary: Rotary
+    reject_if: dict[str, Any] = {}
+    notes: str | None = None
+
+    @model_validator(mode="after")
+    def _attention_inside_block(self) -> "ArchSpec":
+        if "{layer}" not in self.block or not self.attention.prefix.startswith(self.block + "."):
+            raise ValueError(f"attention.prefix {self.attention.prefix!r} must lie inside block {self.block!r}")
+        return self
+
+    @property
+    def native_gqa(self) -> bool:
+        """Stock transformers reads num_key_value_heads for this family."""
+        return self.remote is None
+
+    @property
+    def blocks(self) -> str:
+        """Module path of the ModuleList of decoder blocks, e.g. "model.layers"."""
+        return self.block.removesuffix(".{layer}")
+
+    def block_name(self, layer: int) -> str:
+        return self.block.format(layer=layer)
+
+
+@lru_cache(maxsize=1)
+def registry() -> dict[str, ArchSpec]:
+    specs: dict[str, ArchSpec] = {}
+    for f in sorted(resources.files("gqakit.core.architectures").iterdir(), key=lambda p: p.name):
+        if not f.name.endswith(".json"):
+            continue
+        try:
+            spec = ArchSpec.model_validate(json.loads(f.read_text()))
+        except (ValidationError, json.JSONDecodeError) as e:
+            raise RuntimeError(f"invalid architecture table {ARCH_DIR}{f.name}: {e}") from e
+        specs[spec.family] = spec
+    return specs
+
+
+def supported() -> list[str]:
+    return sorted(registry())
+
+
+def find(config: Mapping[str, Any]) -> ArchSpec | None:
+    """The family of a config.json dict, by `architectures[0]`, then `model_type`; None if unknown."""
+    arch = (config.get("architectures") or [None])[0]
+    mtype = config.get("model_type")
+    for spec in registry().values():
+        if arch in spec.architectures or spec.remote and arch == spec.remote.model_class:
+            return spec
+    for spec in registry().values():
+        if mtype in spec.model_types or mtype == f"gqakit_{spec.family}":
+            return spec
+    return None
+
+
+def lookup(config: Mapping[str, Any]) -> ArchSpec:
+    """`find`, or a one-line error that lists the supported families and the file to add."""
+    spec = find(config)
+    if spec is not None:
+        return spec
+    arch = (config.get("architectures") or [None])[0]
+    mtype = config.get("model_type")
+    raise GqakitError(
+        f"unsupported architecture {arch or mtype!r}; supported families: {', '.join(supported())}. "
+        f"To add one, write a JSON entry in gqakit/{ARCH_DIR}"
+    )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention geometry of one checkpoint."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    rotary_dim: int  # dims of each head that are rotated (0: no rotary)
+    max_positions: int | None = None  # the context length, when the config states one
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, bytes_per_elem: int, kv_heads: int | None = None) -> int:
+        """KV-cache bytes one token costs: K and V, every layer, every KV head (`kv_heads`
+        instead of this shape's own, to price a conversion target)."""
+        kv = self.num_kv_heads if kv_heads is None else kv_heads
+        return 2 * self.num_layers * kv * self.head_dim * bytes_per_elem
+
+
+def _positions(config: Mapping[str, Any], keys: Sequence[str]) -> int | None:
+    for key in keys:
+        v = config.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def max_positions(config: Mapping[str, Any]) -> int | None:
+    """The context length a config.json dict states (its family's keys; common keys for a
+    family not in the table), or None."""
+    spec = find(config)
+    return _positions(config, spec.config.max_positions if spec else FALLBACK_POSITION_KEYS)
+
+
+def loaded_shape(hf_config: Any) -> Shape:
+    """The geometry of a loaded model's config (any family: transformers maps every family's
+    own key names onto num_attention_heads, num_hidden_layers, ...). No rotary facts."""
+    cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return Shape(int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(cfg.hidden_size), 0,
+                 max_positions(cfg.to_dict()))
+
+
+def decoder_blocks(model: Any) -> Any:
+    """The model's ModuleList of decoder blocks, where its family's `block` says it is."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP / torch.compile wrappers
+        model = getattr(model, "module", None) or model._orig_mod
+    spec = lookup(model.config.to_dict() | {"architectures": [type(model).__name__]})
+    return model.get_submodule(spec.blocks)
+
+
+def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
+    keys = spec.config
+
+    def need(key: str) -> int:
+        if key not in config or config[key] is None:
+            raise GqakitError(f"config.json lacks {key!r}, which a {spec.family} config must have")
+        return int(config[key])
+
+    for key, bad in spec.reject_if.items():
+        if config.get(key) == bad:
+            raise GqakitError(f"{spec.family} with {key}={bad} is not supported ({spec.notes})")
+    heads = need(keys.num_heads)
+    hidden = need(keys.hidden_size)
+    kv = config.get(keys.num_kv_heads or "num_key_value_heads") or heads
+    head_dim = (config.get(keys.head_dim) if keys.head_dim else None) or hidden // heads
+    rot = 0
+    if spec.rotary.style != "none":
+        # transformers 5 keeps the fraction in rope_parameters; older configs at top level
+        rope = config.get("rope_parameters") or {}
+        frac = config.get(spec.rotary.fraction_key) if spec.rotary.fraction_key else None
+        frac = frac if frac is not None else rope.get("partial_rotary_factor", 1.0)
+        rot = int(head_dim * float(frac))
+    if heads % kv:
+        raise GqakitError(f"config has {heads} query heads and {kv} KV heads, which do not divide")
+    return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
+                 _positions(config, keys.max_positions))

@@ -1,4 +1,4 @@
-"""Pico models built in code, one per architecture layout, saved as HF folders.
+"""Pico models built in code, one per family of the architecture table, saved as HF folders.
 
 Nothing is downloaded: each model is `XxxConfig(...)` + random init + `save_pretrained`,
 with a tiny byte-level tokenizer so the folders are complete.
@@ -72,8 +72,15 @@ def _configs() -> dict[str, Any]:
     }
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "phi", "phi3", "stablelm", "gpt2",
-            "gpt_neox", "opt"]
+def families() -> list[str]:
+    """Every family of the architecture table (core/architectures/*.json), which the tests
+    run over; `tests/test_architectures.py` checks `_configs` has a pico model for each."""
+    from gqakit.core.arch import supported
+
+    return supported()
+
+
+FAMILIES = families()
 
 
 def tiny_tokenizer() -> Any:

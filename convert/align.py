@@ -31,8 +31,6 @@ on real activations; without data the weights' own metric (identity) is used.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -111,8 +109,7 @@ def procrustes_group(x: Tensor, fit, iters: int = 8) -> Tensor:
 
 
 def align_heads(h: AttnHeads, num_groups: int, *, rotary_style: str, rotary_dim: int,
-                whiten: Tensor | None = None, iters: int = 8, k_side: bool = True,
-                v_side: bool = True) -> AttnHeads:
+                whiten: Tensor | None = None, iters: int = 8) -> AttnHeads:
     """Rotate each KV head into its group's frame; function-preserving (no pooling here).
 
     `whiten` is a factor L of the augmented input second moment (Sigma = L L^T, shape
@@ -126,12 +123,10 @@ def align_heads(h: AttnHeads, num_groups: int, *, rotary_style: str, rotary_dim:
     eye = torch.eye(D, dtype=h.k.dtype)
     rk = eye.expand(KV, D, D).clone()
     rv = eye.expand(KV, D, D).clone()
-    for g in range(num_groups):
+    for g in range(num_groups if s > 1 else 0):  # groups of one head stay as they are
         sl = slice(g * s, (g + 1) * s)
-        if k_side and s > 1:
-            rk[sl] = procrustes_group(kw[sl], lambda n: _fit_rope_rotation(n, pairs), iters)
-        if v_side and s > 1:
-            rv[sl] = procrustes_group(vw[sl], _fit_orthogonal, iters)
+        rk[sl] = procrustes_group(kw[sl], lambda n: _fit_rope_rotation(n, pairs), iters)
+        rv[sl] = procrustes_group(vw[sl], _fit_orthogonal, iters)
     k, kb = _split(rk @ ka, h.k_bias is not None)
     v, vb = _split(rv @ va, h.v_bias is not None)
     rq = rk.repeat_interleave(r, dim=0)                      # [H, D, D]: each query head's KV rotation
@@ -275,52 +270,3 @@ def head_distance(h: AttnHeads, *, rotary_style: str, rotary_dim: int, whiten: T
                 dist[i, j] += d
                 dist[j, i] += d
     return dist
-
-
-def balanced_partition(dist: Tensor, num_groups: int, max_enumerate: int = 20000) -> list[list[int]]:
-    """Equal-size groups minimising the sum of within-group distances.
-
-    Exhaustive when the number of partitions is small, else greedy (seed with the
-    farthest-apart heads, then fill each group with its nearest free heads).
-    """
-    n = dist.shape[0]
-    s = n // num_groups
-    if s == 1:
-        return [[i] for i in range(n)]
-    count = math.factorial(n) // (math.factorial(s) ** num_groups * math.factorial(num_groups))
-    d = dist.tolist()
-
-    def cost(groups: list[list[int]]) -> float:
-        return sum(d[a][b] for g in groups for i, a in enumerate(g) for b in g[i + 1:])
-
-    if count <= max_enumerate:
-        best: tuple[float, list[list[int]]] = (float("inf"), [])
-
-        def rec(free: list[int], acc: list[list[int]]) -> None:
-            nonlocal best
-            if not free:
-                c = cost(acc)
-                if c < best[0] - 1e-12:
-                    best = (c, [list(g) for g in acc])
-                return
-            first, rest = free[0], free[1:]
-            from itertools import combinations
-
-            for comb in combinations(rest, s - 1):
-                rec([x for x in rest if x not in comb], acc + [[first, *comb]])
-
-        rec(list(range(n)), [])
-        groups = best[1]
-    else:
-        free = set(range(n))
-        groups = []
-        while free:
-            seed = min(free)
-            g = [seed]
-            free.discard(seed)
-            while len(g) < s:
-                nxt = min(free, key=lambda c: sum(d[c][x] for x in g))
-                g.append(nxt)
-                free.discard(nxt)
-            groups.append(g)
-    return sorted((sorted(g) for g in groups), key=lambda g: g[0])

@@ -2,4 +2,3 @@
 keeps `gqakit.convert.arch` imports of code written before the move working."""
 
 from gqakit.core.arch import *  # noqa: F401,F403
-from gqakit.core.arch import ARCH_DIR, ArchSpec, Shape, lookup, registry, shape_of, supported  # noqa: F401

@@ -53,7 +53,7 @@ import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -62,9 +62,13 @@ from tqdm.auto import tqdm
 from gqakit.core import arch as archmod
 from gqakit.convert.align import (align_heads, expand_kv, pool_mean, refit_o_proj_moments, refit_queries)
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
-from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
+from gqakit.convert.grouping import GROUPINGS
+from gqakit.convert.pooling import regroup
 from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.errors import GqakitError
+
+if TYPE_CHECKING:  # the pipeline imports this module when it runs the stage, never the other way
+    from gqakit.convert.pipeline import Opened, Plan, Settings
 
 DEFAULTS: dict[str, Any] = {
     "seq_len": 256, "batch": "auto", "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
@@ -106,7 +110,7 @@ def refit_options(options: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def source_path(opened: Any) -> Path:
+def source_path(opened: Opened) -> Path:
     return Path(opened.folder) / opened.gguf if opened.gguf else Path(opened.folder)
 
 
@@ -123,7 +127,7 @@ def _bos_id(config: dict[str, Any], tokenizer: Any = None) -> int:
     return int(tid)
 
 
-def _generation_config(opened: Any) -> dict[str, Any]:
+def _generation_config(opened: Opened) -> dict[str, Any]:
     import json
 
     p = Path(opened.folder) / "generation_config.json"
@@ -133,7 +137,7 @@ def _generation_config(opened: Any) -> dict[str, Any]:
         return {}
 
 
-def calibration_sequences(opened: Any, data: str | None, tokens: int, seq_len: int, seed: int, *,
+def calibration_sequences(opened: Opened, data: str | None, tokens: int, seq_len: int, seed: int, *,
                           sample_batch: int = 64, device: str = "cpu", progress: bool = True,
                           source_params: int = 0) -> tuple[Tensor, str]:
     """Token ids [n_seq, seq_len] (each sequence starts with BOS) and where they came from."""
@@ -287,7 +291,7 @@ def _set_param(module: Any, name: str, value: Tensor) -> None:
 class Skeleton:
     """The source model on the meta device; materialises one decoder block at a time."""
 
-    def __init__(self, opened: Any, spec: archmod.ArchSpec, num_layers: int, device: str, dtype: torch.dtype):
+    def __init__(self, opened: Opened, spec: archmod.ArchSpec, num_layers: int, device: str, dtype: torch.dtype):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -454,7 +458,7 @@ class RefitStage:
     text came from, tokens, per-layer residual drift, device, peak memory and time.
     """
 
-    def __init__(self, opened: Any, plan: Any, settings: Any, *, device: str = "cpu", progress: bool = True,
+    def __init__(self, opened: Opened, plan: Plan, settings: Settings, *, device: str = "cpu", progress: bool = True,
                  scratch: Path | None = None, resume_dir: Path | None = None,
                  written: Callable[[], list[str]] | None = None):
         """`resume_dir`: where checkpoints go (and are resumed from); `written`: the names of
@@ -614,14 +618,11 @@ class RefitStage:
 
     def _fit_heads(self, blk: "_Block", whiten: Tensor, s_on: Tensor, s_nn: Tensor) -> AttnHeads:
         """2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64."""
-        from gqakit.convert import methods
-
         spec, shape, G, L = self.spec, self.plan.shape, self.settings.num_kv_heads, blk.L
         src_t = {n: self.opened.source.get(self.skeleton.src(n)) for n in blk.attn_rel}
         heads = read_heads(spec, shape, src_t, L, dtype=torch.float64)
-        ctx = PoolContext(G, contiguous_groups(shape.num_kv_heads, G), spec.rotary.style, shape.rotary_dim, L, None,
-                          {"whiten": whiten})
-        h = regroup(heads, methods.GROUPINGS[self.settings.grouping](heads, ctx))
+        h = regroup(heads, GROUPINGS[self.settings.grouping](heads, G, rotary_style=spec.rotary.style,
+                                                              rotary_dim=shape.rotary_dim, whiten=whiten))
         al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
         del heads, h, src_t
         pooled = pool_mean(al, G)

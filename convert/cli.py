@@ -11,18 +11,6 @@ from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
 
 
-def _methods() -> list[str]:
-    from gqakit.convert.methods import all_methods
-
-    return list(all_methods())
-
-
-def _groupings() -> list[str]:
-    from gqakit.convert.methods import GROUPINGS
-
-    return list(GROUPINGS)
-
-
 @click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
@@ -81,10 +69,13 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
 
     if dry_run:
-        from gqakit.convert.methods import STAGES
+        from gqakit.convert.grouping import GROUPINGS
+        from gqakit.convert.methods import method_spec
         from gqakit.core.device import resolve_device
 
-        if method in STAGES:
+        if grouping not in GROUPINGS:
+            raise GqakitError(f"unknown grouping {grouping!r}; choose from {', '.join(GROUPINGS)}")
+        if method_spec(method).needs_data:
             from gqakit.convert.calibrate import refit_options as check_options
 
             check_options(options)

@@ -1,11 +1,8 @@
-"""Conversion methods and head groupings, by name.
+"""Conversion methods, by name: one explicit table, `METHODS`.
 
-`METHODS` (pooling.py) holds the paper's per-layer methods; this module adds the methods
-beyond the paper, the groupings, and `STAGES`: methods that calibrate on data and so
-run as a stage over the whole model, one decoder block at a time, instead of one layer's
-weights at a time.
+Each entry is a `MethodSpec`: the per-layer function (None for a method that calibrates
+on data), whether it needs calibration data, and whether it touches only K and V.
 
-Methods (each reorders heads into `ctx.groups` first, which preserves the function):
   mean, first, random   the paper's pooling and its ablations (pooling.py)
   align                 RoPE-aware alignment of each group's heads, then mean (no data)
   align-scale           align, then per-query-head least-squares restoration of the
@@ -13,48 +10,22 @@ Methods (each reorders heads into `ctx.groups` first, which preserves the functi
   align-refit           calibrated: input-weighted alignment, query refit and o_proj
                         ridge refit against the original residual stream, layer by layer
                         (--calibration-data, or text sampled from the source model)
-Groupings:
-  contiguous            neighbouring heads share a group (the paper)
-  similarity            balanced groups of the most similar heads after alignment
-                        (weights; in the input-activation metric under align-refit)
+
+A method that needs data has no per-layer function: the pipeline runs the calibration
+stage (`calibrate.RefitStage`) for it, one decoder block at a time. Every method first
+reorders heads into `ctx.groups` (a grouping, `grouping.py`), which preserves the function.
+To add a method: write `fn(heads, ctx) -> heads` and add one `MethodSpec` line here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 from gqakit.convert import align as A
 from gqakit.convert.layout import AttnHeads
-from gqakit.convert.pooling import METHODS, Groups, Method, PoolContext, regroup
+from gqakit.convert.pooling import Method, PoolContext, first_method, mean_method, random_method, regroup
 from gqakit.core.errors import GqakitError
 
-
-# ----------------------------------------------------------------------------- groupings
-
-def _contiguous(h: AttnHeads, ctx: PoolContext) -> Groups:
-    return ctx.groups
-
-
-def similarity_grouping(h: AttnHeads, ctx: PoolContext) -> Groups:
-    """Equal-size groups of the KV heads that are closest after alignment.
-
-    Distance: K (RoPE-commuting alignment) plus V (orthogonal alignment), each head
-    normalised, in the metric of the layer's input second moment when a calibrated
-    method provides one (`ctx.extras["whiten"]`), else of the weights.
-    """
-    dist = A.head_distance(h, rotary_style=ctx.rotary_style, rotary_dim=ctx.rotary_dim,
-                           whiten=ctx.extras.get("whiten"))
-    return A.balanced_partition(dist, ctx.num_kv_heads)
-
-
-GROUPINGS: dict[str, Callable[[AttnHeads, PoolContext], Groups]] = {
-    "contiguous": _contiguous,
-    "similarity": similarity_grouping,
-}
-
-
-# ----------------------------------------------------------------------------- methods
 
 def align_transform(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
     """Regroup and align, without pooling: the same function as `h`, with KV heads kept."""
@@ -76,29 +47,30 @@ def align_scale_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
     return A.refit_outputs_local(al, pooled, ridge=0.0)
 
 
-def align_refit_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
-    """Calibrated: computed block by block by `calibrate.RefitStage` (see STAGES), never per layer alone."""
-    raise GqakitError("method align-refit needs its calibration pass; use convert_checkpoint or the CLI")
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    fn: Method | None  # the per-layer conversion; None: computed by the calibration stage
+    needs_data: bool   # calibrates on text, through the model, one decoder block at a time
+    kv_only: bool      # reads and writes only K and V: q and o can be copied through as raw bytes
+
+    def __post_init__(self) -> None:
+        if (self.fn is None) != self.needs_data:
+            raise ValueError(f"method {self.name}: a per-layer function exactly when it needs no data")
 
 
-def _refit_stage(opened: Any, plan: Any, settings: Any, **kw: Any) -> Any:
-    from gqakit.convert.calibrate import RefitStage
-
-    return RefitStage(opened, plan, settings, **kw)
-
-
-METHODS.update({
-    "align": align_method,
-    "align-scale": align_scale_method,
-    "align-refit": align_refit_method,
-})
-
-# Methods that calibrate on data: a stage object whose `layers()` yields (layer, heads) in
-# layer order, one decoder block in memory at a time, and whose `summary` is recorded in OUT.
-STAGES: dict[str, Callable[..., Any]] = {
-    "align-refit": _refit_stage,
-}
+METHODS: dict[str, MethodSpec] = {m.name: m for m in (
+    MethodSpec("mean", mean_method, needs_data=False, kv_only=True),
+    MethodSpec("first", first_method, needs_data=False, kv_only=True),
+    MethodSpec("random", random_method, needs_data=False, kv_only=True),
+    MethodSpec("align", align_method, needs_data=False, kv_only=False),
+    MethodSpec("align-scale", align_scale_method, needs_data=False, kv_only=False),
+    MethodSpec("align-refit", None, needs_data=True, kv_only=False),
+)}
 
 
-def all_methods() -> dict[str, Method]:
-    return dict(METHODS)
+def method_spec(name: str) -> MethodSpec:
+    """The named method, or a one-line error listing them."""
+    if name not in METHODS:
+        raise GqakitError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return METHODS[name]

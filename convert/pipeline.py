@@ -27,7 +27,9 @@ import gqakit
 from gqakit.core import arch as archmod
 from gqakit.convert.io import Planned, ShardWriter, Source, DictSource, open_source
 from gqakit.convert.layout import AttnHeads, layer_names, output_shapes, read_heads, write_heads
-from gqakit.convert.pooling import PoolContext, contiguous_groups
+from gqakit.convert.grouping import GROUPINGS
+from gqakit.convert.methods import method_spec
+from gqakit.convert.pooling import PoolContext
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, read_config_json
 from gqakit.core.modelcard import render_model_card
@@ -156,10 +158,8 @@ def make_plan(opened: Opened, settings: Settings) -> Plan:
     src = opened.source
     names = src.names()
     metas = {n: src.meta(n) for n in names}
-    from gqakit.convert.methods import all_methods
-
     # methods that touch only K/V leave q and o to be copied through untouched
-    kv_only = (getattr(all_methods().get(settings.method), "kv_only", False) and settings.grouping == "contiguous"
+    kv_only = (method_spec(settings.method).kv_only and settings.grouping == "contiguous"
                and spec.attention.layout == "separate")
     layer_of: dict[str, int] = {}
     for layer in range(shape.num_layers):
@@ -228,12 +228,10 @@ def _copy_side_files(opened: Opened, tmp: Path) -> list[str]:
 
 def _per_layer_heads(opened: Opened, plan: Plan, settings: Settings) -> Iterator[tuple[int, AttnHeads]]:
     """(layer, converted heads) in layer order, for methods that need only the layer's weights."""
-    from gqakit.convert import methods
-
     spec = archmod.registry()[plan.family]
     gen = torch.Generator().manual_seed(settings.seed)
-    method_fn = methods.all_methods()[settings.method]
-    group_fn = methods.GROUPINGS[settings.grouping]
+    method_fn = method_spec(settings.method).fn
+    group_fn = GROUPINGS[settings.grouping]
     names_of_layer: dict[int, list[str]] = {}
     for n, lay in plan.layer_of.items():
         names_of_layer.setdefault(lay, []).append(n)
@@ -242,9 +240,9 @@ def _per_layer_heads(opened: Opened, plan: Plan, settings: Settings) -> Iterator
         # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
         heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
-        ctx = PoolContext(settings.num_kv_heads, contiguous_groups(plan.shape.num_kv_heads, settings.num_kv_heads),
-                          spec.rotary.style, plan.shape.rotary_dim, layer, gen)
-        ctx.groups = group_fn(heads, ctx)
+        groups = group_fn(heads, settings.num_kv_heads, rotary_style=spec.rotary.style,
+                          rotary_dim=plan.shape.rotary_dim)
+        ctx = PoolContext(settings.num_kv_heads, groups, spec.rotary.style, plan.shape.rotary_dim, layer, gen)
         yield layer, method_fn(heads, ctx)
 
 
@@ -259,16 +257,13 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
     in layer order, either from that layer's weights alone (mean, align, ...) or from a
     calibration stage that holds one decoder block at a time (align-refit) on `device`.
     """
-    from gqakit.convert import methods
     from gqakit.core.device import resolve_device
 
     settings = Settings(str(Path(src).expanduser().resolve()), num_kv_heads, method, grouping, dtype,
                         str(max_shard_size), seed, calibration_data, calibration_tokens, options or {})
-    if method not in methods.all_methods():
-        raise GqakitError(f"unknown method {method!r}; choose from {', '.join(methods.all_methods())}")
-    if grouping not in methods.GROUPINGS:
-        raise GqakitError(f"unknown grouping {grouping!r}; choose from {', '.join(methods.GROUPINGS)}")
-    staged = method in methods.STAGES
+    staged = method_spec(method).needs_data  # calibrates: the pipeline runs the calibration stage
+    if grouping not in GROUPINGS:
+        raise GqakitError(f"unknown grouping {grouping!r}; choose from {', '.join(GROUPINGS)}")
     if staged:
         from gqakit.convert.calibrate import refit_options
 
@@ -322,9 +317,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
             spec = archmod.registry()[plan.family]
             stage = None
             if staged:
-                stage = methods.STAGES[method](opened, plan, settings, device=dev, progress=progress,
-                                               scratch=tmp / ".scratch", resume_dir=tmp / RESUME_DIR,
-                                               written=lambda: writer.written)
+                from gqakit.convert.calibrate import RefitStage
+
+                stage = RefitStage(opened, plan, settings, device=dev, progress=progress, scratch=tmp / ".scratch",
+                                   resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
                 layers = stage.layers()
             else:
                 layers = _per_layer_heads(opened, plan, settings)

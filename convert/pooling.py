@@ -1,29 +1,27 @@
 """The conversion math: pure functions on canonical `AttnHeads` (no IO).
 
 A conversion from KV to G key/value heads is:
-  1. choose `groups`: G lists of KV-head indices, KV/G each (contiguous by default,
-     the paper's choice);
+  1. choose `groups`: G lists of KV-head indices, KV/G each (`grouping.py`; contiguous
+     by default, the paper's choice);
   2. `regroup`: reorder KV heads (and the query heads that use them, and o_proj's input
      columns) so each group is contiguous. This leaves the layer's function unchanged;
   3. pool each group of K and V heads into one head: `mean` (the paper), `first`
      (keep the group's first head) or `random` (fresh initialisation, the paper's
      ablation baseline).
-Methods beyond the paper (alignment, calibration refits) live in `methods.py` and are
-registered in the same `METHODS` table.
+Groupings live in `grouping.py`; every method, the paper's and the ones beyond it, is
+named in `methods.METHODS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from gqakit.convert.grouping import Groups
 from gqakit.convert.layout import AttnHeads
-
-Groups = list[list[int]]
 
 
 @dataclass
@@ -36,19 +34,6 @@ class PoolContext:
     rotary_dim: int = 0               # leading dims of each head that are rotated
     layer: int = 0
     generator: torch.Generator | None = None
-    extras: dict[str, Any] = field(default_factory=dict)  # per-method data (e.g. calibration stats)
-
-
-def contiguous_groups(num_kv_heads: int, num_groups: int) -> Groups:
-    """The paper's grouping: neighbouring heads share a group."""
-    r = num_kv_heads // num_groups
-    return [list(range(g * r, (g + 1) * r)) for g in range(num_groups)]
-
-
-def check_groups(groups: Groups, num_kv_heads: int) -> None:
-    flat = sorted(h for g in groups for h in g)
-    if flat != list(range(num_kv_heads)) or len({len(g) for g in groups}) != 1:
-        raise ValueError(f"groups {groups} must partition {num_kv_heads} KV heads into equal sizes")
 
 
 def query_order(groups: Groups, num_heads: int, num_kv_heads: int) -> list[int]:
@@ -113,14 +98,3 @@ def random_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
 
 
 Method = Callable[[AttnHeads, PoolContext], AttnHeads]
-
-# These read and write only K and V: with contiguous groups and separate projections the
-# pipeline copies q and o through as raw bytes instead of decoding them.
-for _m in (mean_method, first_method, random_method):
-    _m.kv_only = True  # type: ignore[attr-defined]
-
-METHODS: dict[str, Method] = {
-    "mean": mean_method,
-    "first": first_method,
-    "random": random_method,
-}

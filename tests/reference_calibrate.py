@@ -16,7 +16,8 @@ from torch import Tensor
 from gqakit.core import arch as archmod
 from gqakit.convert.align import align_heads, expand_kv, pool_mean, refit_o_proj, refit_queries
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
-from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
+from gqakit.convert.grouping import GROUPINGS
+from gqakit.convert.pooling import regroup
 
 
 class _Stop(Exception):
@@ -39,7 +40,6 @@ def _aug(x: Tensor) -> Tensor:
 
 def reference_refit(opened: Any, plan: Any, settings: Any, batches: list[Tensor], options: dict) -> dict[str, Any]:
     """Every layer's converted heads, computed sequentially on calibration `batches` [B, T]."""
-    from gqakit.convert import methods
     from gqakit.core.loading import load_causal_lm
 
     opts = options
@@ -55,7 +55,7 @@ def reference_refit(opened: Any, plan: Any, settings: Any, batches: list[Tensor]
     model.eval()
     a = spec.attention
     pre = [a.prefix.format(layer=L) for L in range(shape.num_layers)]
-    block_names = [p[:-1].rsplit(".", 1)[0] for p in pre]
+    block_names = [spec.block_name(L) for L in range(shape.num_layers)]
     in_names = [p + (a.q or a.qkv) for p in pre]
     o_names = [p + a.o for p in pre]
     L_n = shape.num_layers
@@ -102,7 +102,7 @@ def reference_refit(opened: Any, plan: Any, settings: Any, batches: list[Tensor]
     first = torch.cat([(torch.arange(b.shape[1]) == 0).repeat(b.shape[0]) for b in batches])
     measure_first = (first & held) if n_hold else first
     keep = keep & ~held
-    group_fn = methods.GROUPINGS[settings.grouping]
+    group_fn = GROUPINGS[settings.grouping]
     sd = model.state_dict()
     resid_new = [r.clone() for r in resid_orig[0]]
     final: dict[int, AttnHeads] = {}
@@ -151,9 +151,7 @@ def reference_refit(opened: Any, plan: Any, settings: Any, batches: list[Tensor]
         tensors = {nm: sd[nm] for nm in names.values() if nm in sd}
         dtypes = {nm: t.dtype for nm, t in tensors.items()}
         heads = read_heads(spec, shape, tensors, L, dtype=torch.float64)
-        ctx = PoolContext(G, contiguous_groups(KV, G), spec.rotary.style, shape.rotary_dim, L, None,
-                          {"whiten": whiten})
-        groups = group_fn(heads, ctx)
+        groups = group_fn(heads, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
         h = regroup(heads, groups)
         al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
         pooled = pool_mean(al, G)

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 from gqakit.convert import align as A
 from gqakit.core import arch as archmod
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
-from gqakit.convert.methods import GROUPINGS, align_transform, all_methods
-from gqakit.convert.pooling import PoolContext, contiguous_groups, regroup
+from gqakit.convert.grouping import GROUPINGS, balanced_partition
+from gqakit.convert.methods import METHODS, align_transform
+from gqakit.convert.pooling import PoolContext, regroup
 from gqakit.convert.pipeline import convert_checkpoint
 
 F64 = torch.float64
@@ -40,9 +41,8 @@ def _transform_in_place(model, num_groups, grouping, fn):
         names = [n for n in layer_names(spec, layer).values() if n in sd]
         tensors = {n: sd[n] for n in names}
         heads = read_heads(spec, shape, tensors, layer, dtype=F64)
-        ctx = PoolContext(num_groups, contiguous_groups(shape.num_kv_heads, num_groups), spec.rotary.style,
-                          shape.rotary_dim, layer, torch.Generator().manual_seed(0))
-        ctx.groups = GROUPINGS[grouping](heads, ctx)
+        groups = GROUPINGS[grouping](heads, num_groups, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim)
+        ctx = PoolContext(num_groups, groups, spec.rotary.style, shape.rotary_dim, layer, torch.Generator().manual_seed(0))
         new = fn(heads, ctx)
         assert new.num_kv_heads == shape.num_kv_heads
         for n, t in write_heads(spec, new, layer, {n: sd[n].dtype for n in names}).items():
@@ -143,16 +143,19 @@ def test_balanced_partition_finds_planted_groups():
             for j in grp:
                 d[i, j] = 0.0
     d.fill_diagonal_(0)
-    assert A.balanced_partition(d, 2) == [[0, 3, 5], [1, 2, 4]]
-    assert A.balanced_partition(d, 6) == [[i] for i in range(6)]
+    assert balanced_partition(d, 2) == [[0, 3, 5], [1, 2, 4]]
+    assert balanced_partition(d, 6) == [[i] for i in range(6)]
     big = torch.rand(16, 16)
-    groups = A.balanced_partition(big + big.T, 4, max_enumerate=10)  # greedy path
+    groups = balanced_partition(big + big.T, 4, max_enumerate=10)  # greedy path
     assert sorted(x for g in groups for x in g) == list(range(16)) and {len(g) for g in groups} == {4}
 
 
 def test_methods_registered():
-    assert {"mean", "first", "random", "align", "align-scale", "align-refit"} <= set(all_methods())
+    assert {"mean", "first", "random", "align", "align-scale", "align-refit"} <= set(METHODS)
     assert {"contiguous", "similarity"} <= set(GROUPINGS)
+    # the paper's methods touch only K/V; the one that calibrates has no per-layer function
+    assert [m for m, s in METHODS.items() if s.kv_only] == ["mean", "first", "random"]
+    assert [m for m, s in METHODS.items() if s.needs_data] == ["align-refit"] and METHODS["align-refit"].fn is None
 
 
 def _duplicate_kv(path, pairs):

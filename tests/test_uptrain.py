@@ -13,7 +13,6 @@ from gqakit.core.errors import GqakitError
 from gqakit.core.loading import is_gqakit_output, load_causal_lm, load_tokenizer
 from gqakit.uptrain import run_uptrain
 
-TEXTS = [" ".join(f"w{(i * 7 + j * 3) % 50}" for j in range(40 + i % 9)) for i in range(60)]
 # Pico tokenizer: single characters 33..93 separated by whitespace.
 TEXTS = [" ".join(chr(33 + (i * 7 + j * 3) % 61) for j in range(40 + i % 9)) for i in range(60)]
 EVAL = [" ".join(chr(33 + (i * 5 + j) % 61) for j in range(50)) for i in range(8)]

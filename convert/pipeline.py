@@ -72,16 +72,46 @@ class Settings:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PassThrough:
+    """A source tensor the method leaves as it is (cast to the output dtype, if any)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One layer's attention tensors, rewritten together by the method."""
+
+    layer: int
+    names: tuple[str, ...]  # in the table's role order; only those the method rewrites
+
+
+Step = PassThrough | AttentionLayer
+
+
 @dataclass
 class Plan:
     family: str
     native_gqa: bool
     shape: archmod.Shape
     config: dict[str, Any]
-    tensors: list[Planned]
-    layer_of: dict[str, int]  # attention tensor name -> layer
+    steps: list[Step]        # the source in file order; each layer's attention once, where it first appears
+    tensors: list[Planned]   # the output tensors, step by step
     source_params: int
     output_params: int
+
+    @property
+    def layer_of(self) -> dict[str, int]:
+        """Attention tensor name -> layer, for the tensors the method rewrites."""
+        return {n: s.layer for s in self.attention_layers() for n in s.names}
+
+    def pass_through(self) -> list[PassThrough]:
+        return [s for s in self.steps if isinstance(s, PassThrough)]
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        """In layer order (the order methods and the calibration stage yield them)."""
+        return sorted((s for s in self.steps if isinstance(s, AttentionLayer)), key=lambda s: s.layer)
 
 
 # ----------------------------------------------------------------------------- source
@@ -170,26 +200,31 @@ def make_plan(opened: Opened, settings: Settings) -> Plan:
             elif name not in metas and role.endswith("weight"):
                 where = ", ".join(p.name for p in src.files()) or "the source"
                 raise GqakitError(f"tensor {name} required by the {spec.family} layout but not present in {where}")
+    steps = list(_walk(spec, names, layer_of))
     tensors: list[Planned] = []
-    done: set[int] = set()
-    for name in names:
-        dt = metas[name][0]
-        cast = out_dtype if (out_dtype is not None and dt.is_floating_point) else dt
-        if name not in layer_of:
-            tensors.append(Planned(name, cast, metas[name][1]))
+    for step in steps:
+        if isinstance(step, PassThrough):
+            dt = metas[step.name][0]
+            cast = out_dtype if (out_dtype is not None and dt.is_floating_point) else dt
+            tensors.append(Planned(step.name, cast, metas[step.name][1]))
             continue
-        layer = layer_of[name]
-        if layer in done:
-            continue
-        done.add(layer)
-        shapes = output_shapes(spec, shape, settings.num_kv_heads, layer, {n: metas[n][1] for n in layer_of})
-        for n in layer_names(spec, layer).values():
-            if n in shapes and n in layer_of:
-                c = out_dtype if out_dtype is not None else metas[n][0]
-                tensors.append(Planned(n, c, shapes[n]))
+        shapes = output_shapes(spec, shape, settings.num_kv_heads, step.layer, {n: metas[n][1] for n in step.names})
+        tensors += [Planned(n, out_dtype if out_dtype is not None else metas[n][0], shapes[n]) for n in step.names]
     numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
-    return Plan(spec.family, spec.native_gqa, shape, opened.config, tensors, layer_of,
+    return Plan(spec.family, spec.native_gqa, shape, opened.config, steps, tensors,
                 sum(numel(m[1]) for m in metas.values()), sum(numel(p.shape) for p in tensors))
+
+
+def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, int]) -> Iterator[Step]:
+    """The source tensors in file order, each layer's attention as one step where its first tensor is."""
+    seen: set[int] = set()
+    for name in names:
+        if name not in layer_of:
+            yield PassThrough(name)
+        elif layer_of[name] not in seen:
+            layer = layer_of[name]
+            seen.add(layer)
+            yield AttentionLayer(layer, tuple(n for n in layer_names(spec, layer).values() if n in layer_of))
 
 
 # ----------------------------------------------------------------------------- converting
@@ -232,11 +267,9 @@ def _per_layer_heads(opened: Opened, plan: Plan, settings: Settings) -> Iterator
     gen = torch.Generator().manual_seed(settings.seed)
     method_fn = method_spec(settings.method).fn
     group_fn = GROUPINGS[settings.grouping]
-    names_of_layer: dict[int, list[str]] = {}
-    for n, lay in plan.layer_of.items():
-        names_of_layer.setdefault(lay, []).append(n)
-    for layer in sorted(names_of_layer):
-        tensors = {n: opened.source.get(n) for n in names_of_layer[layer]}
+    for step in plan.attention_layers():
+        layer = step.layer
+        tensors = {n: opened.source.get(n) for n in step.names}
         # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
         heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
@@ -302,8 +335,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
                        disable=not progress or staged)
             # 1. every tensor the method leaves as it is, in file order
-            for name in opened.source.names():
-                if name in plan.layer_of or name in done:
+            for name in (step.name for step in plan.pass_through()):
+                if name in done:
                     continue
                 raw = opened.source.raw(name)
                 if raw is not None and opened.source.meta(name)[0] == planned_dtype[name]:
@@ -324,9 +357,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
                 layers = stage.layers()
             else:
                 layers = _per_layer_heads(opened, plan, settings)
+            steps = {step.layer: step for step in plan.attention_layers()}
             for layer, new in layers:
-                names = set(layer_names(spec, layer).values())
-                out_dtypes = {n: planned_dtype[n] for n in plan.layer_of if n in names}
+                out_dtypes = {n: planned_dtype[n] for n in steps[layer].names}
                 for n, t in write_heads(spec, new, layer, out_dtypes).items():
                     if n in done:  # already in the shards (a resumed run restarts after its checkpoint)
                         continue

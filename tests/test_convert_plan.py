@@ -42,3 +42,21 @@ def test_plan_70b_shapes_on_meta():
     shards = plan_shards(plan.tensors, 5_000_000_000)
     assert all(sum(p.nbytes for p in s) <= 5_000_000_000 for s in shards if len(s) > 1)
     assert sum(len(s) for s in shards) == len(plan.tensors) and 25 <= len(shards) <= 30
+
+
+def test_plan_steps_cover_the_source_once_in_file_order():
+    from gqakit.convert.pipeline import AttentionLayer, PassThrough
+
+    opened = llama70b_mha_source()
+    plan = make_plan(opened, Settings("llama-70b-mha", 8, method="align"))
+    names = opened.source.names()
+    walked = [n for s in plan.steps for n in ((s.name,) if isinstance(s, PassThrough) else s.names)]
+    assert sorted(walked) == sorted(names) and len(walked) == len(names)
+    assert [p.name for p in plan.tensors] == walked  # the output is planned step by step
+    firsts = [names.index(s.name if isinstance(s, PassThrough) else s.names[0]) for s in plan.steps]
+    assert firsts == sorted(firsts)
+    assert [s.layer for s in plan.attention_layers()] == list(range(80))
+    assert all(isinstance(s, AttentionLayer) and len(s.names) == 4 for s in plan.attention_layers())
+    # mean touches only K and V: q and o are passed through as bytes
+    kv = make_plan(opened, Settings("llama-70b-mha", 8))
+    assert {n.rsplit(".", 2)[-2] for s in kv.attention_layers() for n in s.names} == {"k_proj", "v_proj"}

@@ -23,7 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "uptrain": ("gqakit.uptrain.cli", "uptrain_cmd"),
     "eval": ("gqakit.eval.cli", "eval_cmd"),
     "compare": ("gqakit.eval.cli", "compare_cmd"),
-    "demo": ("gqakit.eval.demo", "demo_cmd"),
+    "demo": ("gqakit.demo", "demo_cmd"),
 }
 
 SHORT_HELP = {

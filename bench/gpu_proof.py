@@ -126,7 +126,7 @@ def proof_text(min_chars: int) -> str:
     """Standard-library docstrings (then stdlib source, if they run short): at least `min_chars`."""
     import sysconfig
 
-    from gqakit.eval.demo import training_texts
+    from gqakit.demo import training_texts
 
     texts = training_texts(limit_chars=min_chars)
     total = sum(len(t) for t in texts)

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-import gqakit.eval.demo as demo
+import gqakit.demo as demo
 from gqakit.cli import main
 from gqakit.core.errors import GqakitError
 

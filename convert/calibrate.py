@@ -66,6 +66,7 @@ from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.pooling import regroup
 from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.errors import GqakitError
+from gqakit.core.tokens import bos_id, sample_tokens
 
 if TYPE_CHECKING:  # the pipeline imports this module when it runs the stage, never the other way
     from gqakit.convert.pipeline import Opened, Plan, Settings
@@ -115,16 +116,11 @@ def source_path(opened: Opened) -> Path:
 
 
 def _bos_id(config: dict[str, Any], tokenizer: Any = None) -> int:
-    tid = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
-    if tid is None:
-        tid = config.get("bos_token_id")
-    if tid is None:
-        eos = config.get("eos_token_id")
-        tid = eos[0] if isinstance(eos, list) else eos
+    tid = bos_id(tokenizer, config, eos_fallback=True)
     if tid is None:
         raise GqakitError("cannot build calibration sequences: the model has neither a BOS nor an EOS token; "
                           "pass --calibration-data FILE")
-    return int(tid)
+    return tid
 
 
 def _generation_config(opened: Opened) -> dict[str, Any]:
@@ -172,15 +168,15 @@ def calibration_sequences(opened: Opened, data: str | None, tokens: int, seq_len
     bos = _bos_id(cfg)
     model = load_causal_lm(path, dtype=torch.float32, device=device, progress=progress)
     out = []
+    eos = cfg.get("eos_token_id")
+    eos = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     with torch.inference_mode(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # seeds the GPU's generator too
         for i in tqdm(range(0, n_seq, sample_batch), desc="sampling calibration text", disable=not progress):
             b = min(sample_batch, n_seq - i)
-            start = torch.full((b, 1), bos, dtype=torch.long, device=device)
-            gen = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, top_k=0,
-                                 top_p=1.0, temperature=1.0, max_new_tokens=seq_len - 1,
-                                 min_new_tokens=seq_len - 1, pad_token_id=bos)
-            out.append(gen[:, :seq_len].cpu())
+            # full-length sequences from the model's own distribution: EOS is never drawn
+            gen = sample_tokens(model, [bos], b, seq_len - 1, never=eos).cpu()
+            out.append(torch.cat([torch.full((b, 1), bos, dtype=torch.long), gen], dim=1))
     del model
     _empty_cache(device)
     return torch.cat(out), f"sampled from the source model ({n_seq} x {seq_len} tokens, seed {seed})"

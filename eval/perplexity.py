@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.tokens import bos_id
 from gqakit.core.text import EvalText, read_text  # noqa: F401  (re-exported)
 
 
@@ -40,7 +41,7 @@ def tokenize_document(tokenizer: Any, text: str, bos_token_id: int | None) -> tu
         ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
     finally:
         hf_logging.set_verbosity(level)
-    bos = bos_token_id if bos_token_id is not None else getattr(tokenizer, "bos_token_id", None)
+    bos = bos_token_id if bos_token_id is not None else bos_id(tokenizer)
     if bos is not None and (not ids or ids[0] != bos):
         return [int(bos)] + ids, True
     return ids, False
@@ -126,9 +127,7 @@ def evaluate_perplexity(model: Any, tokenizer: Any, doc: EvalText, *, context: i
         raise GqakitError(f"--stride must be between 1 and --context ({context}); got {stride}")
     if max_positions is not None and context > max_positions:
         raise GqakitError(f"--context {context} is larger than the model's {max_positions} positions")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        bos = getattr(model.config, "bos_token_id", None)
+    bos = bos_id(tokenizer, model.config)
     ids, prepended = tokenize_document(tokenizer, doc.text, bos)
     if len(ids) < context:
         raise GqakitError(f"the data has {len(ids)} tokens, shorter than one window of --context {context}; "

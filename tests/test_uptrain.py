@@ -261,7 +261,7 @@ def test_remote_code_family_keeps_its_modeling_file(tiny_model, tmp_path: Path):
 
 def test_sample_tokens_is_generate_with_a_static_cache(mha: Path):
     """The fast sampler: top_k=1 is greedy decoding, identical to `generate`; sampling is seeded."""
-    from gqakit.uptrain.data import sample_tokens
+    from gqakit.core.tokens import sample_tokens
 
     model = load_causal_lm(mha).eval()
     prompt = [1, 5, 6]

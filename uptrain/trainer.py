@@ -72,6 +72,46 @@ class Losses(NamedTuple):
     n: int
 
 
+class LossTerm(NamedTuple):
+    """One term of the training objective, written once: its `Losses` field, its weight in
+    the `teacher` config section, its key in log.jsonl and its line on the model card.
+    `log_when` / `card_when`: when it is logged / carded: "always", "never", "teacher"
+    (whenever a teacher runs) or "weighted" (when its own weight is > 0)."""
+    field: str
+    weight: str
+    log_key: str
+    log_when: str
+    card: str | None
+    card_when: str
+
+
+LOSS_TERMS = (
+    LossTerm("ce", "lm_weight", "loss", "always", None, "never"),
+    LossTerm("kl", "kl_weight", "kl", "teacher", "teacher KL weight", "always"),
+    LossTerm("hidden", "hidden_weight", "hidden_mse", "weighted", "teacher hidden-state weight", "weighted"),
+    LossTerm("layer", "layer_weight", "layer_mse", "weighted", "teacher layer-local weight", "weighted"),
+)
+
+
+def _shown(when: str, term: LossTerm, cfg: UptrainConfig, teacher: bool) -> bool:
+    return when == "always" or when == "teacher" and teacher or when == "weighted" and getattr(cfg.teacher, term.weight) > 0
+
+
+def objective(ls: Losses, cfg: UptrainConfig) -> torch.Tensor:
+    """The weighted sum of the loss terms that is minimised."""
+    return sum((getattr(cfg.teacher, t.weight) * getattr(ls, t.field) for t in LOSS_TERMS), 0)
+
+
+def loss_log(means: Mapping[str, float], cfg: UptrainConfig, teacher: bool) -> dict[str, float]:
+    """The loss terms of one optimizer step, as log.jsonl keys."""
+    return {t.log_key: means[t.field] for t in LOSS_TERMS if _shown(t.log_when, t, cfg, teacher)}
+
+
+def loss_card(cfg: UptrainConfig, teacher: bool) -> dict[str, float]:
+    """The loss-term weights, as model-card lines."""
+    return {t.card: getattr(cfg.teacher, t.weight) for t in LOSS_TERMS if t.card and _shown(t.card_when, t, cfg, teacher)}
+
+
 @contextmanager
 def layer_hooks(layers: torch.nn.ModuleList, record: list | None = None, feed: Sequence[torch.Tensor] | None = None):
     """While active, `record` gets (input, output) hidden states of every layer in order,
@@ -404,7 +444,7 @@ def _run(checked: Checked, quiet: bool) -> Path:
                                                      if isinstance(v, (int, float, str, bool))})
         say(f"uptrain: tensorboard logs in {out / 'uptrain'} (tensorboard --logdir {out})")
 
-    step = 0
+    step, loss = 0, float("nan")
     if checked.mode == "resume":
         ckpt = out / CKPT_DIR / f"step-{checked.resume_step}"
         try:
@@ -413,6 +453,7 @@ def _run(checked: Checked, quiet: bool) -> Path:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise GqakitError(damaged_message(ckpt, f"it does not load: {first}", out)) from None
         step = checked.resume_state["step"]
+        loss = checked.resume_state.get("loss", loss)  # the last step's loss, until a new step is taken
         say(f"uptrain: resumed from {ckpt} at step {step}")
     log = RunLog(accelerator, out / LOG_FILE, checked.resume_step)
 
@@ -424,7 +465,8 @@ def _run(checked: Checked, quiet: bool) -> Path:
         log({"step": 0, "tokens": 0, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
 
     bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
-    loss, kl_mean, hid_mean, layer_mean, grad_norm = float("nan"), 0.0, 0.0, 0.0, None
+    grad_norm = None
+    means = {term.field: 0.0 for term in LOSS_TERMS}
     t0, tokens_since = time.perf_counter(), 0
     trained = [p for p in model.parameters() if p.requires_grad]
     data_state = {"files": [str(f) for f in checked.files], "sha256": data_sha}
@@ -447,19 +489,18 @@ def _run(checked: Checked, quiet: bool) -> Path:
             # DDP/FSDP average gradients over processes and accelerator.backward divides by
             # grad_accum; multiplying by both undoes that averaging.
             scale = world * t.grad_accum / n_tok.item()
-            sums = torch.zeros(4, device=accelerator.device, dtype=torch.float64)
+            sums = torch.zeros(len(LOSS_TERMS), device=accelerator.device, dtype=torch.float64)
             for x in micro:
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
                         ls = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=use_hidden, layer=use_layer)
-                        objective = (cfg.teacher.lm_weight * ls.ce + cfg.teacher.kl_weight * ls.kl
-                                     + cfg.teacher.hidden_weight * ls.hidden + cfg.teacher.layer_weight * ls.layer)
-                    accelerator.backward(objective * scale)
-                    sums += torch.stack([ls.ce.detach(), ls.kl.detach(), ls.hidden.detach(), ls.layer.detach()]).double()
+                    accelerator.backward(objective(ls, cfg) * scale)
+                    sums += torch.stack([getattr(ls, term.field).detach() for term in LOSS_TERMS]).double()
                     if accelerator.sync_gradients:
                         sums = accelerator.reduce(sums, "sum") / n_tok.double()
-                        loss, kl_mean, hid_mean, layer_mean = (float(v) for v in sums)
-                        if not all(math.isfinite(v) for v in (loss, kl_mean, hid_mean, layer_mean)):
+                        means = {term.field: float(v) for term, v in zip(LOSS_TERMS, sums)}
+                        loss = means["ce"]
+                        if not all(math.isfinite(v) for v in means.values()):
                             raise diverged("the loss is NaN/inf")
                         # A finite loss can still have a non-finite gradient or update: check both
                         # before the step is accepted. (fp16's loss scaler skips such steps itself.)
@@ -477,13 +518,8 @@ def _run(checked: Checked, quiet: bool) -> Path:
             if step % cfg.logging.every == 0 or step == total_steps:
                 dt = time.perf_counter() - t0
                 tps = tokens_since / dt
-                row = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "lr": lr, "tok_per_s": round(tps, 1)}
-                if teacher is not None:
-                    row["kl"] = kl_mean
-                if use_hidden:
-                    row["hidden_mse"] = hid_mean
-                if use_layer:
-                    row["layer_mse"] = layer_mean
+                row = {"step": step, "tokens": step * tokens_per_step, **loss_log(means, cfg, teacher is not None),
+                       "lr": lr, "tok_per_s": round(tps, 1)}
                 if grad_norm is not None:
                     row["grad_norm"] = float(grad_norm)
                 if peak:
@@ -512,8 +548,6 @@ def _run(checked: Checked, quiet: bool) -> Path:
     if eval_blocks is not None and (not cfg.eval.every or eval_loss is None):
         eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
         log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
-    if checked.resume_step == total_steps and math.isnan(loss):
-        loss = checked.resume_state.get("loss", loss)
 
     # ---- export: gather the full state dict on every process (FSDP needs all of them)
     state_dict = accelerator.get_state_dict(model)
@@ -524,9 +558,7 @@ def _run(checked: Checked, quiet: bool) -> Path:
         facts = {"tokens": f"{step * tokens_per_step:,}", "optimizer steps": step,
                  "tokens per step": f"{tokens_per_step:,}", "final train loss": f"{loss:.4f}",
                  "held-out perplexity": f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a",
-                 "teacher KL weight": cfg.teacher.kl_weight,
-                 **({"teacher hidden-state weight": cfg.teacher.hidden_weight} if use_hidden else {}),
-                 **({"teacher layer-local weight": cfg.teacher.layer_weight} if use_layer else {}), "processes": world, "precision": precision}
+                 **loss_card(cfg, teacher is not None), "processes": world, "precision": precision}
         export_model(accelerator.unwrap_model(model), state_dict, tokenizer, src=src, out=final,
                      settings=cfg.model_dump(mode="json"), facts=facts)
         say(f"uptrain: final loss {loss:.4f}"

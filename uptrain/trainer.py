@@ -16,7 +16,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -209,6 +209,49 @@ def evaluate(accelerator: Any, model: Any, blocks: torch.Tensor, micro: int) -> 
     nll = accelerator.reduce(nll, "sum")
     model.train()
     return float(nll[0] / nll[1])
+
+
+def train_step(accelerator: Any, model: Any, optimizer: Any, micro: list[torch.Tensor], teacher: Any | None,
+               cfg: UptrainConfig, diverged: Callable[[str], Exception]) -> tuple[dict[str, float], Any]:
+    """One optimizer step over the micro-batches `micro` of this process: a backward per
+    micro-batch, then the optimizer step. Returns the step's per-token mean of each loss
+    term (over every process) and the gradient norm; raises `diverged(what)` on NaN/inf.
+
+    All micro-batches of the step are known up front, so the global count of predicted
+    tokens is known before the first backward: each micro-batch's summed loss is divided
+    by it, and the step's gradient is that of the mean over all tokens of the step (not a
+    mean of per-micro-batch means).
+    """
+    t, dev = cfg.train, accelerator.device
+    n_tok = accelerator.reduce(torch.tensor(sum(x[:, 1:].numel() for x in micro), device=dev), "sum")
+    # DDP/FSDP average gradients over processes and accelerator.backward divides by
+    # grad_accum; multiplying by both undoes that averaging.
+    scale = accelerator.num_processes * t.grad_accum / n_tok.item()
+    hidden, layer = cfg.teacher.hidden_weight > 0, cfg.teacher.layer_weight > 0
+    sums = torch.zeros(len(LOSS_TERMS), device=dev, dtype=torch.float64)
+    for x in micro:
+        with accelerator.accumulate(model):  # gradients are synchronised at the step's last micro-batch
+            with accelerator.autocast():
+                ls = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=hidden, layer=layer)
+                obj = objective(ls, cfg)
+            accelerator.backward(obj * scale)
+        sums += torch.stack([getattr(ls, term.field).detach() for term in LOSS_TERMS]).double()
+    assert accelerator.sync_gradients, "a step is grad_accum micro-batches: the last one synchronises"
+
+    sums = accelerator.reduce(sums, "sum") / n_tok.double()
+    means = {term.field: float(v) for term, v in zip(LOSS_TERMS, sums)}
+    if not all(math.isfinite(v) for v in means.values()):
+        raise diverged("the loss is NaN/inf")
+    # A finite loss can still have a non-finite gradient or update: check both before the
+    # step is accepted. (fp16's loss scaler skips such steps itself.)
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+    if accelerator.scaler is None and not math.isfinite(float(grad_norm)):
+        raise diverged("the gradient norm is NaN/inf")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if _nonfinite(accelerator, (p for p in model.parameters() if p.requires_grad)):
+        raise diverged("the update made weights NaN/inf")
+    return means, grad_norm
 
 
 def _step_of(row: str) -> float:
@@ -468,7 +511,6 @@ def _run(checked: Checked, quiet: bool) -> Path:
     grad_norm = None
     means = {term.field: 0.0 for term in LOSS_TERMS}
     t0, tokens_since = time.perf_counter(), 0
-    trained = [p for p in model.parameters() if p.requires_grad]
     data_state = {"files": [str(f) for f in checked.files], "sha256": data_sha}
 
     def diverged(what: str) -> Diverged:
@@ -480,37 +522,9 @@ def _run(checked: Checked, quiet: bool) -> Path:
             lr = lr_at(step, cfg, total_steps, warmup)
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            # All micro-batches of this step are known up front, so the global count of
-            # predicted tokens is known before the first backward: each micro-batch's summed
-            # loss is divided by it, and the step's gradient is that of the mean over all
-            # tokens of the step (not a mean of per-micro-batch means).
             micro = [train_blocks[order.indices(step, a)].to(accelerator.device) for a in range(t.grad_accum)]
-            n_tok = accelerator.reduce(torch.tensor(sum(x[:, 1:].numel() for x in micro), device=accelerator.device), "sum")
-            # DDP/FSDP average gradients over processes and accelerator.backward divides by
-            # grad_accum; multiplying by both undoes that averaging.
-            scale = world * t.grad_accum / n_tok.item()
-            sums = torch.zeros(len(LOSS_TERMS), device=accelerator.device, dtype=torch.float64)
-            for x in micro:
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():
-                        ls = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=use_hidden, layer=use_layer)
-                    accelerator.backward(objective(ls, cfg) * scale)
-                    sums += torch.stack([getattr(ls, term.field).detach() for term in LOSS_TERMS]).double()
-                    if accelerator.sync_gradients:
-                        sums = accelerator.reduce(sums, "sum") / n_tok.double()
-                        means = {term.field: float(v) for term, v in zip(LOSS_TERMS, sums)}
-                        loss = means["ce"]
-                        if not all(math.isfinite(v) for v in means.values()):
-                            raise diverged("the loss is NaN/inf")
-                        # A finite loss can still have a non-finite gradient or update: check both
-                        # before the step is accepted. (fp16's loss scaler skips such steps itself.)
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
-                        if accelerator.scaler is None and not math.isfinite(float(grad_norm)):
-                            raise diverged("the gradient norm is NaN/inf")
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        if _nonfinite(accelerator, trained):
-                            raise diverged("the update made weights NaN/inf")
+            means, grad_norm = train_step(accelerator, model, optimizer, micro, teacher, cfg, diverged)
+            loss = means["ce"]
             step += 1
             tokens_since += tokens_per_step
             bar.update(1)

@@ -370,12 +370,11 @@ def run_checked(checked: Checked, *, quiet: bool = False) -> Path:
         return _run(checked, quiet)
 
 
-def _run(checked: Checked, quiet: bool) -> Path:
+def _make_accelerator(cfg: UptrainConfig, out: Path) -> tuple[Any, str, bool]:
+    """The accelerator, the resolved precision, and whether tensorboard logs."""
     from accelerate import Accelerator
-    from accelerate.utils import is_tensorboard_available, set_seed
-    from tqdm.auto import tqdm
+    from accelerate.utils import is_tensorboard_available
 
-    cfg, src, out = checked.cfg, checked.src, checked.out
     t = cfg.train
     precision = t.precision
     if precision == "auto":
@@ -387,11 +386,25 @@ def _run(checked: Checked, quiet: bool) -> Path:
                               cpu=t.cpu or not torch.cuda.is_available(),
                               gradient_accumulation_steps=t.grad_accum,
                               log_with="tensorboard" if use_tb else None, project_dir=str(out))
-    say = accelerator.print if not quiet else (lambda *a, **k: None)
-    is_main = accelerator.is_main_process
+    return accelerator, precision, use_tb
 
-    # ---- model, tokenizer, teacher, data: everything is loaded and checked before the
-    # run folder is touched (an --overwrite deletes the old run only after this block).
+
+class _Loaded(NamedTuple):
+    tokenizer: Any
+    hf_cfg: Any
+    train_blocks: torch.Tensor
+    eval_blocks: torch.Tensor | None
+    data_sha: str
+    model: Any
+    teacher: Any | None
+
+
+def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
+    """Model, tokenizer, teacher and data: everything is loaded and checked before the run
+    folder is touched (an --overwrite deletes the old run only after this)."""
+    from accelerate.utils import set_seed
+
+    cfg, src, t = checked.cfg, checked.src, checked.cfg.train
     hf_cfg = load_hf_config(src)
     tokenizer = load_tokenizer(src)
     teacher_path = checked.teacher
@@ -401,8 +414,8 @@ def _run(checked: Checked, quiet: bool) -> Path:
 
     set_seed(t.seed)
     train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, teacher_path=teacher_path,
-                                             main_first=accelerator.main_process_first, is_main=is_main,
-                                             progress=not quiet)
+                                             main_first=accelerator.main_process_first,
+                                             is_main=accelerator.is_main_process, progress=not quiet)
     data_sha = hashlib.sha256(train_blocks.contiguous().numpy().data).hexdigest()  # no copy of the blocks
     if checked.mode == "resume":
         old = (checked.resume_state.get("data") or {}).get("sha256")
@@ -431,6 +444,59 @@ def _run(checked: Checked, quiet: bool) -> Path:
                 hf_cfg.num_hidden_layers, hf_cfg.hidden_size):
             raise GqakitError(f"teacher.{'hidden' if use_hidden else 'layer'}_weight: the teacher's layers or hidden size differ from the model's")
         teacher.requires_grad_(False)
+    return _Loaded(tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher)
+
+
+def _prepare_run_folder(checked: Checked) -> None:
+    """Every check has passed: only now is the run folder replaced or created (main process)."""
+    cfg, src, out = checked.cfg, checked.src, checked.out
+    if checked.mode == "overwrite":
+        # check again right before deleting: the folder may have changed since preflight
+        check_output_path(out, overwrite=True, inputs=[("model.path", src)], kind=RUN, flag="output.dir")
+        shutil.rmtree(out)
+    made: list[Path] = []
+    try:
+        made = make_dirs(out)
+        if checked.mode != "resume" or not (out / MANIFEST).is_file():
+            write_manifest(out, RUN, RUN_ENTRIES)
+        (out / UPTRAIN_SETTINGS).write_text(to_yaml(cfg))
+    except OSError as e:
+        (out / MANIFEST).unlink(missing_ok=True) if checked.mode != "resume" else None
+        remove_if_empty(made)
+        raise GqakitError(describe_oserror(e, out)) from None
+
+
+def _make_optimizer(model: Any, t: Any) -> torch.optim.Optimizer:
+    """AdamW; as in nanoGPT, matrices decay and biases and norms do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=False)
+
+
+def _restore(checked: Checked, accelerator: Any) -> tuple[int, float]:
+    """Weights, optimizer and RNG streams of the checkpoint a resumed run continues from;
+    its step and its last loss (the loss to report until a new step is taken)."""
+    ckpt = checked.out / CKPT_DIR / f"step-{checked.resume_step}"
+    try:
+        accelerator.load_state(str(ckpt))
+    except Exception as e:  # accelerate and torch raise many types for a file they cannot read
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise GqakitError(damaged_message(ckpt, f"it does not load: {first}", checked.out)) from None
+    return checked.resume_state["step"], checked.resume_state.get("loss", float("nan"))
+
+
+def _run(checked: Checked, quiet: bool) -> Path:
+    """The recipe: set up, train step by step (evaluating, logging and checkpointing on the
+    way), evaluate, export."""
+    from tqdm.auto import tqdm
+
+    cfg, src, out = checked.cfg, checked.src, checked.out
+    t = cfg.train
+    accelerator, precision, use_tb = _make_accelerator(cfg, out)
+    say = accelerator.print if not quiet else (lambda *a, **k: None)
+    is_main = accelerator.is_main_process
+    tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher = _load(checked, accelerator, quiet)
 
     world = accelerator.num_processes
     order = BlockOrder(len(train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
@@ -442,30 +508,12 @@ def _run(checked: Checked, quiet: bool) -> Path:
 
     # ---- every check has passed: only now is the run folder replaced or created
     if is_main:
-        if checked.mode == "overwrite":
-            # check again right before deleting: the folder may have changed since preflight
-            check_output_path(out, overwrite=True, inputs=[("model.path", src)], kind=RUN, flag="output.dir")
-            shutil.rmtree(out)
-        made: list[Path] = []
-        try:
-            made = make_dirs(out)
-            if checked.mode != "resume" or not (out / MANIFEST).is_file():
-                write_manifest(out, RUN, RUN_ENTRIES)
-            (out / UPTRAIN_SETTINGS).write_text(to_yaml(cfg))
-        except OSError as e:
-            (out / MANIFEST).unlink(missing_ok=True) if checked.mode != "resume" else None
-            remove_if_empty(made)
-            raise GqakitError(describe_oserror(e, out)) from None
+        _prepare_run_folder(checked)
     accelerator.wait_for_everyone()
 
     if t.compile:
         model = torch.compile(model)
-    # nanoGPT: decay matrices, not biases or norms.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=False)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(model, _make_optimizer(model, t))
     model.train()
 
     # ---- the plan, printed before the first step
@@ -489,27 +537,22 @@ def _run(checked: Checked, quiet: bool) -> Path:
 
     step, loss = 0, float("nan")
     if checked.mode == "resume":
-        ckpt = out / CKPT_DIR / f"step-{checked.resume_step}"
-        try:
-            accelerator.load_state(str(ckpt))  # weights, optimizer, RNG streams
-        except Exception as e:  # accelerate and torch raise many types for a file they cannot read
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise GqakitError(damaged_message(ckpt, f"it does not load: {first}", out)) from None
-        step = checked.resume_state["step"]
-        loss = checked.resume_state.get("loss", loss)  # the last step's loss, until a new step is taken
-        say(f"uptrain: resumed from {ckpt} at step {step}")
+        step, loss = _restore(checked, accelerator)
+        say(f"uptrain: resumed from {out / CKPT_DIR / f'step-{checked.resume_step}'} at step {step}")
     log = RunLog(accelerator, out / LOG_FILE, checked.resume_step)
 
-    eval_micro = cfg.eval.micro_batch or t.micro_batch
+    def evaluate_and_log() -> float:
+        """Held-out loss now, in log.jsonl."""
+        el = evaluate(accelerator, model, eval_blocks, cfg.eval.micro_batch or t.micro_batch)
+        log({"step": step, "tokens": step * tokens_per_step, "eval_loss": el, "eval_ppl": math.exp(el)})
+        return el
+
     eval_loss = None
     if eval_blocks is not None and step == 0:
-        eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
+        eval_loss = evaluate_and_log()
         say(f"uptrain: step 0 held-out perplexity {math.exp(eval_loss):.3f}")
-        log({"step": 0, "tokens": 0, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
 
     bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
-    grad_norm = None
-    means = {term.field: 0.0 for term in LOSS_TERMS}
     t0, tokens_since = time.perf_counter(), 0
     data_state = {"files": [str(f) for f in checked.files], "sha256": data_sha}
 
@@ -542,8 +585,7 @@ def _run(checked: Checked, quiet: bool) -> Path:
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", **({"mfu": f"{row['mfu']:.1%}"} if peak else {}))
                 t0, tokens_since = time.perf_counter(), 0
             if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0 or step == total_steps):
-                eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
-                log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
+                eval_loss = evaluate_and_log()
                 bar.write(f"step {step}: held-out perplexity {math.exp(eval_loss):.3f}") if is_main and not quiet else None
             if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == total_steps):
                 save_checkpoint(accelerator, out, step, {"step": step, "tokens": step * tokens_per_step, "loss": loss,
@@ -560,8 +602,7 @@ def _run(checked: Checked, quiet: bool) -> Path:
     bar.close()
 
     if eval_blocks is not None and (not cfg.eval.every or eval_loss is None):
-        eval_loss = evaluate(accelerator, model, eval_blocks, eval_micro)
-        log({"step": step, "tokens": step * tokens_per_step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)})
+        eval_loss = evaluate_and_log()
 
     # ---- export: gather the full state dict on every process (FSDP needs all of them)
     state_dict = accelerator.get_state_dict(model)

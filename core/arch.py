@@ -103,7 +103,7 @@ class ArchSpec(_Strict):
 
     @model_validator(mode="after")
     def _attention_inside_block(self) -> "ArchSpec":
-        if "{layer}" not in self.block or not self.attention.prefix.startswith(self.block + "."):
+        if not self.block.endswith(".{layer}") or not self.attention.prefix.startswith(self.block + "."):
             raise ValueError(f"attention.prefix {self.attention.prefix!r} must lie inside block {self.block!r}")
         return self
 

@@ -61,9 +61,10 @@ def test_entry_matches_the_model_on_meta(family):
 
 def test_table_rejects_an_entry_whose_attention_is_outside_its_block():
     entry = arch.registry()["llama"].model_dump()
-    entry["block"] = "model.decoder.{layer}"
-    with pytest.raises(ValueError, match="must lie inside block"):
-        arch.ArchSpec.model_validate(entry)
+    for block in ("model.decoder.{layer}", "model.layers"):
+        entry["block"] = block
+        with pytest.raises(ValueError, match="must lie inside block"):
+            arch.ArchSpec.model_validate(entry)
 
 
 def test_max_positions_of_a_family_not_in_the_table():

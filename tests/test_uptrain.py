@@ -283,7 +283,7 @@ def test_sample_tokens_is_generate_with_a_static_cache(mha: Path):
 
 def test_hidden_state_distillation(converted: Path, mha: Path, tmp_path: Path):
     """teacher.hidden_weight adds a residual-stream MSE: 0 for the teacher itself, logged, and it trains."""
-    from gqakit.uptrain.trainer import token_losses
+    from gqakit.uptrain.losses import token_losses
 
     teacher = load_causal_lm(mha)
     x = torch.tensor([[1, 5, 6, 7, 8, 9]])
@@ -318,7 +318,7 @@ def test_layer_local_distillation_is_teacher_forced(mha: Path, converted: Path, 
     layer does not reach the next, so per-layer errors add up (the free-running hidden-state
     term does not); 0 for the teacher itself; no hook is left behind; it trains."""
     from gqakit.core.arch import decoder_blocks
-    from gqakit.uptrain.trainer import token_losses
+    from gqakit.uptrain.losses import token_losses
 
     teacher = load_causal_lm(mha)
     x = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [1, 9, 8, 7, 6, 5, 4, 3]])

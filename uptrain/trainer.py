@@ -1,8 +1,10 @@
 """The uptraining loop: one readable pass over optimizer steps on 🤗 accelerate.
 
-Read top to bottom: `run_uptrain` checks the inputs, builds data and model, restores a
-checkpoint when resuming, then runs `train_step` until the token budget is spent,
-evaluating and checkpointing on the way, and finally exports an HF folder.
+Read top to bottom: `run_uptrain` checks the inputs (`preflight`), then `_run` is the
+recipe: set up (`_make_accelerator`, `_load`, `_prepare_run_folder`, `_make_optimizer`,
+`_restore` when resuming), `train_step` until the token budget is spent, evaluating and
+checkpointing on the way, and finally export an HF folder. The loss terms live in
+`losses.py`.
 
 The same code runs on CPU (tests), one GPU, or many processes through
 `accelerate launch` (DDP or FSDP chosen by the accelerate config, not by this file).
@@ -17,20 +19,19 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from gqakit.core.arch import decoder_blocks
 from gqakit.core.errors import GqakitError, Interrupted
 from gqakit.core.loading import UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_tokenizer
 from gqakit.core.outdir import (MANIFEST, RUN, RUN_ENTRIES, check_output_path, describe_oserror, make_dirs,
                                 remove_if_empty, write_manifest)
 from gqakit.uptrain.config import UptrainConfig, to_yaml
 from gqakit.uptrain.data import BlockOrder, build_blocks
+from gqakit.uptrain.losses import LOSS_TERMS, loss_card, loss_log, objective, token_losses
 from gqakit.uptrain.preflight import (CKPT_DIR, RESUME_KEYS, STATE_FILE, Checked, checkpoint_files,  # noqa: F401
                                       checkpoints, damaged_message, preflight)
 
@@ -61,131 +62,6 @@ def lr_at(step: int, cfg: UptrainConfig, total: int, warmup: int) -> float:
         return t.lr
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-class Losses(NamedTuple):
-    """Per-token sums over one micro-batch (see `token_losses`)."""
-    ce: torch.Tensor
-    kl: torch.Tensor
-    hidden: torch.Tensor
-    layer: torch.Tensor
-    n: int
-
-
-class LossTerm(NamedTuple):
-    """One term of the training objective, written once: its `Losses` field, its weight in
-    the `teacher` config section, its key in log.jsonl and its line on the model card.
-    `log_when` / `card_when`: when it is logged / carded: "always", "never", "teacher"
-    (whenever a teacher runs) or "weighted" (when its own weight is > 0)."""
-    field: str
-    weight: str
-    log_key: str
-    log_when: str
-    card: str | None
-    card_when: str
-
-
-LOSS_TERMS = (
-    LossTerm("ce", "lm_weight", "loss", "always", None, "never"),
-    LossTerm("kl", "kl_weight", "kl", "teacher", "teacher KL weight", "always"),
-    LossTerm("hidden", "hidden_weight", "hidden_mse", "weighted", "teacher hidden-state weight", "weighted"),
-    LossTerm("layer", "layer_weight", "layer_mse", "weighted", "teacher layer-local weight", "weighted"),
-)
-
-
-def _shown(when: str, term: LossTerm, cfg: UptrainConfig, teacher: bool) -> bool:
-    return when == "always" or when == "teacher" and teacher or when == "weighted" and getattr(cfg.teacher, term.weight) > 0
-
-
-def objective(ls: Losses, cfg: UptrainConfig) -> torch.Tensor:
-    """The weighted sum of the loss terms that is minimised."""
-    return sum((getattr(cfg.teacher, t.weight) * getattr(ls, t.field) for t in LOSS_TERMS), 0)
-
-
-def loss_log(means: Mapping[str, float], cfg: UptrainConfig, teacher: bool) -> dict[str, float]:
-    """The loss terms of one optimizer step, as log.jsonl keys."""
-    return {t.log_key: means[t.field] for t in LOSS_TERMS if _shown(t.log_when, t, cfg, teacher)}
-
-
-def loss_card(cfg: UptrainConfig, teacher: bool) -> dict[str, float]:
-    """The loss-term weights, as model-card lines."""
-    return {t.card: getattr(cfg.teacher, t.weight) for t in LOSS_TERMS if t.card and _shown(t.card_when, t, cfg, teacher)}
-
-
-@contextmanager
-def layer_hooks(layers: torch.nn.ModuleList, record: list | None = None, feed: Sequence[torch.Tensor] | None = None):
-    """While active, `record` gets (input, output) hidden states of every layer in order,
-    and with `feed`, layer i runs on feed[i] instead of what the layer below passed up."""
-    handles = []
-
-    def pre(i: int):
-        def hook(mod, args, kwargs):
-            if args:
-                return (feed[i], *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": feed[i]}
-        return hook
-
-    def post(mod, args, kwargs, output):
-        inp = args[0] if args else kwargs["hidden_states"]
-        record.append((inp, output[0] if isinstance(output, tuple) else output))
-
-    try:
-        for i, layer in enumerate(layers):
-            if feed is not None:
-                handles.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
-            if record is not None:
-                handles.append(layer.register_forward_hook(post, with_kwargs=True))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _sq_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Sum over predicted positions ([:, :-1], like the logits) of the mean squared error over hidden units."""
-    return (a[:, :-1].float() - b[:, :-1].float()).pow(2).mean(-1).sum()
-
-
-def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: float,
-                 hidden: bool = False, layer: bool = False) -> Losses:
-    """Sums over the predicted tokens of one micro-batch: next-token CE, KL(teacher||student),
-    hidden-state MSE and layer-local MSE, and the number of predicted tokens.
-
-    Sums, not means: the caller divides by the token count of the whole optimizer step
-    across accumulation steps and processes, so the loss is a true per-token mean.
-    - hidden (`hidden=True`): the student's residual stream after every layer against the
-      teacher's, both running freely; per token the mean over hidden units of the squared
-      difference, summed over layers. The embeddings are left out: conversion does not
-      change them.
-    - layer (`layer=True`): teacher-forced and layer-local. A second student pass feeds
-      every layer the teacher's input to that layer, and the layer's output is compared
-      with the teacher's output of it. Each layer then gets its own clean target, not one
-      blurred by the errors of the layers below.
-    """
-    out = model(input_ids=x, output_hidden_states=hidden)
-    logits = out.logits[:, :-1].float()
-    target = x[:, 1:]
-    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
-    zero = torch.zeros((), device=x.device)
-    kl, mse, local = zero, zero, zero
-    if teacher is not None:
-        t_io: list = []
-        recording = layer_hooks(decoder_blocks(teacher), record=t_io) if layer else nullcontext()
-        with torch.no_grad(), recording:
-            t_out = teacher(input_ids=x, output_hidden_states=hidden)
-            t_logits = t_out.logits[:, :-1].float()
-        log_p_s = F.log_softmax(logits / temperature, dim=-1)
-        log_p_t = F.log_softmax(t_logits / temperature, dim=-1)
-        # T^2 keeps the gradient scale independent of the temperature (Hinton et al.).
-        kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum() * temperature**2
-        if hidden:
-            mse = sum((_sq_err(h_s, h_t) for h_s, h_t in zip(out.hidden_states[1:], t_out.hidden_states[1:])), zero)
-        if layer:
-            s_io: list = []
-            with layer_hooks(decoder_blocks(model), record=s_io, feed=[i for i, _ in t_io]):
-                model(input_ids=x)
-            local = sum((_sq_err(o_s, o_t) for (_, o_s), (_, o_t) in zip(s_io, t_io)), zero)
-    return Losses(ce, kl, mse, local, target.numel())
 
 
 @torch.no_grad()

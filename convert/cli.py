@@ -66,22 +66,17 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     precheck_source(src)
     check_device(device)
     options = _parse_options(refit_options)
-    from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
+    from gqakit.convert.pipeline import Settings, check_settings, convert_checkpoint, make_plan, open_checkpoint
 
     if dry_run:
-        from gqakit.convert.grouping import GROUPINGS
-        from gqakit.convert.methods import method_spec
         from gqakit.core.device import resolve_device
 
-        if grouping not in GROUPINGS:
-            raise GqakitError(f"unknown grouping {grouping!r}; choose from {', '.join(GROUPINGS)}")
-        if method_spec(method).needs_data:
-            from gqakit.convert.calibrate import refit_options as check_options
-
-            check_options(options)
+        settings = Settings(str(src), num_kv_heads, method, grouping, dtype, seed=seed,
+                            calibration_data=calibration_data, calibration_tokens=calibration_tokens, options=options)
+        if check_settings(settings):
             resolve_device(device)
         opened = open_checkpoint(src, progress=not quiet)
-        plan = make_plan(opened, Settings(str(src), num_kv_heads, method, grouping, dtype))
+        plan = make_plan(opened, settings)
         s = plan.shape
         click.echo(f"{plan.family}: {s.num_layers} layers, {s.num_heads} query heads, "
                    f"{s.num_kv_heads} -> {num_kv_heads} KV heads, head_dim {s.head_dim}")

@@ -14,7 +14,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -279,6 +279,41 @@ def _per_layer_heads(opened: Opened, plan: Plan, settings: Settings) -> Iterator
         yield layer, method_fn(heads, ctx)
 
 
+def check_settings(settings: Settings) -> bool:
+    """Every setting checked before anything is read or written (one-line errors); True when
+    the method calibrates on data, so that the pipeline runs the calibration stage."""
+    staged = method_spec(settings.method).needs_data
+    if settings.grouping not in GROUPINGS:
+        raise GqakitError(f"unknown grouping {settings.grouping!r}; choose from {', '.join(GROUPINGS)}")
+    data = settings.calibration_data
+    if staged:
+        from gqakit.convert.calibrate import refit_options
+
+        refit_options(settings.options)
+        if settings.calibration_tokens < 1:
+            raise GqakitError(f"--calibration-tokens must be at least 1, got {settings.calibration_tokens}")
+        if data and not str(data).startswith("hf:") and not Path(data).expanduser().is_file():
+            raise GqakitError(f"calibration data not found: {Path(data).expanduser()}")
+    elif settings.options:
+        raise GqakitError(f"method {settings.method} takes no options (got {', '.join(settings.options)})")
+    return staged
+
+
+def converted_layers(opened: Opened, plan: Plan, settings: Settings, *, device: str = "cpu", progress: bool = True,
+                     scratch: Path | None = None, resume_dir: Path | None = None,
+                     written: Callable[[], list[str]] | None = None) -> tuple[Iterator[tuple[int, AttnHeads]], Any]:
+    """(layer, converted heads) in layer order, and the calibration stage that makes them
+    (its `summary` is recorded in OUT) or None: a method that needs data runs as the stage,
+    one decoder block at a time on `device`; any other converts each layer from its weights."""
+    if method_spec(settings.method).needs_data:
+        from gqakit.convert.calibrate import RefitStage
+
+        stage = RefitStage(opened, plan, settings, device=device, progress=progress, scratch=scratch,
+                           resume_dir=resume_dir, written=written)
+        return stage.layers(), stage
+    return _per_layer_heads(opened, plan, settings), None
+
+
 def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, method: str = "mean", *,
                        grouping: str = "contiguous", dtype: str = "auto", overwrite: bool = False,
                        max_shard_size: str = "2GB", seed: int = 0, calibration_data: str | None = None,
@@ -294,20 +329,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
 
     settings = Settings(str(Path(src).expanduser().resolve()), num_kv_heads, method, grouping, dtype,
                         str(max_shard_size), seed, calibration_data, calibration_tokens, options or {})
-    staged = method_spec(method).needs_data  # calibrates: the pipeline runs the calibration stage
-    if grouping not in GROUPINGS:
-        raise GqakitError(f"unknown grouping {grouping!r}; choose from {', '.join(GROUPINGS)}")
-    if staged:
-        from gqakit.convert.calibrate import refit_options
-
-        refit_options(settings.options)  # every option checked before anything is read or written
-        if calibration_tokens < 1:
-            raise GqakitError(f"--calibration-tokens must be at least 1, got {calibration_tokens}")
-        if calibration_data and not str(calibration_data).startswith("hf:") \
-                and not Path(calibration_data).expanduser().is_file():
-            raise GqakitError(f"calibration data not found: {Path(calibration_data).expanduser()}")
-    elif settings.options:
-        raise GqakitError(f"method {method} takes no options (got {', '.join(settings.options)})")
+    staged = check_settings(settings)
     dev = resolve_device(device)
     max_bytes = parse_size(max_shard_size)
     calib_file = calibration_data if calibration_data and not str(calibration_data).startswith("hf:") else None
@@ -348,15 +370,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
                     bar.update(t.numel() * t.dtype.itemsize)
             # 2. the attention, layer by layer
             spec = archmod.registry()[plan.family]
-            stage = None
-            if staged:
-                from gqakit.convert.calibrate import RefitStage
-
-                stage = RefitStage(opened, plan, settings, device=dev, progress=progress, scratch=tmp / ".scratch",
-                                   resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
-                layers = stage.layers()
-            else:
-                layers = _per_layer_heads(opened, plan, settings)
+            layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress,
+                                             scratch=tmp / ".scratch", resume_dir=tmp / RESUME_DIR,
+                                             written=lambda: writer.written)
             steps = {step.layer: step for step in plan.attention_layers()}
             for layer, new in layers:
                 out_dtypes = {n: planned_dtype[n] for n in steps[layer].names}

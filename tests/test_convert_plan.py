@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from gqakit.convert.io import DictSource, plan_shards
@@ -60,3 +61,29 @@ def test_plan_steps_cover_the_source_once_in_file_order():
     # mean touches only K and V: q and o are passed through as bytes
     kv = make_plan(opened, Settings("llama-70b-mha", 8))
     assert {n.rsplit(".", 2)[-2] for s in kv.attention_layers() for n in s.names} == {"k_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "nothing written (dry run)"),
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--grouping", "nope"], "unknown grouping 'nope'"),
+    (["--refit-option", "q_ridge=1"], "method mean takes no options"),
+    (["--method", "align-refit", "--refit-option", "nope=1"], "unknown align-refit option(s) nope"),
+    (["--method", "align-refit", "--calibration-data", "/nonexistent/calib.txt"], "calibration data not found"),
+])
+def test_convert_dry_run_checks_what_a_run_checks(tiny_model, tmp_path, capsys, args, needle):
+    from gqakit.cli import main
+
+    src = tiny_model("llama")
+    capsys.readouterr()  # building the model printed its own bars
+    try:
+        main([str(a) for a in ["convert", src, tmp_path / "out", "-g", "2", "--dry-run", *args]])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    got = capsys.readouterr()
+    if needle == "nothing written (dry run)":
+        assert code == 0 and needle in got.out
+    else:
+        assert code == 2 and needle in got.err and len(got.err.strip().splitlines()) == 1, got.err
+    assert not (tmp_path / "out").exists()

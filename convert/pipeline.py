@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ class Plan:
     source_params: int
     output_params: int
 
-    @property
+    @cached_property
     def layer_of(self) -> dict[str, int]:
         """Attention tensor name -> layer, for the tensors the method rewrites."""
         return {n: s.layer for s in self.attention_layers() for n in s.names}

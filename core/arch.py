@@ -209,8 +209,9 @@ def loaded_shape(hf_config: Any) -> Shape:
     cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    return Shape(int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(cfg.hidden_size), 0,
+    hidden = getattr(cfg, "hidden_size", None)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    return Shape(int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(hidden or heads * head_dim), 0,
                  max_positions(cfg.to_dict()))
 
 

@@ -130,7 +130,11 @@ class DecodeBench:
         # A decode step reads every weight once, except an untied input embedding, of
         # which it reads only the B looked-up rows.
         self.weight_bytes = (params - (0 if tied else emb.numel())) * self.elem
-        self.matmul_params = params - emb.numel() + (emb.numel() if tied or model.get_output_embeddings() is not None else 0)
+        # Parameters a step multiplies by (2 FLOPs each per sequence): everything but the
+        # input embedding (a lookup), except that a tied embedding is also the LM head. An
+        # untied LM head is already in `params` on its own; adding the input embedding back
+        # for it counted the head twice.
+        self.matmul_params = params - emb.numel() + (emb.numel() if tied else 0)
         self.kv_bytes_per_token = 2 * self.layers * self.kv_heads * self.head_dim * self.elem
         sig = inspect.signature(model.forward).parameters
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}

@@ -4,7 +4,7 @@ Loads two or more models (the first is the baseline; e.g. SmolLM2-135M and its 3
 head conversion) and times their decode steps with gqakit's decode benchmark
 (`gqakit.eval.speed.DecodeBench`) over a batch x prompt grid. At each grid point all
 models are set up first (cache, packed weights, warm-up, excluded from the timing), then
-their timed repetitions alternate, A B B A A B ..., so load from other jobs on a shared
+their timed decode steps alternate one by one, A B B A A B ..., so load from other jobs on a shared
 machine hits all alike; the copy bandwidth and matmul FLOP/s (the roofs) are measured
 again at each point, between the models' repetitions.
 
@@ -85,7 +85,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"{data['run']['torch']}, transformers {data['run']['transformers']}; load average "
         f"{data['loadavg_start'][0]:.1f} at the start, {data.get('loadavg_end', [float('nan')])[0]:.1f} at the end "
         f"(the 2 cores are shared with other jobs); decode: {a['new_tokens']} new tokens after a random prompt, "
-        f"{a['warmup']} warm-up run(s) excluded, median of {a['reps']} alternating repetitions; steps: "
+        f"{a['warmup']} warm-up run(s) excluded, median of {a['reps']} x {a['new_tokens']} single steps, the models' "
+        "steps alternating one by one; steps: "
         + ", ".join(sorted({r['decode_mode'] for r in data['rows'] if r['status'] == 'ok'})) + "; "
         + "; ".join(f"{n}: {p['decode_path']}" for n, p in data["probes"].items()) + ".",
         "",
@@ -170,7 +171,10 @@ def main() -> None:
             for r in range(args.reps):
                 order = live if r % 2 == 0 else live[::-1]
                 for n in order:
-                    benches[n].rep(states[n])
+                    benches[n].begin_rep(states[n])  # rewind (or prefill), untimed as decode
+                for i in range(args.new_tokens):  # steps alternate one by one: A B, B A, ...
+                    for n in (order if i % 2 == 0 else order[::-1]):
+                        benches[n].decode_step(states[n])
                 bws.append(copy_bandwidth(args.device))
                 fls.append(matmul_flops(args.device, dtype))
             bw, fl = (statistics.median(bws), statistics.median(fls)) if bws else (1.0, 1.0)

@@ -180,7 +180,8 @@ class DecodeBench:
         return time.perf_counter() - t0, tok
 
     def _decode(self, cache: Any, tok: Any, start: int, new_tokens: int, spy: SdpaSpy | None = None,
-                graph: tuple | None = None, tokens: list | None = None, first_step: list | None = None) -> float:
+                graph: tuple | None = None, tokens: list | None = None, first_step: list | None = None,
+                last: dict | None = None) -> float:
         """`new_tokens` greedy decode steps from position `start`; returns seconds.
 
         With `graph` (from `_capture`), decode steps are replays of it; `tokens`, when
@@ -212,7 +213,10 @@ class DecodeBench:
                 sync(self.device)
                 first_step.append(time.perf_counter() - t1)
         sync(self.device)
-        return time.perf_counter() - t1
+        dt = time.perf_counter() - t1
+        if last is not None:
+            last["cur"] = tok
+        return dt
 
     def _generate(self, cache: Any, prompt: Any, new_tokens: int, spy: SdpaSpy | None = None,
                   graph: tuple | None = None, tokens: list | None = None) -> tuple[float, float]:
@@ -396,7 +400,7 @@ class DecodeBench:
             t0 = time.perf_counter()
             graph = self._graph_for(cache, batch, prompt_len, new_tokens)  # capture counts as warm-up
             first: list[float] = []
-            st.update(cache=cache, graph=graph, tok=None, pre=[], dec=[],
+            st.update(cache=cache, graph=graph, tok=None, pre=[], dec=[], reps=0,
                       rewind=prefill_once and all(not getattr(x, "is_sliding", False) and hasattr(x, "cumulative_length")
                                                   for x in cache.layers))
             for i in range(warmup):
@@ -430,6 +434,40 @@ class DecodeBench:
         d = self._decode(cache, st["tok"], p, n, graph=st["graph"], first_step=first_step)
         if record:
             st["dec"].append(d / n)
+            st["reps"] += 1
+
+    def begin_rep(self, st: dict[str, Any]) -> None:
+        """Start a repetition step by step (see `step`): rewind to the prompt, or prefill again."""
+        import torch
+
+        from gqakit.eval.attention import set_decode_kernel
+
+        set_decode_kernel(self.decode_kernel)
+        b, p = st["point"]["batch"], st["point"]["prompt_len"]
+        if st["rewind"] and st["tok"] is not None:
+            self.rewind(st["cache"], p)
+        else:
+            st["cache"].reset()
+            pre, st["tok"] = self._prefill(st["cache"], torch.randint(0, self.vocab, (b, p), device=self.device))
+            st["pre"].append(pre)
+        st["tok0"], st["i"] = st["tok"], 0
+        st["reps"] += 1
+
+    def decode_step(self, st: dict[str, Any]) -> float:
+        """One timed decode step of the current repetition; its time is recorded as a sample.
+
+        Lets two models' steps alternate one by one (bench/bench_decode_pair.py), the finest
+        interleaving there is: each pair of steps sees the same machine load.
+        """
+        from gqakit.eval.attention import set_decode_kernel
+
+        set_decode_kernel(self.decode_kernel)
+        i = st["i"]
+        d = self._decode(st["cache"], st["cur"] if i else st["tok0"], st["point"]["prompt_len"] + i, 1,
+                         graph=st["graph"], last=st)
+        st["i"] = i + 1
+        st["dec"].append(d)
+        return d
 
     def rep(self, st: dict[str, Any]) -> None:
         """One timed repetition of an open point: prefill (unless done once) and the decode steps."""
@@ -445,7 +483,7 @@ class DecodeBench:
         peak = st["peak"].peak()
         graph_used = st["graph"] is not None
         st["stack"].close()
-        point, pre, dec, reps = st["point"], st["pre"], st["dec"], len(st["dec"])
+        point, pre, dec, reps = st["point"], st["pre"], st["dec"], st["reps"]
         warm, compile_s, kv_bytes, packed = st["warmup_s"], st["compile_s"], st["kv_bytes"], st["packed_bytes"]
         batch, prompt_len, new_tokens = point["batch"], point["prompt_len"], point["new_tokens"]
         st.clear()
@@ -464,8 +502,9 @@ class DecodeBench:
             **point, "status": "ok", "decode_mode": mode,
             "decode_path": {"steps": mode, "weights": "packed once (oneDNN)" if packed else "as loaded",
                             "attention_kernel": self.decode_kernel,
-                            "prefill": "every repetition" if len(pre) == reps else
+                            "prefill": "every repetition" if len(pre) >= reps else
                             "once, decode repetitions rewind the cache"},
+            "decode_samples": len(dec), "decode_sample": "one step" if len(dec) > reps else "mean step of a repetition",
             "prefill_ms": {"median": 1e3 * statistics.median(pre), "p90": 1e3 * percentile(pre, 90)},
             "prefill_samples": len(pre),
             "decode_ms_per_token": {"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},

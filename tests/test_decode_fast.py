@@ -101,3 +101,23 @@ def test_point_records_the_path_it_took(tiny_model, eager):
     assert bench.probe()["decode_kernel"] == ("sdpa" if eager else "matmul")
     pt1 = bench.run_point(1, 8, 4, 2, 0, roof)  # batch 1: the matrix-vector path, never packed
     assert pt1["packed_weight_bytes"] == 0 and pt1["prefill_samples"] == 2
+
+
+def test_single_steps_alternate_between_two_models(tiny_model):
+    """bench_decode_pair's stepping: two open points, steps one by one, every step a sample."""
+    benches = [DecodeBench(load_causal_lm(tiny_model("llama", num_key_value_heads=kv)), device="cpu",
+                           dtype=torch.float32) for kv in (8, 2)]
+    roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
+    states = [b.open_point(2, 8, 3, 1, prefill_once=True) for b in benches]
+    for _ in range(2):
+        for b, st in zip(benches, states):
+            b.begin_rep(st)
+        for _ in range(3):
+            for b, st in zip(benches, states):
+                assert b.decode_step(st) > 0
+    pts = [b.close_point(st, roof) for b, st in zip(benches, states)]
+    for pt in pts:
+        assert pt["status"] == "ok" and pt["reps"] == 2 and pt["decode_samples"] == 6
+        assert pt["decode_sample"] == "one step" and pt["prefill_samples"] == 1
+        assert pt["decode_path"]["prefill"] == "once, decode repetitions rewind the cache"
+    assert pts[0]["bytes_per_step"]["total"] > pts[1]["bytes_per_step"]["total"]

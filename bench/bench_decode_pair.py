@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--eager", action="store_true", help="the plain transformers step: no packed weights, SDPA decode")
+    ap.add_argument("--both-paths", action="store_true",
+                    help="each model twice, fast path and --eager (separate copies), all steps alternating: "
+                         "what the fast path buys, measured in one run")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--prefill-every-rep", action="store_true",
                     help="prefill before every repetition (default: once per point, decode repetitions rewind the cache)")
@@ -79,7 +82,7 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(data: dict[str, Any]) -> str:
     a, names = data["args"], data["names"]
-    base = names[0]
+    base = ", ".join(sorted(set(data.get("baseline_of", {names[0]: names[0]}).values())))
     lines = [
         f"Device: {data['run']['device_name']}, {a['dtype']}, torch threads {data['threads']}, torch "
         f"{data['run']['torch']}, transformers {data['run']['transformers']}; load average "
@@ -115,7 +118,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines.append(f"Models: " + "; ".join(f"{n}: `{p}`, {data['info'][n]['kv_heads']}/{data['info'][n]['heads']} KV/query heads, "
                                          f"{data['info'][n]['weight_bytes'] / 1e6:.0f} MB weights per step, "
                                          f"{data['info'][n]['kv_bytes_per_token'] / 1024:g} KiB KV per token"
-                                         for n, p in zip(names, a["models"])) + f". Baseline: {base}.")
+                                         for n, p in zip(names, a["models"])) + f". Baseline(s): {base}.")
     return "\n".join(lines) + "\n"
 
 
@@ -135,16 +138,20 @@ def main() -> None:
     if len(names) != len(args.models) or len(set(names)) != len(names):
         sys.exit("bench_decode_pair: --names needs one distinct name per model")
     batches, lens = parse_ints(args.batch, "--batch"), parse_ints(args.prompt_len, "--prompt-len")
-    fast = not args.eager
     cuda = torch.device(args.device).type == "cuda"
+    paths = [True, False] if args.both_paths else [not args.eager]
+    entries = [(n if fast else f"{n} (eager)", path, fast) for fast in paths for n, path in zip(names, args.models)]
+    base_of = {e[0]: (names[0] if e[2] else f"{names[0]} (eager)") for e in entries}
+    names = [e[0] for e in entries]
+    args.models = [e[1] for e in entries]
     benches = {}
-    for n, path in zip(names, args.models):
+    for n, path, fast in entries:
         m = load_causal_lm(path, dtype=dtype, device=args.device)
         benches[n] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
                                  cuda_graphs=fast and cuda and not args.compile, pack_weights=fast,
                                  decode_kernel="matmul" if fast else "sdpa")
     data: dict[str, Any] = {
-        "args": vars(args), "names": names, "threads": torch.get_num_threads(),
+        "args": vars(args), "names": names, "baseline_of": base_of, "threads": torch.get_num_threads(),
         "probes": {n: b.probe() for n, b in benches.items()},
         "info": {n: {"heads": b.heads, "kv_heads": b.kv_heads, "weight_bytes": b.weight_bytes,
                      "kv_bytes_per_token": b.kv_bytes_per_token, "matmul_params": b.matmul_params}
@@ -183,8 +190,9 @@ def main() -> None:
             for n in names:
                 rows[n]["roof"] = {"copy_bandwidth_gbs": bw / 1e9, "matmul_gflops": fl / 1e9,
                                    "ridge_flops_per_byte": fl / bw}
-                if n != names[0] and rows[n]["status"] == "ok" and rows[names[0]]["status"] == "ok":
-                    rows[n]["comparison"] = compare(rows[names[0]], rows[n])
+                b0 = base_of[n]
+                if n != b0 and rows[n]["status"] == "ok" and rows[b0]["status"] == "ok":
+                    rows[n]["comparison"] = compare(rows[b0], rows[n])
                 data["rows"].append(rows[n])
             data["elapsed_s"] = time.time() - t0
             save()

@@ -390,24 +390,12 @@ class DecodeBench:
                 return {"result": {**point, "status": "oom", "reason": why}}
         set_decode_kernel(self.decode_kernel)
         st: dict[str, Any] = {"point": point, "stack": contextlib.ExitStack(), "peak": PeakMemory(self.device)}
-        st["stack"].enter_context(torch.inference_mode())
+        # Inference mode is entered around each call, never held in `stack`: points of two
+        # models can be open at once and closed in any order, and a grad-mode context
+        # closed out of order would leave inference mode switched on for the process.
         try:
-            cache = self._cache(batch, prompt_len + new_tokens)
-            st["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-            st["packed_bytes"] = 0
-            if self.pack_weights and batch > 1:
-                st["packed_bytes"] = st["stack"].enter_context(packed_linears(self.model, batch))
-            t0 = time.perf_counter()
-            graph = self._graph_for(cache, batch, prompt_len, new_tokens)  # capture counts as warm-up
-            first: list[float] = []
-            st.update(cache=cache, graph=graph, tok=None, pre=[], dec=[], reps=0,
-                      rewind=prefill_once and all(not getattr(x, "is_sliding", False) and hasattr(x, "cumulative_length")
-                                                  for x in cache.layers))
-            for i in range(warmup):
-                self._rep(st, first_step=first if i == 0 else None, record=False)
-            st["warmup_s"] = time.perf_counter() - t0
-            st["compile_s"] = first[0] if (first and self.compiled) else None
-            st["peak"].reset()
+            with torch.inference_mode():
+                return self._open(st, batch, prompt_len, new_tokens, warmup, prefill_once, packed_linears)
         except torch.OutOfMemoryError:
             st["stack"].close()
             st.clear()
@@ -416,6 +404,25 @@ class DecodeBench:
         except BaseException:
             st["stack"].close()
             raise
+
+    def _open(self, st: dict[str, Any], batch: int, prompt_len: int, new_tokens: int, warmup: int,
+              prefill_once: bool, packed_linears: Any) -> dict[str, Any]:
+        cache = self._cache(batch, prompt_len + new_tokens)
+        st["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        st["packed_bytes"] = 0
+        if self.pack_weights and batch > 1:
+            st["packed_bytes"] = st["stack"].enter_context(packed_linears(self.model, batch))
+        t0 = time.perf_counter()
+        graph = self._graph_for(cache, batch, prompt_len, new_tokens)  # capture counts as warm-up
+        first: list[float] = []
+        st.update(cache=cache, graph=graph, tok=None, pre=[], dec=[], reps=0,
+                  rewind=prefill_once and all(not getattr(x, "is_sliding", False) and hasattr(x, "cumulative_length")
+                                              for x in cache.layers))
+        for i in range(warmup):
+            self._rep(st, first_step=first if i == 0 else None, record=False)
+        st["warmup_s"] = time.perf_counter() - t0
+        st["compile_s"] = first[0] if (first and self.compiled) else None
+        st["peak"].reset()
         return st
 
     def _rep(self, st: dict[str, Any], first_step: list | None = None, record: bool = True) -> None:
@@ -444,12 +451,13 @@ class DecodeBench:
 
         set_decode_kernel(self.decode_kernel)
         b, p = st["point"]["batch"], st["point"]["prompt_len"]
-        if st["rewind"] and st["tok"] is not None:
-            self.rewind(st["cache"], p)
-        else:
-            st["cache"].reset()
-            pre, st["tok"] = self._prefill(st["cache"], torch.randint(0, self.vocab, (b, p), device=self.device))
-            st["pre"].append(pre)
+        with torch.inference_mode():
+            if st["rewind"] and st["tok"] is not None:
+                self.rewind(st["cache"], p)
+            else:
+                st["cache"].reset()
+                pre, st["tok"] = self._prefill(st["cache"], torch.randint(0, self.vocab, (b, p), device=self.device))
+                st["pre"].append(pre)
         st["tok0"], st["i"] = st["tok"], 0
         st["reps"] += 1
 
@@ -459,12 +467,15 @@ class DecodeBench:
         Lets two models' steps alternate one by one (bench/bench_decode_pair.py), the finest
         interleaving there is: each pair of steps sees the same machine load.
         """
+        import torch
+
         from gqakit.eval.attention import set_decode_kernel
 
         set_decode_kernel(self.decode_kernel)
         i = st["i"]
-        d = self._decode(st["cache"], st["cur"] if i else st["tok0"], st["point"]["prompt_len"] + i, 1,
-                         graph=st["graph"], last=st)
+        with torch.inference_mode():
+            d = self._decode(st["cache"], st["cur"] if i else st["tok0"], st["point"]["prompt_len"] + i, 1,
+                             graph=st["graph"], last=st)
         st["i"] = i + 1
         st["dec"].append(d)
         return d
@@ -473,8 +484,11 @@ class DecodeBench:
         """One timed repetition of an open point: prefill (unless done once) and the decode steps."""
         from gqakit.eval.attention import set_decode_kernel
 
+        import torch
+
         set_decode_kernel(self.decode_kernel)
-        self._rep(st)
+        with torch.inference_mode():
+            self._rep(st)
 
     def close_point(self, st: dict[str, Any], roof: dict[str, float]) -> dict[str, Any]:
         """Release an open point and return its measurements."""

@@ -115,7 +115,8 @@ def test_single_steps_alternate_between_two_models(tiny_model):
         for _ in range(3):
             for b, st in zip(benches, states):
                 assert b.decode_step(st) > 0
-    pts = [b.close_point(st, roof) for b, st in zip(benches, states)]
+    pts = [b.close_point(st, roof) for b, st in zip(benches, states)]  # closed in the order opened
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()  # nothing left switched on
     for pt in pts:
         assert pt["status"] == "ok" and pt["reps"] == 2 and pt["decode_samples"] == 6
         assert pt["decode_sample"] == "one step" and pt["prefill_samples"] == 1

@@ -46,7 +46,8 @@ def _groupings() -> list[str]:
                    "One decoder block is on it at a time.")
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
               help="align-refit setting, repeatable: seq_len, batch, q_ridge, o_ridge, skip_first, holdout, "
-                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds.")
+                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds, "
+                   "steps (block-wise reconstruction: Adam steps per layer), lr, guard_spans.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 500MB.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")

@@ -27,7 +27,13 @@ The fit of one block, from the original stream x and the converted stream x':
      attention (original attention output + original residual - converted residual), so
      each layer also corrects the drift of the layers before it. Its normal equations
      are accumulated batch by batch in float64, rows weighted by 1/|original residual|^2
-     (`row_weight`), so outsized "attention sink" rows do not dominate.
+     (`row_weight`), so outsized "attention sink" rows do not dominate;
+  5. block-wise reconstruction (optional, `steps` > 0; BRECQ / AutoRound style): Adam
+     steps on the block's converted q, k, v, o (K/V shared per group, the rest of the
+     block frozen) minimising the relative squared error between the block's output on
+     the converted stream and the original block's output on the original stream,
+     seeded per layer, with a held-out guard that keeps the closed-form fit when the
+     steps do not help.
 
 Options (`refit_options`; Python API and bench --options; every key is checked):
 seq_len, batch (sequences per block forward), sample_batch (sequences per generate call
@@ -38,7 +44,9 @@ the first n positions of every sequence out of the fits), row_weight ("relative"
 `residual_drift` is then measured on them), dtype (block compute: auto = float64 for
 models under 20M parameters on the CPU, else float32), stream_dtype (auto = the compute
 dtype), offload (auto | device | cpu | disk), checkpoint_seconds (how often, at most, the
-streams and the finished layers are saved so that an interrupted run resumes).
+streams and the finished layers are saved so that an interrupted run resumes), steps
+(reconstruction steps per layer; 0 = closed-form fits only), lr (Adam's learning rate
+relative to each tensor's RMS), guard_spans (batches of sequences the guard measures on).
 
 Calibration text is `--calibration-data` (a text file or `hf:NAME[:CONFIG][:SPLIT]`,
 tokenised and cut into sequences) or, without it, text sampled from the source model,
@@ -106,6 +114,28 @@ def refit_options(options: dict[str, Any] | None) -> dict[str, Any]:
                 raise GqakitError(f"align-refit option checkpoint_seconds must be >= 0, got {value!r}")
         out[key] = value
     return out
+
+
+def describe(calibration: dict[str, Any]) -> str:
+    """What `align-refit` did, in one line for the model card (from its calibration record)."""
+    opts = calibration.get("options", {})
+    parts = ["RoPE-aware alignment of each group's heads in the metric of the layer's input activations, "
+             "mean pooling"]
+    if float(opts.get("q_ridge", 0)) >= 0:
+        parts.append("query refit (per-frequency scaled rotations) by ridge least squares")
+    if float(opts.get("o_ridge", 0)) >= 0:
+        parts.append(f"o_proj ridge refit towards the original model's {opts.get('target', 'residual')} stream")
+    if calibration.get("reconstruction"):
+        parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on q, k, v and o "
+                     f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's output, kept only "
+                     f"where a held-out loss improved")
+    return "; ".join(parts)
+
+
+QUALITY_SIGNAL = ("residual drift: the relative distance |h' - h| / |h| between the converted and the original "
+                  "model's hidden states on calibration text after each layer (0 = identical). It is the "
+                  "conversion's own quality signal: the larger the drift after the last layer, the further "
+                  "the perplexity before uptraining is from the original's (docs/benchmarks.md pairs them)")
 
 
 def source_path(opened: Any) -> Path:
@@ -718,7 +748,8 @@ class RefitStage:
         group, everything else in the block frozen), minimising the relative squared error
         between the block's output on the converted stream and the original block's output
         on the original stream (which `_fit_o_proj` has just advanced), one random span of
-        `batch` sequences per step. Each tensor's learning rate is `lr` times its RMS. The
+        `batch` sequences per step. Each tensor's learning rate is `lr` times its RMS, decaying
+        linearly to 0 over the steps. The
         steps are seeded by (seed, layer), so a resumed run takes the same ones. A guard
         keeps the best of the closed-form start and the weights after each quarter of the
         steps, by the loss on the last `guard_spans` spans' measured rows (the held-out
@@ -731,6 +762,8 @@ class RefitStage:
         groups = [{"params": [t], "lr": float(opts["lr"]) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}
                   for t in params.values()]
         optim = torch.optim.Adam(groups)
+        # the learning rate decays linearly to zero over the steps (as AutoRound's does)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 - i / steps)
         dtypes = {n: self.dtype for n in blk.attn_rel}
         calls: dict[int, tuple] = {}
 
@@ -775,6 +808,7 @@ class RefitStage:
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
             optim.step()
+            sched.step()
             self.bar.update(1)
             if step % check == 0 or step == steps:
                 g = guard_loss()
@@ -783,7 +817,7 @@ class RefitStage:
                     best_params = {p: t.detach().clone() for p, t in params.items()}
                 self.bar.set_postfix_str(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
         self.recon.append({"layer": L, "guard_best": best, "best_step": best_at})
-        del optim, params, calls
+        del optim, sched, params, calls
         pooled = pooled.replace(**{p: t.to(getattr(pooled, p).dtype).cpu() for p, t in best_params.items()})
         return pooled, blk.weights(pooled)
 

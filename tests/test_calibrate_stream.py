@@ -180,7 +180,7 @@ def test_calibration_record_in_output(tiny_model, tmp_path, capsys):
     data.write_text("abc def ghi jkl mno pqr stu vwx yz " * 200)
     main(["convert", str(src), str(tmp_path / "out"), "-g", "2", "--method", "align-refit", "--device", "cpu",
           "--calibration-data", str(data), "--calibration-tokens", "512", "--refit-option", "seq_len=64",
-          "--refit-option", "holdout=0.25"])
+          "--refit-option", "holdout=0.25", "--refit-option", "steps=2"])
     out = capsys.readouterr()
     assert "residual drift" in out.out + out.err
     rec = json.loads((tmp_path / "out" / "gqakit_convert.json").read_text())
@@ -188,7 +188,9 @@ def test_calibration_record_in_output(tiny_model, tmp_path, capsys):
     assert cal["options"]["seq_len"] == 64 and cal["options"]["holdout"] == 0.25
     assert cal["device"] == "cpu" and cal["tokens"] == cal["calibration_sequences"] * 64
     assert len(cal["residual_drift"]) == 1 and cal["peak_memory_bytes"] > 0
-    assert "residual drift" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "residual drift" in card and "expected quality" in card
+    assert "block-wise reconstruction: 2 Adam steps per layer" in card and len(cal["reconstruction"]) == 2
     assert not (tmp_path / "out" / ".scratch").exists()
 
 

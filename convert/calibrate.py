@@ -127,12 +127,12 @@ def describe(calibration: dict[str, Any]) -> str:
         parts.append(f"o_proj ridge refit towards the original model's {opts.get('target', 'residual')} stream")
     if calibration.get("reconstruction"):
         parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on q, k, v and o "
-                     f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's output, kept only "
-                     f"where a held-out loss improved")
+                     f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's output; each layer "
+                     f"keeps whichever of the closed-form fit and the trained weights had the lower guard loss")
     return "; ".join(parts)
 
 
-QUALITY_SIGNAL = ("residual drift: the relative distance |h' - h| / |h| between the converted and the original "
+QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h‖ between the converted and the original "
                   "model's hidden states on calibration text after each layer (0 = identical). It is the "
                   "conversion's own quality signal: the larger the drift after the last layer, the further "
                   "the perplexity before uptraining is from the original's (docs/benchmarks.md pairs them)")

@@ -75,6 +75,10 @@ class GGUFSource(Source):
     def gguf_name(self, name: str) -> str:
         return self._gguf_of[name]
 
+    def gguf_tensor(self, name: str) -> Any:
+        """The reader's record (type, shape, mapped bytes) of the tensor called NAME in transformers."""
+        return self._t[self._gguf_of[name]]
+
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         t = self._t[self._gguf_of[name]]
         return torch.float32, tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -322,10 +326,9 @@ def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: st
     source: GGUFSource = opened.source
     H, G = plan.shape.num_heads, num_kv_heads
     changed: dict[str, Changed] = {}
+    planned = {p.name: p.shape for p in plan.tensors}
     for hf in plan.layer_of:
-        g = source.gguf_name(hf)
-        t = source._t[g]
-        shape = next(p.shape for p in plan.tensors if p.name == hf)
+        g, t, shape = source.gguf_name(hf), source.gguf_tensor(hf), planned[hf]
         heads = None
         if inp.permute and ".attn_q." in g:
             heads = H

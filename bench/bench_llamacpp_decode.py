@@ -10,7 +10,7 @@ decode steps only, the prefill excluded by a perf reset before decoding). The KV
 size is llama.cpp's own too (`llama_state_get_size` grows with it; reported as the
 computed n_ctx x layers x KV heads x head_dim x 2 x 2 bytes for an F16 cache).
 
-    .venv/bin/python bench/bench_llamacpp_decode.py --context 4096 --decode 128 --rounds 3
+    .venv/bin/python bench/bench_llamacpp_decode.py --context 4096 --decode 64 --rounds 2 --threads 1
 
 Needs `pip install llama-cpp-python` (gqakit[llama]); writes bench/results/llamacpp_decode.json.
 """
@@ -39,11 +39,16 @@ def measure(llama_cpp, path: Path, ids: list[int], decode: int, threads: int) ->
     llm.eval(ids)
     prefill = time.perf_counter() - t0
     llama_cpp.llama_perf_context_reset(llm.ctx)
-    tok = int(max(range(llm.n_vocab()), key=lambda i: llm.scores[llm.n_tokens - 1][i]))
+    import numpy as np
+
+    def last_argmax() -> int:  # greedy next token from the last position's logits
+        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax())
+
+    tok = last_argmax()
     t0 = time.perf_counter()
     for _ in range(decode):
         llm.eval([tok])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        tok = last_argmax()
     wall = time.perf_counter() - t0
     perf = llama_cpp.llama_perf_context(llm.ctx)
     meta = llm.metadata
@@ -67,7 +72,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="llama.cpp threads; on a shared, loaded CPU, more threads than free cores make its "
+                         "spinning thread pool far slower (measured here: 2.6 s per token with 2, 58 ms with 1)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gqakit-llamacpp-bench"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "llamacpp_decode.json")
     a = ap.parse_args()

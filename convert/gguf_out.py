@@ -210,13 +210,15 @@ def parse_gguf_type(name: str | None) -> Any:
 
 
 def choose_type(src_type: Any, shape: tuple[int, ...], wanted: Any, name: str) -> Any:
-    """The type a changed tensor is written in: WANTED, else the source's type when it can be
-    encoded (and its blocks fit the rows), else F16."""
+    """The type a changed tensor is written in: F32 for 1-D tensors (biases); else WANTED, else
+    the source's type when it can be encoded (and its blocks fit the rows), else F16."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     def fits(q: Any) -> bool:
         return shape[-1] % GGML_QUANT_SIZES[q][0] == 0
 
+    if len(shape) == 1:  # biases stay F32, as llama.cpp's converter writes every 1-D tensor
+        return GGMLQuantizationType.F32
     if wanted is not None:
         if not fits(wanted):
             raise GqakitError(f"--gguf-type {wanted.name}: tensor {name} has rows of {shape[-1]} values, not a "

@@ -157,6 +157,16 @@ def test_f32_gguf_out_equals_the_folder_output(pico, tmp_path, arch, method, tou
     assert model(IDS[:1], use_cache=True).past_key_values.layers[0].keys.shape[1] == 2
 
 
+def test_qwen2_biases_stay_f32_whatever_the_gguf_type(pico, tmp_path):
+    src = pico("qwen2", QT.Q8_0)
+    out = convert_gguf(src, tmp_path / "out.gguf", 2, gguf_type="Q4_0", progress=False)
+    t = tensors(out)
+    changed = changed_names(out, src)
+    assert {t[n].tensor_type for n in changed if n.endswith(".bias")} == {QT.F32}
+    assert {t[n].tensor_type for n in changed if n.endswith(".weight")} == {QT.Q4_0}
+    assert load_gguf(out).config.num_key_value_heads == 2
+
+
 def test_identity_conversion_is_byte_identical(pico, tmp_path):
     src = pico("llama", QT.Q8_0)
     out = convert_gguf(src, tmp_path / "same.gguf", 4, progress=False)
@@ -326,7 +336,9 @@ def test_llama_cpp_runs_the_converted_smollm2_as_transformers_does(smollm2_gguf,
     text = wiki.read_text()[:3000] if wiki.is_file() else "The capital of France is Paris. " * 40
 
     def cpp_nll(path: Path) -> tuple[float, list[int], str, str]:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=2, logits_all=True, verbose=False)
+        # one thread: on a loaded CPU, llama.cpp's spinning thread pool is far slower with more
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=1, n_threads_batch=1, logits_all=True,
+                              verbose=False)
         ids = llm.tokenize(text.encode(), add_bos=False)[:200]
         llm.eval(ids)
         lg = torch.tensor(np.array(llm.scores[:len(ids)]), dtype=torch.float32)

@@ -77,17 +77,20 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
     out = check_eval_inputs(model_path, data=data, ppl=ppl, speed=speed, context=context, stride=stride,
                             max_chars=max_chars, device=device, dtype=dtype, out=out, overwrite=overwrite,
                             tasks=tasks)
+    from gqakit.core.quiet import quiet_libraries
+
     if tasks is not None:
-        from gqakit.eval.tasks import check_tasks
+        from gqakit.eval.tasks import check_tasks, load_tasks
 
         check_tasks(tasks, quiet=quiet)  # harness installed, names known, local data present: before loading
+        with quiet_libraries(quiet):
+            load_tasks(tasks, quiet=quiet)  # their datasets read (offline) before the model loads
     doc = None
     if ppl:
         from gqakit.eval.perplexity import read_text
 
         doc = read_text(data, max_chars=max_chars, text_field=text_field)  # fail on bad data before loading
     seen = seen_in_training(model_path, doc) if doc is not None else []
-    from gqakit.core.quiet import quiet_libraries
 
     with quiet_libraries(quiet):
         results = _measure(model_path, doc, ppl=ppl, speed=speed, context=context, stride=stride,

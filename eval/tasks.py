@@ -16,6 +16,7 @@ Local tasks are ordinary harness YAML files in a folder given by `--tasks-path`
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import logging
 import os
@@ -46,6 +47,8 @@ class TaskSettings:
     bootstrap_iters: int = BOOTSTRAP_ITERS
     # filled by check_tasks: the harness's TaskManager (scanning the YAML index takes seconds)
     manager: Any = field(default=None, repr=False, compare=False)
+    # filled by load_tasks: the built tasks (their datasets read), for simple_evaluate
+    loaded: list[Any] | None = field(default=None, repr=False, compare=False)
 
 
 def parse_tasks(value: str) -> list[str]:
@@ -138,17 +141,15 @@ def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
         if not any(p.rglob("*.yaml")) and not any(p.rglob("*.yml")):
             raise GqakitError(f"--tasks-path {p} holds no .yaml task definitions")
     harness()
-    from lm_eval.tasks import TaskManager
-
-    include = str(Path(settings.tasks_path).expanduser()) if settings.tasks_path else None
+    include = str(Path(settings.tasks_path).expanduser().resolve()) if settings.tasks_path else None
     tm = None
     with harness_logs(quiet):
         try:
             if include:  # all tasks local: skip indexing the harness's ~15,000 built-in names (seconds)
-                tm = TaskManager(include_path=include, include_defaults=False)
+                tm = _task_manager(include, False, _fingerprint(include))
                 if not set(settings.tasks) <= set(tm.all_tasks):
                     tm = None
-            tm = tm or TaskManager(include_path=include)
+            tm = tm or _task_manager(include, True, _fingerprint(include))
         except Exception as e:  # a broken YAML in --tasks-path: the harness raises yaml/ValueError/...
             raise GqakitError(f"cannot read the task definitions in {settings.tasks_path}: {_first_line(e)}") from None
     known = set(tm.all_tasks)
@@ -165,6 +166,43 @@ def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
         _check_local_data(tm, name)
     settings.manager = tm
     return tm
+
+
+def _fingerprint(include: str | None) -> tuple[Any, ...]:
+    """What the index of a tasks folder depends on: its files' names, sizes and times."""
+    if include is None:
+        return ()
+    return tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in Path(include).rglob("*")
+                        if p.is_file()))
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager(include: str | None, defaults: bool, fingerprint: tuple[Any, ...]) -> Any:
+    """The harness's index of task names (built once per process: it scans thousands of YAML files)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include, include_defaults=defaults)
+
+
+def load_tasks(settings: TaskSettings, *, quiet: bool = False) -> list[Any]:
+    """Build the tasks, which reads their datasets, before any model is loaded: a dataset
+    that is not local fails here, in one line. Returns the top-level Task/Group objects
+    for simple_evaluate (kept in settings.loaded)."""
+    from lm_eval.api.group import Group
+
+    tm = settings.manager or check_tasks(settings, quiet=quiet)
+    with harness_logs(quiet), offline_datasets():
+        try:
+            loaded = tm.load(list(settings.tasks))
+        except Exception as e:
+            raise _explain(e, settings) from None
+    groups = list(loaded["groups"].values())
+    in_group = {t.task_name for g in groups for t in g.get_all_tasks()}
+    sub = {s.name for g in groups for s in g.get_all_groups()}
+    top: list[Any] = [g for g in groups if g.name not in sub and isinstance(g, Group)]
+    top += [t for n, t in loaded["tasks"].items() if n not in in_group]
+    settings.loaded = top
+    return top
 
 
 def _check_local_data(tm: Any, name: str) -> None:
@@ -228,8 +266,6 @@ def _task_bars(progress: bool) -> Iterator[None]:
     if progress:
         yield
         return
-    import functools
-
     import lm_eval.api.task as task_mod
 
     old = getattr(task_mod, "tqdm", None)
@@ -247,10 +283,12 @@ def run_tasks(model: Any, tokenizer: Any, settings: TaskSettings, *, progress: b
     """Run the tasks on an already-loaded model; the `tasks` block of a results file."""
     lm_eval = harness()
     tm = settings.manager or check_tasks(settings, quiet=quiet)
+    tasks = settings.loaded or load_tasks(settings, quiet=quiet)
+    settings.loaded = None  # simple_evaluate sets their few-shot count: one run per build
     with harness_logs(quiet), offline_datasets(), _task_bars(progress):
         lm = _gqakit_lm(progress)(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
         try:
-            out = lm_eval.simple_evaluate(model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
+            out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=settings.num_fewshot,
                                           limit=settings.limit, task_manager=tm, log_samples=False,
                                           bootstrap_iters=settings.bootstrap_iters)
         except Exception as e:
@@ -275,8 +313,8 @@ def _explain(e: Exception, settings: TaskSettings) -> GqakitError:
 
 
 def _num(x: Any) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
+        return None  # "N/A" stderr, NaN (one example), inf: no number
     return float(x)
 
 

@@ -278,6 +278,22 @@ def _task_bars(progress: bool) -> Iterator[None]:
             task_mod.tqdm = old
 
 
+@contextmanager
+def _no_harness_provenance() -> Iterator[None]:
+    """simple_evaluate records `git describe` of the current directory (printing git's
+    "fatal: not a git repository" on stderr outside one) and runs `pip list` for its
+    environment report. gqakit records its own provenance in `run`; both are skipped."""
+    import lm_eval.evaluator as ev
+
+    old = ev.get_git_commit_hash, ev.add_env_info
+    ev.get_git_commit_hash = lambda: None
+    ev.add_env_info = lambda results: None
+    try:
+        yield
+    finally:
+        ev.get_git_commit_hash, ev.add_env_info = old
+
+
 def run_tasks(model: Any, tokenizer: Any, settings: TaskSettings, *, progress: bool = True,
               quiet: bool = False) -> dict[str, Any]:
     """Run the tasks on an already-loaded model; the `tasks` block of a results file."""
@@ -285,7 +301,7 @@ def run_tasks(model: Any, tokenizer: Any, settings: TaskSettings, *, progress: b
     tm = settings.manager or check_tasks(settings, quiet=quiet)
     tasks = settings.loaded or load_tasks(settings, quiet=quiet)
     settings.loaded = None  # simple_evaluate sets their few-shot count: one run per build
-    with harness_logs(quiet), offline_datasets(), _task_bars(progress):
+    with harness_logs(quiet), offline_datasets(), _task_bars(progress), _no_harness_provenance():
         lm = _gqakit_lm(progress)(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
         try:
             out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=settings.num_fewshot,

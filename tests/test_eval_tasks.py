@@ -275,3 +275,54 @@ def test_task_that_needs_the_hub_fails_offline(full_index_dir, tiny_model, tmp_p
                                 "--limit", "2", "--out", out, "-q"], capsys)[::2])
     assert "hellaswag" in line and "not available offline" in line and "--tasks-path" in line
     assert not loaded and not out.exists()
+
+
+def test_tasks_with_perplexity_quietly_in_one_run(tmp_path):
+    """--data and --tasks together, in a fresh process: one results file, and -q prints nothing on stderr."""
+    pytest.importorskip("lm_eval")
+    import os
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import build
+
+    model = build("llama", tmp_path / "m", num_key_value_heads=4)
+    tasks_dir = write_task(tmp_path / "tasks")
+    (tmp_path / "d.txt").write_text(" ".join(f"w{i % 11} x{i % 5}" for i in range(200)))
+    out = tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_DATASETS_OFFLINE", None)
+    r = subprocess.run([sys.executable, "-m", "gqakit", "eval", str(model), "--data", str(tmp_path / "d.txt"),
+                        "--context", "32", "--tasks", TASK, "--tasks-path", str(tasks_dir), "--limit", "4",
+                        "--out", str(out), "-q"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    res = json.loads(out.read_text())
+    assert res["perplexity"]["token_perplexity"] > 1
+    assert res["tasks"]["results"][TASK]["samples"]["effective"] == 4
+    assert f"{TASK} (4 examples): acc" in r.stdout
+
+
+@pytest.mark.gpu
+def test_tasks_on_gpu_follow_eval_dtype_rules(tmp_path, capsys):
+    """On a GPU, --device auto puts the model on CUDA in bfloat16, and the harness run on that
+    same model folder in bfloat16 on CUDA gives the same scores."""
+    pytest.importorskip("lm_eval")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from tiny_models import build
+
+    model = build("llama", tmp_path / "m")
+    tasks_dir = write_task(tmp_path / "tasks")
+    out = tmp_path / "r.json"
+    code, _, err = cli(["eval", model, "--tasks", TASK, "--tasks-path", tasks_dir, "--out", out, "-q"], capsys)
+    assert code == 0, err
+    ours = json.loads(out.read_text())
+    assert ours["run"]["device"].startswith("cuda") and ours["run"]["dtype"] == "bfloat16"
+    ref = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model), "dtype": "bfloat16",
+                                                          "device": "cuda"}, tasks=[TASK],
+                                  task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+                                  log_samples=False)
+    for m in METRICS:
+        assert ours["tasks"]["results"][TASK]["metrics"][m]["value"] == ref["results"][TASK][f"{m},none"]

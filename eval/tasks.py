@@ -49,6 +49,7 @@ class TaskSettings:
     manager: Any = field(default=None, repr=False, compare=False)
     # filled by load_tasks: the built tasks (their datasets read), for simple_evaluate
     loaded: list[Any] | None = field(default=None, repr=False, compare=False)
+    local_index: bool = field(default=False, repr=False, compare=False)  # manager indexes --tasks-path only
 
 
 def parse_tasks(value: str) -> list[str]:
@@ -149,6 +150,7 @@ def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
                 tm = _task_manager(include, False, _fingerprint(include))
                 if not set(settings.tasks) <= set(tm.all_tasks):
                     tm = None
+            settings.local_index = tm is not None
             tm = tm or _task_manager(include, True, _fingerprint(include))
         except Exception as e:  # a broken YAML in --tasks-path: the harness raises yaml/ValueError/...
             raise GqakitError(f"cannot read the task definitions in {settings.tasks_path}: {_first_line(e)}") from None
@@ -195,7 +197,15 @@ def load_tasks(settings: TaskSettings, *, quiet: bool = False) -> list[Any]:
         try:
             loaded = tm.load(list(settings.tasks))
         except Exception as e:
-            raise _explain(e, settings) from None
+            if not settings.local_index:
+                raise _explain(e, settings) from None
+            # a local group may name built-in tasks: then the whole index is needed
+            full = _task_manager(tm.include_path, True, _fingerprint(tm.include_path))
+            try:
+                loaded = full.load(list(settings.tasks))
+            except Exception as e2:
+                raise _explain(e2, settings) from None
+            settings.manager, settings.local_index = full, False
     groups = list(loaded["groups"].values())
     in_group = {t.task_name for g in groups for t in g.get_all_tasks()}
     sub = {s.name for g in groups for s in g.get_all_groups()}

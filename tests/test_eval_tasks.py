@@ -243,7 +243,10 @@ def test_bad_task_options(case, tiny_model, tmp_path, capsys):
 def full_index_dir(tmp_path_factory):
     """One tasks folder for the tests that need the harness's whole task index (built once)."""
     pytest.importorskip("lm_eval")
-    return write_task(tmp_path_factory.mktemp("idx") / "tasks")
+    folder = write_task(tmp_path_factory.mktemp("idx") / "tasks")
+    # a local group naming a built-in task: found in the folder, built with the whole index
+    (folder / "mixed.yaml").write_text(f"group: mixed_group\ntask:\n  - {TASK}\n  - hellaswag\n")
+    return folder
 
 
 def test_unknown_task_is_one_line_before_loading(full_index_dir, tmp_path, capsys):
@@ -262,7 +265,8 @@ def test_unknown_task_is_one_line_before_loading(full_index_dir, tmp_path, capsy
     assert not out.exists()
 
 
-def test_task_that_needs_the_hub_fails_offline(full_index_dir, tiny_model, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("task", ["hellaswag", "mixed_group"])
+def test_task_that_needs_the_hub_fails_offline(task, full_index_dir, tiny_model, tmp_path, capsys, monkeypatch):
     """hellaswag's data live on the Hub: offline, one line before the model loads, nothing written."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
@@ -271,7 +275,7 @@ def test_task_that_needs_the_hub_fails_offline(full_index_dir, tiny_model, tmp_p
     loaded = []
     monkeypatch.setattr(loading, "load_causal_lm", lambda *a, **k: loaded.append(a) or pytest.fail("model loaded"))
     out = tmp_path / "r.json"
-    line = one_line_error(*cli(["eval", tiny_model("llama"), "--tasks", "hellaswag", "--tasks-path", full_index_dir,
+    line = one_line_error(*cli(["eval", tiny_model("llama"), "--tasks", task, "--tasks-path", full_index_dir,
                                 "--limit", "2", "--out", out, "-q"], capsys)[::2])
     assert "hellaswag" in line and "not available offline" in line and "--tasks-path" in line
     assert not loaded and not out.exists()
@@ -326,3 +330,27 @@ def test_tasks_on_gpu_follow_eval_dtype_rules(tmp_path, capsys):
                                   log_samples=False)
     for m in METRICS:
         assert ours["tasks"]["results"][TASK]["metrics"][m]["value"] == ref["results"][TASK][f"{m},none"]
+
+
+def test_a_group_of_local_tasks(tiny_model, tmp_path, capsys):
+    """A harness group over two local tasks: both subtasks and the group's aggregate are recorded."""
+    pytest.importorskip("lm_eval")
+    tasks_dir = write_task(tmp_path / "tasks", "mc_a")
+    write_task(tasks_dir, "mc_b", n=6)
+    (tasks_dir / "group.yaml").write_text("group: mc_group\ntask:\n  - mc_a\n  - mc_b\naggregate_metric_list:\n"
+                                          "  - metric: acc\n    aggregation: mean\n    weight_by_size: true\n"
+                                          "metadata:\n  version: 3.0\n")
+    out = tmp_path / "r.json"
+    code, stdout, err = cli(["eval", tiny_model("llama"), "--tasks", "mc_group", "--tasks-path", tasks_dir,
+                             "--limit", "4", "--out", out, "-q"], capsys)
+    assert code == 0, err
+    t = json.loads(out.read_text())["tasks"]
+    assert set(t["results"]) == {"mc_a", "mc_b"} and set(t["groups"]) == {"mc_group"}
+    g = t["groups"]["mc_group"]
+    assert g["subtasks"] == ["mc_a", "mc_b"]
+    accs = [t["results"][n]["metrics"]["acc"]["value"] for n in ("mc_a", "mc_b")]
+    assert g["metrics"]["acc"]["value"] == pytest.approx(sum(accs) / 2)  # 4 examples each
+    code, _, err = cli(["compare", out, out, "--names", "a,b", "--out", tmp_path / "rep", "-q"], capsys)
+    assert code == 0, err
+    head = " | ".join(f"{t} {m} | Δ" for t in ("mc_a", "mc_b") for m in (*METRICS, "brier_score"))
+    assert f"| model | {head} | mc_group acc | Δ |" in (tmp_path / "rep" / "report.md").read_text()

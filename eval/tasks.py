@@ -162,12 +162,31 @@ def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         where = f" or in --tasks-path {settings.tasks_path}" if settings.tasks_path else \
             " (local task YAML files: --tasks-path DIR)"
+        broken = _unreadable_yaml(settings.tasks_path) if settings.tasks_path else []
+        hint += f"; these task files could not be read: {'; '.join(broken[:3])}" if broken else ""
         raise GqakitError(f"unknown task {name!r}: not a task, group or tag of lm-evaluation-harness "
                           f"{harness_version()}{where}{hint}")
     for name in settings.tasks:
         _check_local_data(tm, name)
     settings.manager = tm
     return tm
+
+
+def _unreadable_yaml(folder: str | Path) -> list[str]:
+    """YAML files under FOLDER that do not parse (the harness's index skips them silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # the harness's `!function` tags parse as anything
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    bad = []
+    for p in sorted(Path(folder).expanduser().rglob("*.y*ml")):
+        try:
+            yaml.load(p.read_text(), Loader=Loader)  # noqa: S506 (a SafeLoader subclass)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            bad.append(f"{p.name}: {' '.join(str(e).split())[:120]}")
+    return bad
 
 
 def _fingerprint(include: str | None) -> tuple[Any, ...]:

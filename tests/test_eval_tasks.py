@@ -246,6 +246,7 @@ def full_index_dir(tmp_path_factory):
     folder = write_task(tmp_path_factory.mktemp("idx") / "tasks")
     # a local group naming a built-in task: found in the folder, built with the whole index
     (folder / "mixed.yaml").write_text(f"group: mixed_group\ntask:\n  - {TASK}\n  - hellaswag\n")
+    (folder / "broken.yaml").write_text("task: broken_t\ndoc_to_text: [unclosed\n")  # the index skips it silently
     return folder
 
 
@@ -262,6 +263,9 @@ def test_unknown_task_is_one_line_before_loading(full_index_dir, tmp_path, capsy
     line = one_line_error(*cli(["eval", model, "--tasks", f"{TASK},hellaswagg", "--tasks-path", full_index_dir,
                                 "--out", out], capsys)[::2])
     assert "unknown task 'hellaswagg'" in line and "did you mean hellaswag" in line
+    line = one_line_error(*cli(["eval", model, "--tasks", "broken_t", "--tasks-path", full_index_dir,
+                                "--out", out], capsys)[::2])
+    assert "unknown task 'broken_t'" in line and "could not be read: broken.yaml" in line
     assert not out.exists()
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from gqakit.core.errors import GqakitError
 
 INSTALL = "pip install 'gqakit[tasks]'"
+MIN_VERSION = "0.4.13"  # TaskManager.load and Task objects in simple_evaluate, as used here
 # Version of the `tasks` block of a results file (the file's own schema stays gqakit.eval/1:
 # the block is optional and only adds keys).
 TASKS_FORMAT = 1
@@ -68,6 +69,16 @@ def harness() -> Any:
     except ImportError as e:
         raise GqakitError(f"--tasks needs lm-evaluation-harness, which is not installed ({e.msg if hasattr(e, 'msg') else e}); "
                           f"install it with: {INSTALL}") from None
+    from packaging.version import InvalidVersion, Version
+
+    found = harness_version()
+    try:
+        ok = Version(MIN_VERSION) <= Version(found) < Version("0.5")
+    except InvalidVersion:
+        ok = True  # a source checkout with an odd version string: let it try
+    if not ok:
+        raise GqakitError(f"--tasks needs lm-evaluation-harness >={MIN_VERSION},<0.5, found {found}: "
+                          f"pip install -U {INSTALL.split(' ', 2)[2]}")
     return lm_eval
 
 
@@ -77,7 +88,9 @@ def harness_version() -> str:
     try:
         return version("lm_eval")
     except PackageNotFoundError:
-        return str(getattr(harness(), "__version__", "unknown"))
+        import lm_eval
+
+        return str(getattr(lm_eval, "__version__", "unknown"))
 
 
 @contextmanager

@@ -212,6 +212,16 @@ def test_harness_absent_says_how_to_install(tiny_model, tmp_path, capsys, monkey
     assert not out.exists()
 
 
+def test_too_old_harness_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("lm_eval")
+    import gqakit.eval.tasks as tasks
+
+    monkeypatch.setattr(tasks, "harness_version", lambda: "0.4.2")
+    line = one_line_error(*cli(["eval", tiny_model("llama"), "--tasks", TASK, "--tasks-path",
+                                write_task(tmp_path / "tasks"), "--out", tmp_path / "r.json"], capsys)[::2])
+    assert "found 0.4.2" in line and "pip install -U 'gqakit[tasks]'" in line
+
+
 @pytest.mark.parametrize("case", ["missing-path", "file-path", "empty-dir", "no-tasks", "bad-limit",
                                   "bad-fewshot", "empty-name", "missing-data"])
 def test_bad_task_options(case, tiny_model, tmp_path, capsys):

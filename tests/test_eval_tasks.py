@@ -368,3 +368,20 @@ def test_a_group_of_local_tasks(tiny_model, tmp_path, capsys):
     assert code == 0, err
     head = " | ".join(f"{t} {m} | Δ" for t in ("mc_a", "mc_b") for m in (*METRICS, "brier_score"))
     assert f"| model | {head} | mc_group acc | Δ |" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_the_shipped_example_task_loads_from_the_repo_root(monkeypatch):
+    """examples/tasks (README's offline example): its relative data file resolves from the repo root."""
+    pytest.importorskip("lm_eval")
+    from gqakit.eval.tasks import TaskSettings, check_tasks, load_tasks
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    s = TaskSettings(tasks=["gqakit_stories_mc"], tasks_path=repo / "examples" / "tasks")
+    check_tasks(s, quiet=True)
+    (task,) = load_tasks(s, quiet=True)
+    docs = list(task.test_docs())
+    assert len(docs) == 20 and all(0 <= d["label"] < len(d["choices"]) == 4 for d in docs)
+    monkeypatch.chdir(repo / "examples")
+    with pytest.raises(Exception, match="relative to the current directory"):
+        check_tasks(TaskSettings(tasks=["gqakit_stories_mc"], tasks_path=repo / "examples" / "tasks"), quiet=True)

@@ -223,7 +223,7 @@ def test_too_old_harness_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["missing-path", "file-path", "empty-dir", "no-tasks", "bad-limit",
-                                  "bad-fewshot", "empty-name", "missing-data"])
+                                  "bad-fewshot", "empty-name", "missing-data", "out-in-tasks"])
 def test_bad_task_options(case, tiny_model, tmp_path, capsys):
     if case in ("missing-data",):
         pytest.importorskip("lm_eval")
@@ -239,6 +239,7 @@ def test_bad_task_options(case, tiny_model, tmp_path, capsys):
         "bad-limit": (["--tasks", TASK, "--limit", "0"], "--limit must be"),
         "bad-fewshot": (["--tasks", TASK, "--num-fewshot", "-1"], "--num-fewshot must be"),
         "empty-name": (["--tasks", "a,,b"], "comma-separated"),
+        "out-in-tasks": (["--tasks", TASK, "--tasks-path", tasks_dir, "--out", tasks_dir / "r.json"], "tasks folder"),
         "missing-data": (["--tasks", "gone_mc", "--tasks-path", write_task(tmp_path / "t2", "gone_mc",
                                                                             data_file=str(tmp_path / "gone.jsonl"))],
                          "gone.jsonl, which does not exist"),
@@ -246,7 +247,7 @@ def test_bad_task_options(case, tiny_model, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     line = one_line_error(*cli(args + want[0], capsys)[::2])
     assert want[1] in line
-    assert not out.exists()
+    assert not out.exists() and not (tasks_dir / "r.json").exists()
 
 
 @pytest.fixture(scope="module")

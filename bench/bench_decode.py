@@ -73,12 +73,23 @@ def comparisons(data: dict[str, Any]) -> list[dict[str, Any]]:
             row.update({
                 "mha_ms_per_token": ma, "gqa_ms_per_token": mg, "measured_speedup": ma / mg,
                 "predicted_speedup_bytes": a["bytes_per_step"]["total"] / r["bytes_per_step"]["total"],
+                "share_of_predicted": share(ma / mg, a["bytes_per_step"]["total"] / r["bytes_per_step"]["total"]),
                 "mha_kv_cache_bytes": a["kv_cache_bytes"], "gqa_kv_cache_bytes": r["kv_cache_bytes"],
                 "mha_roofline_fraction": a["roofline_fraction"], "gqa_roofline_fraction": r["roofline_fraction"],
                 "mha_memory_bound": a["memory_bound"], "gqa_memory_bound": r["memory_bound"],
             })
         out.append(row)
     return out
+
+
+def share(measured: float, predicted: float) -> float | None:
+    """(measured - 1) / (predicted - 1): the share of the predicted gain that showed up."""
+    return None if abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
+
+
+# gpt-fast's published decode figure (README, "Benchmarks": A100-80GB power-limited to 330 W,
+# batch 1, torch.compile + CUDA graphs, bf16, no quantization): the reference for batch 1.
+GPT_FAST = {"model": "Llama-2-7B", "device": "A100-80GB (330 W)", "tokens_per_s": 104.9, "bandwidth_gbs": 1397.31}
 
 
 def _count(n: int) -> str:
@@ -113,21 +124,76 @@ def markdown(data: dict[str, Any]) -> str:
         "Attention path: " + "; ".join(f"{n}: {p['decode_path']}" for n, p in data["probes"].items()) + ".",
         "",
         "| batch | prompt | G | KV cache MHA → GQA | MHA ms/token | GQA ms/token | measured speedup | "
-        "predicted by bytes | MHA % of copy BW | GQA % of copy BW | memory-bound (MHA / GQA) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "predicted by bytes | share of predicted | MHA % of copy BW | GQA % of copy BW | memory-bound (MHA / GQA) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in comparisons(data):
         head = f"| {c['batch']} | {c['prompt_len']} | {c['kv_heads']} |"
         if "measured_speedup" not in c:
-            lines.append(f"{head} | {c['mha_status']} | {c['gqa_status']} | | | | | |")
+            lines.append(f"{head} | {c['mha_status']} | {c['gqa_status']} | | | | | | |")
             continue
         yn = lambda v: "yes" if v else "no"  # noqa: E731
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"  # noqa: E731
         lines.append(
             f"{head} {c['mha_kv_cache_bytes'] / 2**20:,.1f} → {c['gqa_kv_cache_bytes'] / 2**20:,.1f} MiB | "
             f"{c['mha_ms_per_token']:.2f} | {c['gqa_ms_per_token']:.2f} | {c['measured_speedup']:.2f}× | "
-            f"{c['predicted_speedup_bytes']:.2f}× | {100 * c['mha_roofline_fraction']:.0f}% | "
+            f"{c['predicted_speedup_bytes']:.2f}× | "
+            f"{pct(c['share_of_predicted'])} | "
+            f"{100 * c['mha_roofline_fraction']:.0f}% | "
             f"{100 * c['gqa_roofline_fraction']:.0f}% | {yn(c['mha_memory_bound'])} / {yn(c['gqa_memory_bound'])} |")
+    mb = data.get("max_batch") or {}
+    if mb:
+        heads = a["heads"]
+        lines += ["", f"Largest batch whose cache and one decode step fit at {a['max_batch_at']} + {a['new_tokens']} "
+                  f"tokens ({next(iter(mb.values()))['method']}; all models loaded at once, so each search sees the "
+                  "same free memory): " + "; ".join(
+                      f"{n}: {m['max_batch']}{'+' if m['at_limit'] else ''}"
+                      + (f" ({m['max_batch'] / mb[model_name(heads, heads)]['max_batch']:.2f}× MHA, H/G = "
+                         f"{heads / data['kv_heads'][n]:g})" if n != model_name(heads, heads)
+                         and mb.get(model_name(heads, heads), {}).get("max_batch") else "")
+                      for n, m in mb.items()) + "."]
+    b1 = [r for r in data["rows"] if r["status"] == "ok" and r["batch"] == 1]
+    if b1:
+        best = max(b1, key=lambda r: r["achieved_bandwidth_gbs"])
+        lines += ["", f"Batch 1, best point: {best['model']} at prompt {best['prompt_len']}, "
+                  f"{best['tokens_per_s']['median']:.1f} tok/s, {best['achieved_bandwidth_gbs']:.0f} GB/s = "
+                  f"{100 * best['roofline_fraction']:.0f}% of this device's copy bandwidth. gpt-fast's published "
+                  f"figure: {GPT_FAST['model']} on {GPT_FAST['device']}, {GPT_FAST['tokens_per_s']} tok/s, "
+                  f"{GPT_FAST['bandwidth_gbs']:.0f} GB/s (its bandwidth counts weights only)."]
     return "\n".join(lines) + "\n"
+
+
+def decode_fits(bench: Any, batch: int, length: int) -> bool:
+    """Whether a cache of `length` tokens and one decode step at its end fit: tried on CUDA, predicted elsewhere."""
+    import torch
+
+    if bench.device.type != "cuda":
+        return bench._fits_predicted(batch, 1, length)[0]
+    cache = None
+    try:
+        with torch.inference_mode():
+            cache = bench._cache(batch, length)
+            bench.rewind(cache, length - 1)
+            bench._decode(cache, torch.zeros((batch, 1), dtype=torch.long, device=bench.device), length - 1, 1)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        cache = None
+        torch.cuda.empty_cache()
+
+
+def max_batch(bench: Any, length: int, limit: int = 4096) -> dict[str, Any]:
+    """Largest batch with `decode_fits`: doubling, then bisection."""
+    lo, hi = 0, 1
+    while hi <= limit and decode_fits(bench, hi, length):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if decode_fits(bench, mid, length) else (lo, mid)
+    method = "allocation attempts" if bench.device.type == "cuda" else "predicted from available host memory"
+    return {"max_batch": lo, "at_limit": lo >= limit, "limit": limit, "method": method}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -148,6 +214,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay each decode step as a CUDA graph (no compilation; falls back to eager if capture fails)")
+    ap.add_argument("--eager", action="store_true",
+                    help="plain transformers steps: no packed CPU weights, SDPA decode attention (default: the fast path)")
+    ap.add_argument("--max-batch-at", type=int, default=None,
+                    help="also find each model's largest batch at this prompt length (cache + one decode step)")
     ap.add_argument("--out", default="bench_decode.json")
     ap.add_argument("--md", default=None, help="also write the Markdown table to this file")
     return ap
@@ -170,13 +240,14 @@ def main() -> None:
     for name, kv in models.items():
         m = build(args.hidden, args.layers, args.heads, kv, args.intermediate, args.vocab, positions, dtype, args.device)
         benches[name] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
-                                    cuda_graphs=args.cuda_graphs)
+                                    cuda_graphs=args.cuda_graphs and not args.eager, pack_weights=not args.eager,
+                                    decode_kernel="sdpa" if args.eager else "matmul")
     bw, fl = copy_bandwidth(args.device), matmul_flops(args.device, dtype)
     roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
     data: dict[str, Any] = {
         "args": vars(args), "roof": roof, "probes": {n: b.probe() for n, b in benches.items()},
         "params": {n: sum(x.numel() for x in b.model.parameters()) for n, b in benches.items()},
-        "kv_bytes_per_token": {n: b.kv_bytes_per_token for n, b in benches.items()},
+        "kv_bytes_per_token": {n: b.kv_bytes_per_token for n, b in benches.items()}, "kv_heads": models,
         "rows": [], "comparisons": [], "complete": False, "elapsed_s": 0.0,
         "run": run_info(command=sys.argv, device=args.device, dtype=dtype),
     }
@@ -194,13 +265,21 @@ def main() -> None:
     for p in lens:
         for b in batches:
             for name, bench in benches.items():
-                r = bench.run_point(b, p, args.new_tokens, args.reps, args.warmup, roof)
+                # prefill once per point (decode repetitions rewind the cache): the budget goes to decode
+                r = bench.run_point(b, p, args.new_tokens, args.reps, args.warmup, roof, prefill_once=True)
                 data["rows"].append({"model": name, "kv_heads": models[name], **r})
                 data["elapsed_s"] = time.time() - t0
                 save()
                 print(f"{name:>20} b{b:<3} p{p:<5} {r['status']}"
                       + (f" {r['tokens_per_s']['median']:8.1f} tok/s" if r["status"] == "ok" else ""),
                       file=sys.stderr, flush=True)
+    if args.max_batch_at:
+        data["max_batch"] = {}
+        for name, bench in benches.items():
+            data["max_batch"][name] = max_batch(bench, args.max_batch_at + args.new_tokens)
+            save()
+            print(f"{name:>20} max batch at {args.max_batch_at}: {data['max_batch'][name]['max_batch']}",
+                  file=sys.stderr, flush=True)
     data["complete"] = True
     save()
     table = markdown(data)

@@ -51,15 +51,17 @@ PROFILES: dict[str, dict[str, Any]] = {
         # tokens and the 131 k calibration tokens; the BPE trains on the first 1 M.
         "device": "cuda", "dtype": "bfloat16", "text_chars": 2_500_000,
         "tokenizer_vocab": 32000, "tokenizer_chars": 1_000_000,
-        # 3 models (32, 8, 1 KV heads) are 12.6 + 11.1 + 10.6 GiB of bf16 weights. MHA at
+        # 3 models (32, 8, 4 KV heads) are 12.6 + 11.1 + 10.8 GiB of bf16 weights. MHA at
         # batch 64 x (2,048 + 32) needs a 65 GiB cache: it reports "oom", which is itself
         # the point (the 8-KV-head cache is 16 GiB).
         # Eager decode of a 32-layer HF model is bound by kernel launches (tens of ms per
         # step) long before HBM is: steps are replayed as CUDA graphs (captured per grid
         # point, checked against eager, eager again if capture fails); torch.compile would
         # recompile for every batch and cache length, minutes the budget does not have.
-        "decode": {**LLAMA2_7B, "kv_heads": "8,1", "batch": "1,16,64", "prompt_len": "512,2048",
-                   "new_tokens": 32, "reps": 3, "warmup": 1, "cuda_graphs": True},
+        # MHA against GQA at 8 and 4 KV heads (issue 13); the largest batch that fits at
+        # 2,048 tokens is searched with the cache and one decode step (no prefill).
+        "decode": {**LLAMA2_7B, "kv_heads": "8,4", "batch": "1,16,64", "prompt_len": "512,2048",
+                   "new_tokens": 32, "reps": 3, "warmup": 1, "cuda_graphs": True, "max_batch_at": 2048},
         # 8,192 tokens per step keeps activations near 20 GiB next to 18 GiB of fp32
         # weights, gradients and AdamW state; 50 steps take well under a minute.
         "uptrain": {**LLAMA_1B, "kv_heads": 4, "seq_len": 2048, "micro_batch": 4, "steps": 50, "log_every": 10},
@@ -68,7 +70,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "dry": {
         "device": "cpu", "dtype": "float32", "text_chars": 60_000, "tokenizer_vocab": 512, "tokenizer_chars": 60_000,
         "decode": {**PICO, "kv_heads": "2,1", "batch": "1,2", "prompt_len": "16,32", "new_tokens": 4,
-                   "reps": 1, "warmup": 1, "cuda_graphs": True},  # ignored on the CPU (eager), but passed
+                   "reps": 1, "warmup": 1, "cuda_graphs": True, "max_batch_at": 32},  # graphs: ignored on the CPU
         "uptrain": {**PICO, "kv_heads": 2, "seq_len": 64, "micro_batch": 2, "steps": 6, "log_every": 2},
         "convert": {**PICO, "kv_heads": 2, "method": "align-refit", "calibration_tokens": 2048},
     },
@@ -224,7 +226,8 @@ def decode_argv(p: dict[str, Any], out: Path) -> list[str]:
             "--kv-heads", d["kv_heads"], "--intermediate", d["intermediate"], "--vocab", d["vocab"],
             "--batch", d["batch"], "--prompt-len", d["prompt_len"], "--new-tokens", d["new_tokens"],
             "--reps", d["reps"], "--warmup", d["warmup"], "--device", p["device"], "--dtype", p["dtype"],
-            "--out", out / "decode.json", *(["--cuda-graphs"] if d.get("cuda_graphs") else [])]
+            "--out", out / "decode.json", *(["--cuda-graphs"] if d.get("cuda_graphs") else []),
+            *(["--max-batch-at", d["max_batch_at"]] if d.get("max_batch_at") else [])]
     return [str(a) for a in argv]
 
 

@@ -11,7 +11,7 @@
 #   1. convert  random 7B-shaped bf16 checkpoint -> `gqakit convert -g 8 --method align-refit
 #               --device cuda`, 131,072 calibration tokens: wall time, peak GPU memory against
 #               2 x one block + the streams, residual drift (bench/gpu_convert.py) -> convert.json
-#   2. decode   MHA vs GQA decode speed, Llama-2-7B shape (32 vs 8 vs 1 KV heads), bf16,
+#   2. decode   MHA vs GQA decode speed, Llama-2-7B shape (32 vs 8 vs 4 KV heads), bf16,
 #               batch x prompt grid with memory-bound points; measured vs predicted-by-bytes
 #               speedup (bench/bench_decode.py)                                 -> decode.json
 #   3. uptrain  `gqakit uptrain`, 50 steps, random 1.1B Llama-shaped GQA model, bf16

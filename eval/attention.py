@@ -25,6 +25,18 @@ from __future__ import annotations
 from typing import Any
 
 NAME = "gqakit_sdpa"
+# Decode (one query token) kernel: "matmul" (decode_fast.decode_attention) or "sdpa"
+# (SDPA with the query heads folded per KV head). Set through `set_decode_kernel`.
+DECODE_KERNELS = ("matmul", "sdpa")
+DECODE_KERNEL = {"name": "matmul"}
+
+
+def set_decode_kernel(name: str) -> str:
+    """Choose the decode attention kernel of `gqakit_sdpa`; returns the previous one."""
+    if name not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel must be one of {DECODE_KERNELS}, got {name!r}")
+    prev, DECODE_KERNEL["name"] = DECODE_KERNEL["name"], name
+    return prev
 
 
 def gqa_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
@@ -37,6 +49,12 @@ def gqa_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_ma
     kv_heads = key.shape[1]
     groups = h // kv_heads
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
+    if q_len == 1 and not per_head_mask and DECODE_KERNEL["name"] == "matmul":
+        # Two matmuls and a softmax, query heads of a group as rows of its K/V head
+        # (MHA too, so both sides of a comparison run the same kernel).
+        from gqakit.eval.decode_fast import decode_attention
+
+        return decode_attention(query, key, value, attention_mask, scaling), None
     if q_len == 1 and groups > 1 and not per_head_mask:
         # (B, H, 1, D) -> (B, G, H/G, D): rows of one group attend to the same K/V head.
         q = query.reshape(b, kv_heads, groups, d)
@@ -94,13 +112,28 @@ class SdpaSpy:
                                "enable_gqa": bool(kwargs.get("enable_gqa", False))})
             return orig(query, key, value, *args, **kwargs)
 
+        from gqakit.eval import decode_fast
+
+        self._orig_dec = decode_fast.decode_attention
+        orig_dec = self._orig_dec
+
+        def spy_dec(query, key, value, *args, **kwargs):
+            g = key.shape[1]
+            self.calls.append({"q_heads": g, "q_rows": query.shape[1] // g, "kv_heads": g, "enable_gqa": False,
+                               "kernel": "matmul"})
+            return orig_dec(query, key, value, *args, **kwargs)
+
         F.scaled_dot_product_attention = spy
+        decode_fast.decode_attention = spy_dec
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import torch.nn.functional as F
 
+        from gqakit.eval import decode_fast
+
         F.scaled_dot_product_attention = self._orig
+        decode_fast.decode_attention = self._orig_dec
 
 
 def describe_path(calls: list[dict[str, Any]], heads: int, kv_heads: int) -> dict[str, Any]:
@@ -108,6 +141,11 @@ def describe_path(calls: list[dict[str, Any]], heads: int, kv_heads: int) -> dic
     if not calls:
         return {"decode_path": "no SDPA call seen (attention computed another way)", "kv_copied": None}
     c = calls[0]
+    if c.get("kernel") == "matmul":
+        path = ("MHA: one K/V head per query head" if kv_heads == heads else
+                "grouped matmul decode attention: query heads as rows of their K/V head (packed GQA)")
+        return {"decode_path": path, "kv_copied": False, "sdpa_calls_per_step": len(calls),
+                "sdpa_kv_heads": c["kv_heads"], "decode_kernel": "matmul"}
     if kv_heads == heads:
         path, copied = "MHA: one K/V head per query head", False
     elif c["kv_heads"] == heads:
@@ -119,4 +157,4 @@ def describe_path(calls: list[dict[str, Any]], heads: int, kv_heads: int) -> dic
     else:
         path, copied = f"SDPA saw {c['q_heads']} query heads, {c['kv_heads']} K/V heads", None
     return {"decode_path": path, "kv_copied": copied, "sdpa_calls_per_step": len(calls),
-            "sdpa_kv_heads": c["kv_heads"]}
+            "sdpa_kv_heads": c["kv_heads"], "decode_kernel": "sdpa"}

@@ -50,6 +50,11 @@ def command_line() -> list[str]:
 @click.option("--reps", default=5, show_default=True, help="Timed repetitions per grid point (median, p90).")
 @click.option("--warmup", default=2, show_default=True, help="Untimed warm-up runs per grid point.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the decode step (meant for GPU).")
+@click.option("--eager", is_flag=True,
+              help="Plain transformers decode steps: no CUDA graphs, no packed CPU weights, SDPA attention "
+                   "(the fallback; default is the fast path, see docs/decode.md).")
+@click.option("--prefill-once", is_flag=True,
+              help="Time prefill once per grid point; decode repetitions rewind the cache to the prompt.")
 @click.option("--max-batch-search", is_flag=True, help="Find the largest batch that fits at each prompt length.")
 @click.option("--max-batch-limit", default=4096, show_default=True, help="Stop the max-batch search here.")
 @click.option("--tasks", "tasks", help="lm-evaluation-harness tasks, comma-separated (needs gqakit[tasks]).")
@@ -63,8 +68,8 @@ def command_line() -> list[str]:
 @click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit results file.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, new_tokens,
-             reps, warmup, compile_, max_batch_search, max_batch_limit, tasks, num_fewshot, limit, tasks_path,
-             tasks_batch, device, dtype, overwrite, quiet) -> None:
+             reps, warmup, compile_, eager, prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot,
+             limit, tasks_path, tasks_batch, device, dtype, overwrite, quiet) -> None:
     """Measure perplexity, decode speed and task accuracy of MODEL (a folder or a .gguf file).
 
     Perplexity is token-level over a sliding window (--context, --stride), plus bits per
@@ -81,6 +86,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./stories-g2 --data valid.txt --out g2.json
       gqakit eval ./stories-g2 --data valid.txt --context 512 --stride 256 --out g2.json
       gqakit eval ./my-gqa --speed --batch 1,8,32 --prompt-len 128,1024 --new-tokens 128 --out s.json
+      gqakit eval ./my-gqa --speed --batch 8 --prompt-len 1024 --prefill-once --eager --out eager.json
       gqakit eval ./my-gqa --data hf:wikitext:wikitext-2-raw-v1:test --speed --max-batch-search --out all.json
       gqakit eval ./my-gqa --tasks hellaswag,arc_easy --num-fewshot 0 --out acc.json
       gqakit eval ./my-gqa --tasks gqakit_stories_mc --tasks-path examples/tasks --limit 20 --out acc.json
@@ -103,7 +109,8 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
             raise GqakitError("--new-tokens, --reps and --max-batch-limit must be at least 1, --warmup at least 0")
         settings = SpeedSettings(batches=parse_ints(batches, "--batch"), prompt_lens=parse_ints(prompt_lens, "--prompt-len"),
                                  new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
-                                 max_batch_search=max_batch_search, max_batch_limit=max_batch_limit)
+                                 max_batch_search=max_batch_search, max_batch_limit=max_batch_limit,
+                                 eager=eager, prefill_once=prefill_once)
     res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
                    text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
                    command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet,
@@ -119,11 +126,14 @@ def _print_summary(res: dict, out: Path) -> None:
     if "speed" in res:
         s = res["speed"]
         click.echo(f"attention: {s['attention']['implementation']}, {s['attention']['decode_path']}")
+        if s.get("graph_error"):
+            click.echo(f"  CUDA graphs failed, decode steps ran eagerly: {s['graph_error']}")
         for g in s["grid"]:
             if g["status"] == "ok":
                 click.echo(f"  batch {g['batch']:>4} prompt {g['prompt_len']:>5}: prefill {g['prefill_ms']['median']:.1f} ms, "
                            f"decode {g['decode_ms_per_token']['median']:.2f} ms/step, {g['tokens_per_s']['median']:.1f} tok/s, "
-                           f"{100 * g['roofline_fraction']:.1f}% of copy bandwidth")
+                           f"{100 * g['roofline_fraction']:.1f}% of copy bandwidth ({g['decode_mode']}"
+                           f"{', weights packed' if g.get('packed_weight_bytes') else ''})")
             else:
                 click.echo(f"  batch {g['batch']:>4} prompt {g['prompt_len']:>5}: out of memory ({g['reason']})")
         for m in s["max_batch"]:

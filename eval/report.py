@@ -28,6 +28,34 @@ def _speed_points(res: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
     return {(g["batch"], g["prompt_len"]): g for g in res.get("speed", {}).get("grid", [])}
 
 
+def _share(measured: float, predicted: float | None) -> float | None:
+    """(measured - 1) / (predicted - 1): the share of the predicted gain that showed up."""
+    return None if predicted is None or abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
+
+
+def predicted_speedup(base: dict[str, Any], point: dict[str, Any], measured: float) -> dict[str, Any]:
+    """What the roofline predicts for `point` against `base` (same batch and prompt), and the share achieved.
+
+    By bytes: the ratio of the bytes a decode step must read (weights + filled KV cache).
+    Where either step is compute-bound, also by the roofline: each step at max(bytes /
+    copy bandwidth, FLOPs / matmul FLOP/s) of its own run. Results files written before
+    these numbers were recorded give nothing.
+    """
+    out: dict[str, Any] = {}
+    bb, bp = base.get("bytes_per_step"), point.get("bytes_per_step")
+    if not (bb and bp):
+        return out
+    out["predicted_speedup_bytes"] = bb["total"] / bp["total"]
+    out["share_of_predicted"] = _share(measured, out["predicted_speedup_bytes"])
+    rb, rp = base.get("roofline_ms"), point.get("roofline_ms")
+    compute_bound = not (base.get("memory_bound") and point.get("memory_bound"))
+    if compute_bound and rb and rp and rb.get("flops") and rp.get("flops"):
+        pred = max(rb["bytes"], rb["flops"]) / max(rp["bytes"], rp["flops"])
+        out["predicted_speedup_roofline"] = pred
+        out["share_of_predicted_roofline"] = _share(measured, pred)
+    return out
+
+
 def comparability_warnings(results: list[dict[str, Any]], names: list[str]) -> list[str]:
     """Say when numbers side by side were not measured the same way."""
     warns = []
@@ -141,6 +169,7 @@ def build_report(results: list[dict[str, Any]], names: list[str], command: list[
                              peak_memory_bytes=g["peak_memory_bytes"])
                 if g0 and g0["status"] == "ok":
                     entry["speedup"] = tps / g0["tokens_per_s"]["median"]
+                    entry.update(predicted_speedup(g0, g, entry["speedup"]))
             speed[f"b{b}_p{pl}"] = entry
         row["speed"] = speed
         row["max_batch"] = {str(mb["prompt_len"]): mb for mb in r.get("speed", {}).get("max_batch", [])}
@@ -244,6 +273,26 @@ def task_markdown(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def prediction_table(report: dict[str, Any]) -> list[str]:
+    """Per model and grid point: measured speedup, predicted speedup, share of the prediction achieved."""
+    lines = []
+    for row in report["rows"][1:]:
+        for e in row["speed"].values():
+            if "predicted_speedup_bytes" not in e:
+                continue
+            pct = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+            roof = ""
+            if "predicted_speedup_roofline" in e:
+                roof = f" (roofline {e['predicted_speedup_roofline']:.2f}×, share {pct(e['share_of_predicted_roofline'])})"
+            lines.append(f"| {row['name']} | {e['batch']} | {e['prompt_len']} | {'yes' if e['memory_bound'] else 'no'} | "
+                         f"{e['speedup']:.2f}× | {e['predicted_speedup_bytes']:.2f}×{roof} | "
+                         f"{pct(e['share_of_predicted'])} | {pct(e['roofline_fraction'])} |")
+    if not lines:
+        return []
+    return ["| model | batch | prompt | memory-bound | measured speedup | predicted (bytes) | share of predicted | "
+            "% of copy bandwidth |", "|---|---|---|---|---|---|---|---|"] + lines
+
+
 def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     rows, grid = report["rows"], report["grid"]
     has_ppl = any("perplexity" in r for r in rows)
@@ -284,6 +333,15 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     if ps:
         out += ["", f"Perplexity: context {ps['context']}, stride {ps['stride']}, data `{ps['data']['path']}` "
                 f"(sha256 {ps['data']['sha256'][:12]}…), tokenizer `{ps['tokenizer']['name_or_path']}`."]
+    pred = prediction_table(report)
+    if pred:
+        out += ["", "## Decode speedup against the prediction", "",
+                "Predicted from bytes: the bytes a decode step must read (all weights once, plus the filled KV cache) "
+                f"of {report['baseline']} over this model's, at the same batch and prompt. Where a step is "
+                "compute-bound, also from the roofline (FLOPs). Share = (measured − 1) / (predicted − 1): 100% "
+                "means the model got all the speed its smaller KV cache promises. Each model here was timed in "
+                "its own run; for ratios measured in one run, alternating models, use `bench/bench_decode_pair.py`.",
+                ""] + pred
     out += task_markdown(report)
     mb = memory_bound_sentence(report)
     if mb:

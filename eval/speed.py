@@ -97,6 +97,8 @@ class SpeedSettings:
     compile: bool = False
     max_batch_search: bool = False
     max_batch_limit: int = 4096
+    eager: bool = False          # --eager: no packed weights, SDPA decode kernel (the plain transformers step)
+    prefill_once: bool = False   # time prefill once per point; decode repetitions rewind the cache to the prompt
 
 
 class DecodeBench:
@@ -112,8 +114,11 @@ class DecodeBench:
     """
 
     def __init__(self, model: Any, *, device: Any, dtype: Any, compile: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, pack_weights: bool = True, decode_kernel: str = "matmul") -> None:
         import torch
+
+        from gqakit.eval.attention import set_decode_kernel
+        from gqakit.eval.decode_fast import can_pack
 
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.cfg = model.config.get_text_config(decoder=True)
@@ -124,13 +129,21 @@ class DecodeBench:
         self.vocab = int(self.cfg.vocab_size)
         self.elem = torch.finfo(dtype).bits // 8
         self.attn_impl = use_gqa_attention(model)
+        set_decode_kernel(decode_kernel)
+        self.decode_kernel = decode_kernel
+        # Packed weights (decode_fast.packed_linears): CPU eager steps from batch 2 up.
+        self.pack_weights = bool(pack_weights) and can_pack(self.device, dtype) and not compile
         params = sum(p.numel() for p in model.parameters())
         emb = model.get_input_embeddings().weight
         tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
         # A decode step reads every weight once, except an untied input embedding, of
         # which it reads only the B looked-up rows.
         self.weight_bytes = (params - (0 if tied else emb.numel())) * self.elem
-        self.matmul_params = params - emb.numel() + (emb.numel() if tied or model.get_output_embeddings() is not None else 0)
+        # Parameters a step multiplies by (2 FLOPs each per sequence): everything but the
+        # input embedding (a lookup), except that a tied embedding is also the LM head. An
+        # untied LM head is already in `params` on its own; adding the input embedding back
+        # for it counted the head twice.
+        self.matmul_params = params - emb.numel() + (emb.numel() if tied else 0)
         self.kv_bytes_per_token = 2 * self.layers * self.kv_heads * self.head_dim * self.elem
         sig = inspect.signature(model.forward).parameters
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
@@ -152,13 +165,8 @@ class DecodeBench:
         cache.early_initialization(batch, self.kv_heads, self.head_dim, self.dtype, self.device)
         return cache
 
-    def _generate(self, cache: Any, prompt: Any, new_tokens: int, spy: SdpaSpy | None = None,
-                  graph: tuple | None = None, tokens: list | None = None) -> tuple[float, float]:
-        """Prefill + `new_tokens` decode steps; returns (prefill s, decode s).
-
-        With `graph` (from `_capture`), decode steps are replays of it; `tokens`, when
-        given, collects the greedy tokens (device tensors, no sync).
-        """
+    def _prefill(self, cache: Any, prompt: Any) -> tuple[float, Any]:
+        """The prompt through the model into `cache`: (seconds, first greedy token)."""
         import torch
 
         b, p = prompt.shape
@@ -169,6 +177,20 @@ class DecodeBench:
                             **self._keep).logits
         tok = logits[:, -1].argmax(-1, keepdim=True)
         sync(self.device)
+        return time.perf_counter() - t0, tok
+
+    def _decode(self, cache: Any, tok: Any, start: int, new_tokens: int, spy: SdpaSpy | None = None,
+                graph: tuple | None = None, tokens: list | None = None, first_step: list | None = None,
+                last: dict | None = None) -> float:
+        """`new_tokens` greedy decode steps from position `start`; returns seconds.
+
+        With `graph` (from `_capture`), decode steps are replays of it; `tokens`, when
+        given, collects the greedy tokens (device tensors, no sync); `first_step`, when
+        given, gets the wall time of the first step (where `torch.compile` compiles).
+        """
+        import torch
+
+        sync(self.device)
         t1 = time.perf_counter()
         for i in range(new_tokens):
             if tokens is not None:
@@ -176,20 +198,41 @@ class DecodeBench:
             if graph is not None:
                 g, g_tok, g_pos, g_logits = graph
                 g_tok.copy_(tok)
-                g_pos.fill_(p + i)
+                g_pos.fill_(start + i)
                 g.replay()
                 tok = g_logits[:, -1].argmax(-1, keepdim=True)
                 continue
-            pos = torch.full((1, 1), p + i, device=self.device, dtype=torch.long)
+            pos = torch.full((1, 1), start + i, device=self.device, dtype=torch.long)
             if spy is not None and i == 0:
-                with spy:  # eager model, so the spy sees the real SDPA calls
+                with spy:  # eager model, so the spy sees the real attention calls
                     out = self.model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True)
             else:
                 out = self.step(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            if first_step is not None and i == 0:
+                sync(self.device)
+                first_step.append(time.perf_counter() - t1)
         sync(self.device)
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
+        dt = time.perf_counter() - t1
+        if last is not None:
+            last["cur"] = tok
+        return dt
+
+    def _generate(self, cache: Any, prompt: Any, new_tokens: int, spy: SdpaSpy | None = None,
+                  graph: tuple | None = None, tokens: list | None = None) -> tuple[float, float]:
+        """Prefill + `new_tokens` decode steps; returns (prefill s, decode s)."""
+        pre, tok = self._prefill(cache, prompt)
+        return pre, self._decode(cache, tok, prompt.shape[1], new_tokens, spy=spy, graph=graph, tokens=tokens)
+
+    @staticmethod
+    def rewind(cache: Any, length: int) -> None:
+        """Make `cache` hold only its first `length` positions again (prompt kept, decode undone).
+
+        Later slots keep stale values, but the causal mask hides every slot past the
+        position being decoded, and each step writes its own slot before attending.
+        """
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(length)
 
     def _capture(self, cache: Any, batch: int) -> tuple:
         """One decode step on `cache` as a CUDA graph: (graph, token in, position in, logits out).
@@ -263,6 +306,9 @@ class DecodeBench:
         """Which attention path a decode step really takes (one eager step, SDPA calls recorded)."""
         import torch
 
+        from gqakit.eval.attention import set_decode_kernel
+
+        set_decode_kernel(self.decode_kernel)
         spy = SdpaSpy()
         with torch.inference_mode():
             cache = self._cache(1, 8)
@@ -321,41 +367,140 @@ class DecodeBench:
         method = "allocation attempts" if self.device.type == "cuda" else "predicted from available host memory"
         return {"prompt_len": prompt_len, "max_batch": lo, "at_limit": lo >= limit, "limit": limit, "method": method}
 
-    # -- one grid point -------------------------------------------------------------------
-    def run_point(self, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int,
-                  roof: dict[str, float]) -> dict[str, Any]:
+    # -- one grid point -----------------------------------------------------------------
+    def open_point(self, batch: int, prompt_len: int, new_tokens: int, warmup: int, *,
+                   prefill_once: bool = False) -> dict[str, Any]:
+        """Set up one grid point: cache, packed weights, CUDA graph, warm-up (compile included).
+
+        Returns the point's state for `rep` and `close_point`, or `{"result": ...}` when the
+        point does not fit. Two models' points can be open at once and their repetitions
+        alternated (bench/bench_decode_pair.py), so machine drift hits both alike.
+        """
+        import contextlib
+
         import torch
+
+        from gqakit.eval.attention import set_decode_kernel
+        from gqakit.eval.decode_fast import packed_linears
 
         point: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens}
         if self.device.type != "cuda":
             ok, why = self._fits_predicted(batch, prompt_len, new_tokens)
             if not ok:
-                return {**point, "status": "oom", "reason": why}
-        peak = PeakMemory(self.device)
+                return {"result": {**point, "status": "oom", "reason": why}}
+        set_decode_kernel(self.decode_kernel)
+        st: dict[str, Any] = {"point": point, "stack": contextlib.ExitStack(), "peak": PeakMemory(self.device)}
+        # Inference mode is entered around each call, never held in `stack`: points of two
+        # models can be open at once and closed in any order, and a grad-mode context
+        # closed out of order would leave inference mode switched on for the process.
         try:
             with torch.inference_mode():
-                cache = self._cache(batch, prompt_len + new_tokens)
-                kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-                t0 = time.perf_counter()
-                graph = self._graph_for(cache, batch, prompt_len, new_tokens)  # capture counts as warm-up
-                for _ in range(warmup):
-                    cache.reset()
-                    self._generate(cache, torch.randint(0, self.vocab, (batch, prompt_len), device=self.device),
-                                   new_tokens, graph=graph)
-                warm_s = time.perf_counter() - t0
-                peak.reset()
-                pre, dec = [], []
-                for _ in range(reps):
-                    cache.reset()
-                    prompt = torch.randint(0, self.vocab, (batch, prompt_len), device=self.device)
-                    p, d = self._generate(cache, prompt, new_tokens, graph=graph)
-                    pre.append(p)
-                    dec.append(d / new_tokens)
-                graph_used, graph = graph is not None, None
+                return self._open(st, batch, prompt_len, new_tokens, warmup, prefill_once, packed_linears)
         except torch.OutOfMemoryError:
-            cache = graph = None
+            st["stack"].close()
+            st.clear()
             torch.cuda.empty_cache()
-            return {**point, "status": "oom", "reason": "torch.OutOfMemoryError"}
+            return {"result": {**point, "status": "oom", "reason": "torch.OutOfMemoryError"}}
+        except BaseException:
+            st["stack"].close()
+            raise
+
+    def _open(self, st: dict[str, Any], batch: int, prompt_len: int, new_tokens: int, warmup: int,
+              prefill_once: bool, packed_linears: Any) -> dict[str, Any]:
+        cache = self._cache(batch, prompt_len + new_tokens)
+        st["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        st["packed_bytes"] = 0
+        if self.pack_weights and batch > 1:
+            st["packed_bytes"] = st["stack"].enter_context(packed_linears(self.model, batch))
+        t0 = time.perf_counter()
+        graph = self._graph_for(cache, batch, prompt_len, new_tokens)  # capture counts as warm-up
+        first: list[float] = []
+        st.update(cache=cache, graph=graph, tok=None, pre=[], dec=[], reps=0,
+                  rewind=prefill_once and all(not getattr(x, "is_sliding", False) and hasattr(x, "cumulative_length")
+                                              for x in cache.layers))
+        for i in range(warmup):
+            self._rep(st, first_step=first if i == 0 else None, record=False)
+        st["warmup_s"] = time.perf_counter() - t0
+        st["compile_s"] = first[0] if (first and self.compiled) else None
+        st["peak"].reset()
+        return st
+
+    def _rep(self, st: dict[str, Any], first_step: list | None = None, record: bool = True) -> None:
+        import torch
+
+        b, p, n = st["point"]["batch"], st["point"]["prompt_len"], st["point"]["new_tokens"]
+        cache = st["cache"]
+        if st["rewind"] and st["tok"] is not None:
+            self.rewind(cache, p)  # prompt kept from the one prefill
+        else:
+            cache.reset()
+            prompt = torch.randint(0, self.vocab, (b, p), device=self.device)
+            pre, st["tok"] = self._prefill(cache, prompt)
+            if record or st["rewind"]:
+                st["pre"].append(pre)
+        d = self._decode(cache, st["tok"], p, n, graph=st["graph"], first_step=first_step)
+        if record:
+            st["dec"].append(d / n)
+            st["reps"] += 1
+
+    def begin_rep(self, st: dict[str, Any]) -> None:
+        """Start a repetition step by step (see `step`): rewind to the prompt, or prefill again."""
+        import torch
+
+        from gqakit.eval.attention import set_decode_kernel
+
+        set_decode_kernel(self.decode_kernel)
+        b, p = st["point"]["batch"], st["point"]["prompt_len"]
+        with torch.inference_mode():
+            if st["rewind"] and st["tok"] is not None:
+                self.rewind(st["cache"], p)
+            else:
+                st["cache"].reset()
+                pre, st["tok"] = self._prefill(st["cache"], torch.randint(0, self.vocab, (b, p), device=self.device))
+                st["pre"].append(pre)
+        st["tok0"], st["i"] = st["tok"], 0
+        st["reps"] += 1
+
+    def decode_step(self, st: dict[str, Any]) -> float:
+        """One timed decode step of the current repetition; its time is recorded as a sample.
+
+        Lets two models' steps alternate one by one (bench/bench_decode_pair.py), the finest
+        interleaving there is: each pair of steps sees the same machine load.
+        """
+        import torch
+
+        from gqakit.eval.attention import set_decode_kernel
+
+        set_decode_kernel(self.decode_kernel)
+        i = st["i"]
+        with torch.inference_mode():
+            d = self._decode(st["cache"], st["cur"] if i else st["tok0"], st["point"]["prompt_len"] + i, 1,
+                             graph=st["graph"], last=st)
+        st["i"] = i + 1
+        st["dec"].append(d)
+        return d
+
+    def rep(self, st: dict[str, Any]) -> None:
+        """One timed repetition of an open point: prefill (unless done once) and the decode steps."""
+        from gqakit.eval.attention import set_decode_kernel
+
+        import torch
+
+        set_decode_kernel(self.decode_kernel)
+        with torch.inference_mode():
+            self._rep(st)
+
+    def close_point(self, st: dict[str, Any], roof: dict[str, float]) -> dict[str, Any]:
+        """Release an open point and return its measurements."""
+        if "result" in st:
+            return st["result"]
+        peak = st["peak"].peak()
+        graph_used = st["graph"] is not None
+        st["stack"].close()
+        point, pre, dec, reps = st["point"], st["pre"], st["dec"], st["reps"]
+        warm, compile_s, kv_bytes, packed = st["warmup_s"], st["compile_s"], st["kv_bytes"], st["packed_bytes"]
+        batch, prompt_len, new_tokens = point["batch"], point["prompt_len"], point["new_tokens"]
+        st.clear()
         step = statistics.median(dec)
         # Minimum bytes a step must read: weights once + the filled cache (mean over steps).
         mean_len = prompt_len + (new_tokens + 1) / 2
@@ -364,22 +509,52 @@ class DecodeBench:
         flops_step = 2 * self.matmul_params * batch + 4 * batch * self.layers * self.heads * self.head_dim * mean_len
         intensity = flops_step / bytes_step
         achieved = bytes_step / step
+        t_bytes = bytes_step / roof["copy_bandwidth"]
+        t_flops = flops_step / roof["matmul_flops"] if roof.get("matmul_flops") else None
+        mode = "CUDA graph per step" if graph_used else self.decode_mode
         return {
-            **point, "status": "ok", "decode_mode": "CUDA graph per step" if graph_used else self.decode_mode,
+            **point, "status": "ok", "decode_mode": mode,
+            "decode_path": {"steps": mode, "weights": "packed once (oneDNN)" if packed else "as loaded",
+                            "attention_kernel": self.decode_kernel,
+                            "prefill": "every repetition" if len(pre) >= reps else
+                            "once, decode repetitions rewind the cache"},
+            "decode_samples": len(dec), "decode_sample": "one step" if len(dec) > reps else "mean step of a repetition",
             "prefill_ms": {"median": 1e3 * statistics.median(pre), "p90": 1e3 * percentile(pre, 90)},
+            "prefill_samples": len(pre),
             "decode_ms_per_token": {"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},
             "tokens_per_s": {"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90)},
-            "warmup_s": warm_s, "reps": reps,
-            "peak_memory_bytes": peak.peak(),
+            "warmup_s": warm, "compile_s": compile_s, "reps": reps, "packed_weight_bytes": packed,
+            "peak_memory_bytes": peak,
             "peak_memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
             "kv_cache_bytes": kv_bytes,
             "kv_cache_bytes_analytic": batch * (prompt_len + new_tokens) * self.kv_bytes_per_token,
             "bytes_per_step": {"weights": self.weight_bytes, "kv": kv_read, "total": bytes_step},
+            "flops_per_step": flops_step,
+            "roofline_ms": {"bytes": 1e3 * t_bytes, "flops": None if t_flops is None else 1e3 * t_flops},
             "achieved_bandwidth_gbs": achieved / 1e9,
             "roofline_fraction": achieved / roof["copy_bandwidth"],
             "arithmetic_intensity": intensity,
             "memory_bound": intensity < roof["ridge_flops_per_byte"],
         }
+
+    def run_point(self, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int,
+                  roof: dict[str, float], *, prefill_once: bool = False) -> dict[str, Any]:
+        st = self.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once)
+        if "result" in st:
+            return st["result"]
+        try:
+            for _ in range(reps):
+                self.rep(st)
+        except BaseException as e:
+            st["stack"].close()
+            if type(e).__name__ == "OutOfMemoryError":
+                import torch
+
+                torch.cuda.empty_cache()
+                return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "status": "oom",
+                        "reason": "torch.OutOfMemoryError"}
+            raise
+        return self.close_point(st, roof)
 
 
 def parse_ints(text: str, name: str) -> tuple[int, ...]:
@@ -405,7 +580,13 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
         raise GqakitError(f"prompt length + new tokens ({longest}) exceeds the model's {max_positions} positions")
     if settings.compile and torch.device(device).type != "cuda":
         tqdm.write("gqakit: note: --compile on CPU needs a C++ compiler and rarely helps; timing it anyway")
-    bench = DecodeBench(model, device=device, dtype=dtype, compile=settings.compile)
+    # The fast path unless --eager: CUDA graphs on a GPU (checked token for token against the
+    # eager step, eager again if capture fails), weights packed once on the CPU, and the
+    # grouped matmul decode attention. --eager is the plain transformers step (SDPA).
+    fast = not settings.eager
+    bench = DecodeBench(model, device=device, dtype=dtype, compile=settings.compile,
+                        cuda_graphs=fast and not settings.compile and torch.device(device).type == "cuda",
+                        pack_weights=fast, decode_kernel="matmul" if fast else "sdpa")
     bw = copy_bandwidth(device)
     fl = matmul_flops(device, dtype)
     roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
@@ -413,7 +594,8 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     grid = []
     points = [(b, p) for p in settings.prompt_lens for b in settings.batches]
     for b, p in tqdm(points, desc="decode grid", unit="point", disable=not progress):
-        grid.append(bench.run_point(b, p, settings.new_tokens, settings.reps, settings.warmup, roof))
+        grid.append(bench.run_point(b, p, settings.new_tokens, settings.reps, settings.warmup, roof,
+                                    prefill_once=settings.prefill_once))
     max_batch = []
     if settings.max_batch_search:
         for p in tqdm(settings.prompt_lens, desc="max batch", unit="len", disable=not progress):
@@ -421,7 +603,9 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     return {
         "settings": {"batches": list(settings.batches), "prompt_lens": list(settings.prompt_lens),
                      "new_tokens": settings.new_tokens, "reps": settings.reps, "warmup": settings.warmup,
-                     "compile": settings.compile, "prompts": "random token ids"},
+                     "compile": settings.compile, "eager": settings.eager, "prefill_once": settings.prefill_once,
+                     "torch_threads": torch.get_num_threads(), "prompts": "random token ids"},
+        "graph_error": bench.graph_error,
         "attention": attention,
         "device_roof": {"copy_bandwidth_gbs": bw / 1e9, "matmul_tflops": fl / 1e12,
                         "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},

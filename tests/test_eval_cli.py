@@ -93,6 +93,13 @@ def test_compare_report(evaluated, tmp_path, capsys):
     sp = gqa_r["speed"]["b2_p8"]
     assert sp["speedup"] == pytest.approx(sp["tokens_per_s"] / mha_r["speed"]["b2_p8"]["tokens_per_s"])
     assert "| **gqa** |" in md and "memory-bound" in md and "gqakit compare" in md
+    # the prediction sits next to the measurement at every grid point
+    m_pt, g_pt = (json.loads(f.read_text())["speed"]["grid"][1] for f in (mha, gqa))
+    pred = m_pt["bytes_per_step"]["total"] / g_pt["bytes_per_step"]["total"]
+    assert pred > 1 and sp["predicted_speedup_bytes"] == pytest.approx(pred)
+    assert sp["share_of_predicted"] == pytest.approx((sp["speedup"] - 1) / (pred - 1))
+    assert "## Decode speedup against the prediction" in md and f"{pred:.2f}×" in md
+    assert all("predicted_speedup_bytes" in e for e in gqa_r["speed"].values())
     assert set(rep["plots"]) == {"speed_vs_batch.png", "speed_vs_context.png", "perplexity.png", "uptrain_loss.png"}
     for p in rep["plots"]:
         assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -183,3 +183,17 @@ def test_graph_replay_plumbing_matches_eager_steps(tiny_model, monkeypatch):
     point = bench.run_point(2, 8, 6, 1, 1, roof)
     assert point["status"] == "ok" and point["decode_mode"] == "eager"
     assert "other greedy tokens" in bench.graph_error and not bench.cuda_graphs
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_flops_count_the_lm_head_once(tiny_model, tied):
+    """A step multiplies by every weight but the input embedding; a tied one is the LM head."""
+    model = load_causal_lm(tiny_model("llama", tie_word_embeddings=tied))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    body = params - emb - (0 if tied else head)  # the decoder blocks and norms
+    assert bench.matmul_params == body + head
+    assert bench.weight_bytes == 4 * (body + head)

@@ -107,7 +107,7 @@ def test_gpu_profile_is_valid_without_a_gpu(tmp_path: Path):
 
     p = {**gpu_proof.PROFILES["gpu"], "name": "gpu"}
     args = bench_decode.parser().parse_args(gpu_proof.decode_argv(p, tmp_path))
-    assert (args.device, args.dtype, args.cuda_graphs, args.kv_heads) == ("cuda", "bfloat16", True, "8,1")
+    assert (args.device, args.dtype, args.cuda_graphs, args.kv_heads) == ("cuda", "bfloat16", True, "8,4")
     cfg = load_config(gpu_proof.uptrain_config(p, tmp_path / "m", tmp_path / "t.txt", tmp_path / "run"))
     assert cfg.train.precision == "auto" and not cfg.train.cpu
     assert cfg.train.budget() // (cfg.train.seq_len * cfg.train.micro_batch) == p["uptrain"]["steps"]

@@ -1,0 +1,217 @@
+"""Decode speed of real models side by side: measured speedup against the roofline prediction.
+
+Loads two or more models (the first is the baseline; e.g. SmolLM2-135M and its 3 -> 1 KV
+head conversion) and times their decode steps with gqakit's decode benchmark
+(`gqakit.eval.speed.DecodeBench`) over a batch x prompt grid. At each grid point all
+models are set up first (cache, packed weights, warm-up, excluded from the timing), then
+their timed decode steps alternate one by one, A B B A A B ..., so load from other jobs on a shared
+machine hits all alike; the copy bandwidth and matmul FLOP/s (the roofs) are measured
+again at each point, between the models' repetitions.
+
+Each non-baseline model gets, per point: the measured speedup (ratio of median decode
+step times), the speedup predicted by bytes (weights + filled KV cache per step, baseline
+over model), the one predicted by the roofline (each model's step at max(bytes / copy
+bandwidth, FLOPs / matmul FLOP/s): differs from the bytes one only where a step is
+compute-bound), and the share of the predicted gain achieved, (measured - 1) /
+(predicted - 1).
+
+    .venv/bin/python bench/bench_decode_pair.py ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        /tmp/smol-g1 --names original,3to1 --batch 8 --prompt-len 1024 --out bench/results/decode_smollm2.json
+    .venv/bin/python bench/bench_decode_pair.py A B --batch 1,4,8,16 --prompt-len 256,1024 --eager   # plain steps
+
+Writes JSON to `--out` after every point (a run stopped early keeps what it measured) and
+a Markdown table to `--md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+", help="model folders or .gguf files; the first is the baseline")
+    ap.add_argument("--names", default=None, help="comma-separated names, one per model")
+    ap.add_argument("--batch", default="8")
+    ap.add_argument("--prompt-len", default="1024")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--eager", action="store_true", help="the plain transformers step: no packed weights, SDPA decode")
+    ap.add_argument("--both-paths", action="store_true",
+                    help="each model twice, fast path and --eager (separate copies), all steps alternating: "
+                         "what the fast path buys, measured in one run")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    ap.add_argument("--prefill-every-rep", action="store_true",
+                    help="prefill before every repetition (default: once per point, decode repetitions rewind the cache)")
+    ap.add_argument("--out", default="bench_decode_pair.json")
+    ap.add_argument("--md", default=None)
+    return ap
+
+
+def share(measured: float, predicted: float) -> float | None:
+    """(measured - 1) / (predicted - 1): the share of the predicted gain that showed up."""
+    return None if abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
+
+
+def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Measured against predicted speedup of `other` over `base` at one point (both status ok)."""
+    mb, mo = base["decode_ms_per_token"]["median"], other["decode_ms_per_token"]["median"]
+    pb = base["bytes_per_step"]["total"] / other["bytes_per_step"]["total"]
+    rb, ro = base["roofline_ms"], other["roofline_ms"]
+    tb = max(rb["bytes"], rb["flops"] or 0)
+    to = max(ro["bytes"], ro["flops"] or 0)
+    measured = mb / mo
+    bound = not (base["memory_bound"] and other["memory_bound"])
+    return {"measured_speedup": measured, "predicted_speedup_bytes": pb, "predicted_speedup_roofline": tb / to,
+            "compute_bound": bound, "share_of_predicted": share(measured, pb),
+            "share_of_predicted_roofline": share(measured, tb / to)}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    a, names = data["args"], data["names"]
+    base = ", ".join(sorted(set(data.get("baseline_of", {names[0]: names[0]}).values())))
+    lines = [
+        f"Device: {data['run']['device_name']}, {a['dtype']}, torch threads {data['threads']}, torch "
+        f"{data['run']['torch']}, transformers {data['run']['transformers']}; load average "
+        f"{data['loadavg_start'][0]:.1f} at the start, {data.get('loadavg_end', [float('nan')])[0]:.1f} at the end "
+        f"(the 2 cores are shared with other jobs); decode: {a['new_tokens']} new tokens after a random prompt, "
+        f"{a['warmup']} warm-up run(s) excluded, median of {a['reps']} x {a['new_tokens']} single steps, the models' "
+        "steps alternating one by one; steps: "
+        + ", ".join(sorted({r['decode_mode'] for r in data['rows'] if r['status'] == 'ok'})) + "; "
+        + "; ".join(f"{n}: {p['decode_path']}" for n, p in data["probes"].items()) + ".",
+        "",
+        "| batch | prompt | model | ms/step median (p90) | GB/s (% of copy) | memory-bound | speedup measured | "
+        "predicted (bytes) | share of predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['model']} | {r['status']} | | | | | |")
+            continue
+        c = r.get("comparison")
+        cells = [str(r["batch"]), str(r["prompt_len"]), r["model"],
+                 f"{r['decode_ms_per_token']['median']:.1f} ({r['decode_ms_per_token']['p90']:.1f})",
+                 f"{r['achieved_bandwidth_gbs']:.1f} ({100 * r['roofline_fraction']:.0f}%)",
+                 "yes" if r["memory_bound"] else "no"]
+        if c is None:
+            cells += ["baseline", "", ""]
+        else:
+            sh = c["share_of_predicted"]
+            cells += [f"{c['measured_speedup']:.2f}×", f"{c['predicted_speedup_bytes']:.2f}×"
+                      + (f" (roofline {c['predicted_speedup_roofline']:.2f}×)" if c["compute_bound"] else ""),
+                      "n/a" if sh is None else f"{100 * sh:.0f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Models: " + "; ".join(f"{n}: `{p}`, {data['info'][n]['kv_heads']}/{data['info'][n]['heads']} KV/query heads, "
+                                         f"{data['info'][n]['weight_bytes'] / 1e6:.0f} MB weights per step, "
+                                         f"{data['info'][n]['kv_bytes_per_token'] / 1024:g} KiB KV per token"
+                                         for n, p in zip(names, a["models"])) + f". Baseline(s): {base}.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parser().parse_args()
+
+    import torch
+
+    from gqakit.core.loading import load_causal_lm
+    from gqakit.eval.results import run_info
+    from gqakit.eval.speed import DecodeBench, copy_bandwidth, matmul_flops, parse_ints
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    names = args.names.split(",") if args.names else [Path(m).stem for m in args.models]
+    if len(names) != len(args.models) or len(set(names)) != len(names):
+        sys.exit("bench_decode_pair: --names needs one distinct name per model")
+    batches, lens = parse_ints(args.batch, "--batch"), parse_ints(args.prompt_len, "--prompt-len")
+    cuda = torch.device(args.device).type == "cuda"
+    paths = [True, False] if args.both_paths else [not args.eager]
+    entries = [(n if fast else f"{n} (eager)", path, fast) for fast in paths for n, path in zip(names, args.models)]
+    base_of = {e[0]: (names[0] if e[2] else f"{names[0]} (eager)") for e in entries}
+    names = [e[0] for e in entries]
+    args.models = [e[1] for e in entries]
+    benches = {}
+    for n, path, fast in entries:
+        m = load_causal_lm(path, dtype=dtype, device=args.device)
+        benches[n] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
+                                 cuda_graphs=fast and cuda and not args.compile, pack_weights=fast,
+                                 decode_kernel="matmul" if fast else "sdpa")
+    data: dict[str, Any] = {
+        "args": vars(args), "names": names, "baseline_of": base_of, "threads": torch.get_num_threads(),
+        "probes": {n: b.probe() for n, b in benches.items()},
+        "info": {n: {"heads": b.heads, "kv_heads": b.kv_heads, "weight_bytes": b.weight_bytes,
+                     "kv_bytes_per_token": b.kv_bytes_per_token, "matmul_params": b.matmul_params}
+                 for n, b in benches.items()},
+        "rows": [], "complete": False, "loadavg_start": os.getloadavg(),
+        "run": run_info(command=sys.argv, device=args.device, dtype=dtype),
+    }
+
+    def save() -> None:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+        os.replace(tmp, args.out)
+
+    t0 = time.time()
+    for p in lens:
+        for b in batches:
+            states = {}
+            for n, bench in benches.items():
+                states[n] = bench.open_point(b, p, args.new_tokens, args.warmup,
+                                             prefill_once=not args.prefill_every_rep)
+            live = [n for n in names if "result" not in states[n]]
+            bws, fls = [], []
+            for r in range(args.reps):
+                order = live if r % 2 == 0 else live[::-1]
+                for n in order:
+                    benches[n].begin_rep(states[n])  # rewind (or prefill), untimed as decode
+                for i in range(args.new_tokens):  # steps alternate one by one: A B, B A, ...
+                    for n in (order if i % 2 == 0 else order[::-1]):
+                        benches[n].decode_step(states[n])
+                bws.append(copy_bandwidth(args.device))
+                fls.append(matmul_flops(args.device, dtype))
+            bw, fl = (statistics.median(bws), statistics.median(fls)) if bws else (1.0, 1.0)
+            roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
+            rows = {n: {"model": n, **benches[n].close_point(states[n], roof)} for n in names}
+            for n in names:
+                rows[n]["roof"] = {"copy_bandwidth_gbs": bw / 1e9, "matmul_gflops": fl / 1e9,
+                                   "ridge_flops_per_byte": fl / bw}
+                b0 = base_of[n]
+                if n != b0 and rows[n]["status"] == "ok" and rows[b0]["status"] == "ok":
+                    rows[n]["comparison"] = compare(rows[b0], rows[n])
+                data["rows"].append(rows[n])
+            data["elapsed_s"] = time.time() - t0
+            save()
+            for n in names:
+                r = rows[n]
+                c = r.get("comparison")
+                print(f"b{b:<3} p{p:<5} {n:>12} {r['status']}"
+                      + (f" {r['decode_ms_per_token']['median']:8.1f} ms/step {100 * r['roofline_fraction']:4.0f}% of copy"
+                         if r["status"] == "ok" else "")
+                      + (f"  speedup {c['measured_speedup']:.2f}x of predicted {c['predicted_speedup_bytes']:.2f}x"
+                         if c else ""), file=sys.stderr, flush=True)
+    data["complete"] = True
+    data["loadavg_end"] = os.getloadavg()
+    save()
+    table = markdown(data)
+    print("\n" + table)
+    if args.md:
+        Path(args.md).write_text(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The decode fast path: grouped matmul attention, packed weights, cache rewind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gqakit.core.loading import load_causal_lm
+from gqakit.eval.decode_fast import can_pack, decode_attention, packed_linears
+from gqakit.eval.speed import DecodeBench
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _reference(q, k, v, mask, scale):
+    """K/V copied up to all query heads (repeat_kv), then SDPA: what GQA decode must equal."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_decode_attention_equals_repeated_kv(kv_heads, mask_kind):
+    torch.manual_seed(0)
+    b, h, t, d = 3, 8, 11, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, kv_heads, t, d), torch.randn(b, kv_heads, t, d)
+    mask = None
+    if mask_kind != "none":
+        keep = torch.rand(b, 1, 1, t) > 0.3
+        keep[..., 0] = True
+        mask = keep if mask_kind == "bool" else torch.zeros(b, 1, 1, t).masked_fill(~keep, float("-inf"))
+    got = decode_attention(q, k, v, mask, 0.3)
+    assert got.shape == (b, 1, h, d)
+    torch.testing.assert_close(got, _reference(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
+    if mask_kind == "bool":  # the converted mask is reused for the same mask object, and not for another one
+        torch.testing.assert_close(decode_attention(q, k, v, mask, 0.3), got)
+        other = torch.ones_like(mask)
+        torch.testing.assert_close(decode_attention(q, k, v, other, 0.3), _reference(q, k, v, other, 0.3),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_bf16_close_to_fp32():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 8, 1, 32), torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
+    ref = _reference(q, k, v, None, None)
+    got = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None).float()
+    torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="torch built without oneDNN")
+def test_packed_linears_equal_plain_and_are_undone(tiny_model):
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    ids = torch.randint(0, model.config.vocab_size, (4, 1))
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits
+        lin = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        with packed_linears(model, 4) as extra:
+            assert extra > 0 and "forward" in lin.__dict__  # the layers really run the packed copies
+            got = model(input_ids=ids).logits
+        assert "forward" not in lin.__dict__
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(input_ids=ids).logits, ref)
+
+
+def test_rewound_cache_decodes_like_a_fresh_prefill(tiny_model):
+    """prefill once: decoding again after a rewind gives the tokens of a fresh prefill."""
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    prompt = torch.randint(0, bench.vocab, (2, 12))
+    with torch.inference_mode():
+        cache = bench._cache(2, 12 + 6)
+        _, tok = bench._prefill(cache, prompt)
+        first: list = []
+        bench._decode(cache, tok, 12, 6, tokens=first)
+        bench.rewind(cache, 12)
+        again: list = []
+        bench._decode(cache, tok, 12, 6, tokens=again)
+        cache.reset()
+        _, tok2 = bench._prefill(cache, prompt)
+        fresh: list = []
+        bench._decode(cache, tok2, 12, 6, tokens=fresh)
+    assert torch.equal(torch.cat(first, 1), torch.cat(fresh, 1)) and torch.equal(torch.cat(again, 1), torch.cat(fresh, 1))
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_point_records_the_path_it_took(tiny_model, eager):
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32, pack_weights=not eager,
+                        decode_kernel="sdpa" if eager else "matmul")
+    roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
+    pt = bench.run_point(2, 8, 4, 3, 1, roof, prefill_once=True)
+    assert pt["status"] == "ok" and pt["prefill_samples"] == 1 and len(pt) > 10
+    assert pt["decode_path"]["prefill"] == "once, decode repetitions rewind the cache"
+    assert pt["decode_path"]["attention_kernel"] == ("sdpa" if eager else "matmul")
+    packs = can_pack("cpu", torch.float32) and not eager
+    assert (pt["packed_weight_bytes"] > 0) == packs
+    assert pt["decode_path"]["weights"] == ("packed once (oneDNN)" if packs else "as loaded")
+    assert pt["roofline_ms"]["bytes"] == pytest.approx(1e3 * pt["bytes_per_step"]["total"] / 1e10)
+    assert bench.probe()["decode_kernel"] == ("sdpa" if eager else "matmul")
+    pt1 = bench.run_point(1, 8, 4, 2, 0, roof)  # batch 1: the matrix-vector path, never packed
+    assert pt1["packed_weight_bytes"] == 0 and pt1["prefill_samples"] == 2
+
+
+def test_single_steps_alternate_between_two_models(tiny_model):
+    """bench_decode_pair's stepping: two open points, steps one by one, every step a sample."""
+    benches = [DecodeBench(load_causal_lm(tiny_model("llama", num_key_value_heads=kv)), device="cpu",
+                           dtype=torch.float32) for kv in (8, 2)]
+    roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
+    states = [b.open_point(2, 8, 3, 1, prefill_once=True) for b in benches]
+    for _ in range(2):
+        for b, st in zip(benches, states):
+            b.begin_rep(st)
+        for _ in range(3):
+            for b, st in zip(benches, states):
+                assert b.decode_step(st) > 0
+    pts = [b.close_point(st, roof) for b, st in zip(benches, states)]  # closed in the order opened
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()  # nothing left switched on
+    for pt in pts:
+        assert pt["status"] == "ok" and pt["reps"] == 2 and pt["decode_samples"] == 6
+        assert pt["decode_sample"] == "one step" and pt["prefill_samples"] == 1
+        assert pt["decode_path"]["prefill"] == "once, decode repetitions rewind the cache"
+    assert pts[0]["bytes_per_step"]["total"] > pts[1]["bytes_per_step"]["total"]

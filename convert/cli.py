@@ -31,7 +31,8 @@ def _groupings() -> list[str]:
               help="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
                    "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
                    "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
-                   "text: --calibration-data, or text sampled from SRC itself). Best quality: align-refit.")
+                   "text: --calibration-data, or text sampled from SRC itself; --refit-option steps=N adds block-wise "
+                   "reconstruction). Best quality: align-refit with steps.")
 @click.option("--grouping", default="contiguous", show_default=True,
               help="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
                    "similar heads; queries and o_proj columns are reordered to match).")
@@ -46,7 +47,8 @@ def _groupings() -> list[str]:
                    "One decoder block is on it at a time.")
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
               help="align-refit setting, repeatable: seq_len, batch, q_ridge, o_ridge, skip_first, holdout, "
-                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds.")
+                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds, "
+                   "steps (block-wise reconstruction: Adam steps per layer), lr, guard_spans.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 500MB.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
@@ -68,6 +70,7 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
       gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity --calibration-data calib.txt
+      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --refit-option steps=300 --refit-option lr=0.03
       gqakit convert ./llama-2-7b ./llama-2-7b-g8 -g 8 --method align-refit --device cuda \\
           --calibration-data hf:wikitext:wikitext-2-raw-v1:train --calibration-tokens 131072
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16

@@ -30,7 +30,7 @@ SHORT_HELP = {
     "convert": "Convert an MHA/GQA checkpoint to fewer KV heads.",
     "inspect": "Show heads, parameters and KV-cache size for each possible G.",
     "uptrain": "Continue pre-training a converted model (accelerate).",
-    "eval": "Measure perplexity and decode speed of a model.",
+    "eval": "Measure perplexity, decode speed and task accuracy of a model.",
     "compare": "Put several eval results side by side (Markdown, JSON, plots).",
     "demo": "Convert, uptrain, evaluate and report SmolLM2-135M, offline.",
 }

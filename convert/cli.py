@@ -19,7 +19,8 @@ from gqakit.core.errors import GqakitError
               help="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
                    "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
                    "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
-                   "text: --calibration-data, or text sampled from SRC itself). Best quality: align-refit.")
+                   "text: --calibration-data, or text sampled from SRC itself; --refit-option steps=N adds block-wise "
+                   "reconstruction). Best quality: align-refit with steps.")
 @click.option("--grouping", default="contiguous", show_default=True,
               help="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
                    "similar heads; queries and o_proj columns are reordered to match).")
@@ -34,7 +35,12 @@ from gqakit.core.errors import GqakitError
                    "One decoder block is on it at a time.")
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
               help="align-refit setting, repeatable: seq_len, batch, q_ridge, o_ridge, skip_first, holdout, "
-                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds.")
+                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds, "
+                   "steps (block-wise reconstruction: Adam steps per layer), lr, guard_spans.")
+@click.option("--gguf-type", default=None, metavar="TYPE",
+              help="OUT.gguf only: the GGUF type of the tensors the conversion changes (e.g. F16, Q8_0, Q4_1) "
+                   "[default: each tensor's source type when the gguf package can write it, else F16]. "
+                   "Every other tensor keeps its exact bytes.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 500MB.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
@@ -42,13 +48,16 @@ from gqakit.core.errors import GqakitError
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: str | None,
-                calibration_tokens: int, device: str, refit_options: tuple[str, ...], dtype: str, max_shard_size: str,
+                calibration_tokens: int, device: str, refit_options: tuple[str, ...], gguf_type: str | None,
+                dtype: str, max_shard_size: str,
                 seed: int, overwrite: bool, dry_run: bool, quiet: bool) -> None:
     """Convert the checkpoint SRC to grouped-query attention, written to OUT.
 
     SRC is a Hugging Face model folder (safetensors, sharded or not, or
     pytorch_model*.bin) or a .gguf file. OUT is a complete model folder that loads
-    with stock transformers. SRC is never modified; OUT appears only when complete.
+    with stock transformers, or, when both SRC and OUT end in .gguf, one GGUF file for
+    llama.cpp (unchanged tensors keep their quantised bytes; --gguf-type sets the type
+    of the changed ones). SRC is never modified; OUT appears only when complete.
     align-refit holds one decoder block at a time on --device; if it is killed, the
     same command run again resumes after its last finished layer.
 
@@ -56,16 +65,24 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
       gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity --calibration-data calib.txt
+      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --refit-option steps=300 --refit-option lr=0.03
       gqakit convert ./llama-2-7b ./llama-2-7b-g8 -g 8 --method align-refit --device cuda \\
           --calibration-data hf:wikitext:wikitext-2-raw-v1:train --calibration-tokens 131072
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
       gqakit convert model.gguf ./out -g 1 --dry-run
+      gqakit convert model.Q4_1.gguf model-g1.Q4_1.gguf -g 1 --method align
+      gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
     """
     from gqakit.core.device import check_device
 
     precheck_source(src)
     check_device(device)
     options = _parse_options(refit_options)
+    if out.suffix.lower() == ".gguf":
+        return _convert_to_gguf(src, out, num_kv_heads, method, grouping, calibration_data, calibration_tokens,
+                                device, options, gguf_type, dtype, seed, overwrite, dry_run, quiet)
+    if gguf_type is not None:
+        raise GqakitError("--gguf-type applies only to an OUT ending in .gguf")
     from gqakit.convert.pipeline import Settings, check_settings, convert_checkpoint, make_plan, open_checkpoint
 
     if dry_run:
@@ -91,6 +108,25 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
                                   calibration_tokens=calibration_tokens, options=options, device=device,
                                   progress=not quiet)
     click.echo(f"wrote {path}")
+
+
+def _convert_to_gguf(src: Path, out: Path, g: int, method: str, grouping: str, calibration_data: str | None,
+                     calibration_tokens: int, device: str, options: dict[str, object], gguf_type: str | None,
+                     dtype: str, seed: int, overwrite: bool, dry_run: bool, quiet: bool) -> None:
+    if dtype != "auto":
+        raise GqakitError("--dtype applies to a model folder; for a .gguf OUT use --gguf-type")
+    from gqakit.convert.gguf_out import convert_gguf
+    from gqakit.core.quiet import quiet_libraries
+
+    with quiet_libraries(quiet):
+        result = convert_gguf(src, out, g, method, grouping=grouping, gguf_type=gguf_type, overwrite=overwrite,
+                              seed=seed, calibration_data=calibration_data, calibration_tokens=calibration_tokens,
+                              options=options, device=device, progress=not quiet, dry_run=dry_run)
+    if dry_run:
+        for line in result:
+            click.echo(line)
+    else:
+        click.echo(f"wrote {result}")
 
 
 def _parse_options(items: tuple[str, ...]) -> dict[str, object]:

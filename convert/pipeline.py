@@ -451,7 +451,15 @@ def _write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: Settings, s
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
     if calibration:
         facts["calibration"] = f"{calibration['calibration']} on {calibration['device']}"
+        from gqakit.convert.calibrate import QUALITY_SIGNAL, describe
+
+        facts["method"] = f"{settings.method}: {describe(calibration)}"
         facts["residual drift"] = drift_summary(calibration).split("; ", 1)[-1]
+        facts["expected quality"] = QUALITY_SIGNAL
+    else:
+        doc = (getattr(method_spec(settings.method).fn, "__doc__", None) or "").strip().split("\n\n")[0]
+        if doc:
+            facts["method"] = f"{settings.method}: {' '.join(doc.split())}"
     summary = ("Grouped-query-attention conversion made with gqakit. Each group of K/V heads was pooled into "
                "one head; quality usually drops until the model is uptrained (`gqakit uptrain`).")
     (tmp / "README.md").write_text(render_model_card(

@@ -401,3 +401,57 @@ def write_file_atomic(out: Path, text: str) -> Path:
         remove_if_empty(made)
         raise GqakitError(describe_oserror(e, out)) from None
     return out
+
+
+# ----------------------------------------------------------------------------- single-file outputs
+
+
+def _is_gqakit_gguf(path: Path) -> bool:
+    """A GGUF file that `gqakit convert` wrote (it carries `general.gqakit.version`)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return False
+        from gguf import GGUFReader
+
+        return "general.gqakit.version" in GGUFReader(path).fields
+    except Exception:  # a damaged file is not one gqakit may replace
+        return False
+
+
+GGUF_FILE = Kind("GGUF file", folder=False, file_ok=_is_gqakit_gguf)
+KINDS[GGUF_FILE.name] = GGUF_FILE
+
+
+@contextmanager
+def atomic_output_file(out: Path, *, overwrite: bool = False, inputs: Inputs = (), kind: Kind = GGUF_FILE,
+                       flag: str = "output") -> Iterator[tuple[Path, Path]]:
+    """The single-file twin of `atomic_output_dir`: yields (file to write, scratch folder).
+
+    Both live in a hidden temporary folder next to OUT (`.OUT.gqakit-tmp-*`, cleaned by a
+    later run when its process is gone). On success the file is renamed onto OUT, after
+    the output rule is checked again; on any failure the temporary folder and any parent
+    folder this call created are removed, so nothing at OUT looks complete."""
+    out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
+    made: list[Path] = []
+    try:
+        made = make_dirs(out.parent)
+        _remove_stale_temps(out)
+        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+    except OSError as e:
+        remove_if_empty(made)
+        raise GqakitError(describe_oserror(e, out)) from None
+    try:
+        yield tmp / out.name, tmp / ".scratch"
+        out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
+        os.replace(tmp / out.name, out)
+        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_if_empty(made)
+        raise GqakitError(describe_oserror(e, out)) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_if_empty(made)
+        raise

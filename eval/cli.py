@@ -57,20 +57,29 @@ def command_line() -> list[str]:
               help="Time prefill once per grid point; decode repetitions rewind the cache to the prompt.")
 @click.option("--max-batch-search", is_flag=True, help="Find the largest batch that fits at each prompt length.")
 @click.option("--max-batch-limit", default=4096, show_default=True, help="Stop the max-batch search here.")
+@click.option("--tasks", "tasks", help="lm-evaluation-harness tasks, comma-separated (needs gqakit[tasks]).")
+@click.option("--num-fewshot", type=int, default=None, help="Few-shot examples per task (default: each task's own).")
+@click.option("--limit", type=int, default=None, help="Use only the first N examples of each task (quick checks).")
+@click.option("--tasks-path", type=click.Path(path_type=Path), default=None,
+              help="Folder of local task YAML files (over local data files), added to the harness's tasks.")
+@click.option("--tasks-batch", default=1, show_default=True, help="Batch size of the task requests.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto.")
 @click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16, or auto (fp32 CPU, bf16 GPU).")
 @click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit results file.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, new_tokens,
-             reps, warmup, compile_, eager, prefill_once, max_batch_search, max_batch_limit, device, dtype, overwrite,
-             quiet) -> None:
-    """Measure perplexity and decode speed of MODEL (a folder or a .gguf file).
+             reps, warmup, compile_, eager, prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot,
+             limit, tasks_path, tasks_batch, device, dtype, overwrite, quiet) -> None:
+    """Measure perplexity, decode speed and task accuracy of MODEL (a folder or a .gguf file).
 
     Perplexity is token-level over a sliding window (--context, --stride), plus bits per
     byte and word/byte perplexity, which compare models with different tokenizers.
     Speed times prefill and per-token decode with a static KV cache over the grid
     --batch x --prompt-len, and reports KV-cache bytes, peak memory and the achieved
-    fraction of the device's copy bandwidth.
+    fraction of the device's copy bandwidth. --tasks runs lm-evaluation-harness tasks
+    (accuracy with its standard error) on the same loaded model; --tasks-path adds local
+    task YAML files. Datasets are read from local files or the local datasets cache, never
+    the Hub.
 
     \b
     Examples:
@@ -79,11 +88,21 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./my-gqa --speed --batch 1,8,32 --prompt-len 128,1024 --new-tokens 128 --out s.json
       gqakit eval ./my-gqa --speed --batch 8 --prompt-len 1024 --prefill-once --eager --out eager.json
       gqakit eval ./my-gqa --data hf:wikitext:wikitext-2-raw-v1:test --speed --max-batch-search --out all.json
+      gqakit eval ./my-gqa --tasks hellaswag,arc_easy --num-fewshot 0 --out acc.json
+      gqakit eval ./my-gqa --tasks gqakit_stories_mc --tasks-path examples/tasks --limit 20 --out acc.json
     """
     from gqakit.eval.runner import run_eval
     from gqakit.eval.speed import SpeedSettings, parse_ints
 
     ppl = bool(data) if ppl is None else ppl
+    task_settings = None
+    if tasks is not None:
+        from gqakit.eval.tasks import TaskSettings, parse_tasks
+
+        task_settings = TaskSettings(tasks=parse_tasks(tasks), num_fewshot=num_fewshot, limit=limit,
+                                     tasks_path=tasks_path, batch_size=tasks_batch)
+    elif num_fewshot is not None or limit is not None or tasks_path is not None:
+        raise GqakitError("--num-fewshot, --limit and --tasks-path go with --tasks NAMES")
     settings = None
     if speed:
         if new_tokens < 1 or reps < 1 or warmup < 0 or max_batch_limit < 1:
@@ -94,7 +113,8 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
                                  eager=eager, prefill_once=prefill_once)
     res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
                    text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
-                   command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
+                   command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet,
+                   tasks=task_settings)
     _print_summary(res, out)
 
 
@@ -118,6 +138,14 @@ def _print_summary(res: dict, out: Path) -> None:
                 click.echo(f"  batch {g['batch']:>4} prompt {g['prompt_len']:>5}: out of memory ({g['reason']})")
         for m in s["max_batch"]:
             click.echo(f"  max batch at prompt {m['prompt_len']}: {m['max_batch']}{'+' if m['at_limit'] else ''} ({m['method']})")
+    if "tasks" in res:
+        t = res["tasks"]
+        click.echo(f"tasks (lm-evaluation-harness {t['harness']['version']}):")
+        for name, row in {**t["results"], **t["groups"]}.items():
+            n = (row.get("samples") or {}).get("effective")
+            metrics = ", ".join(f"{m} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v["stderr"] is not None else "")
+                                for m, v in row["metrics"].items())
+            click.echo(f"  {name}{f' ({n} examples)' if n else ''}: {metrics}")
     click.echo(f"wrote {out}")
 
 

@@ -1,4 +1,4 @@
-"""PNG plots for `gqakit compare`: decode speed against batch and context, perplexity, loss.
+"""PNG plots for `gqakit compare`: decode speed against batch and context, perplexity, task scores, loss.
 
 Plain matplotlib (Agg backend, no display needed), one figure per question, large
 enough fonts to read in a Markdown viewer, and a log axis wherever the values span
@@ -83,6 +83,35 @@ def _ppl_plot(results: list[dict[str, Any]], names: list[str], out: Path) -> boo
     return True
 
 
+def _tasks_plot(report: dict[str, Any], out: Path) -> bool:
+    """Grouped bars: one group per task metric, one bar per model, stderr as error bars."""
+    t = report.get("tasks")
+    if not t or not t["columns"]:
+        return False
+    import numpy as np
+
+    cols, rows = t["columns"], report["rows"]
+    plt = _plt()
+    x = np.arange(len(cols))
+    width = 0.8 / max(1, len(rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cols) * max(1, len(rows)) + 2), 4.5))
+    for i, r in enumerate(rows):
+        ms = [(r.get("tasks") or {}).get(c["task"], {}).get(c["metric"]) for c in cols]
+        vals = [m["value"] if m else np.nan for m in ms]
+        errs = [m["stderr"] if m and m["stderr"] is not None else 0.0 for m in ms]
+        ax.bar(x + (i - (len(rows) - 1) / 2) * width, vals, width, yerr=errs, capsize=3, label=r["name"],
+               color=f"C{i}")
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{c['task']}\n{c['metric']}" for c in cols], fontsize=9)
+    ax.set_ylabel("score (error bars: ± stderr)")
+    ax.set_title("Downstream tasks (lm-evaluation-harness)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return True
+
+
 def read_train_log(path: str | Path) -> list[dict[str, Any]]:
     """Rows of an uptraining log: uptrain's log.jsonl (or its run folder), or a CSV with step,loss."""
     p = Path(path).expanduser()
@@ -136,6 +165,8 @@ def make_plots(report: dict[str, Any], results: list[dict[str, Any]], folder: Pa
         made.append("speed_vs_context.png")
     if _ppl_plot(results, names, folder / "perplexity.png"):
         made.append("perplexity.png")
+    if _tasks_plot(report, folder / "tasks.png"):
+        made.append("tasks.png")
     if train_log is not None and _loss_plot(read_train_log(train_log), folder / "uptrain_loss.png"):
         made.append("uptrain_loss.png")
     return made

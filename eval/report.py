@@ -86,6 +86,53 @@ def comparability_warnings(results: list[dict[str, Any]], names: list[str]) -> l
     return warns
 
 
+def _task_rows(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    t = res.get("tasks") or {}
+    return {**(t.get("results") or {}), **(t.get("groups") or {})}
+
+
+def task_columns(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One column per (task, metric) any results file has, in the order they first appear."""
+    cols: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in results:
+        for task, row in _task_rows(r).items():
+            for metric, m in row["metrics"].items():
+                cols.setdefault((task, metric), {"task": task, "metric": metric, "version": row.get("version"),
+                                                 "n_shot": row.get("n_shot"),
+                                                 "examples": (row.get("samples") or {}).get("effective"),
+                                                 "higher_is_better": m.get("higher_is_better")})
+    return list(cols.values())
+
+
+def task_warnings(results: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """Task numbers side by side that were not measured the same way."""
+    warns = []
+    have = [(n, r) for n, r in zip(names, results) if r.get("tasks")]
+    if len(have) < 2:
+        return warns
+    n0, r0 = have[0]
+    v0 = r0["tasks"]["harness"]["version"]
+    rows0 = _task_rows(r0)
+    for n, r in have[1:]:
+        if r["tasks"]["harness"]["version"] != v0:
+            warns.append(f"{n} was run with lm-evaluation-harness {r['tasks']['harness']['version']}, {n0} with {v0}")
+        for task, row in _task_rows(r).items():
+            base = rows0.get(task)
+            if base is None:
+                continue
+            diffs = [what for what, a, b in (
+                ("task version", base.get("version"), row.get("version")),
+                ("few-shot count", base.get("n_shot"), row.get("n_shot")),
+                ("number of examples", (base.get("samples") or {}).get("effective"),
+                 (row.get("samples") or {}).get("effective")),
+                ("data", [f.get("sha256") for f in (base.get("dataset") or {}).get("data_files", [])],
+                 [f.get("sha256") for f in (row.get("dataset") or {}).get("data_files", [])])) if a != b]
+            if diffs:
+                warns.append(f"{task}: {n} was evaluated with a different {', '.join(diffs)} than {n0}: "
+                             "its scores are not comparable")
+    return warns
+
+
 def build_report(results: list[dict[str, Any]], names: list[str], command: list[str] | None = None) -> dict[str, Any]:
     """The report as one dict: rows, grid, memory-bound points, warnings, provenance."""
     import gqakit
@@ -127,6 +174,15 @@ def build_report(results: list[dict[str, Any]], names: list[str], command: list[
         row["speed"] = speed
         row["max_batch"] = {str(mb["prompt_len"]): mb for mb in r.get("speed", {}).get("max_batch", [])}
         row["attention"] = r.get("speed", {}).get("attention", {}).get("decode_path")
+        if r.get("tasks"):
+            base_tasks = _task_rows(base)
+            row["tasks"] = {}
+            for task, trow in _task_rows(r).items():
+                row["tasks"][task] = {}
+                for metric, m in trow["metrics"].items():
+                    b0 = (base_tasks.get(task) or {}).get("metrics", {}).get(metric)
+                    row["tasks"][task][metric] = {"value": m["value"], "stderr": m.get("stderr"),
+                                                  "delta": None if b0 is None else m["value"] - b0["value"]}
         rows.append(row)
     return {
         "schema": REPORT_SCHEMA,
@@ -141,8 +197,10 @@ def build_report(results: list[dict[str, Any]], names: list[str], command: list[
         "perplexity_settings": next(({"context": r["perplexity"]["context"], "stride": r["perplexity"]["stride"],
                                       "data": r["perplexity"]["data"], "tokenizer": r["perplexity"]["tokenizer"]}
                                      for r in results if "perplexity" in r), None),
+        "tasks": ({"harness": {n: r["tasks"]["harness"]["version"] for n, r in zip(names, results) if r.get("tasks")},
+                   "columns": task_columns(results)} if any(r.get("tasks") for r in results) else None),
         "rows": rows,
-        "warnings": comparability_warnings(results, names),
+        "warnings": comparability_warnings(results, names) + task_warnings(results, names),
     }
 
 
@@ -180,6 +238,39 @@ def memory_bound_sentence(report: dict[str, Any]) -> list[str]:
             text += " (far below the roof: per-step overhead such as kernel launches or Python dominates)"
         lines.append(text + ".")
     return lines
+
+
+def task_markdown(report: dict[str, Any]) -> list[str]:
+    """The downstream-task table: one row per model, value ± stderr and Δ vs the first row."""
+    t = report.get("tasks")
+    if not t or not t["columns"]:
+        return []
+    versions = sorted(set(t["harness"].values()))
+    head = ["model"]
+    for c in t["columns"]:
+        head += [f"{c['task']} {c['metric']}", "Δ"]
+    out = ["", f"## Downstream tasks (lm-evaluation-harness {', '.join(versions)})", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        cells = [f"**{r['name']}**"]
+        for c in t["columns"]:
+            m = (r.get("tasks") or {}).get(c["task"], {}).get(c["metric"])
+            if m is None:
+                cells += ["—", "—"]
+                continue
+            cells.append(f"{m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else ""))
+            d = m["delta"]
+            cells.append("—" if r["name"] == report["baseline"] or d is None else f"{d:+.4f}")
+        out.append("| " + " | ".join(cells) + " |")
+    seen: dict[str, dict[str, Any]] = {}
+    for c in t["columns"]:
+        seen.setdefault(c["task"], c)
+    out += ["", "Value ± standard error as lm-evaluation-harness reports it; Δ is the difference from the first "
+            "row in the metric's own units (higher is better for "
+            + ", ".join(sorted({c["metric"] for c in t["columns"] if c["higher_is_better"]})) + "). "
+            + "Tasks: " + "; ".join(f"{k} (version {c['version']}, {c['n_shot']}-shot, {c['examples']} examples)"
+                                    for k, c in seen.items()) + "."]
+    return out
 
 
 def prediction_table(report: dict[str, Any]) -> list[str]:
@@ -251,6 +342,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                 "means the model got all the speed its smaller KV cache promises. Each model here was timed in "
                 "its own run; for ratios measured in one run, alternating models, use `bench/bench_decode_pair.py`.",
                 ""] + pred
+    out += task_markdown(report)
     mb = memory_bound_sentence(report)
     if mb:
         out += ["", "## Where decoding is memory-bound", "",

@@ -2,7 +2,8 @@
 
 One JSON per evaluated model, split the way peft's method_comparison splits its results:
 `run` (how and where the numbers were made), `model` (what was measured), then one block
-per measurement (`perplexity`, `speed`). A `schema` key lets `compare` reject any other
+per measurement (`perplexity`, `speed`, `tasks`: lm-evaluation-harness metrics with their
+stderr, task versions and harness version; the block carries its own `format` number). A `schema` key lets `compare` reject any other
 JSON early, instead of failing on a missing key halfway through a report.
 """
 
@@ -205,11 +206,29 @@ def _schema_models() -> Any:
         max_batch: list[MaxBatch] = []
         attention: Attention = Attention()
 
+    class Metric(_M):
+        value: Num
+        stderr: Num | None = None
+
+    class TaskRow(_M):
+        metrics: dict[str, Metric]
+        n_shot: StrictInt | None = None
+
+    class Harness(_M):
+        version: StrictStr
+
+    class Tasks(_M):  # written by eval/tasks.py (lm-evaluation-harness); its own `format` number
+        format: StrictInt
+        harness: Harness
+        results: dict[str, TaskRow]
+        groups: dict[str, TaskRow] = {}
+
     class Results(_M):
         run: Run
         model: Model
         perplexity: Ppl | None = None
         speed: Speed | None = None
+        tasks: Tasks | None = None
 
     return Results
 
@@ -218,7 +237,7 @@ def check_results(data: dict[str, Any], path: Path) -> None:
     """One GqakitError naming the file and the first bad key, or nothing."""
     from pydantic import ValidationError
 
-    for key in ("perplexity", "speed"):
+    for key in ("perplexity", "speed", "tasks"):
         if key in data and data[key] is None:
             raise GqakitError(f"{path} is not a valid gqakit results file: {key} is null")
     try:

@@ -31,13 +31,13 @@ def check_dtype(dtype: str | None) -> None:
 
 def check_eval_inputs(model_path: str | Path, *, data: str | None, ppl: bool, speed: bool, context: int,
                       stride: int | None, max_chars: int | None, device: str | None, dtype: str | None,
-                      out: Path | None, overwrite: bool) -> Path | None:
+                      out: Path | None, overwrite: bool, tasks: Any = None) -> Path | None:
     """Every check that needs no torch and no loaded model; returns OUT resolved. Writes nothing."""
     from gqakit.core.loading import split_source
     from gqakit.core.outdir import RESULTS, check_output_path
 
-    if not ppl and not speed:
-        raise GqakitError("nothing to measure: pass --ppl, --speed or both")
+    if not ppl and not speed and not tasks:
+        raise GqakitError("nothing to measure: pass --data (perplexity), --speed, --tasks, or several")
     if ppl and not data:
         raise GqakitError("--ppl needs --data FILE (or hf:NAME[:CONFIG][:SPLIT])")
     split_source(model_path)  # a missing path or a broken config.json, before anything slow
@@ -55,6 +55,8 @@ def check_eval_inputs(model_path: str | Path, *, data: str | None, ppl: bool, sp
     inputs = [("model", model_path)]
     if ppl and data and not data.startswith("hf:"):
         inputs.append(("data file", data))
+    if tasks is not None and tasks.tasks_path is not None:
+        inputs.append(("tasks folder", tasks.tasks_path))
     return check_output_path(Path(out), overwrite=overwrite, inputs=inputs, kind=RESULTS, flag="--out")
 
 
@@ -62,27 +64,38 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
              context: int = 512, stride: int | None = None, max_chars: int | None = None,
              text_field: str = "text", speed_settings: Any = None, device: str | None = None,
              dtype: str | None = None, out: Path | None = None, command: list[str] | None = None,
-             progress: bool = True, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Measure perplexity and/or decode speed of one model; write `out` if given.
+             progress: bool = True, overwrite: bool = False, quiet: bool = False,
+             tasks: Any = None) -> dict[str, Any]:
+    """Measure perplexity, decode speed and/or task accuracy of one model; write `out` if given.
+
+    `tasks` is an eval.tasks.TaskSettings: lm-evaluation-harness tasks run on the loaded model.
 
     Every input is checked before the model is loaded, and OUT before anything runs: an
     existing file is replaced only with `overwrite`, and only when it is a gqakit results
     file; OUT is never the model, the data, or inside either.
     """
     out = check_eval_inputs(model_path, data=data, ppl=ppl, speed=speed, context=context, stride=stride,
-                            max_chars=max_chars, device=device, dtype=dtype, out=out, overwrite=overwrite)
+                            max_chars=max_chars, device=device, dtype=dtype, out=out, overwrite=overwrite,
+                            tasks=tasks)
+    from gqakit.core.quiet import quiet_libraries
+
+    if tasks is not None:
+        from gqakit.eval.tasks import check_tasks, load_tasks
+
+        check_tasks(tasks, quiet=quiet)  # harness installed, names known, local data present: before loading
+        with quiet_libraries(quiet):
+            load_tasks(tasks, quiet=quiet)  # their datasets read (offline) before the model loads
     doc = None
     if ppl:
         from gqakit.eval.perplexity import read_text
 
         doc = read_text(data, max_chars=max_chars, text_field=text_field)  # fail on bad data before loading
     seen = seen_in_training(model_path, doc) if doc is not None else []
-    from gqakit.core.quiet import quiet_libraries
 
     with quiet_libraries(quiet):
         results = _measure(model_path, doc, ppl=ppl, speed=speed, context=context, stride=stride,
                            speed_settings=speed_settings, device=device, dtype=dtype, command=command,
-                           progress=progress and not quiet)
+                           progress=progress and not quiet, tasks=tasks, quiet=quiet)
     if seen:
         results["perplexity"]["data"]["seen_in_training"] = seen
         if not quiet:
@@ -95,6 +108,7 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
 
         # again: the file may have appeared while the model ran
         inputs = [("model", model_path)] + ([("data file", data)] if doc is not None and not data.startswith("hf:") else [])
+        inputs += [("tasks folder", tasks.tasks_path)] if tasks is not None and tasks.tasks_path is not None else []
         check_output_path(out, overwrite=overwrite, inputs=inputs, kind=RESULTS, flag="--out")
         write_results(results, Path(out))
     return results
@@ -102,7 +116,7 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
 
 def _measure(model_path: str | Path, doc: Any, *, ppl: bool, speed: bool, context: int, stride: int | None,
              speed_settings: Any, device: str | None, dtype: str | None, command: list[str] | None,
-             progress: bool) -> dict[str, Any]:
+             progress: bool, tasks: Any = None, quiet: bool = False) -> dict[str, Any]:
     import torch
 
     from gqakit.core.loading import load_causal_lm, load_tokenizer
@@ -124,6 +138,10 @@ def _measure(model_path: str | Path, doc: Any, *, ppl: bool, speed: bool, contex
 
         results["speed"] = evaluate_speed(model, speed_settings or SpeedSettings(), device=dev, dtype=dt,
                                           max_positions=info["max_positions"], progress=progress)
+    if tasks is not None:
+        from gqakit.eval.tasks import run_tasks
+
+        results["tasks"] = run_tasks(model, load_tokenizer(model_path), tasks, progress=progress, quiet=quiet)
     return results
 
 

@@ -153,6 +153,10 @@ def test_offload_modes_and_stream_dtype_give_the_same_answer(tiny_model, tmp_pat
     ({"q_ridge": float("nan")}, "finite number"),
     ({"offload": "tape"}, "choose from auto, device, cpu, disk"),
     ({"batch": True}, "batch must be an integer"),
+    ({"steps": -1}, "steps must be an integer >= 0"),
+    ({"steps": 2.5}, "steps must be an integer >= 0"),
+    ({"lr": 0}, "lr must be > 0"),
+    ({"guard_spans": 0}, "guard_spans must be an integer >= 1"),
 ])
 def test_refit_options_are_validated(opts, needle):
     with pytest.raises(GqakitError, match=needle):
@@ -176,7 +180,7 @@ def test_calibration_record_in_output(tiny_model, tmp_path, capsys):
     data.write_text("abc def ghi jkl mno pqr stu vwx yz " * 200)
     main(["convert", str(src), str(tmp_path / "out"), "-g", "2", "--method", "align-refit", "--device", "cpu",
           "--calibration-data", str(data), "--calibration-tokens", "512", "--refit-option", "seq_len=64",
-          "--refit-option", "holdout=0.25"])
+          "--refit-option", "holdout=0.25", "--refit-option", "steps=2"])
     out = capsys.readouterr()
     assert "residual drift" in out.out + out.err
     rec = json.loads((tmp_path / "out" / "gqakit_convert.json").read_text())
@@ -184,7 +188,9 @@ def test_calibration_record_in_output(tiny_model, tmp_path, capsys):
     assert cal["options"]["seq_len"] == 64 and cal["options"]["holdout"] == 0.25
     assert cal["device"] == "cpu" and cal["tokens"] == cal["calibration_sequences"] * 64
     assert len(cal["residual_drift"]) == 1 and cal["peak_memory_bytes"] > 0
-    assert "residual drift" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "residual drift" in card and "expected quality" in card and "|h" not in card  # no pipes in the table
+    assert "block-wise reconstruction: 2 Adam steps per layer" in card and len(cal["reconstruction"]) == 2
     assert not (tmp_path / "out" / ".scratch").exists()
 
 
@@ -206,7 +212,8 @@ def test_convert_cli_refuses_bad_refit_input(tiny_model, tmp_path, capsys, args,
     assert not (tmp_path / "out").exists()
 
 
-def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, one_thread):
+@pytest.mark.parametrize("extra", [{}, {"steps": 6, "lr": 1e-2}], ids=["closed-form", "reconstruction"])
+def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, one_thread, extra):
     """A run interrupted at layer 2 of 4 leaves no OUT, keeps its work in the partial folder,
     and the same command resumes there: layers 0-1 are not recomputed, and the result is
     bit-identical to an uninterrupted run."""
@@ -216,7 +223,7 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
     from gqakit.core.outdir import partial_dir
 
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)
-    kw = dict(calibration_tokens=256, options={"seq_len": 32, "checkpoint_seconds": 0}, progress=False,
+    kw = dict(calibration_tokens=256, options={"seq_len": 32, "checkpoint_seconds": 0, **extra}, progress=False,
               device="cpu")
     whole = convert_checkpoint(src, tmp_path / "whole", 1, "align-refit", **kw)
 
@@ -304,3 +311,34 @@ def test_sampling_that_cannot_fit_asks_for_calibration_data(tiny_model, tmp_path
     with pytest.raises(GqakitError, match="needs the whole model in memory.*pass --calibration-data"):
         convert_checkpoint(src, tmp_path / "out", 2, "align-refit", options={"seq_len": 32}, progress=False)
     assert not list(tmp_path.glob("*out*"))
+
+
+def test_blockwise_reconstruction_lowers_the_drift(tiny_model, one_thread):
+    """`steps` Adam steps per layer on the converted attention weights: each layer's
+    reconstruction loss on the measured rows ends below the closed-form start, the final
+    residual drift is lower, and only attention tensors change."""
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
+    base = {"seq_len": 32, "batch": 4, "holdout": 0.25}
+    settings = Settings(str(src), 1, "align-refit", calibration_tokens=1024, options=base)
+    closed, s0, _, _ = _streamed(src, settings)
+    settings = Settings(str(src), 1, "align-refit", calibration_tokens=1024,
+                        options={**base, "steps": 40, "lr": 1e-2, "guard_spans": 2})
+    trained, s1, _, plan = _streamed(src, settings)
+    rec = s1["reconstruction"]
+    assert [r["layer"] for r in rec] == list(range(plan.shape.num_layers))
+    assert all(r["best_step"] > 0 for r in rec), rec  # the guard kept trained weights in every layer
+    assert s1["residual_drift"][-1] < s0["residual_drift"][-1]
+    assert "reconstruction" not in s0
+    for L in closed:
+        assert not torch.equal(trained[L].o, closed[L].o)
+        assert trained[L].k.shape == closed[L].k.shape
+
+
+def test_reconstruction_is_skipped_when_nothing_is_pooled(tiny_model, one_thread):
+    src = tiny_model("llama", num_key_value_heads=4)
+    settings = Settings(str(src), 4, "align-refit", calibration_tokens=256, options={"seq_len": 32, "steps": 5})
+    got, summary, opened, plan = _streamed(src, settings)
+    assert "reconstruction" not in summary
+    plain, _, _, _ = _streamed(src, Settings(str(src), 4, "align-refit", calibration_tokens=256,
+                                             options={"seq_len": 32}))
+    _assert_same_heads(got, plain, rtol=0, atol=0)

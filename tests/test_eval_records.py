@@ -1,0 +1,68 @@
+"""Typed eval results: the JSON they read is the JSON they write, and compare's report is unchanged.
+
+tests/data/eval_golden holds two results files written by `gqakit eval` (pico llama, MHA
+and 2 KV heads: perplexity, decode grid, max batch, a local lm-evaluation-harness task)
+before the results were typed, a third edited by hand (an out-of-memory point, another
+stride, text seen in training, another device, another few-shot count), and the
+report.json / report.md that `compare` made of the three before the change.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gqakit.core.errors import GqakitError
+from gqakit.eval.records import UNSET, EvalResult, SpeedPoint
+from gqakit.eval.report import build_report, render_markdown
+from gqakit.eval.results import read_results
+
+GOLDEN = Path(__file__).parent / "data" / "eval_golden"
+FILES = ("mha.json", "gqa.json", "odd.json")
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_results_file_round_trips_byte_for_byte(name):
+    text = (GOLDEN / name).read_text()
+    res = EvalResult.from_json(json.loads(text), GOLDEN / name)
+    assert json.dumps(res.to_json(), indent=2, default=str) + "\n" == text
+
+
+def test_typed_fields_are_read():
+    res = EvalResult.from_json(json.loads((GOLDEN / "odd.json").read_text()))
+    assert res.model.kv_heads == 2 and res.model.heads == 8
+    assert res.perplexity.stride == 8 and res.perplexity.token_perplexity > 1
+    ok, oom = res.speed.grid
+    assert isinstance(ok, SpeedPoint) and ok.ok and ok.tokens_per_s["median"] > 0
+    assert not oom.ok and oom.reason and oom.tokens_per_s is UNSET and "tokens_per_s" not in oom.to_json()
+    assert res.speed.max_batch[0].max_batch == 8 and res.speed.max_batch[0].at_limit
+    row = res.tasks.results["gqakit_test_mc"]
+    assert row.n_shot == 3 and row.metrics["acc"].value == pytest.approx(row.metrics["acc"].value)
+
+
+def test_unknown_keys_survive(tmp_path):
+    data = json.loads((GOLDEN / "mha.json").read_text())
+    data["future"] = {"x": 1}
+    data["speed"]["grid"][0]["new_stat"] = 3.5
+    res = EvalResult.from_json(data)
+    assert res.extra == {"future": {"x": 1}} and res.speed.grid[0].extra == {"new_stat": 3.5}
+    assert res.to_json() == data
+
+
+def test_damaged_file_is_one_line(tmp_path):
+    data = json.loads((GOLDEN / "mha.json").read_text())
+    data["speed"]["grid"][0]["tokens_per_s"] = None
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(GqakitError, match="speed.grid.0"):
+        read_results(p)
+
+
+def test_compare_report_is_the_one_made_before_typing():
+    results = [read_results(GOLDEN / f) for f in FILES]
+    rep = build_report(results, ["mha", "gqa", "odd"], command=["gqakit", "compare"])
+    rep["made_by"]["date"] = "DATE"
+    assert json.dumps(rep, indent=2, default=str) + "\n" == (GOLDEN / "report.json").read_text()
+    assert render_markdown(rep, ["speed_vs_batch.png"]) == (GOLDEN / "report.md").read_text()

@@ -249,7 +249,7 @@ def main() -> None:
         "params": {n: sum(x.numel() for x in b.model.parameters()) for n, b in benches.items()},
         "kv_bytes_per_token": {n: b.kv_bytes_per_token for n, b in benches.items()}, "kv_heads": models,
         "rows": [], "comparisons": [], "complete": False, "elapsed_s": 0.0,
-        "run": run_info(command=sys.argv, device=args.device, dtype=dtype),
+        "run": run_info(command=sys.argv, device=args.device, dtype=dtype).to_json(),
     }
 
     def save() -> None:
@@ -266,7 +266,7 @@ def main() -> None:
         for b in batches:
             for name, bench in benches.items():
                 # prefill once per point (decode repetitions rewind the cache): the budget goes to decode
-                r = bench.run_point(b, p, args.new_tokens, args.reps, args.warmup, roof, prefill_once=True)
+                r = bench.run_point(b, p, args.new_tokens, args.reps, args.warmup, roof, prefill_once=True).to_json()
                 data["rows"].append({"model": name, "kv_heads": models[name], **r})
                 data["elapsed_s"] = time.time() - t0
                 save()

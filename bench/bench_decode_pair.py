@@ -157,7 +157,7 @@ def main() -> None:
                      "kv_bytes_per_token": b.kv_bytes_per_token, "matmul_params": b.matmul_params}
                  for n, b in benches.items()},
         "rows": [], "complete": False, "loadavg_start": os.getloadavg(),
-        "run": run_info(command=sys.argv, device=args.device, dtype=dtype),
+        "run": run_info(command=sys.argv, device=args.device, dtype=dtype).to_json(),
     }
 
     def save() -> None:
@@ -186,7 +186,7 @@ def main() -> None:
                 fls.append(matmul_flops(args.device, dtype))
             bw, fl = (statistics.median(bws), statistics.median(fls)) if bws else (1.0, 1.0)
             roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
-            rows = {n: {"model": n, **benches[n].close_point(states[n], roof)} for n in names}
+            rows = {n: {"model": n, **benches[n].close_point(states[n], roof).to_json()} for n in names}
             for n in names:
                 rows[n]["roof"] = {"copy_bandwidth_gbs": bw / 1e9, "matmul_gflops": fl / 1e9,
                                    "ridge_flops_per_byte": fl / bw}

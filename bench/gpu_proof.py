@@ -118,7 +118,7 @@ def run_facts(device: str) -> dict[str, Any]:
 
     from gqakit.eval.results import run_info
 
-    return run_info(command=sys.argv, device=device, dtype=torch.bfloat16)
+    return run_info(command=sys.argv, device=device, dtype=torch.bfloat16).to_json()
 
 
 # --------------------------------------------------------------------------- synthetic inputs

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from gqakit.core.errors import GqakitError
+
+if TYPE_CHECKING:
+    from gqakit.eval.records import EvalResult
 
 
 def command_line() -> list[str]:
@@ -118,33 +122,33 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
     _print_summary(res, out)
 
 
-def _print_summary(res: dict, out: Path) -> None:
-    if "perplexity" in res:
-        p = res["perplexity"]
-        click.echo(f"perplexity {p['token_perplexity']:.4g} (context {p['context']}, stride {p['stride']}, "
-                   f"{p['tokens']} tokens), bits/byte {p['bits_per_byte']:.4f}, word ppl {p['word_perplexity']:.4g}")
-    if "speed" in res:
-        s = res["speed"]
-        click.echo(f"attention: {s['attention']['implementation']}, {s['attention']['decode_path']}")
-        if s.get("graph_error"):
-            click.echo(f"  CUDA graphs failed, decode steps ran eagerly: {s['graph_error']}")
-        for g in s["grid"]:
-            if g["status"] == "ok":
-                click.echo(f"  batch {g['batch']:>4} prompt {g['prompt_len']:>5}: prefill {g['prefill_ms']['median']:.1f} ms, "
-                           f"decode {g['decode_ms_per_token']['median']:.2f} ms/step, {g['tokens_per_s']['median']:.1f} tok/s, "
-                           f"{100 * g['roofline_fraction']:.1f}% of copy bandwidth ({g['decode_mode']}"
-                           f"{', weights packed' if g.get('packed_weight_bytes') else ''})")
+def _print_summary(res: EvalResult, out: Path) -> None:
+    if res.perplexity:
+        p = res.perplexity
+        click.echo(f"perplexity {p.token_perplexity:.4g} (context {p.context}, stride {p.stride}, "
+                   f"{p.tokens} tokens), bits/byte {p.bits_per_byte:.4f}, word ppl {p.word_perplexity:.4g}")
+    if res.speed:
+        s = res.speed
+        click.echo(f"attention: {s.attention['implementation']}, {s.attention['decode_path']}")
+        if s.graph_error:
+            click.echo(f"  CUDA graphs failed, decode steps ran eagerly: {s.graph_error}")
+        for g in s.grid:
+            if g.ok:
+                click.echo(f"  batch {g.batch:>4} prompt {g.prompt_len:>5}: prefill {g.prefill_ms['median']:.1f} ms, "
+                           f"decode {g.decode_ms_per_token['median']:.2f} ms/step, {g.tokens_per_s['median']:.1f} tok/s, "
+                           f"{100 * g.roofline_fraction:.1f}% of copy bandwidth ({g.decode_mode}"
+                           f"{', weights packed' if g.packed_weight_bytes else ''})")
             else:
-                click.echo(f"  batch {g['batch']:>4} prompt {g['prompt_len']:>5}: out of memory ({g['reason']})")
-        for m in s["max_batch"]:
-            click.echo(f"  max batch at prompt {m['prompt_len']}: {m['max_batch']}{'+' if m['at_limit'] else ''} ({m['method']})")
-    if "tasks" in res:
-        t = res["tasks"]
-        click.echo(f"tasks (lm-evaluation-harness {t['harness']['version']}):")
-        for name, row in {**t["results"], **t["groups"]}.items():
-            n = (row.get("samples") or {}).get("effective")
-            metrics = ", ".join(f"{m} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v["stderr"] is not None else "")
-                                for m, v in row["metrics"].items())
+                click.echo(f"  batch {g.batch:>4} prompt {g.prompt_len:>5}: out of memory ({g.reason})")
+        for m in s.max_batch:
+            click.echo(f"  max batch at prompt {m.prompt_len}: {m.max_batch}{'+' if m.at_limit else ''} ({m.method})")
+    if res.tasks:
+        t = res.tasks
+        click.echo(f"tasks (lm-evaluation-harness {t.harness_version}):")
+        for name, row in t.rows().items():
+            n = row.examples
+            metrics = ", ".join(f"{m} {v.value:.4f}" + (f" ± {v.stderr:.4f}" if v.stderr is not None else "")
+                                for m, v in row.metrics.items())
             click.echo(f"  {name}{f' ({n} examples)' if n else ''}: {metrics}")
     click.echo(f"wrote {out}")
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.tokens import bos_id
 from gqakit.core.text import EvalText, read_text  # noqa: F401  (re-exported)
+from gqakit.eval.records import PerplexityResult
 
 
 def tokenize_document(tokenizer: Any, text: str, bos_token_id: int | None) -> tuple[list[int], bool]:
@@ -45,28 +45,6 @@ def tokenize_document(tokenizer: Any, text: str, bos_token_id: int | None) -> tu
     if bos is not None and (not ids or ids[0] != bos):
         return [int(bos)] + ids, True
     return ids, False
-
-
-@dataclass
-class PerplexityResult:
-    context: int
-    stride: int
-    step: int              # tokens each window advances: min(stride, context - 1), see window_plan
-    tokens: int            # tokens scored (document tokens; the leading BOS is context only)
-    windows: int
-    nll_sum: float         # total negative log-likelihood in nats
-    words: int
-    bytes: int
-    token_perplexity: float
-    word_perplexity: float
-    byte_perplexity: float
-    bits_per_byte: float
-    bos_prepended: bool
-    tokenizer: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
+from gqakit.eval.records import EvalResult, SpeedPoint
 
 MARKERS = "osD^v<>p*h"
 
@@ -26,21 +27,21 @@ def _plt() -> Any:
     return plt
 
 
-def _ok(res: dict[str, Any]) -> list[dict[str, Any]]:
-    return [g for g in res.get("speed", {}).get("grid", []) if g["status"] == "ok"]
+def _ok(res: EvalResult) -> list[SpeedPoint]:
+    return [g for g in (res.speed.grid if res.speed else []) if g.ok]
 
 
-def _speed_plot(results: list[dict[str, Any]], names: list[str], out: Path, *, x_key: str, panel_key: str,
+def _speed_plot(results: list[EvalResult], names: list[str], out: Path, *, x_key: str, panel_key: str,
                 xlabel: str, panel_label: str, title: str) -> bool:
-    panels = sorted({g[panel_key] for r in results for g in _ok(r)})
-    xs_all = sorted({g[x_key] for r in results for g in _ok(r)})
+    panels = sorted({getattr(g, panel_key) for r in results for g in _ok(r)})
+    xs_all = sorted({getattr(g, x_key) for r in results for g in _ok(r)})
     if not panels or len(xs_all) < 1:
         return False
     plt = _plt()
     fig, axes = plt.subplots(1, len(panels), figsize=(max(5.5, 4.8 * len(panels)), 4.2), squeeze=False)
     for ax, pv in zip(axes[0], panels):
         for i, (n, r) in enumerate(zip(names, results)):
-            pts = sorted((g[x_key], g["tokens_per_s"]["median"]) for g in _ok(r) if g[panel_key] == pv)
+            pts = sorted((getattr(g, x_key), g.tokens_per_s["median"]) for g in _ok(r) if getattr(g, panel_key) == pv)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=MARKERS[i % len(MARKERS)], label=n, lw=2)
         if len(xs_all) > 1 and xs_all[-1] / xs_all[0] >= 8:
@@ -59,8 +60,8 @@ def _speed_plot(results: list[dict[str, Any]], names: list[str], out: Path, *, x
     return True
 
 
-def _ppl_plot(results: list[dict[str, Any]], names: list[str], out: Path) -> bool:
-    vals = [(n, r["perplexity"]["token_perplexity"]) for n, r in zip(names, results) if "perplexity" in r]
+def _ppl_plot(results: list[EvalResult], names: list[str], out: Path) -> bool:
+    vals = [(n, r.perplexity.token_perplexity) for n, r in zip(names, results) if r.perplexity]
     if not vals:
         return False
     plt = _plt()
@@ -75,8 +76,8 @@ def _ppl_plot(results: list[dict[str, Any]], names: list[str], out: Path) -> boo
         ax.annotate(f"{v:,.2f}" if v < 1000 else f"{v:,.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
                     ha="center", va="bottom", fontsize=10)
     ax.margins(y=0.15)
-    p = results[0].get("perplexity") or {}
-    ax.set_title(f"Perplexity (context {p.get('context')}, stride {p.get('stride')})")
+    p = results[0].perplexity
+    ax.set_title(f"Perplexity (context {p.context if p else None}, stride {p.stride if p else None})")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -152,7 +153,7 @@ def _loss_plot(rows: list[dict[str, Any]], out: Path) -> bool:
     return True
 
 
-def make_plots(report: dict[str, Any], results: list[dict[str, Any]], folder: Path,
+def make_plots(report: dict[str, Any], results: list[EvalResult], folder: Path,
                train_log: str | Path | None = None) -> list[str]:
     """Write the PNGs that have data; returns their file names (relative to the report)."""
     names = [r["name"] for r in report["rows"]]

@@ -36,6 +36,11 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+def opt(value: Any) -> Any:
+    """The value, or None where the key was absent (UNSET)."""
+    return None if value is UNSET else value
+
+
 class Record:
     """to_json / from_json by field order; nested records named in `_nested`."""
 
@@ -148,9 +153,6 @@ class PerplexityResult(Record):
     tokenizer: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # path, sha256, chars, seen_in_training ...
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.to_json()
 
 
 # ----------------------------------------------------------------------------- speed
@@ -309,5 +311,5 @@ class EvalResult(Record):
         return super().from_json(data)
 
 
-__all__ = ["UNSET", "Record", "RunInfo", "ModelInfo", "PerplexityResult", "SpeedPoint", "MaxBatch", "SpeedResult",
+__all__ = ["UNSET", "opt", "Record", "RunInfo", "ModelInfo", "PerplexityResult", "SpeedPoint", "MaxBatch", "SpeedResult",
            "TaskMetric", "TaskRow", "TasksResult", "EvalResult"]

@@ -15,17 +15,14 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
+from gqakit.eval.records import EvalResult, SpeedPoint, TaskRow, opt
 from gqakit.eval.results import SCHEMA, read_results
 
 REPORT_SCHEMA = "gqakit.compare/1"
 
 
-def _name(res: dict[str, Any]) -> str:
-    return Path(res["model"]["path"]).name or res["model"]["path"]
-
-
-def _speed_points(res: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
-    return {(g["batch"], g["prompt_len"]): g for g in res.get("speed", {}).get("grid", [])}
+def _speed_points(res: EvalResult) -> dict[tuple[int, int], SpeedPoint]:
+    return res.speed.points() if res.speed else {}
 
 
 def _share(measured: float, predicted: float | None) -> float | None:
@@ -33,7 +30,7 @@ def _share(measured: float, predicted: float | None) -> float | None:
     return None if predicted is None or abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
 
 
-def predicted_speedup(base: dict[str, Any], point: dict[str, Any], measured: float) -> dict[str, Any]:
+def predicted_speedup(base: SpeedPoint, point: SpeedPoint, measured: float) -> dict[str, Any]:
     """What the roofline predicts for `point` against `base` (same batch and prompt), and the share achieved.
 
     By bytes: the ratio of the bytes a decode step must read (weights + filled KV cache).
@@ -42,13 +39,13 @@ def predicted_speedup(base: dict[str, Any], point: dict[str, Any], measured: flo
     these numbers were recorded give nothing.
     """
     out: dict[str, Any] = {}
-    bb, bp = base.get("bytes_per_step"), point.get("bytes_per_step")
+    bb, bp = base.bytes_per_step, point.bytes_per_step
     if not (bb and bp):
         return out
     out["predicted_speedup_bytes"] = bb["total"] / bp["total"]
     out["share_of_predicted"] = _share(measured, out["predicted_speedup_bytes"])
-    rb, rp = base.get("roofline_ms"), point.get("roofline_ms")
-    compute_bound = not (base.get("memory_bound") and point.get("memory_bound"))
+    rb, rp = base.roofline_ms, point.roofline_ms
+    compute_bound = not (base.memory_bound and point.memory_bound)
     if compute_bound and rb and rp and rb.get("flops") and rp.get("flops"):
         pred = max(rb["bytes"], rb["flops"]) / max(rp["bytes"], rp["flops"])
         out["predicted_speedup_roofline"] = pred
@@ -56,149 +53,145 @@ def predicted_speedup(base: dict[str, Any], point: dict[str, Any], measured: flo
     return out
 
 
-def comparability_warnings(results: list[dict[str, Any]], names: list[str]) -> list[str]:
+def comparability_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
     """Say when numbers side by side were not measured the same way."""
     warns = []
-    ppl = [(n, r["perplexity"]) for n, r in zip(names, results) if "perplexity" in r]
+    ppl = [(n, r.perplexity) for n, r in zip(names, results) if r.perplexity]
     if len(ppl) > 1:
         n0, p0 = ppl[0]
         for n, p in ppl[1:]:
-            diffs = [k for k, a, b in (("data", p0["data"].get("sha256"), p["data"].get("sha256")),
-                                       ("context", p0["context"], p["context"]),
-                                       ("stride", p0["stride"], p["stride"])) if a != b]
+            diffs = [k for k, a, b in (("data", p0.data.get("sha256"), p.data.get("sha256")),
+                                       ("context", p0.context, p.context),
+                                       ("stride", p0.stride, p.stride)) if a != b]
             if diffs:
                 warns.append(f"{n} was evaluated with different {', '.join(diffs)} than {n0}: "
                              "their perplexities are not comparable")
-            elif p0["tokenizer"].get("vocab_size") != p["tokenizer"].get("vocab_size") or p0["tokens"] != p["tokens"]:
+            elif p0.tokenizer.get("vocab_size") != p.tokenizer.get("vocab_size") or p0.tokens != p.tokens:
                 warns.append(f"{n} and {n0} tokenize the data differently: compare bits per byte, not token perplexity")
     for n, r in zip(names, results):
-        seen = r.get("perplexity", {}).get("data", {}).get("seen_in_training") or []
+        seen = (r.perplexity.data.get("seen_in_training") if r.perplexity else None) or []
         if seen and isinstance(seen[0], dict):
             warns.append(f"{n} was evaluated on text it was trained on ({seen[0].get('file')}): "
                          "its perplexity is not a held-out number")
-    spd = [(n, r["run"]) for n, r in zip(names, results) if "speed" in r]
+    spd = [(n, r.run) for n, r in zip(names, results) if r.speed]
     if len(spd) > 1:
         n0, r0 = spd[0]
         for n, r in spd[1:]:
-            if (r["device_name"], r["dtype"]) != (r0["device_name"], r0["dtype"]):
-                warns.append(f"{n} was timed on {r['device_name']} ({r['dtype']}), {n0} on {r0['device_name']} "
-                             f"({r0['dtype']}): speedups mix devices")
+            if (r.device_name, r.dtype) != (r0.device_name, r0.dtype):
+                warns.append(f"{n} was timed on {r.device_name} ({r.dtype}), {n0} on {r0.device_name} "
+                             f"({r0.dtype}): speedups mix devices")
     return warns
 
 
-def _task_rows(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    t = res.get("tasks") or {}
-    return {**(t.get("results") or {}), **(t.get("groups") or {})}
+def _task_rows(res: EvalResult) -> dict[str, TaskRow]:
+    return res.tasks.rows() if res.tasks else {}
 
 
-def task_columns(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def task_columns(results: list[EvalResult]) -> list[dict[str, Any]]:
     """One column per (task, metric) any results file has, in the order they first appear."""
     cols: dict[tuple[str, str], dict[str, Any]] = {}
     for r in results:
         for task, row in _task_rows(r).items():
-            for metric, m in row["metrics"].items():
-                cols.setdefault((task, metric), {"task": task, "metric": metric, "version": row.get("version"),
-                                                 "n_shot": row.get("n_shot"),
-                                                 "examples": (row.get("samples") or {}).get("effective"),
-                                                 "higher_is_better": m.get("higher_is_better")})
+            for metric, m in row.metrics.items():
+                cols.setdefault((task, metric), {"task": task, "metric": metric, "version": opt(row.version),
+                                                 "n_shot": opt(row.n_shot), "examples": row.examples,
+                                                 "higher_is_better": opt(m.higher_is_better)})
     return list(cols.values())
 
 
-def task_warnings(results: list[dict[str, Any]], names: list[str]) -> list[str]:
+def task_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
     """Task numbers side by side that were not measured the same way."""
     warns = []
-    have = [(n, r) for n, r in zip(names, results) if r.get("tasks")]
+    have = [(n, r) for n, r in zip(names, results) if r.tasks]
     if len(have) < 2:
         return warns
     n0, r0 = have[0]
-    v0 = r0["tasks"]["harness"]["version"]
+    v0 = r0.tasks.harness_version
     rows0 = _task_rows(r0)
     for n, r in have[1:]:
-        if r["tasks"]["harness"]["version"] != v0:
-            warns.append(f"{n} was run with lm-evaluation-harness {r['tasks']['harness']['version']}, {n0} with {v0}")
+        if r.tasks.harness_version != v0:
+            warns.append(f"{n} was run with lm-evaluation-harness {r.tasks.harness_version}, {n0} with {v0}")
         for task, row in _task_rows(r).items():
             base = rows0.get(task)
             if base is None:
                 continue
             diffs = [what for what, a, b in (
-                ("task version", base.get("version"), row.get("version")),
-                ("few-shot count", base.get("n_shot"), row.get("n_shot")),
-                ("number of examples", (base.get("samples") or {}).get("effective"),
-                 (row.get("samples") or {}).get("effective")),
-                ("data", [f.get("sha256") for f in (base.get("dataset") or {}).get("data_files", [])],
-                 [f.get("sha256") for f in (row.get("dataset") or {}).get("data_files", [])])) if a != b]
+                ("task version", opt(base.version), opt(row.version)),
+                ("few-shot count", opt(base.n_shot), opt(row.n_shot)),
+                ("number of examples", base.examples, row.examples),
+                ("data", base.data_hashes, row.data_hashes)) if a != b]
             if diffs:
                 warns.append(f"{task}: {n} was evaluated with a different {', '.join(diffs)} than {n0}: "
                              "its scores are not comparable")
     return warns
 
 
-def build_report(results: list[dict[str, Any]], names: list[str], command: list[str] | None = None) -> dict[str, Any]:
+def build_report(results: list[EvalResult], names: list[str], command: list[str] | None = None) -> dict[str, Any]:
     """The report as one dict: rows, grid, memory-bound points, warnings, provenance."""
     import gqakit
 
     base = results[0]
-    base_ppl = base.get("perplexity", {}).get("token_perplexity")
+    base_ppl = base.perplexity.token_perplexity if base.perplexity else None
     base_pts = _speed_points(base)
     grid = sorted({k for r in results for k in _speed_points(r)}, key=lambda k: (k[1], k[0]))
     rows = []
     for name, r in zip(names, results):
-        m, p, pts = r["model"], r.get("perplexity"), _speed_points(r)
+        m, p, pts = r.model, r.perplexity, _speed_points(r)
         row: dict[str, Any] = {
-            "name": name, "path": m["path"], "parameters": m["parameters"], "heads": m["heads"],
-            "kv_heads": m["kv_heads"], "kv_bytes_per_token": m["kv_bytes_per_token"],
-            "dtype": r["run"]["dtype"], "device": r["run"]["device_name"],
+            "name": name, "path": m.path, "parameters": m.parameters, "heads": m.heads,
+            "kv_heads": m.kv_heads, "kv_bytes_per_token": m.kv_bytes_per_token,
+            "dtype": r.run.dtype, "device": r.run.device_name,
         }
         if p:
-            row["perplexity"] = p["token_perplexity"]
-            row["perplexity_delta_pct"] = (100 * (p["token_perplexity"] / base_ppl - 1)) if base_ppl else None
-            row["bits_per_byte"] = p["bits_per_byte"]
-            row["word_perplexity"] = p["word_perplexity"]
+            row["perplexity"] = p.token_perplexity
+            row["perplexity_delta_pct"] = (100 * (p.token_perplexity / base_ppl - 1)) if base_ppl else None
+            row["bits_per_byte"] = p.bits_per_byte
+            row["word_perplexity"] = p.word_perplexity
         speed = {}
         for b, pl in grid:
             g = pts.get((b, pl))
             g0 = base_pts.get((b, pl))
             if g is None:
                 continue
-            entry: dict[str, Any] = {"batch": b, "prompt_len": pl, "status": g["status"]}
-            if g["status"] == "ok":
-                tps = g["tokens_per_s"]["median"]
-                entry.update(tokens_per_s=tps, decode_ms_per_token=g["decode_ms_per_token"]["median"],
-                             prefill_ms=g["prefill_ms"]["median"], roofline_fraction=g["roofline_fraction"],
-                             memory_bound=g["memory_bound"], kv_cache_bytes=g["kv_cache_bytes"],
-                             peak_memory_bytes=g["peak_memory_bytes"])
-                if g0 and g0["status"] == "ok":
-                    entry["speedup"] = tps / g0["tokens_per_s"]["median"]
+            entry: dict[str, Any] = {"batch": b, "prompt_len": pl, "status": g.status}
+            if g.ok:
+                tps = g.tokens_per_s["median"]
+                entry.update(tokens_per_s=tps, decode_ms_per_token=g.decode_ms_per_token["median"],
+                             prefill_ms=g.prefill_ms["median"], roofline_fraction=g.roofline_fraction,
+                             memory_bound=g.memory_bound, kv_cache_bytes=opt(g.kv_cache_bytes),
+                             peak_memory_bytes=opt(g.peak_memory_bytes))
+                if g0 and g0.ok:
+                    entry["speedup"] = tps / g0.tokens_per_s["median"]
                     entry.update(predicted_speedup(g0, g, entry["speedup"]))
             speed[f"b{b}_p{pl}"] = entry
         row["speed"] = speed
-        row["max_batch"] = {str(mb["prompt_len"]): mb for mb in r.get("speed", {}).get("max_batch", [])}
-        row["attention"] = r.get("speed", {}).get("attention", {}).get("decode_path")
-        if r.get("tasks"):
+        row["max_batch"] = {str(mb.prompt_len): mb.to_json() for mb in (r.speed.max_batch if r.speed else [])}
+        row["attention"] = r.speed.attention.get("decode_path") if r.speed else None
+        if r.tasks:
             base_tasks = _task_rows(base)
             row["tasks"] = {}
             for task, trow in _task_rows(r).items():
                 row["tasks"][task] = {}
-                for metric, m in trow["metrics"].items():
-                    b0 = (base_tasks.get(task) or {}).get("metrics", {}).get(metric)
-                    row["tasks"][task][metric] = {"value": m["value"], "stderr": m.get("stderr"),
-                                                  "delta": None if b0 is None else m["value"] - b0["value"]}
+                for metric, m in trow.metrics.items():
+                    b0 = base_tasks[task].metrics.get(metric) if task in base_tasks else None
+                    row["tasks"][task][metric] = {"value": m.value, "stderr": m.stderr,
+                                                  "delta": None if b0 is None else m.value - b0.value}
         rows.append(row)
     return {
         "schema": REPORT_SCHEMA,
         "made_by": {"command": " ".join(command if command is not None else sys.argv), "gqakit": gqakit.__version__,
                     "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
-        "inputs": [{"name": n, "command": r["run"]["command"], "torch": r["run"]["torch"],
-                    "transformers": r["run"]["transformers"], "gqakit": r["run"]["gqakit"], "git": r["run"]["git"],
-                    "device": r["run"]["device_name"], "dtype": r["run"]["dtype"], "date": r["run"]["date"]}
+        "inputs": [{"name": n, "command": r.run.command, "torch": r.run.torch,
+                    "transformers": r.run.transformers, "gqakit": r.run.gqakit, "git": opt(r.run.git),
+                    "device": r.run.device_name, "dtype": r.run.dtype, "date": r.run.date}
                    for n, r in zip(names, results)],
         "baseline": names[0],
         "grid": [{"batch": b, "prompt_len": pl} for b, pl in grid],
-        "perplexity_settings": next(({"context": r["perplexity"]["context"], "stride": r["perplexity"]["stride"],
-                                      "data": r["perplexity"]["data"], "tokenizer": r["perplexity"]["tokenizer"]}
-                                     for r in results if "perplexity" in r), None),
-        "tasks": ({"harness": {n: r["tasks"]["harness"]["version"] for n, r in zip(names, results) if r.get("tasks")},
-                   "columns": task_columns(results)} if any(r.get("tasks") for r in results) else None),
+        "perplexity_settings": next(({"context": r.perplexity.context, "stride": r.perplexity.stride,
+                                      "data": r.perplexity.data, "tokenizer": r.perplexity.tokenizer}
+                                     for r in results if r.perplexity), None),
+        "tasks": ({"harness": {n: r.tasks.harness_version for n, r in zip(names, results) if r.tasks},
+                   "columns": task_columns(results)} if any(r.tasks for r in results) else None),
         "rows": rows,
         "warnings": comparability_warnings(results, names) + task_warnings(results, names),
     }
@@ -372,7 +365,7 @@ def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] |
     results = [read_results(p) for p in paths]
     if names is not None and len(names) != len(results):
         raise GqakitError(f"--names has {len(names)} names for {len(results)} results files")
-    names = names or [_name(r) for r in results]
+    names = names or [r.model.name for r in results]
     if len(set(names)) != len(names):  # two folders called `model`: fall back to their file names
         names = [Path(p).stem for p in paths]
     if train_log is not None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
+from gqakit.eval.records import EvalResult, ModelInfo, RunInfo
 
 SCHEMA = "gqakit.eval/1"
 
@@ -55,55 +56,55 @@ def device_name(device: Any) -> str:
     return f"{cpu} ({torch.get_num_threads()} threads)"
 
 
-def run_info(*, command: list[str] | None, device: Any, dtype: Any) -> dict[str, Any]:
+def run_info(*, command: list[str] | None, device: Any, dtype: Any) -> RunInfo:
     """Everything needed to trace a number back: command, versions, device, date, commit."""
     import torch
     import transformers
 
     import gqakit
 
-    return {
-        "command": " ".join(command if command is not None else sys.argv),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "gqakit": gqakit.__version__,
-        "git": git_hash(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "device": str(device),
-        "device_name": device_name(device),
-        "dtype": str(dtype).replace("torch.", ""),
-    }
+    return RunInfo(
+        command=" ".join(command if command is not None else sys.argv),
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        gqakit=gqakit.__version__,
+        git=git_hash(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        device=str(device),
+        device_name=device_name(device),
+        dtype=str(dtype).replace("torch.", ""),
+    )
 
 
-def model_info(model: Any, path: str | Path, dtype_bytes: int) -> dict[str, Any]:
+def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
     """Shape facts of a loaded model, and the KV-cache bytes one token costs."""
     from gqakit.core.arch import loaded_shape
 
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     s = loaded_shape(cfg)
-    return {
-        "path": str(path),
-        "model_type": getattr(cfg, "model_type", None),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "layers": s.num_layers,
-        "heads": s.num_heads,
-        "kv_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
-        "max_positions": s.max_positions,
+    return ModelInfo(
+        path=str(path),
+        model_type=getattr(cfg, "model_type", None),
+        parameters=sum(p.numel() for p in model.parameters()),
+        layers=s.num_layers,
+        heads=s.num_heads,
+        kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        max_positions=s.max_positions,
         # K and V, every layer, every KV head: what each cached token costs.
-        "kv_bytes_per_token": s.kv_bytes_per_token(dtype_bytes),
-    }
+        kv_bytes_per_token=s.kv_bytes_per_token(dtype_bytes),
+    )
 
 
-def write_results(results: dict[str, Any], out: Path) -> Path:
+def write_results(results: EvalResult, out: Path) -> Path:
     """Write atomically (temp file + rename) so a crash never leaves half a JSON."""
     from gqakit.core.outdir import write_file_atomic
 
-    return write_file_atomic(Path(out), json.dumps(results, indent=2, default=str) + "\n")
+    return write_file_atomic(Path(out), json.dumps(results.to_json(), indent=2, default=str) + "\n")
 
 
-def read_results(path: str | Path) -> dict[str, Any]:
+def read_results(path: str | Path) -> EvalResult:
     """Load a results file, or raise a one-line error saying why it is not one."""
     p = Path(path).expanduser()
     if not p.is_file():
@@ -118,8 +119,7 @@ def read_results(path: str | Path) -> dict[str, Any]:
                           "make one with `gqakit eval`")
     if "model" not in data or "run" not in data:
         raise GqakitError(f"{p} is a truncated gqakit results file (no 'model' or 'run' block)")
-    check_results(data, p)
-    return data
+    return EvalResult.from_json(data, p)  # validated by check_results first
 
 
 # ----------------------------------------------------------------------------- the fields compare reads

@@ -1,4 +1,4 @@
-"""One `gqakit eval` run as a function: load, measure, assemble the results dict.
+"""One `gqakit eval` run as a function: load, measure, assemble the EvalResult (eval/records.py).
 
 Kept apart from the click layer so the demo and tests call it directly.
 """
@@ -10,6 +10,7 @@ from typing import Any
 
 from gqakit.core.device import check_device, resolve_device  # noqa: F401  (re-exported)
 from gqakit.core.errors import GqakitError
+from gqakit.eval.records import EvalResult
 from gqakit.eval.results import SCHEMA, model_info, run_info, write_results
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
@@ -65,7 +66,7 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
              text_field: str = "text", speed_settings: Any = None, device: str | None = None,
              dtype: str | None = None, out: Path | None = None, command: list[str] | None = None,
              progress: bool = True, overwrite: bool = False, quiet: bool = False,
-             tasks: Any = None) -> dict[str, Any]:
+             tasks: Any = None) -> EvalResult:
     """Measure perplexity, decode speed and/or task accuracy of one model; write `out` if given.
 
     `tasks` is an eval.tasks.TaskSettings: lm-evaluation-harness tasks run on the loaded model.
@@ -97,7 +98,7 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
                            speed_settings=speed_settings, device=device, dtype=dtype, command=command,
                            progress=progress and not quiet, tasks=tasks, quiet=quiet)
     if seen:
-        results["perplexity"]["data"]["seen_in_training"] = seen
+        results.perplexity.data["seen_in_training"] = seen
         if not quiet:
             import click
 
@@ -116,7 +117,7 @@ def run_eval(model_path: str | Path, *, data: str | None = None, ppl: bool = Tru
 
 def _measure(model_path: str | Path, doc: Any, *, ppl: bool, speed: bool, context: int, stride: int | None,
              speed_settings: Any, device: str | None, dtype: str | None, command: list[str] | None,
-             progress: bool, tasks: Any = None, quiet: bool = False) -> dict[str, Any]:
+             progress: bool, tasks: Any = None, quiet: bool = False) -> EvalResult:
     import torch
 
     from gqakit.core.loading import load_causal_lm, load_tokenizer
@@ -125,23 +126,22 @@ def _measure(model_path: str | Path, doc: Any, *, ppl: bool, speed: bool, contex
     dt = resolve_dtype(dtype, dev)
     model = load_causal_lm(model_path, dtype=dt, device=dev)
     info = model_info(model, model_path, torch.finfo(dt).bits // 8)
-    results: dict[str, Any] = {"schema": SCHEMA, "run": run_info(command=command, device=dev, dtype=dt),
-                               "model": info}
+    results = EvalResult(schema=SCHEMA, run=run_info(command=command, device=dev, dtype=dt), model=info)
     if ppl:
         from gqakit.eval.perplexity import evaluate_perplexity
 
         tok = load_tokenizer(model_path)
-        results["perplexity"] = evaluate_perplexity(model, tok, doc, context=context, stride=stride, device=dev,
-                                                    max_positions=info["max_positions"], progress=progress).to_dict()
+        results.perplexity = evaluate_perplexity(model, tok, doc, context=context, stride=stride, device=dev,
+                                                 max_positions=info.max_positions, progress=progress)
     if speed:
         from gqakit.eval.speed import SpeedSettings, evaluate_speed
 
-        results["speed"] = evaluate_speed(model, speed_settings or SpeedSettings(), device=dev, dtype=dt,
-                                          max_positions=info["max_positions"], progress=progress)
+        results.speed = evaluate_speed(model, speed_settings or SpeedSettings(), device=dev, dtype=dt,
+                                       max_positions=info.max_positions, progress=progress)
     if tasks is not None:
         from gqakit.eval.tasks import run_tasks
 
-        results["tasks"] = run_tasks(model, load_tokenizer(model_path), tasks, progress=progress, quiet=quiet)
+        results.tasks = run_tasks(model, load_tokenizer(model_path), tasks, progress=progress, quiet=quiet)
     return results
 
 

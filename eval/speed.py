@@ -31,6 +31,7 @@ from gqakit.core.arch import loaded_shape
 from gqakit.core.device import PeakMemory, available_memory  # noqa: F401  (re-exported)
 from gqakit.core.errors import GqakitError
 from gqakit.eval.attention import SdpaSpy, describe_path, use_gqa_attention
+from gqakit.eval.records import MaxBatch, SpeedPoint, SpeedResult
 
 
 # ----------------------------------------------------------------------------- device facts
@@ -355,7 +356,7 @@ class DecodeBench:
             cache = prompt = None
             torch.cuda.empty_cache()
 
-    def max_batch(self, prompt_len: int, new_tokens: int, limit: int) -> dict[str, Any]:
+    def max_batch(self, prompt_len: int, new_tokens: int, limit: int) -> MaxBatch:
         """Largest batch that fits at `prompt_len`: doubling, then bisection."""
         lo, hi = 0, 1
         while hi <= limit and self.fits(hi, prompt_len, new_tokens):
@@ -365,7 +366,7 @@ class DecodeBench:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.fits(mid, prompt_len, new_tokens) else (lo, mid)
         method = "allocation attempts" if self.device.type == "cuda" else "predicted from available host memory"
-        return {"prompt_len": prompt_len, "max_batch": lo, "at_limit": lo >= limit, "limit": limit, "method": method}
+        return MaxBatch(prompt_len=prompt_len, max_batch=lo, at_limit=lo >= limit, limit=limit, method=method)
 
     # -- one grid point -----------------------------------------------------------------
     def open_point(self, batch: int, prompt_len: int, new_tokens: int, warmup: int, *,
@@ -387,7 +388,7 @@ class DecodeBench:
         if self.device.type != "cuda":
             ok, why = self._fits_predicted(batch, prompt_len, new_tokens)
             if not ok:
-                return {"result": {**point, "status": "oom", "reason": why}}
+                return {"result": SpeedPoint(**point, status="oom", reason=why)}
         set_decode_kernel(self.decode_kernel)
         st: dict[str, Any] = {"point": point, "stack": contextlib.ExitStack(), "peak": PeakMemory(self.device)}
         # Inference mode is entered around each call, never held in `stack`: points of two
@@ -400,7 +401,7 @@ class DecodeBench:
             st["stack"].close()
             st.clear()
             torch.cuda.empty_cache()
-            return {"result": {**point, "status": "oom", "reason": "torch.OutOfMemoryError"}}
+            return {"result": SpeedPoint(**point, status="oom", reason="torch.OutOfMemoryError")}
         except BaseException:
             st["stack"].close()
             raise
@@ -490,7 +491,7 @@ class DecodeBench:
         with torch.inference_mode():
             self._rep(st)
 
-    def close_point(self, st: dict[str, Any], roof: dict[str, float]) -> dict[str, Any]:
+    def close_point(self, st: dict[str, Any], roof: dict[str, float]) -> SpeedPoint:
         """Release an open point and return its measurements."""
         if "result" in st:
             return st["result"]
@@ -512,33 +513,33 @@ class DecodeBench:
         t_bytes = bytes_step / roof["copy_bandwidth"]
         t_flops = flops_step / roof["matmul_flops"] if roof.get("matmul_flops") else None
         mode = "CUDA graph per step" if graph_used else self.decode_mode
-        return {
-            **point, "status": "ok", "decode_mode": mode,
-            "decode_path": {"steps": mode, "weights": "packed once (oneDNN)" if packed else "as loaded",
-                            "attention_kernel": self.decode_kernel,
-                            "prefill": "every repetition" if len(pre) >= reps else
-                            "once, decode repetitions rewind the cache"},
-            "decode_samples": len(dec), "decode_sample": "one step" if len(dec) > reps else "mean step of a repetition",
-            "prefill_ms": {"median": 1e3 * statistics.median(pre), "p90": 1e3 * percentile(pre, 90)},
-            "prefill_samples": len(pre),
-            "decode_ms_per_token": {"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},
-            "tokens_per_s": {"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90)},
-            "warmup_s": warm, "compile_s": compile_s, "reps": reps, "packed_weight_bytes": packed,
-            "peak_memory_bytes": peak,
-            "peak_memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
-            "kv_cache_bytes": kv_bytes,
-            "kv_cache_bytes_analytic": batch * (prompt_len + new_tokens) * self.kv_bytes_per_token,
-            "bytes_per_step": {"weights": self.weight_bytes, "kv": kv_read, "total": bytes_step},
-            "flops_per_step": flops_step,
-            "roofline_ms": {"bytes": 1e3 * t_bytes, "flops": None if t_flops is None else 1e3 * t_flops},
-            "achieved_bandwidth_gbs": achieved / 1e9,
-            "roofline_fraction": achieved / roof["copy_bandwidth"],
-            "arithmetic_intensity": intensity,
-            "memory_bound": intensity < roof["ridge_flops_per_byte"],
-        }
+        return SpeedPoint(
+            **point, status="ok", decode_mode=mode,
+            decode_path={"steps": mode, "weights": "packed once (oneDNN)" if packed else "as loaded",
+                         "attention_kernel": self.decode_kernel,
+                         "prefill": "every repetition" if len(pre) >= reps else
+                         "once, decode repetitions rewind the cache"},
+            decode_samples=len(dec), decode_sample="one step" if len(dec) > reps else "mean step of a repetition",
+            prefill_ms={"median": 1e3 * statistics.median(pre), "p90": 1e3 * percentile(pre, 90)},
+            prefill_samples=len(pre),
+            decode_ms_per_token={"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},
+            tokens_per_s={"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90)},
+            warmup_s=warm, compile_s=compile_s, reps=reps, packed_weight_bytes=packed,
+            peak_memory_bytes=peak,
+            peak_memory_kind="cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
+            kv_cache_bytes=kv_bytes,
+            kv_cache_bytes_analytic=batch * (prompt_len + new_tokens) * self.kv_bytes_per_token,
+            bytes_per_step={"weights": self.weight_bytes, "kv": kv_read, "total": bytes_step},
+            flops_per_step=flops_step,
+            roofline_ms={"bytes": 1e3 * t_bytes, "flops": None if t_flops is None else 1e3 * t_flops},
+            achieved_bandwidth_gbs=achieved / 1e9,
+            roofline_fraction=achieved / roof["copy_bandwidth"],
+            arithmetic_intensity=intensity,
+            memory_bound=intensity < roof["ridge_flops_per_byte"],
+        )
 
     def run_point(self, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int,
-                  roof: dict[str, float], *, prefill_once: bool = False) -> dict[str, Any]:
+                  roof: dict[str, float], *, prefill_once: bool = False) -> SpeedPoint:
         st = self.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once)
         if "result" in st:
             return st["result"]
@@ -551,8 +552,8 @@ class DecodeBench:
                 import torch
 
                 torch.cuda.empty_cache()
-                return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "status": "oom",
-                        "reason": "torch.OutOfMemoryError"}
+                return SpeedPoint(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, status="oom",
+                                  reason="torch.OutOfMemoryError")
             raise
         return self.close_point(st, roof)
 
@@ -569,7 +570,7 @@ def parse_ints(text: str, name: str) -> tuple[int, ...]:
 
 
 def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
-                   max_positions: int | None = None, progress: bool = True) -> dict[str, Any]:
+                   max_positions: int | None = None, progress: bool = True) -> SpeedResult:
     """The whole decode benchmark: roofs, attention path, grid, and max batch per prompt length."""
     import torch
 
@@ -600,17 +601,17 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     if settings.max_batch_search:
         for p in tqdm(settings.prompt_lens, desc="max batch", unit="len", disable=not progress):
             max_batch.append(bench.max_batch(p, settings.new_tokens, settings.max_batch_limit))
-    return {
-        "settings": {"batches": list(settings.batches), "prompt_lens": list(settings.prompt_lens),
-                     "new_tokens": settings.new_tokens, "reps": settings.reps, "warmup": settings.warmup,
-                     "compile": settings.compile, "eager": settings.eager, "prefill_once": settings.prefill_once,
-                     "torch_threads": torch.get_num_threads(), "prompts": "random token ids"},
-        "graph_error": bench.graph_error,
-        "attention": attention,
-        "device_roof": {"copy_bandwidth_gbs": bw / 1e9, "matmul_tflops": fl / 1e12,
-                        "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},
-        "weight_bytes_per_step": bench.weight_bytes,
-        "kv_bytes_per_token": bench.kv_bytes_per_token,
-        "grid": grid,
-        "max_batch": max_batch,
-    }
+    return SpeedResult(
+        settings={"batches": list(settings.batches), "prompt_lens": list(settings.prompt_lens),
+                  "new_tokens": settings.new_tokens, "reps": settings.reps, "warmup": settings.warmup,
+                  "compile": settings.compile, "eager": settings.eager, "prefill_once": settings.prefill_once,
+                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids"},
+        graph_error=bench.graph_error,
+        attention=attention,
+        device_roof={"copy_bandwidth_gbs": bw / 1e9, "matmul_tflops": fl / 1e12,
+                     "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},
+        weight_bytes_per_step=bench.weight_bytes,
+        kv_bytes_per_token=bench.kv_bytes_per_token,
+        grid=grid,
+        max_batch=max_batch,
+    )

@@ -24,9 +24,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gqakit.core.errors import GqakitError
+
+if TYPE_CHECKING:
+    from gqakit.eval.records import TasksResult
 
 INSTALL = "pip install 'gqakit[tasks]'"
 MIN_VERSION = "0.4.13"  # TaskManager.load and Task objects in simple_evaluate, as used here
@@ -337,7 +340,7 @@ def _no_harness_provenance() -> Iterator[None]:
 
 
 def run_tasks(model: Any, tokenizer: Any, settings: TaskSettings, *, progress: bool = True,
-              quiet: bool = False) -> dict[str, Any]:
+              quiet: bool = False) -> TasksResult:
     """Run the tasks on an already-loaded model; the `tasks` block of a results file."""
     lm_eval = harness()
     tm = settings.manager or check_tasks(settings, quiet=quiet)
@@ -414,8 +417,10 @@ def _dataset(cfg: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
-def tasks_block(out: dict[str, Any], settings: TaskSettings) -> dict[str, Any]:
-    """The harness's result dict -> gqakit's `tasks` block (JSON-safe, flat per task)."""
+def tasks_block(out: dict[str, Any], settings: TaskSettings) -> TasksResult:
+    """The harness's result dict -> gqakit's `tasks` block (JSON-safe, flat per task), typed."""
+    from gqakit.eval.records import TasksResult
+
     results, versions = out.get("results", {}), out.get("versions", {})
     n_shot, n_samples, configs = out.get("n-shot", {}), out.get("n-samples", {}), out.get("configs", {})
     higher = out.get("higher_is_better", {})
@@ -434,7 +439,7 @@ def tasks_block(out: dict[str, Any], settings: TaskSettings) -> dict[str, Any]:
                    samples={"original": samples.get("original"), "effective": samples.get("effective")},
                    dataset=_dataset(cfg))
         tasks[name] = row
-    return {
+    return TasksResult.from_json({
         "format": TASKS_FORMAT,
         "harness": {"name": "lm-evaluation-harness", "package": "lm_eval", "version": harness_version()},
         "settings": {"tasks": list(settings.tasks), "num_fewshot": settings.num_fewshot, "limit": settings.limit,
@@ -444,4 +449,4 @@ def tasks_block(out: dict[str, Any], settings: TaskSettings) -> dict[str, Any]:
                                                                          "fewshot_seed")}},
         "results": tasks,
         "groups": group_rows,
-    }
+    })

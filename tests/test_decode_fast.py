@@ -91,16 +91,16 @@ def test_point_records_the_path_it_took(tiny_model, eager):
                         decode_kernel="sdpa" if eager else "matmul")
     roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
     pt = bench.run_point(2, 8, 4, 3, 1, roof, prefill_once=True)
-    assert pt["status"] == "ok" and pt["prefill_samples"] == 1 and len(pt) > 10
-    assert pt["decode_path"]["prefill"] == "once, decode repetitions rewind the cache"
-    assert pt["decode_path"]["attention_kernel"] == ("sdpa" if eager else "matmul")
+    assert pt.status == "ok" and pt.prefill_samples == 1 and len(pt.to_json()) > 10
+    assert pt.decode_path["prefill"] == "once, decode repetitions rewind the cache"
+    assert pt.decode_path["attention_kernel"] == ("sdpa" if eager else "matmul")
     packs = can_pack("cpu", torch.float32) and not eager
-    assert (pt["packed_weight_bytes"] > 0) == packs
-    assert pt["decode_path"]["weights"] == ("packed once (oneDNN)" if packs else "as loaded")
-    assert pt["roofline_ms"]["bytes"] == pytest.approx(1e3 * pt["bytes_per_step"]["total"] / 1e10)
+    assert (pt.packed_weight_bytes > 0) == packs
+    assert pt.decode_path["weights"] == ("packed once (oneDNN)" if packs else "as loaded")
+    assert pt.roofline_ms["bytes"] == pytest.approx(1e3 * pt.bytes_per_step["total"] / 1e10)
     assert bench.probe()["decode_kernel"] == ("sdpa" if eager else "matmul")
     pt1 = bench.run_point(1, 8, 4, 2, 0, roof)  # batch 1: the matrix-vector path, never packed
-    assert pt1["packed_weight_bytes"] == 0 and pt1["prefill_samples"] == 2
+    assert pt1.packed_weight_bytes == 0 and pt1.prefill_samples == 2
 
 
 def test_single_steps_alternate_between_two_models(tiny_model):
@@ -118,7 +118,7 @@ def test_single_steps_alternate_between_two_models(tiny_model):
     pts = [b.close_point(st, roof) for b, st in zip(benches, states)]  # closed in the order opened
     assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()  # nothing left switched on
     for pt in pts:
-        assert pt["status"] == "ok" and pt["reps"] == 2 and pt["decode_samples"] == 6
-        assert pt["decode_sample"] == "one step" and pt["prefill_samples"] == 1
-        assert pt["decode_path"]["prefill"] == "once, decode repetitions rewind the cache"
-    assert pts[0]["bytes_per_step"]["total"] > pts[1]["bytes_per_step"]["total"]
+        assert pt.status == "ok" and pt.reps == 2 and pt.decode_samples == 6
+        assert pt.decode_sample == "one step" and pt.prefill_samples == 1
+        assert pt.decode_path["prefill"] == "once, decode repetitions rewind the cache"
+    assert pts[0].bytes_per_step["total"] > pts[1].bytes_per_step["total"]

@@ -21,19 +21,19 @@ SMALL = SpeedSettings(batches=(1, 2), prompt_lens=(16,), new_tokens=4, reps=2, w
 def test_grid_reports_real_cache_bytes_and_gqa_path(tiny_model, kv_heads):
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=kv_heads))
     res = evaluate_speed(model, SMALL, device="cpu", dtype=torch.float32, progress=False)
-    att = res["attention"]
+    att = res.attention
     assert att["implementation"] == "gqakit_sdpa" and att["kv_copied"] is False
     assert att["sdpa_kv_heads"] == kv_heads  # SDPA was handed the cache's own heads, not copies
     per_token = 2 * 2 * kv_heads * 4 * 4  # K+V, 2 layers, head_dim 4, fp32
-    assert res["kv_bytes_per_token"] == per_token
-    assert [(g["batch"], g["prompt_len"]) for g in res["grid"]] == [(1, 16), (2, 16)]
-    for g in res["grid"]:
-        assert g["status"] == "ok"
-        assert g["kv_cache_bytes"] == g["kv_cache_bytes_analytic"] == g["batch"] * (16 + 4) * per_token
-        assert g["decode_ms_per_token"]["median"] > 0 and g["prefill_ms"]["median"] > 0
-        assert g["decode_ms_per_token"]["p90"] >= g["decode_ms_per_token"]["median"]
-        assert 0 < g["roofline_fraction"] < 1
-    assert res["device_roof"]["copy_bandwidth_gbs"] > 0
+    assert res.kv_bytes_per_token == per_token
+    assert [(g.batch, g.prompt_len) for g in res.grid] == [(1, 16), (2, 16)]
+    for g in res.grid:
+        assert g.status == "ok"
+        assert g.kv_cache_bytes == g.kv_cache_bytes_analytic == g.batch * (16 + 4) * per_token
+        assert g.decode_ms_per_token["median"] > 0 and g.prefill_ms["median"] > 0
+        assert g.decode_ms_per_token["p90"] >= g.decode_ms_per_token["median"]
+        assert 0 < g.roofline_fraction < 1
+    assert res.device_roof["copy_bandwidth_gbs"] > 0
 
 
 def test_gqa_attention_matches_stock_sdpa(tiny_model):
@@ -75,17 +75,17 @@ def test_oom_point_is_reported_not_raised(tiny_model, monkeypatch):
     # Pretend the host has room for batch 1 only: 80% of this is between the two needs.
     monkeypatch.setattr(speed, "available_memory", lambda device: int(need_b2 / 0.8) - 1)
     res = evaluate_speed(model, SMALL, device="cpu", dtype=torch.float32, progress=False)
-    assert [g["status"] for g in res["grid"]] == ["ok", "oom"]
-    assert "predicted" in res["grid"][1]["reason"]
-    assert bench.max_batch(16, 4, limit=64)["max_batch"] == 1
+    assert [g.status for g in res.grid] == ["ok", "oom"]
+    assert "predicted" in res.grid[1].reason
+    assert bench.max_batch(16, 4, limit=64).max_batch == 1
 
 
 def test_max_batch_search_bisects(tiny_model, monkeypatch):
     model = load_causal_lm(tiny_model("llama"))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     monkeypatch.setattr(bench, "fits", lambda b, p, n: b <= 37)
-    assert bench.max_batch(16, 4, limit=1000)["max_batch"] == 37
-    assert bench.max_batch(16, 4, limit=20) == {"prompt_len": 16, "max_batch": 20, "at_limit": True, "limit": 20,
+    assert bench.max_batch(16, 4, limit=1000).max_batch == 37
+    assert bench.max_batch(16, 4, limit=20).to_json() == {"prompt_len": 16, "max_batch": 20, "at_limit": True, "limit": 20,
                                                 "method": "predicted from available host memory"}
 
 
@@ -107,7 +107,7 @@ def test_cuda_graphs_are_ignored_off_cuda(tiny_model):
     bench = DecodeBench(model, device="cpu", dtype=torch.float32, cuda_graphs=True)
     assert not bench.cuda_graphs and bench.decode_mode == "eager"
     roof = {"copy_bandwidth": 1e10, "ridge_flops_per_byte": 10.0}
-    assert bench.run_point(1, 8, 2, 1, 0, roof)["decode_mode"] == "eager"
+    assert bench.run_point(1, 8, 2, 1, 0, roof).decode_mode == "eager"
 
 
 @pytest.mark.gpu
@@ -119,7 +119,7 @@ def test_cuda_graph_decode_replays_the_eager_steps(tiny_model):
     for batch in (1, 3):
         point = bench.run_point(batch, 16, 8, 2, 1, roof)
         assert bench.graph_error is None and bench._graph_checked
-        assert point["status"] == "ok" and point["decode_mode"] == "CUDA graph per step"
+        assert point.status == "ok" and point.decode_mode == "CUDA graph per step"
     with torch.inference_mode():
         cache = bench._cache(2, 24)
         graph = bench._capture(cache, 2)
@@ -176,12 +176,12 @@ def test_graph_replay_plumbing_matches_eager_steps(tiny_model, monkeypatch):
 
     bench = bench_with_stand_in(stale=False)
     point = bench.run_point(2, 8, 6, 1, 1, roof)
-    assert point["decode_mode"] == "CUDA graph per step" and bench._graph_checked and bench.graph_error is None
+    assert point.decode_mode == "CUDA graph per step" and bench._graph_checked and bench.graph_error is None
 
     bench = bench_with_stand_in(stale=True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the fallback syncs the (absent) GPU
     point = bench.run_point(2, 8, 6, 1, 1, roof)
-    assert point["status"] == "ok" and point["decode_mode"] == "eager"
+    assert point.status == "ok" and point.decode_mode == "eager"
     assert "other greedy tokens" in bench.graph_error and not bench.cuda_graphs
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import UNSET, EvalResult, SpeedPoint
+from gqakit.eval.records import UNSET, EvalResult, SpeedPoint, TaskMetric
 from gqakit.eval.report import build_report, render_markdown
 from gqakit.eval.results import read_results
 
@@ -39,7 +39,9 @@ def test_typed_fields_are_read():
     assert not oom.ok and oom.reason and oom.tokens_per_s is UNSET and "tokens_per_s" not in oom.to_json()
     assert res.speed.max_batch[0].max_batch == 8 and res.speed.max_batch[0].at_limit
     row = res.tasks.results["gqakit_test_mc"]
-    assert row.n_shot == 3 and row.metrics["acc"].value == pytest.approx(row.metrics["acc"].value)
+    assert row.n_shot == 3 and row.examples == 6 and row.version == 2.0
+    assert isinstance(row.metrics["acc"], TaskMetric) and 0 <= row.metrics["acc"].value <= 1
+    assert row.metrics["acc"].higher_is_better is True and row.metrics["brier_score"].higher_is_better is False
 
 
 def test_unknown_keys_survive(tmp_path):

@@ -15,7 +15,7 @@ from gqakit.core.errors import GqakitError
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("-g", "--num-kv-heads", type=int, required=True, help="Target number of K/V heads G (must divide the current number).")
-@click.option("--method", default="mean", show_default=True,
+@click.option("--method", default="align", show_default=True,  # = methods.DEFAULT_METHOD (tested)
               help="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
                    "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
                    "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "

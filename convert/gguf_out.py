@@ -279,7 +279,7 @@ class Changed:
     permute_heads: int | None  # re-apply llama.cpp's permutation with this many heads
 
 
-def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: str = "mean", *,
+def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: str | None = None, *,
                  grouping: str = "contiguous", gguf_type: str | None = None, overwrite: bool = False, seed: int = 0,
                  calibration_data: str | None = None, calibration_tokens: int | None = None,
                  options: dict[str, Any] | None = None, device: str = "auto", progress: bool = True,
@@ -290,8 +290,10 @@ def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: st
     from gqakit.convert.pipeline import (DEFAULT_CALIBRATION_TOKENS, Settings, check_settings, converted_layers,
                                          make_plan)
     from gqakit.core.device import resolve_device
+    from gqakit.convert.methods import DEFAULT_METHOD
     from gqakit.core.outdir import GGUF_FILE, atomic_output_file, check_output_path
 
+    method = DEFAULT_METHOD if method is None else method
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if not src.exists():
         raise GqakitError(f"source not found: {src}")

@@ -69,6 +69,12 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
 )}
 
 
+# The default method, chosen from the numbers (docs/benchmarks.md, README "Methods"): of the
+# methods that need nothing but the checkpoint and take seconds, `align` beats the paper's
+# `mean` on every model measured, before and after equal-budget uptraining.
+DEFAULT_METHOD = "align"
+
+
 def method_spec(name: str) -> MethodSpec:
     """The named method, or a one-line error listing them."""
     if name not in METHODS:

@@ -29,7 +29,7 @@ from gqakit.core import arch as archmod
 from gqakit.convert.io import Planned, ShardWriter, Source, DictSource, open_source
 from gqakit.convert.layout import AttnHeads, layer_names, output_shapes, read_heads, write_heads
 from gqakit.convert.grouping import GROUPINGS
-from gqakit.convert.methods import method_spec
+from gqakit.convert.methods import DEFAULT_METHOD, method_spec
 from gqakit.convert.pooling import PoolContext
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, read_config_json
@@ -63,7 +63,7 @@ class Settings:
 
     source: str
     num_kv_heads: int
-    method: str = "mean"
+    method: str = DEFAULT_METHOD
     grouping: str = "contiguous"
     dtype: str = "auto"
     max_shard_size: str = "2GB"
@@ -315,7 +315,7 @@ def converted_layers(opened: Opened, plan: Plan, settings: Settings, *, device: 
     return _per_layer_heads(opened, plan, settings), None
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, method: str = "mean", *,
+def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, method: str = DEFAULT_METHOD, *,
                        grouping: str = "contiguous", dtype: str = "auto", overwrite: bool = False,
                        max_shard_size: str = "2GB", seed: int = 0, calibration_data: str | None = None,
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, options: dict[str, Any] | None = None,

@@ -80,13 +80,23 @@ def test_stablelm_with_per_head_qk_layernorm_is_rejected(tiny_model, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("method", ["align", "align-refit"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_align_refit_converts_equal_heads_exactly(tiny_model, tmp_path, family, one_thread):
-    """K/V heads identical within each pair: align-refit (the calibrated stage) keeps the logits."""
+def test_align_converts_equal_heads_exactly(tiny_model, tmp_path, family, method, one_thread):
+    """K/V heads identical within each pair: align (the default) and align-refit (the
+    calibrated stage) keep the logits, in every family."""
     src = tiny_model(family)
     model = load(src)
     equalize_kv(model, family, 2)
     model.save_pretrained(tmp_path / "expanded")
-    out = convert_checkpoint(tmp_path / "expanded", tmp_path / "out", num_heads(model) // 2, "align-refit",
-                             calibration_tokens=256, options={"seq_len": 32}, progress=False)
+    out = convert_checkpoint(tmp_path / "expanded", tmp_path / "out", num_heads(model) // 2, method,
+                             calibration_tokens=256, options={"seq_len": 32} if method == "align-refit" else None,
+                             progress=False)
     torch.testing.assert_close(logits(load(out)), logits(model), rtol=0, atol=2e-4)
+
+
+def test_cli_default_method_is_the_registry_default():
+    from gqakit.convert.cli import convert_cmd
+    from gqakit.convert.methods import DEFAULT_METHOD, METHODS
+    default = next(p.default for p in convert_cmd.params if p.name == "method")
+    assert default == DEFAULT_METHOD and not METHODS[default].needs_data

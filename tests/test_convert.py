@@ -123,8 +123,8 @@ def test_remote_families_carry_their_modeling_file(tiny_model, tmp_path, family)
 
 def test_regrouping_an_already_gqa_model(tiny_model, tmp_path):
     src = tiny_model("llama", num_key_value_heads=4)
-    out = convert_checkpoint(src, tmp_path / "g2", 2, progress=False)
-    out1 = convert_checkpoint(out, tmp_path / "g1", 1, progress=False)
+    out = convert_checkpoint(src, tmp_path / "g2", 2, "mean", progress=False)
+    out1 = convert_checkpoint(out, tmp_path / "g1", 1, "mean", progress=False)
     assert cache_heads(load(out1)) == [1, 1]
     k = load(src).model.layers[0].self_attn.k_proj.weight.view(4, 4, 32)
     k1 = load(out1).model.layers[0].self_attn.k_proj.weight
@@ -183,7 +183,7 @@ def test_output_folder_is_self_contained(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
     src = tiny_model("llama")
-    out = convert_checkpoint(src, tmp_path / "out", 2, progress=False)
+    out = convert_checkpoint(src, tmp_path / "out", 2, "mean", progress=False)
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "README.md", "gqakit_convert.json", "tokenizer.json"} <= names
     record = json.loads((out / "gqakit_convert.json").read_text())

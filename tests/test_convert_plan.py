@@ -59,7 +59,7 @@ def test_plan_steps_cover_the_source_once_in_file_order():
     assert [s.layer for s in plan.attention_layers()] == list(range(80))
     assert all(isinstance(s, AttentionLayer) and len(s.names) == 4 for s in plan.attention_layers())
     # mean touches only K and V: q and o are passed through as bytes
-    kv = make_plan(opened, Settings("llama-70b-mha", 8))
+    kv = make_plan(opened, Settings("llama-70b-mha", 8, method="mean"))
     assert {n.rsplit(".", 2)[-2] for s in kv.attention_layers() for n in s.names} == {"k_proj", "v_proj"}
 
 
@@ -67,7 +67,7 @@ def test_plan_steps_cover_the_source_once_in_file_order():
     ([], "nothing written (dry run)"),
     (["--method", "nope"], "unknown method 'nope'"),
     (["--grouping", "nope"], "unknown grouping 'nope'"),
-    (["--refit-option", "q_ridge=1"], "method mean takes no options"),
+    (["--refit-option", "q_ridge=1"], "method align takes no options"),
     (["--method", "align-refit", "--refit-option", "nope=1"], "unknown align-refit option(s) nope"),
     (["--method", "align-refit", "--calibration-data", "/nonexistent/calib.txt"], "calibration data not found"),
 ])

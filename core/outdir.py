@@ -274,6 +274,22 @@ def _publish(tmp: Path, out: Path, *, overwrite: bool, inputs: Inputs, kind: Kin
         os.rename(tmp, out)
 
 
+def _fresh_temp(out: Path) -> tuple[Path, list[Path]]:
+    """A new hidden temporary folder beside OUT (stale ones of dead runs removed first), and
+    the parent folders this call created; on an OSError, those parents go and the error is
+    one line."""
+    made: list[Path] = []
+    try:
+        made = make_dirs(out.parent)
+        _remove_stale_temps(out)
+        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+    except OSError as e:
+        remove_if_empty(made)
+        raise GqakitError(describe_oserror(e, out)) from None
+    return tmp, made
+
+
 @contextmanager
 def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = None, inputs: Inputs = (),
                       kind: Kind = MODEL, flag: str = "output") -> Iterator[Path]:
@@ -284,15 +300,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = 
     """
     inputs = list(inputs) + ([("source", src)] if src is not None else [])
     out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
-    made: list[Path] = []
-    try:
-        made = make_dirs(out.parent)
-        _remove_stale_temps(out)
-        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-    except OSError as e:
-        remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+    tmp, made = _fresh_temp(out)
     try:
         yield tmp
         _publish(tmp, out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
@@ -433,15 +441,7 @@ def atomic_output_file(out: Path, *, overwrite: bool = False, inputs: Inputs = (
     the output rule is checked again; on any failure the temporary folder and any parent
     folder this call created are removed, so nothing at OUT looks complete."""
     out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
-    made: list[Path] = []
-    try:
-        made = make_dirs(out.parent)
-        _remove_stale_temps(out)
-        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-    except OSError as e:
-        remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+    tmp, made = _fresh_temp(out)
     try:
         yield tmp / out.name, tmp / ".scratch"
         out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)

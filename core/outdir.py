@@ -291,6 +291,22 @@ def _fresh_temp(out: Path) -> tuple[Path, list[Path]]:
 
 
 @contextmanager
+def _removed_on_failure(tmp: Path, made: list[Path], out: Path) -> Iterator[None]:
+    """On any failure inside: the temporary folder and the parents `_fresh_temp` made are
+    removed; an OSError becomes a one-line GqakitError naming OUT."""
+    try:
+        yield
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_if_empty(made)
+        raise GqakitError(describe_oserror(e, out)) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_if_empty(made)
+        raise
+
+
+@contextmanager
 def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = None, inputs: Inputs = (),
                       kind: Kind = MODEL, flag: str = "output") -> Iterator[Path]:
     """Yield a fresh temporary folder; on success write the manifest and rename it to OUT.
@@ -301,17 +317,9 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = 
     inputs = list(inputs) + ([("source", src)] if src is not None else [])
     out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
     tmp, made = _fresh_temp(out)
-    try:
+    with _removed_on_failure(tmp, made, out):
         yield tmp
         _publish(tmp, out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_if_empty(made)
-        raise
 
 
 PARTIAL_MARK = ".gqakit-partial"
@@ -442,16 +450,8 @@ def atomic_output_file(out: Path, *, overwrite: bool = False, inputs: Inputs = (
     folder this call created are removed, so nothing at OUT looks complete."""
     out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
     tmp, made = _fresh_temp(out)
-    try:
+    with _removed_on_failure(tmp, made, out):
         yield tmp / out.name, tmp / ".scratch"
         out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
         os.replace(tmp / out.name, out)
         shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_if_empty(made)
-        raise

@@ -26,66 +26,14 @@ from transformers import AutoModelForCausalLM
 
 from gqakit.cli import main
 from gqakit.convert import convert_checkpoint
-from gqakit.convert.gguf_out import convert_gguf, permute_rows
+from gqakit.convert.gguf_out import convert_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
+from test_convert_gguf import write_gguf  # noqa: E402
 from test_hostile import refused, run_cli, snapshot  # noqa: E402
-
-HF_OF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-         "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-         "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-
-
-def write_gguf(model, path: Path, arch: str = "llama", qtype: QT = QT.F32) -> Path:
-    """A pico HF model as a GGUF file the way llama.cpp's converter lays it out: 2-D weights
-    in QTYPE, 1-D tensors in F32, q/k rows permuted for the llama architecture."""
-    c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
-    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-    tokens = ["<unk>", "<s>", "</s>"] + [chr(i) for i in range(33, 33 + c.vocab_size - 3)]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_string("general.name", "pico")
-    sd = {k: v.numpy() for k, v in model.state_dict().items()}
-    t = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
-         "output.weight": sd["lm_head.weight"]}
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for g, hf in HF_OF.items():
-            t[f"blk.{i}.{g}.weight"] = sd[f"{p}{hf}.weight"]
-            if f"{p}{hf}.bias" in sd:
-                t[f"blk.{i}.{g}.bias"] = sd[f"{p}{hf}.bias"]
-        if arch == "llama":
-            t[f"blk.{i}.attn_q.weight"] = permute_rows(t[f"blk.{i}.attn_q.weight"], c.num_attention_heads)
-            t[f"blk.{i}.attn_k.weight"] = permute_rows(t[f"blk.{i}.attn_k.weight"], c.num_key_value_heads)
-    for k, v in t.items():
-        v = np.ascontiguousarray(v, dtype=np.float32)
-        if v.ndim == 2 and qtype != QT.F32:
-            w.add_tensor(k, quantize(v, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(k, v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
 
 def tensors(path: Path) -> dict[str, object]:
     return {t.name: t for t in gguf.GGUFReader(path).tensors}

@@ -525,11 +525,11 @@ def test_quiet_means_nothing_on_stderr(world, assets, tmp_path):
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_convert_gguf import write_llama_gguf
+    from test_convert_gguf import write_gguf
     from tiny_models import build
     from transformers import AutoModelForCausalLM
 
-    gguf = write_llama_gguf(AutoModelForCausalLM.from_pretrained(world / "mha"), world / "mha.gguf")
+    gguf = write_gguf(AutoModelForCausalLM.from_pretrained(world / "mha"), world / "mha.gguf")
     build("llama", world / "tied", num_key_value_heads=4, tie_word_embeddings=True)
     tree = uptrain_tree(world / "tied-g2", world / "data" / "train.txt", world / "tied-run", cache_of(assets))
     tree["output"]["save_every"] = 2  # accelerate warns about the tied (shared) tensor at every save

@@ -87,7 +87,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"Device: {data['run']['device_name']}, {a['dtype']}, torch threads {data['threads']}, torch "
         f"{data['run']['torch']}, transformers {data['run']['transformers']}; load average "
         f"{data['loadavg_start'][0]:.1f} at the start, {data.get('loadavg_end', [float('nan')])[0]:.1f} at the end "
-        f"(the 2 cores are shared with other jobs); decode: {a['new_tokens']} new tokens after a random prompt, "
+        f"on {os.cpu_count()} cores (load above the thread count means other jobs shared them); decode: {a['new_tokens']} new tokens after a random prompt, "
         f"{a['warmup']} warm-up run(s) excluded, median of {a['reps']} x {a['new_tokens']} single steps, the models' "
         "steps alternating one by one; steps: "
         + ", ".join(sorted({r['decode_mode'] for r in data['rows'] if r['status'] == 'ok'})) + "; "

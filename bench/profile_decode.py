@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="the compiled step (CPU: weights frozen), compiled in the warm-up")
     ap.add_argument("--rows", type=int, default=20)
     args = ap.parse_args()
 
@@ -42,7 +43,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = load_causal_lm(args.model, dtype=torch.float32, device="cpu")
     bench = DecodeBench(model, device="cpu", dtype=torch.float32, pack_weights=not args.eager,
-                        decode_kernel="sdpa" if args.eager else "matmul")
+                        decode_kernel="sdpa" if args.eager else "matmul", compile=args.compile)
     b, p = args.batch, args.prompt_len
     pack = packed_linears(model, b) if bench.pack_weights and b > 1 else contextlib.nullcontext()
     with torch.inference_mode(), pack:
@@ -58,7 +59,7 @@ def main() -> None:
             bench._decode(cache, tok, p + 2, args.steps)
             step = (time.perf_counter() - t0) / args.steps
     print(f"{args.model}: {bench.kv_heads}/{bench.heads} KV/query heads, batch {b}, prompt {p}, "
-          f"{torch.get_num_threads()} threads, {'eager' if args.eager else 'fast path'}: "
+          f"{torch.get_num_threads()} threads, {'eager' if args.eager else bench.decode_mode}: "
           f"{1e3 * step:.1f} ms/step under the profiler")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 

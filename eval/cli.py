@@ -53,7 +53,8 @@ def command_line() -> list[str]:
 @click.option("--new-tokens", default=128, show_default=True, help="Decode steps timed per run.")
 @click.option("--reps", default=5, show_default=True, help="Timed repetitions per grid point (median, p90).")
 @click.option("--warmup", default=2, show_default=True, help="Untimed warm-up runs per grid point.")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the decode step (meant for GPU).")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the decode step (CPU: weights frozen; needs a C++ compiler, ~1 min per model and grid point). "
+                   "The fastest CPU path; compile time is reported apart.")
 @click.option("--eager", is_flag=True,
               help="Plain transformers decode steps: no CUDA graphs, no packed CPU weights, SDPA attention "
                    "(the fallback; default is the fast path, see docs/decode.md).")

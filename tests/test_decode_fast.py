@@ -122,3 +122,33 @@ def test_single_steps_alternate_between_two_models(tiny_model):
         assert pt.decode_sample == "one step" and pt.prefill_samples == 1
         assert pt.decode_path["prefill"] == "once, decode repetitions rewind the cache"
     assert pts[0].bytes_per_step["total"] > pts[1].bytes_per_step["total"]
+
+
+@pytest.mark.slow
+def test_compiled_cpu_step_decodes_the_eager_tokens(tiny_model):
+    """--compile on the CPU (inductor, weights frozen): same greedy tokens as the eager step,
+    over two grid points and two models (more graphs than dynamo's default recompile limit of
+    8 per code object: prefill + decode per point and model), compile time reported apart."""
+    import shutil
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("torch.compile on the CPU needs a C++ compiler")
+    roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
+    for kv in (4, 2):
+        model = load_causal_lm(tiny_model("llama", num_key_value_heads=kv))
+        eager = DecodeBench(model, device="cpu", dtype=torch.float32)
+        comp = DecodeBench(model, device="cpu", dtype=torch.float32, compile=True)
+        assert comp.decode_mode == "torch.compile, weights frozen" and not comp.pack_weights
+        for b, p in ((2, 8), (3, 12)):
+            prompt = torch.randint(0, eager.vocab, (b, p))
+            toks = []
+            for bench in (eager, comp):
+                with torch.inference_mode():
+                    cache = bench._cache(b, p + 5)
+                    _, tok = bench._prefill(cache, prompt)
+                    out: list = []
+                    bench._decode(cache, tok, p, 4, tokens=out)
+                toks.append(torch.cat(out, 1))
+            assert torch.equal(toks[0], toks[1])
+            pt = comp.run_point(b, p, 3, 2, 1, roof, prefill_once=True)
+            assert pt.status == "ok" and pt.compile_s is not None and pt.compile_s >= 0

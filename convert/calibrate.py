@@ -82,7 +82,7 @@ if TYPE_CHECKING:  # the pipeline imports this module when it runs the stage, ne
 DEFAULTS: dict[str, Any] = {
     "seq_len": 256, "batch": "auto", "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
     "skip_first": 0, "row_weight": "relative", "holdout": 0.0, "dtype": "auto", "stream_dtype": "auto",
-    "offload": "auto", "checkpoint_seconds": 120.0, "steps": 0, "lr": 1e-3, "guard_spans": 8,
+    "offload": "auto", "checkpoint_seconds": 120.0, "steps": 0, "lr": 1e-2, "guard_spans": 8,
 }
 CHOICES = {"target": ("residual", "local"), "row_weight": ("relative", "none"),
            "dtype": ("auto", "float32", "float64"),

@@ -155,9 +155,9 @@ class DecodeBench:
         self._graph_checked = False
         if compile:
             # On the CPU, inductor's weight freezing folds the weights into the compiled step as
-            # constants and packs them once into oneDNN's layout (what `packed_linears` does
-            # eagerly); with the per-op cost gone as well, SmolLM2's step at batch 8 x prompt
-            # 1024 reached 82% of the predicted GQA speedup against 60% eager (docs/benchmarks.md).
+            # constants, and the small ops (norms, rotary, softmax) are fused: SmolLM2's step at
+            # batch 8 x prompt 1024 reached 59-82% of the predicted GQA speedup against 60% for
+            # the eager fast path (docs/benchmarks.md; the fp32 weight matmuls stay ATen's mm).
             cpu = self.device.type == "cpu"
             how = {"options": {"freezing": True}} if cpu else {"mode": "reduce-overhead"}
             # one compiled graph per model, prompt length and batch (prefill and decode): a grid
@@ -312,7 +312,9 @@ class DecodeBench:
 
     @property
     def decode_mode(self) -> str:
-        return ("torch.compile, weights frozen" if self.device.type == "cpu" else "torch.compile") if self.compiled else "CUDA graph per step" if self.cuda_graphs else "eager"
+        if self.compiled:
+            return "torch.compile, weights frozen" if self.device.type == "cpu" else "torch.compile"
+        return "CUDA graph per step" if self.cuda_graphs else "eager"
 
     def probe(self) -> dict[str, Any]:
         """Which attention path a decode step really takes (one eager step, SDPA calls recorded)."""

@@ -25,9 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 NAME = "gqakit_sdpa"
-# Decode (one query token) kernel: "matmul" (decode_fast.decode_attention) or "sdpa"
-# (SDPA with the query heads folded per KV head). Set through `set_decode_kernel`.
-DECODE_KERNELS = ("matmul", "sdpa")
+# Decode (one query token) kernel: "matmul" (decode_fast.decode_attention), "cpu" (its
+# fused compiled CPU kernel where it applies, else "matmul") or "sdpa" (SDPA with the
+# query heads folded per KV head). Set through `set_decode_kernel`.
+DECODE_KERNELS = ("matmul", "cpu", "sdpa")
 DECODE_KERNEL = {"name": "matmul"}
 
 
@@ -49,12 +50,13 @@ def gqa_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_ma
     kv_heads = key.shape[1]
     groups = h // kv_heads
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
-    if q_len == 1 and not per_head_mask and DECODE_KERNEL["name"] == "matmul":
-        # Two matmuls and a softmax, query heads of a group as rows of its K/V head
-        # (MHA too, so both sides of a comparison run the same kernel).
+    if q_len == 1 and not per_head_mask and DECODE_KERNEL["name"] in ("matmul", "cpu"):
+        # Two matmuls and a softmax (or the fused CPU kernel), query heads of a group as rows
+        # of its K/V head (MHA too, so both sides of a comparison run the same kernel).
         from gqakit.eval.decode_fast import decode_attention
 
-        return decode_attention(query, key, value, attention_mask, scaling), None
+        return decode_attention(query, key, value, attention_mask, scaling,
+                                fused=DECODE_KERNEL["name"] == "cpu"), None
     if q_len == 1 and groups > 1 and not per_head_mask:
         # (B, H, 1, D) -> (B, G, H/G, D): rows of one group attend to the same K/V head.
         q = query.reshape(b, kv_heads, groups, d)
@@ -119,8 +121,9 @@ class SdpaSpy:
 
         def spy_dec(query, key, value, *args, **kwargs):
             g = key.shape[1]
+            fused = kwargs.get("fused") and decode_fast.fused_applies(query, key, value, args[0] if args else None)
             self.calls.append({"q_heads": g, "q_rows": query.shape[1] // g, "kv_heads": g, "enable_gqa": False,
-                               "kernel": "matmul"})
+                               "kernel": "cpu" if fused else "matmul"})
             return orig_dec(query, key, value, *args, **kwargs)
 
         F.scaled_dot_product_attention = spy
@@ -141,11 +144,12 @@ def describe_path(calls: list[dict[str, Any]], heads: int, kv_heads: int) -> dic
     if not calls:
         return {"decode_path": "no SDPA call seen (attention computed another way)", "kv_copied": None}
     c = calls[0]
-    if c.get("kernel") == "matmul":
+    if c.get("kernel") in ("matmul", "cpu"):
+        how = "fused CPU kernel" if c["kernel"] == "cpu" else "matmul"
         path = ("MHA: one K/V head per query head" if kv_heads == heads else
-                "grouped matmul decode attention: query heads as rows of their K/V head (packed GQA)")
+                f"grouped {how} decode attention: query heads as rows of their K/V head (packed GQA)")
         return {"decode_path": path, "kv_copied": False, "sdpa_calls_per_step": len(calls),
-                "sdpa_kv_heads": c["kv_heads"], "decode_kernel": "matmul"}
+                "sdpa_kv_heads": c["kv_heads"], "decode_kernel": c["kernel"]}
     if kv_heads == heads:
         path, copied = "MHA: one K/V head per query head", False
     elif c["kv_heads"] == heads:

@@ -19,6 +19,14 @@ The attention of one new token reads each KV head once for its query group:
 become rows) and multiplies them against the group's [B, G, T, D] keys and values: no
 `repeat_kv` copy, no per-call conversion of the boolean mask inside SDPA, and the output
 comes out already in the (B, 1, H, D) layout the output projection wants.
+
+On the CPU in fp32 both have a compiled counterpart (`cpu_kernels.cpp`, built on first
+use): `packed_linears(..., kernels=...)` multiplies the few rows of a decode step by
+weights packed into 48-column panels, streamed once per call (oneDNN's packed weights
+reach 16 GB/s at 8 rows on the project's CPU, the panel kernel 20, a matrix-vector
+product 28), and `decode_attention(..., fused=True)` is one pass per group and cache
+chunk (scores, softmax and weighted values fused; no score tensor, no separate softmax
+over it, masked positions never read).
 """
 
 from __future__ import annotations
@@ -52,14 +60,52 @@ def _additive(mask: Any, dtype: Any) -> Any:
     return add
 
 
-def decode_attention(query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None) -> Any:
+def _fused_mask(query: Any, key: Any, attention_mask: Any) -> Any:
+    """The mask as the fused kernel takes it (a contiguous additive [B, T] fp32), or None if it can't."""
+    import torch
+
+    b, t = query.shape[0], key.shape[2]
+    if attention_mask is None:
+        return torch.empty(0)
+    m = attention_mask
+    if m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1 or m.shape[3] != t or m.shape[0] not in (1, b):
+        return None
+    m = _additive(m, torch.float32) if m.dtype == torch.bool else m
+    if m.dtype != torch.float32:
+        return None
+    return m.reshape(m.shape[0], t).expand(b, t).contiguous()
+
+
+def fused_applies(query: Any, key: Any, value: Any, attention_mask: Any) -> bool:
+    """Whether `decode_attention(..., fused=True)` runs the compiled kernel for these inputs."""
+    import torch
+
+    from gqakit.eval import cpu_kernels
+
+    return (cpu_kernels.load() is not None and not torch.compiler.is_compiling()
+            and all(x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() for x in (query, key, value))
+            and query.shape[2] == 1 and query.shape[1] % key.shape[1] == 0
+            and _fused_mask(query, key, attention_mask) is not None)
+
+
+def decode_attention(query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None,
+                     fused: bool = False) -> Any:
     """One query token, grouped: (B, H, 1, D) query, (B, G, T, D) K/V -> (B, 1, H, Dv).
 
     `attention_mask` is None, a boolean (True = attend) or an additive float mask that
     broadcasts to (B, 1, 1, T). Scores are one `baddbmm` per step and layer (scale and mask
-    folded in), then a softmax and one `bmm`; K and V are read once, in place.
+    folded in), then a softmax and one `bmm`; K and V are read once, in place. With
+    `fused=True`, the compiled CPU kernel where `fused_applies` (fp32, contiguous, a
+    [B, 1, 1, T] mask), else the same matmuls.
     """
     import torch
+
+    if fused and fused_applies(query, key, value, attention_mask):
+        from gqakit.eval import cpu_kernels
+
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return cpu_kernels.load().decode_attention(query, key, value, _fused_mask(query, key, attention_mask),
+                                                   float(scale))
 
     b, h, _, d = query.shape
     g, t = key.shape[1], key.shape[2]
@@ -90,13 +136,20 @@ def can_pack(device: Any, dtype: Any) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+# Rows of input up to which the panel kernel multiplies (a decode step: one per sequence);
+# more rows (prefill) go to the BLAS with the plain weight, which is faster there.
+SKINNY_MAX_ROWS = 16
+
+
 @contextlib.contextmanager
-def packed_linears(model: Any, batch: int) -> Iterator[int]:
+def packed_linears(model: Any, batch: int, kernels: Any = None) -> Iterator[int]:
     """Inside: every `nn.Linear` of `model` multiplies by a once-packed copy of its weight.
 
     Yields the number of extra bytes the packed copies hold (they live as long as the
     context; the original weights are untouched and used again afterwards). The packed
-    copy is checked against the plain layer on one input before it is used.
+    copy is checked against the plain layer on one input before it is used. `kernels`
+    (`cpu_kernels.load()`): fp32 weights go into 48-column panels for the compiled
+    small-batch kernel (inputs of up to SKINNY_MAX_ROWS rows); otherwise oneDNN's layout.
     """
     import torch
 
@@ -106,11 +159,19 @@ def packed_linears(model: Any, batch: int) -> Iterator[int]:
     try:
         for m in lin:
             w = m.weight.detach()
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, batch)
             bias = None if m.bias is None else m.bias.detach()
+            if kernels is not None and w.dtype == torch.float32 and w.device.type == "cpu":
+                packed = kernels.pack_weight(w)
 
-            def fwd(x: Any, _p: Any = packed, _b: Any = bias) -> Any:
-                return torch.ops.mkldnn._linear_pointwise(x, _p, _b, "none", [], "")
+                def fwd(x: Any, _p: Any = packed, _w: Any = w, _b: Any = bias, _k: Any = kernels) -> Any:
+                    if x.numel() <= SKINNY_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:
+                        return _k.skinny_linear(x, _p, _w.shape[0], _b)
+                    return torch.nn.functional.linear(x, _w, _b)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, batch)
+
+                def fwd(x: Any, _p: Any = packed, _b: Any = bias) -> Any:
+                    return torch.ops.mkldnn._linear_pointwise(x, _p, _b, "none", [], "")
 
             saved.append((m, m.__dict__.get("forward")))
             m.forward = fwd

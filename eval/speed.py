@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -130,10 +131,23 @@ class DecodeBench:
         self.vocab = int(self.cfg.vocab_size)
         self.elem = torch.finfo(dtype).bits // 8
         self.attn_impl = use_gqa_attention(model)
+        # Packed weights (decode_fast.packed_linears): CPU eager steps from batch 2 up, or from
+        # batch 1 with gqakit's compiled CPU kernels (fp32; built on first use, cached), which
+        # also run the decode attention fused. Without them (no compiler, another dtype), the
+        # oneDNN layout and the matmul attention; `kernel_note` says why.
+        self.pack_weights = bool(pack_weights) and can_pack(self.device, dtype) and not compile
+        self.kernels = None
+        self.kernel_note: str | None = None
+        if self.pack_weights and decode_kernel == "matmul" and dtype == torch.float32:
+            from gqakit.eval import cpu_kernels
+
+            self.kernels = cpu_kernels.load()
+            if self.kernels is None:
+                self.kernel_note = f"gqakit CPU kernels unavailable ({cpu_kernels.why_unavailable()})"
+            else:
+                decode_kernel = "cpu"
         set_decode_kernel(decode_kernel)
         self.decode_kernel = decode_kernel
-        # Packed weights (decode_fast.packed_linears): CPU eager steps from batch 2 up.
-        self.pack_weights = bool(pack_weights) and can_pack(self.device, dtype) and not compile
         params = sum(p.numel() for p in model.parameters())
         emb = model.get_input_embeddings().weight
         tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
@@ -314,7 +328,9 @@ class DecodeBench:
     def decode_mode(self) -> str:
         if self.compiled:
             return "torch.compile, weights frozen" if self.device.type == "cpu" else "torch.compile"
-        return "CUDA graph per step" if self.cuda_graphs else "eager"
+        if self.cuda_graphs:
+            return "CUDA graph per step"
+        return "eager, gqakit CPU kernels (panel GEMM, fused decode attention)" if self.kernels is not None else "eager"
 
     def probe(self) -> dict[str, Any]:
         """Which attention path a decode step really takes (one eager step, SDPA calls recorded)."""
@@ -329,7 +345,7 @@ class DecodeBench:
             self._generate(cache, torch.randint(0, self.vocab, (1, 4), device=self.device), 1, spy=spy)
         return {"implementation": self.attn_impl, **describe_path(spy.calls, self.heads, self.kv_heads),
                 "kv_cache": "transformers.StaticCache (pre-allocated)", "compiled": self.compiled,
-                "cuda_graphs": self.cuda_graphs}
+                "cuda_graphs": self.cuda_graphs, **({"kernel_note": self.kernel_note} if self.kernel_note else {})}
 
     # -- memory model ---------------------------------------------------------------------
     def predicted_bytes(self, batch: int, prompt_len: int, new_tokens: int) -> int:
@@ -424,8 +440,8 @@ class DecodeBench:
         cache = self._cache(batch, prompt_len + new_tokens)
         st["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         st["packed_bytes"] = 0
-        if self.pack_weights and batch > 1:
-            st["packed_bytes"] = st["stack"].enter_context(packed_linears(self.model, batch))
+        if self.pack_weights and (batch > 1 or self.kernels is not None):
+            st["packed_bytes"] = st["stack"].enter_context(packed_linears(self.model, batch, kernels=self.kernels))
         t0 = time.perf_counter()
         graph = self._graph_for(cache, batch, prompt_len, new_tokens)  # capture counts as warm-up
         first: list[float] = []
@@ -528,7 +544,8 @@ class DecodeBench:
         mode = "CUDA graph per step" if graph_used else self.decode_mode
         return SpeedPoint(
             **point, status="ok", decode_mode=mode,
-            decode_path={"steps": mode, "weights": "packed once (oneDNN)" if packed else "as loaded",
+            decode_path={"steps": mode, "weights": ("as loaded" if not packed else "packed once (gqakit panels)" if self.kernels is not None
+                                      else "packed once (oneDNN)"),
                          "attention_kernel": self.decode_kernel,
                          "prefill": "every repetition" if len(pre) >= reps else
                          "once, decode repetitions rewind the cache"},
@@ -599,6 +616,11 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     # eager step, eager again if capture fails), weights packed once on the CPU, and the
     # grouped matmul decode attention. --eager is the plain transformers step (SDPA).
     fast = not settings.eager
+    if progress and fast and not settings.compile and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from gqakit.eval import cpu_kernels
+
+        if not cpu_kernels.is_built() and not os.environ.get("GQAKIT_NO_CPU_KERNELS"):
+            tqdm.write("gqakit: compiling the CPU decode kernels once for this machine (about 30 s; cached)")
     bench = DecodeBench(model, device=device, dtype=dtype, compile=settings.compile,
                         cuda_graphs=fast and not settings.compile and torch.device(device).type == "cuda",
                         pack_weights=fast, decode_kernel="matmul" if fast else "sdpa")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gqakit.core.loading import load_causal_lm
+from gqakit.eval import cpu_kernels
 from gqakit.eval.decode_fast import can_pack, decode_attention, packed_linears
 from gqakit.eval.speed import DecodeBench
 
@@ -93,14 +94,18 @@ def test_point_records_the_path_it_took(tiny_model, eager):
     pt = bench.run_point(2, 8, 4, 3, 1, roof, prefill_once=True)
     assert pt.status == "ok" and pt.prefill_samples == 1 and len(pt.to_json()) > 10
     assert pt.decode_path["prefill"] == "once, decode repetitions rewind the cache"
-    assert pt.decode_path["attention_kernel"] == ("sdpa" if eager else "matmul")
     packs = can_pack("cpu", torch.float32) and not eager
+    kernels = packs and cpu_kernels.load() is not None
+    fast = "cpu" if kernels else "matmul"
+    assert pt.decode_path["attention_kernel"] == ("sdpa" if eager else fast)
     assert (pt.packed_weight_bytes > 0) == packs
-    assert pt.decode_path["weights"] == ("packed once (oneDNN)" if packs else "as loaded")
+    assert pt.decode_path["weights"] == ("as loaded" if not packs else "packed once (gqakit panels)" if kernels
+                                         else "packed once (oneDNN)")
+    assert ("CPU kernels" in pt.decode_path["steps"]) == kernels
     assert pt.roofline_ms["bytes"] == pytest.approx(1e3 * pt.bytes_per_step["total"] / 1e10)
-    assert bench.probe()["decode_kernel"] == ("sdpa" if eager else "matmul")
-    pt1 = bench.run_point(1, 8, 4, 2, 0, roof)  # batch 1: the matrix-vector path, never packed
-    assert pt1.packed_weight_bytes == 0 and pt1.prefill_samples == 2
+    assert bench.probe()["decode_kernel"] == ("sdpa" if eager else fast)
+    pt1 = bench.run_point(1, 8, 4, 2, 0, roof)  # batch 1: the BLAS's matrix-vector path unless the panel kernel
+    assert (pt1.packed_weight_bytes > 0) == kernels and pt1.prefill_samples == 2
 
 
 def test_single_steps_alternate_between_two_models(tiny_model):

@@ -1,0 +1,305 @@
+// gqakit's CPU decode kernels (fp32): what a decode step must do, without what it need not.
+//
+// Built on first use by gqakit/eval/cpu_kernels.py (torch.utils.cpp_extension, -O3
+// -march=native, OpenMP through ATen's parallel_for), cached per machine. Two kernels:
+//
+// * skinny_linear: y = x W^T for a few rows of x (a decode step: one row per sequence).
+//   The BLAS packs W into its own layout on every call; oneDNN's once-packed weight avoids
+//   that but still runs at 16 GB/s at 8 rows on this project's 2-core CPU, against 28 GB/s
+//   for a matrix-vector product. Here W is packed once into panels of 48 output columns,
+//   [ceil(N/48)][K][48], so each thread streams whole panels front to back while all rows
+//   of x (at most 8 at a time) are multiplied into 8 x 3 vector accumulators: every weight
+//   byte is read once per call, in order, with a software prefetch ahead of the stream.
+// * decode_attention: one new token's attention against a static KV cache, grouped. The
+//   H/G query heads of a group read their K/V head once (scores, then the weighted sum of
+//   values) over chunks of the cache; chunks are independent tasks merged with their
+//   log-sum-exp, so batch 1 with one KV head still uses every thread. Positions the mask
+//   excludes (-inf) are skipped, and a chunk with none left is never read.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64), aligned(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+constexpr int64_t NR = 48;       // panel width: 3 vectors of 16 floats
+constexpr int64_t PREFETCH = 24;  // panel rows (of 192 bytes) ahead of the stream
+constexpr int64_t CHUNK = 256;   // cache positions per attention task
+
+inline float hsum(v16 a) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps((__m512)a);
+#else
+  float t[16];
+  std::memcpy(t, &a, sizeof(t));
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += t[i];
+  return s;
+#endif
+}
+
+template <int MR>
+void panel(const float* x, int64_t K, const float* wp, float* y, int64_t ldy, int64_t ncols) {
+  v16 acc[MR][3];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 3; ++j) acc[m][j] = (v16){};
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(wp + (k + PREFETCH) * NR, 0, 3);
+    const v16* w = reinterpret_cast<const v16*>(wp + k * NR);
+    const v16 w0 = w[0], w1 = w[1], w2 = w[2];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * K + k];
+      acc[m][0] += xv * w0;
+      acc[m][1] += xv * w1;
+      acc[m][2] += xv * w2;
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[NR];
+    *reinterpret_cast<v16u*>(tmp) = acc[m][0];
+    *reinterpret_cast<v16u*>(tmp + 16) = acc[m][1];
+    *reinterpret_cast<v16u*>(tmp + 32) = acc[m][2];
+    std::memcpy(y + m * ldy, tmp, sizeof(float) * ncols);
+  }
+}
+
+void run_panel(int64_t mr, const float* x, int64_t K, const float* wp, float* y, int64_t ldy, int64_t nc) {
+  switch (mr) {
+    case 8: panel<8>(x, K, wp, y, ldy, nc); break;
+    case 7: panel<7>(x, K, wp, y, ldy, nc); break;
+    case 6: panel<6>(x, K, wp, y, ldy, nc); break;
+    case 5: panel<5>(x, K, wp, y, ldy, nc); break;
+    case 4: panel<4>(x, K, wp, y, ldy, nc); break;
+    case 3: panel<3>(x, K, wp, y, ldy, nc); break;
+    case 2: panel<2>(x, K, wp, y, ldy, nc); break;
+    default: panel<1>(x, K, wp, y, ldy, nc); break;
+  }
+}
+
+// exp of 16 floats (Cephes-style: 2^n times a degree-5 polynomial on [-ln2/2, ln2/2]; a few
+// ulp). Below about -87.3 the result is 0 (so -inf, a masked score, gives 0).
+inline v16 vexp(v16 x) {
+  typedef int v16i __attribute__((vector_size(64)));
+  const v16 lo = x < -87.3f ? (v16){} + 1.f : (v16){};  // 1 where the result underflows
+  x = x < -87.3f ? (v16){} - 87.3f : x;
+  x = x > 88.3f ? (v16){} + 88.3f : x;
+  const v16 fx = x * 1.44269504088896341f;
+  const v16i n = __builtin_convertvector(fx + (fx < 0.f ? (v16){} - 0.5f : (v16){} + 0.5f), v16i);  // round
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16 y = (v16){} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const v16i bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  y = y * scale;
+  return lo > 0.f ? (v16){} : y;
+}
+
+}  // namespace
+
+// W [N, K] (fp32) -> panels [ceil(N/48), K, 48], zero-padded past N.
+torch::Tensor pack_weight(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2, "pack_weight: a 2-D fp32 CPU tensor");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
+  auto out = torch::zeros({P, K, NR}, w.options());
+  const float* s = w.data_ptr<float>();
+  float* d = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < NR && p * NR + j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) d[(p * K + k) * NR + j] = s[(p * NR + j) * K + k];
+  });
+  return out;
+}
+
+// x [..., K] times a packed W (N outputs), plus an optional bias [N] -> [..., N].
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "skinny_linear: fp32 CPU input");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NR && wp.size(0) * NR >= N && wp.is_contiguous(), "skinny_linear: not a packed weight");
+  const int64_t K = wp.size(1);
+  TORCH_CHECK(x.size(-1) == K, "skinny_linear: input has ", x.size(-1), " features, the weight ", K);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0), P = wp.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* w = wp.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t nc = std::min<int64_t>(NR, N - p * NR);
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        run_panel(std::min<int64_t>(8, M - m0), xp + m0 * K, K, w + p * K * NR, yp + m0 * N + p * NR, N, nc);
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y.reshape(sizes);
+}
+
+// query [B, H, 1, D], key [B, G, T, D], value [B, G, T, Dv] (contiguous fp32), mask: an
+// additive [B, T] fp32 mask or an empty tensor. Query head h uses K/V head h / (H / G).
+// Returns [B, 1, H, Dv].
+torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor mask,
+                               double scale) {
+  for (const auto& t : {query, key, value})
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 4,
+                "decode_attention: contiguous 4-D fp32 CPU tensors");
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(3);
+  const int64_t G = key.size(1), T = key.size(2), Dv = value.size(3);
+  TORCH_CHECK(query.size(2) == 1 && key.size(0) == B && value.size(0) == B && value.size(1) == G && value.size(2) == T &&
+              key.size(3) == D && H % G == 0, "decode_attention: shapes do not match");
+  const bool masked = mask.numel() > 0;
+  if (masked)
+    TORCH_CHECK(mask.scalar_type() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * T,
+                "decode_attention: the mask must be a contiguous [B, T] fp32 tensor");
+  const int64_t R = H / G, C = (T + CHUNK - 1) / CHUNK, tasks = B * G * C, W = Dv + 2;
+  // partial results per task and query row: Dv weighted values, then the max and the sum
+  std::vector<float> part(static_cast<size_t>(tasks * R * W));
+  const float* q = query.data_ptr<float>();
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  const float* mk = masked ? mask.data_ptr<float>() : nullptr;
+  const float sc = static_cast<float>(scale);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const bool vec_d = D % 16 == 0, vec_dv = Dv % 16 == 0;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(static_cast<size_t>(R * CHUNK));
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t c = task % C, bg = task / C, b = bg / G;
+      const int64_t lo = c * CHUNK, hi = std::min(T, lo + CHUNK), n = hi - lo;
+      const float* qb = q + (bg * R) * D;  // the R query rows of this group (B, H) = (B, G, R)
+      const float* kb = k + (bg * T + lo) * D;
+      const float* vb = v + (bg * T + lo) * Dv;
+      const float* mb = masked ? mk + b * T + lo : nullptr;
+      float* out = part.data() + task * R * W;
+      bool any = false;
+      for (int64_t j = 0; j < n; ++j) {
+        const bool skip = mb && mb[j] == ninf;
+        any = any || !skip;
+        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kb + (j + 8) * D + d, 0, 3);  // ask early
+        for (int64_t r = 0; r < R; ++r) {
+          float dot = 0.f;
+          if (!skip) {
+            const float* qr = qb + r * D;
+            const float* kj = kb + j * D;
+            if (vec_d) {
+              v16 a = (v16){};
+              for (int64_t d = 0; d < D; d += 16)
+                a += *reinterpret_cast<const v16u*>(qr + d) * *reinterpret_cast<const v16u*>(kj + d);
+              dot = hsum(a);
+            } else {
+              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
+            }
+          }
+          s[r * CHUNK + j] = skip ? ninf : dot * sc + (mb ? mb[j] : 0.f);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* o = out + r * W;
+        std::fill(o, o + Dv, 0.f);
+        o[Dv] = ninf;
+        o[Dv + 1] = 0.f;
+        if (!any) continue;
+        float* sr = s.data() + r * CHUNK;
+        for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) sr[j] = ninf;  // pad to whole vectors
+        v16 vmx = (v16){} + ninf;
+        for (int64_t j = 0; j < n; j += 16) {
+          const v16 x = *reinterpret_cast<v16u*>(sr + j);
+          vmx = x > vmx ? x : vmx;
+        }
+        float mx = ninf;
+        for (int i = 0; i < 16; ++i) mx = std::max(mx, vmx[i]);
+        if (mx == ninf) continue;
+        v16 acc = (v16){};
+        for (int64_t j = 0; j < n; j += 16) {
+          v16 e = vexp(*reinterpret_cast<v16u*>(sr + j) - mx);
+          *reinterpret_cast<v16u*>(sr + j) = e;
+          acc += e;
+        }
+        const float sum = hsum(acc);
+        o[Dv] = mx;
+        o[Dv + 1] = sum;
+      }
+      if (!any) continue;
+      int64_t last = n;
+      while (mb && last > 0 && mb[last - 1] == ninf) --last;
+      // weighted values: each V row read once for all R query rows of the group; rows of 8
+      // queries x 16 value columns accumulate in registers (masked rows have p = 0)
+      for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+        const int64_t dw = std::min<int64_t>(16, Dv - d0);
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {
+          const int64_t rr = std::min<int64_t>(8, R - r0);
+          v16 acc[8];
+          for (int i = 0; i < 8; ++i) acc[i] = (v16){};
+          for (int64_t j = 0; j < last; ++j) {
+            if (d0 == 0 && r0 == 0)
+              for (int64_t d = 0; d < Dv; d += 16) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
+            v16 vv;
+            if (dw == 16) {
+              vv = *reinterpret_cast<const v16u*>(vb + j * Dv + d0);
+            } else {
+              vv = (v16){};
+              for (int64_t d = 0; d < dw; ++d) vv[d] = vb[j * Dv + d0 + d];
+            }
+            const float* pj = s.data() + r0 * CHUNK + j;
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i)
+              if (i < rr) acc[i] += pj[i * CHUNK] * vv;
+          }
+          for (int64_t i = 0; i < rr; ++i) {
+            float* o = out + (r0 + i) * W + d0;
+            for (int64_t d = 0; d < dw; ++d) o[d] = acc[i][d];
+          }
+        }
+      }
+    }
+  });
+  auto result = torch::empty({B, 1, H, Dv}, query.options());
+  float* res = result.data_ptr<float>();
+  at::parallel_for(0, B * G * R, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // i = (b*G + g)*R + r = b*H + h
+      const int64_t bg = i / R, r = i % R;
+      float mx = ninf;
+      for (int64_t c = 0; c < C; ++c) mx = std::max(mx, part[((bg * C + c) * R + r) * W + Dv]);
+      float* o = res + i * Dv;
+      std::fill(o, o + Dv, 0.f);
+      if (mx == ninf) continue;  // nothing to attend to: zeros
+      float den = 0.f;
+      for (int64_t c = 0; c < C; ++c) {
+        const float* pc = part.data() + ((bg * C + c) * R + r) * W;
+        if (pc[Dv] == ninf) continue;
+        const float f = std::exp(pc[Dv] - mx);
+        den += f * pc[Dv + 1];
+        for (int64_t d = 0; d < Dv; ++d) o[d] += f * pc[d];
+      }
+      for (int64_t d = 0; d < Dv; ++d) o[d] /= den;
+    }
+  });
+  return result;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_weight", &pack_weight, "pack a [N, K] fp32 weight into 48-column panels");
+  m.def("skinny_linear", &skinny_linear, "x W^T (+ bias) for a few rows of x, W packed");
+  m.def("decode_attention", &decode_attention, "grouped one-token attention against a KV cache");
+}

@@ -1,0 +1,101 @@
+"""gqakit's compiled CPU decode kernels equal what they replace (skipped where they can't be built)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from gqakit.core.loading import load_causal_lm
+from gqakit.eval import cpu_kernels
+from gqakit.eval.attention import set_decode_kernel
+from gqakit.eval.decode_fast import decode_attention, fused_applies, packed_linears
+from gqakit.eval.speed import DecodeBench
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    mod = cpu_kernels.load()
+    if mod is None:
+        pytest.skip(f"CPU kernels not built here: {cpu_kernels.why_unavailable()}")
+    return mod
+
+
+@pytest.mark.parametrize("n,k,rows", [(576, 576, 8), (100, 37, 1), (50, 64, 13), (49, 96, 3), (192, 576, 17)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_equals_linear(kernels, n, k, rows, bias):
+    """Panels of 48 columns, N not a multiple of 48 (zero padding cut off), rows past 8 (two blocks)."""
+    torch.manual_seed(n + k + rows)
+    w, x = torch.randn(n, k), torch.randn(2, rows, k)
+    b = torch.randn(n) if bias else None
+    got = kernels.skinny_linear(x, kernels.pack_weight(w), n, b)
+    assert got.shape == (2, rows, n)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_linear_rejects_a_mismatched_input(kernels):
+    packed = kernels.pack_weight(torch.randn(48, 32))
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.skinny_linear(torch.randn(2, 31), packed, 48, None)
+    with pytest.raises(RuntimeError, match="packed"):
+        kernels.skinny_linear(torch.randn(2, 32), torch.randn(48, 32), 48, None)
+
+
+def _reference(q, k, v, mask, scale):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+@pytest.mark.parametrize("t,d", [(11, 16), (700, 64), (300, 20)])
+def test_fused_decode_attention_equals_repeated_kv(kernels, kv_heads, mask_kind, t, d):
+    """Several cache chunks (256 positions each) merged by log-sum-exp, masked positions,
+    head sizes that are and are not a multiple of the vector width."""
+    torch.manual_seed(t + kv_heads)
+    b, h = 3, 8
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, kv_heads, t, d), torch.randn(b, kv_heads, t, d)
+    mask = None
+    if mask_kind != "none":
+        keep = torch.rand(b, 1, 1, t) > 0.3
+        keep[..., 0] = True
+        keep[0, ..., t // 2:] = False  # a static cache's unfilled tail: whole chunks skipped
+        mask = keep if mask_kind == "bool" else torch.zeros(b, 1, 1, t).masked_fill(~keep, float("-inf"))
+    assert fused_applies(q, k, v, mask)
+    got = decode_attention(q, k, v, mask, 0.3, fused=True)
+    assert got.shape == (b, 1, h, d)
+    torch.testing.assert_close(got, _reference(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_attention_falls_back_where_it_does_not_apply(kernels):
+    q, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16)
+    k = torch.randn(2, 9, 2, 16).transpose(1, 2)  # not contiguous: the matmul path takes it
+    assert not fused_applies(q, k, v, None) and not fused_applies(q.bfloat16(), v.bfloat16(), v.bfloat16(), None)
+    torch.testing.assert_close(decode_attention(q, k, v, None, None, fused=True), _reference(q, k, v, None, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_step_decodes_the_plain_tokens(kernels, tiny_model):
+    """The whole fast step (panel GEMMs and fused attention) against the plain transformers
+    step (SDPA, loaded weights): same greedy tokens, batch 1 and 3, 8 steps."""
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    fast = DecodeBench(model, device="cpu", dtype=torch.float32)
+    plain = DecodeBench(model, device="cpu", dtype=torch.float32, pack_weights=False, decode_kernel="sdpa")
+    assert fast.kernels is not None and plain.kernels is None
+    for batch in (1, 3):
+        prompt = torch.randint(0, fast.vocab, (batch, 10))
+        tokens = []
+        for bench in (fast, plain):
+            set_decode_kernel(bench.decode_kernel)
+            packed = packed_linears(model, batch, kernels=bench.kernels) if bench.kernels else contextlib.nullcontext()
+            with torch.inference_mode(), packed:
+                cache = bench._cache(batch, 10 + 8)
+                _, tok = bench._prefill(cache, prompt)
+                out: list = []
+                bench._decode(cache, tok, 10, 8, tokens=out)
+            tokens.append(torch.cat(out, 1))
+        assert torch.equal(tokens[0], tokens[1])

@@ -105,9 +105,9 @@ def test_bad_settings(tiny_model):
 def test_cuda_graphs_are_ignored_off_cuda(tiny_model):
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32, cuda_graphs=True)
-    assert not bench.cuda_graphs and bench.decode_mode == "eager"
+    assert not bench.cuda_graphs and bench.decode_mode.startswith("eager")  # ", gqakit CPU kernels" where built
     roof = {"copy_bandwidth": 1e10, "ridge_flops_per_byte": 10.0}
-    assert bench.run_point(1, 8, 2, 1, 0, roof).decode_mode == "eager"
+    assert bench.run_point(1, 8, 2, 1, 0, roof).decode_mode == bench.decode_mode
 
 
 @pytest.mark.gpu
@@ -181,7 +181,7 @@ def test_graph_replay_plumbing_matches_eager_steps(tiny_model, monkeypatch):
     bench = bench_with_stand_in(stale=True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the fallback syncs the (absent) GPU
     point = bench.run_point(2, 8, 6, 1, 1, roof)
-    assert point.status == "ok" and point.decode_mode == "eager"
+    assert point.status == "ok" and point.decode_mode.startswith("eager")
     assert "other greedy tokens" in bench.graph_error and not bench.cuda_graphs
 
 

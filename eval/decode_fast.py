@@ -24,7 +24,7 @@ On the CPU in fp32 both have a compiled counterpart (`cpu_kernels.cpp`, built on
 use): `packed_linears(..., kernels=...)` multiplies the few rows of a decode step by
 weights packed into 48-column panels, streamed once per call (oneDNN's packed weights
 reach 16 GB/s at 8 rows on the project's CPU, the panel kernel 20, a matrix-vector
-product 28), and `decode_attention(..., fused=True)` is one pass per group and cache
+product 25; bench/bench_cpu_kernels.py), and `decode_attention(..., fused=True)` is one pass per group and cache
 chunk (scores, softmax and weighted values fused; no score tensor, no separate softmax
 over it, masked positions never read).
 """

@@ -66,3 +66,38 @@ def load(verbose: bool = False) -> Any | None:
 
 def why_unavailable() -> str | None:
     return _STATE["why"]
+
+
+def ops() -> Any | None:
+    """The kernels as `torch.library` custom ops (`torch.ops.gqakit.*`), so that a step under
+    `torch.compile` calls them as opaque ops instead of tracing into pybind functions. Eager
+    code calls the module directly (no dispatcher overhead); compiled code calls these."""
+    if "ops" in _STATE:
+        return _STATE["ops"]
+    mod = load()
+    _STATE["ops"] = None
+    if mod is None:
+        return None
+    import torch
+
+    # schemas spelled out: this module's annotations are strings (`from __future__ import annotations`)
+    @torch.library.custom_op("gqakit::panel_linear", mutates_args=(),
+                             schema="(Tensor x, Tensor packed, SymInt n, Tensor? bias) -> Tensor")
+    def panel_linear(x, packed, n, bias):
+        return mod.skinny_linear(x, packed, n, bias)
+
+    @panel_linear.register_fake
+    def _(x, packed, n, bias):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.custom_op("gqakit::decode_attention", mutates_args=(),
+                             schema="(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
+    def decode_attention(query, key, value, mask, scale):
+        return mod.decode_attention(query.contiguous(), key.contiguous(), value.contiguous(), mask.contiguous(), scale)
+
+    @decode_attention.register_fake
+    def _(query, key, value, mask, scale):
+        return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
+
+    _STATE["ops"] = torch.ops.gqakit
+    return _STATE["ops"]

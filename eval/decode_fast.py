@@ -76,16 +76,19 @@ def _fused_mask(query: Any, key: Any, attention_mask: Any) -> Any:
     return m.reshape(m.shape[0], t).expand(b, t).contiguous()
 
 
-def fused_applies(query: Any, key: Any, value: Any, attention_mask: Any) -> bool:
-    """Whether `decode_attention(..., fused=True)` runs the compiled kernel for these inputs."""
+def _fused_ok(query: Any, key: Any, value: Any) -> bool:
     import torch
 
     from gqakit.eval import cpu_kernels
 
-    return (cpu_kernels.load() is not None and not torch.compiler.is_compiling()
+    return (cpu_kernels.load() is not None
             and all(x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() for x in (query, key, value))
-            and query.shape[2] == 1 and query.shape[1] % key.shape[1] == 0
-            and _fused_mask(query, key, attention_mask) is not None)
+            and query.shape[2] == 1 and query.shape[1] % key.shape[1] == 0)
+
+
+def fused_applies(query: Any, key: Any, value: Any, attention_mask: Any) -> bool:
+    """Whether `decode_attention(..., fused=True)` runs the compiled kernel for these inputs."""
+    return _fused_ok(query, key, value) and _fused_mask(query, key, attention_mask) is not None
 
 
 def decode_attention(query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None,
@@ -100,12 +103,14 @@ def decode_attention(query: Any, key: Any, value: Any, attention_mask: Any, scal
     """
     import torch
 
-    if fused and fused_applies(query, key, value, attention_mask):
+    mask = _fused_mask(query, key, attention_mask) if fused and _fused_ok(query, key, value) else None
+    if mask is not None:
         from gqakit.eval import cpu_kernels
 
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return cpu_kernels.load().decode_attention(query, key, value, _fused_mask(query, key, attention_mask),
-                                                   float(scale))
+        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if torch.compiler.is_compiling():  # an opaque op in the compiled graph
+            return cpu_kernels.ops().decode_attention(query, key, value, mask, scale)
+        return cpu_kernels.load().decode_attention(query, key, value, mask, scale)
 
     b, h, _, d = query.shape
     g, t = key.shape[1], key.shape[2]
@@ -153,6 +158,10 @@ def packed_linears(model: Any, batch: int, kernels: Any = None) -> Iterator[int]
     """
     import torch
 
+    from gqakit.eval import cpu_kernels
+
+    if kernels is not None:
+        cpu_kernels.ops()  # registered before any compiled step traces a layer
     lin = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     saved: list[tuple[Any, Any]] = []
     extra = 0
@@ -165,6 +174,8 @@ def packed_linears(model: Any, batch: int, kernels: Any = None) -> Iterator[int]
 
                 def fwd(x: Any, _p: Any = packed, _w: Any = w, _b: Any = bias, _k: Any = kernels) -> Any:
                     if x.numel() <= SKINNY_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:
+                        if torch.compiler.is_compiling():
+                            return cpu_kernels.ops().panel_linear(x, _p, _w.shape[0], _b)
                         return _k.skinny_linear(x, _p, _w.shape[0], _b)
                     return torch.nn.functional.linear(x, _w, _b)
             else:

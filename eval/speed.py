@@ -135,7 +135,9 @@ class DecodeBench:
         # batch 1 with gqakit's compiled CPU kernels (fp32; built on first use, cached), which
         # also run the decode attention fused. Without them (no compiler, another dtype), the
         # oneDNN layout and the matmul attention; `kernel_note` says why.
-        self.pack_weights = bool(pack_weights) and can_pack(self.device, dtype) and not compile
+        # Under --compile the kernels are custom ops in the compiled graph (oneDNN's packed
+        # linear is not: inductor's lowering of it fails), so compile packs only with them.
+        self.pack_weights = bool(pack_weights) and can_pack(self.device, dtype)
         self.kernels = None
         self.kernel_note: str | None = None
         if self.pack_weights and decode_kernel == "matmul" and dtype == torch.float32:
@@ -146,6 +148,8 @@ class DecodeBench:
                 self.kernel_note = f"gqakit CPU kernels unavailable ({cpu_kernels.why_unavailable()})"
             else:
                 decode_kernel = "cpu"
+        if compile and self.kernels is None:
+            self.pack_weights = False
         set_decode_kernel(decode_kernel)
         self.decode_kernel = decode_kernel
         params = sum(p.numel() for p in model.parameters())
@@ -327,6 +331,8 @@ class DecodeBench:
     @property
     def decode_mode(self) -> str:
         if self.compiled:
+            if self.kernels is not None:
+                return "torch.compile, gqakit CPU kernels as custom ops (panel GEMM, fused decode attention)"
             return "torch.compile, weights frozen" if self.device.type == "cpu" else "torch.compile"
         if self.cuda_graphs:
             return "CUDA graph per step"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from gqakit.core.loading import load_causal_lm
 from gqakit.eval import cpu_kernels
+from gqakit.eval.attention import set_decode_kernel
 from gqakit.eval.decode_fast import can_pack, decode_attention, packed_linears
 from gqakit.eval.speed import DecodeBench
 
@@ -143,12 +146,17 @@ def test_compiled_cpu_step_decodes_the_eager_tokens(tiny_model):
         model = load_causal_lm(tiny_model("llama", num_key_value_heads=kv))
         eager = DecodeBench(model, device="cpu", dtype=torch.float32)
         comp = DecodeBench(model, device="cpu", dtype=torch.float32, compile=True)
-        assert comp.decode_mode == "torch.compile, weights frozen" and not comp.pack_weights
+        kernels = cpu_kernels.load() is not None  # then custom ops in the compiled step, weights in panels
+        assert comp.decode_mode == ("torch.compile, gqakit CPU kernels as custom ops (panel GEMM, fused decode "
+                                    "attention)" if kernels else "torch.compile, weights frozen")
+        assert comp.pack_weights == kernels
         for b, p in ((2, 8), (3, 12)):
             prompt = torch.randint(0, eager.vocab, (b, p))
             toks = []
             for bench in (eager, comp):
-                with torch.inference_mode():
+                set_decode_kernel(bench.decode_kernel)
+                packed = packed_linears(model, b, kernels=bench.kernels) if bench.kernels else contextlib.nullcontext()
+                with torch.inference_mode(), packed:
                     cache = bench._cache(b, p + 5)
                     _, tok = bench._prefill(cache, prompt)
                     out: list = []

@@ -167,6 +167,9 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
         row["speed"] = speed
         row["max_batch"] = {str(mb.prompt_len): mb.to_json() for mb in (r.speed.max_batch if r.speed else [])}
         row["attention"] = r.speed.attention.get("decode_path") if r.speed else None
+        note = r.speed.attention.get("kernel_note") if r.speed else None
+        if row["attention"] and note:  # e.g. the CPU kernels did not build here: which path ran, and why
+            row["attention"] += f" ({note})"
         if r.tasks:
             base_tasks = _task_rows(base)
             row["tasks"] = {}

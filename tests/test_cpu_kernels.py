@@ -99,3 +99,18 @@ def test_kernel_step_decodes_the_plain_tokens(kernels, tiny_model):
                 bench._decode(cache, tok, 10, 8, tokens=out)
             tokens.append(torch.cat(out, 1))
         assert torch.equal(tokens[0], tokens[1])
+
+
+def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypatch):
+    """No compiler, no ninja, or GQAKIT_NO_CPU_KERNELS: oneDNN weights and the matmul attention,
+    and the attention probe records why (what a machine without a C++ toolchain gets)."""
+    monkeypatch.setenv("GQAKIT_NO_CPU_KERNELS", "1")
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"tried": False, "mod": None, "why": None})
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    assert bench.kernels is None and bench.decode_kernel == "matmul" and bench.decode_mode == "eager"
+    assert "GQAKIT_NO_CPU_KERNELS" in bench.probe()["kernel_note"]
+    roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
+    pt = bench.run_point(2, 8, 3, 1, 0, roof)
+    assert pt.status == "ok" and pt.decode_path["attention_kernel"] == "matmul"
+    assert pt.decode_path["weights"] in ("packed once (oneDNN)", "as loaded")

@@ -24,9 +24,10 @@ On the CPU in fp32 both have a compiled counterpart (`cpu_kernels.cpp`, built on
 use): `packed_linears(..., kernels=...)` multiplies the few rows of a decode step by
 weights packed into 48-column panels, streamed once per call (oneDNN's packed weights
 reach 16 GB/s at 8 rows on the project's CPU, the panel kernel 20, a matrix-vector
-product 25; bench/bench_cpu_kernels.py), and `decode_attention(..., fused=True)` is one pass per group and cache
-chunk (scores, softmax and weighted values fused; no score tensor, no separate softmax
-over it, masked positions never read).
+product 25; `bench/bench_cpu_kernels.py`), and `decode_attention(..., fused=True)` is
+one pass per group and cache chunk (scores, softmax and weighted values fused; no score
+tensor, no separate softmax over it, masked positions never read). Under `torch.compile`
+both are called as custom ops (`cpu_kernels.ops()`).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ namespace {
 
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int v16i __attribute__((vector_size(64)));
 
 constexpr int64_t NR = 48;       // panel width: 3 vectors of 16 floats
 constexpr int64_t PREFETCH = 24;  // panel rows (of 192 bytes) ahead of the stream
@@ -91,7 +92,6 @@ void run_panel(int64_t mr, const float* x, int64_t K, const float* wp, float* y,
 // exp of 16 floats (Cephes-style: 2^n times a degree-5 polynomial on [-ln2/2, ln2/2]; a few
 // ulp). Below about -87.3 the result is 0 (so -inf, a masked score, gives 0).
 inline v16 vexp(v16 x) {
-  typedef int v16i __attribute__((vector_size(64)));
   const v16 lo = x < -87.3f ? (v16){} + 1.f : (v16){};  // 1 where the result underflows
   x = x < -87.3f ? (v16){} - 87.3f : x;
   x = x > 88.3f ? (v16){} + 88.3f : x;
@@ -111,6 +111,59 @@ inline v16 vexp(v16 x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   y = y * scale;
   return lo > 0.f ? (v16){} : y;
+}
+
+// Rows 0..rr-1 (rr <= 12) of p [rr][ldp] times V [n][Dv], value columns d0..d0+31 (fewer
+// at the end of a row), written to out (row stride W). Accumulators stay in registers over
+// the n rows of V; `prefetch` asks for V rows ahead (the first pass over a chunk).
+void value_sums(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t ldp, int64_t rr, int64_t d0,
+                float* out, int64_t W, bool prefetch) {
+  v16 a[12][2];
+  for (int i = 0; i < 12; ++i) a[i][0] = a[i][1] = (v16){};
+  const int64_t w0 = std::min<int64_t>(16, Dv - d0), w1 = std::max<int64_t>(0, std::min<int64_t>(16, Dv - d0 - 16));
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch)
+      for (int64_t d = 0; d < Dv; d += 16) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
+    const float* vj = vb + j * Dv + d0;
+    v16 v0 = (v16){}, v1 = (v16){};
+    if (w0 == 16) v0 = *reinterpret_cast<const v16u*>(vj);
+    else for (int64_t d = 0; d < w0; ++d) v0[d] = vj[d];
+    if (w1 == 16) v1 = *reinterpret_cast<const v16u*>(vj + 16);
+    else for (int64_t d = 0; d < w1; ++d) v1[d] = vj[16 + d];
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) {
+      if (i < rr) {
+        const float pv = p[i * ldp + j];
+        a[i][0] += pv * v0;
+        a[i][1] += pv * v1;
+      }
+    }
+  }
+  for (int64_t i = 0; i < rr; ++i) {
+    float* o = out + i * W + d0;
+    for (int64_t d = 0; d < w0; ++d) o[d] = a[i][0][d];
+    for (int64_t d = 0; d < w1; ++d) o[16 + d] = a[i][1][d];
+  }
+}
+
+// Lane i of the result: the sum of the 16 lanes of p[i]. Four rounds of pairwise folds
+// (two-source shuffles), 15 folds in all, instead of 16 horizontal sums.
+inline v16 fold(v16 a, v16 b, v16i lo, v16i hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
+
+inline v16 reduce16(const v16* p) {
+  const v16i l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const v16i l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const v16i l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const v16i l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) b[i] = fold(p[2 * i], p[2 * i + 1], l1, h1);
+  for (int i = 0; i < 4; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], l2, h2);
+  for (int i = 0; i < 2; ++i) d[i] = fold(c[2 * i], c[2 * i + 1], l3, h3);
+  return fold(d[0], d[1], l4, h4);
 }
 
 }  // namespace
@@ -182,6 +235,8 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
   const float sc = static_cast<float>(scale);
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool vec_d = D % 16 == 0, vec_dv = Dv % 16 == 0;
+  // 6 to 16 query rows per K/V head: one reduction tree per position instead of R sums
+  const bool tree = vec_d && R >= 6 && R <= 16;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(static_cast<size_t>(R * CHUNK));
     for (int64_t task = t0; task < t1; ++task) {
@@ -197,6 +252,18 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
         const bool skip = mb && mb[j] == ninf;
         any = any || !skip;
         for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kb + (j + 8) * D + d, 0, 3);  // ask early
+        if (tree && !skip) {  // R partial vectors, one reduction tree: lane r = score of row r
+          const float* kj = kb + j * D;
+          v16 part[16];
+          for (int i = 0; i < 16; ++i) part[i] = (v16){};
+          for (int64_t d = 0; d < D; d += 16) {
+            const v16 kv = *reinterpret_cast<const v16u*>(kj + d);
+            for (int64_t r = 0; r < R; ++r) part[r] += *reinterpret_cast<const v16u*>(qb + r * D + d) * kv;
+          }
+          const v16 dots = reduce16(part) * sc + (mb ? mb[j] : 0.f);
+          for (int64_t r = 0; r < R; ++r) s[r * CHUNK + j] = dots[r];
+          continue;
+        }
         for (int64_t r = 0; r < R; ++r) {
           float dot = 0.f;
           if (!skip) {
@@ -243,35 +310,13 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
       if (!any) continue;
       int64_t last = n;
       while (mb && last > 0 && mb[last - 1] == ninf) --last;
-      // weighted values: each V row read once for all R query rows of the group; rows of 8
-      // queries x 16 value columns accumulate in registers (masked rows have p = 0)
-      for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
-        const int64_t dw = std::min<int64_t>(16, Dv - d0);
-        for (int64_t r0 = 0; r0 < R; r0 += 8) {
-          const int64_t rr = std::min<int64_t>(8, R - r0);
-          v16 acc[8];
-          for (int i = 0; i < 8; ++i) acc[i] = (v16){};
-          for (int64_t j = 0; j < last; ++j) {
-            if (d0 == 0 && r0 == 0)
-              for (int64_t d = 0; d < Dv; d += 16) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
-            v16 vv;
-            if (dw == 16) {
-              vv = *reinterpret_cast<const v16u*>(vb + j * Dv + d0);
-            } else {
-              vv = (v16){};
-              for (int64_t d = 0; d < dw; ++d) vv[d] = vb[j * Dv + d0 + d];
-            }
-            const float* pj = s.data() + r0 * CHUNK + j;
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i)
-              if (i < rr) acc[i] += pj[i * CHUNK] * vv;
-          }
-          for (int64_t i = 0; i < rr; ++i) {
-            float* o = out + (r0 + i) * W + d0;
-            for (int64_t d = 0; d < dw; ++d) o[d] = acc[i][d];
-          }
-        }
-      }
+      // weighted values: each V row read once from memory for all R query rows of the group;
+      // up to 12 query rows x 32 value columns accumulate in registers per pass over the
+      // chunk (masked rows have p = 0), so a head size of 64 takes 2 passes
+      for (int64_t d0 = 0; d0 < Dv; d0 += 32)
+        for (int64_t r0 = 0; r0 < R; r0 += 12)
+          value_sums(vb, Dv, last, s.data() + r0 * CHUNK, CHUNK, std::min<int64_t>(12, R - r0), d0,
+                     out + r0 * W, W, d0 == 0 && r0 == 0);
     }
   });
   auto result = torch::empty({B, 1, H, Dv}, query.options());

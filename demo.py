@@ -39,7 +39,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
             # batch 8 x 512: the KV cache is a quarter of the bytes a step reads (189 of 727 MB
             # for the original), and the step is memory-bound; prefill timed once per point
             "batch": "1,8", "prompt_len": "512", "new_tokens": 16, "reps": 3, "prefill_once": True},
-    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "calib_tokens": 32_768, "refit_steps": 240,
+    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "calib_tokens": 32_768, "refit_steps": 400,
             "seq_len": 512, "micro_batch": 16,
             "batch": "1,8,32", "prompt_len": "128,1024", "new_tokens": 128, "reps": 5},
 }

@@ -33,7 +33,9 @@ The fit of one block, from the original stream x and the converted stream x':
      block frozen) minimising the relative squared error between the block's output on
      the converted stream and the original block's output on the original stream,
      seeded per layer, with a held-out guard that keeps the closed-form fit when the
-     steps do not help.
+     steps do not help. With `train` = "block" the steps also train the rest of the
+     block (MLP and norms), which the writer then takes from the stage
+     (`block_tensors`) instead of copying them from the source.
 
 Options (`refit_options`; Python API and bench --options; every key is checked):
 seq_len, batch (sequences per block forward), sample_batch (sequences per generate call
@@ -46,7 +48,9 @@ models under 20M parameters on the CPU, else float32), stream_dtype (auto = the 
 dtype), offload (auto | device | cpu | disk), checkpoint_seconds (how often, at most, the
 streams and the finished layers are saved so that an interrupted run resumes), steps
 (reconstruction steps per layer; 0 = closed-form fits only), lr (Adam's learning rate
-relative to each tensor's RMS), guard_spans (batches of sequences the guard measures on).
+relative to each tensor's RMS), guard_spans (batches of sequences the guard measures on),
+train ("attention": the steps train q, k, v and o only; "block": every weight of the
+block; a Hugging Face folder output only).
 
 Calibration text is `--calibration-data` (a text file or `hf:NAME[:CONFIG][:SPLIT]`,
 tokenised and cut into sequences) or, without it, text sampled from the source model,
@@ -83,11 +87,12 @@ DEFAULTS: dict[str, Any] = {
     "seq_len": 256, "batch": "auto", "sample_batch": 64, "q_ridge": 1e-2, "o_ridge": 3e-2, "target": "residual",
     "skip_first": 0, "row_weight": "relative", "holdout": 0.0, "dtype": "auto", "stream_dtype": "auto",
     "offload": "auto", "checkpoint_seconds": 120.0, "steps": 0, "lr": 1e-2, "guard_spans": 8,
+    "train": "attention",
 }
 CHOICES = {"target": ("residual", "local"), "row_weight": ("relative", "none"),
            "dtype": ("auto", "float32", "float64"),
            "stream_dtype": ("auto", "float32", "float64", "bfloat16", "float16"),
-           "offload": ("auto", "device", "cpu", "disk")}
+           "offload": ("auto", "device", "cpu", "disk"), "train": ("attention", "block")}
 _MIN_INT = {"seq_len": 2, "batch": 1, "sample_batch": 1, "skip_first": 0, "steps": 0, "guard_spans": 1}
 SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
 
@@ -131,7 +136,8 @@ def describe(calibration: dict[str, Any]) -> str:
     if float(opts.get("o_ridge", 0)) >= 0:
         parts.append(f"o_proj ridge refit towards the original model's {opts.get('target', 'residual')} stream")
     if calibration.get("reconstruction"):
-        parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on q, k, v and o "
+        what = "every weight of the block" if opts.get("train") == "block" else "q, k, v and o"
+        parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on {what} "
                      f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's output; each layer "
                      f"keeps whichever of the closed-form fit and the trained weights had the lower guard loss")
     return "; ".join(parts)
@@ -523,6 +529,8 @@ class RefitStage:
         # block-wise reconstruction steps per layer; none at G = KV heads (the conversion is exact)
         self.train_steps = int(self.opts["steps"]) if settings.num_kv_heads < plan.shape.num_kv_heads else 0
         self.recon: list[dict[str, Any]] = []
+        self.train_block = self.train_steps > 0 and self.opts["train"] == "block"
+        self._block_out: dict[int, dict[str, Tensor]] = {}  # trained non-attention tensors, by layer
 
     # ------------------------------------------------------------------ the stage, block by block
 
@@ -549,6 +557,8 @@ class RefitStage:
             pooled, converted = self._fit_o_proj(blk, pooled)
             if self.train_steps:
                 pooled, converted = self._reconstruct(blk, pooled)
+                if self.train_block:
+                    self._block_out[L] = blk.trained_rest()
             self._advance_converted(blk, converted)
             del converted  # the block's weights now: freed with it
             blk.free()
@@ -572,6 +582,11 @@ class RefitStage:
         }
         if self.train_steps:
             self.summary["reconstruction"] = self.recon
+
+    def block_tensors(self, L: int) -> dict[str, Tensor]:
+        """The trained non-attention tensors of layer L by source name (`train` = "block"),
+        on the CPU; each is handed over once, after layer L is yielded."""
+        return self._block_out.pop(L, {})
 
     def _prepare(self) -> int:
         """Calibration tokens, the skeleton, every block's extra inputs and the two streams
@@ -747,6 +762,9 @@ class RefitStage:
         parts = [p for p in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias") if getattr(pooled, p) is not None]
         params = {p: getattr(pooled, p).detach().to(device=self.device, dtype=self.dtype).clone().requires_grad_()
                   for p in parts}
+        rest = blk.rest_names() if self.train_block else []
+        for r in rest:  # the block's other weights, by their name in the block ("mlp.up_proj.weight")
+            params[r] = blk.block.get_parameter(r).detach().to(self.dtype).clone().requires_grad_()
         groups = [{"params": [t], "lr": float(opts["lr"]) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}
                   for t in params.values()]
         optim = torch.optim.Adam(groups)
@@ -763,7 +781,7 @@ class RefitStage:
             return calls[B]
 
         def loss_on(sl: slice, mask: Tensor, current: dict[str, Tensor]) -> Tensor:
-            heads = pooled.replace(**current)
+            heads = pooled.replace(**{p: current[p] for p in parts})
             w = write_heads(self.spec, expand_kv(heads, self.plan.shape.num_kv_heads), L, dtypes)
             args, kwargs, positional = call_of(sl.stop - sl.start)
             x = self.streams.get("new", sl, self.dtype)
@@ -771,7 +789,8 @@ class RefitStage:
                 a, k = (x, *args), kwargs
             else:
                 a, k = (), {**kwargs, "hidden_states": x}
-            out = torch.func.functional_call(blk.block, {blk.attn_rel[n]: t for n, t in w.items()}, a, k)
+            weights = {blk.attn_rel[n]: t for n, t in w.items()} | {r: current[r] for r in rest}
+            out = torch.func.functional_call(blk.block, weights, a, k)
             out = (out[0] if isinstance(out, tuple) else out).reshape(-1, self.hidden)[mask]
             y = self.streams.get("orig", sl, self.dtype).reshape(-1, self.hidden)[mask]
             return ((out - y).pow(2).sum(1) / y.pow(2).sum(1).clamp_min(1e-30)).mean()
@@ -806,6 +825,8 @@ class RefitStage:
                 self.bar.set_postfix_str(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
         self.recon.append({"layer": L, "guard_best": best, "best_step": best_at})
         del optim, sched, params, calls
+        for r in rest:  # the block keeps its trained weights for the converted stream and the writer
+            blk.block.get_parameter(r).data = best_params.pop(r)
         pooled = pooled.replace(**{p: t.to(getattr(pooled, p).dtype).cpu() for p, t in best_params.items()})
         return pooled, blk.weights(pooled)
 
@@ -881,6 +902,16 @@ class _Block:
         self.original = None
         self.stage.skeleton.free_block(self.L)
         _empty_cache(self.stage.device)
+
+    def rest_names(self) -> list[str]:
+        """The block's parameters outside its attention projections (MLP, norms), block-relative."""
+        attn = set(self.attn_rel.values())
+        return [r for r, _ in self.block.named_parameters() if r not in attn]
+
+    def trained_rest(self) -> dict[str, Tensor]:
+        """`rest_names`' current values by source tensor name, on the CPU."""
+        sk = self.stage.skeleton
+        return {sk.src(self.prefix + r): self.block.get_parameter(r).detach().cpu() for r in self.rest_names()}
 
     @property
     def q_in(self) -> Any:

@@ -36,7 +36,8 @@ from gqakit.core.errors import GqakitError
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
               help="align-refit setting, repeatable: seq_len, batch, q_ridge, o_ridge, skip_first, holdout, "
                    "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds, "
-                   "steps (block-wise reconstruction: Adam steps per layer), lr, guard_spans.")
+                   "steps (block-wise reconstruction: Adam steps per layer), lr, guard_spans, train (attention: the steps "
+                   "train q, k, v, o; block: every weight of the block, MLP and norms too; folder output only).")
 @click.option("--gguf-type", default=None, metavar="TYPE",
               help="OUT.gguf only: the GGUF type of the tensors the conversion changes (e.g. F16, Q8_0, Q4_1) "
                    "[default: each tensor's source type when the gguf package can write it, else F16]. "
@@ -65,7 +66,9 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
       gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity --calibration-data calib.txt
-      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --refit-option steps=240 --refit-option lr=0.01
+      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --refit-option steps=400 --refit-option lr=0.01
+      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity \\
+          --calibration-tokens 65536 --refit-option steps=2000 --refit-option lr=0.01 --refit-option train=block
       gqakit convert ./llama-2-7b ./llama-2-7b-g8 -g 8 --method align-refit --device cuda \\
           --calibration-data hf:wikitext:wikitext-2-raw-v1:train --calibration-tokens 131072
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16

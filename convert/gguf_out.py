@@ -304,6 +304,9 @@ def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: st
     settings = Settings(str(src.resolve()), num_kv_heads, method, grouping, "auto", "-", seed, calibration_data,
                         tokens, options or {})
     staged = check_settings(settings)  # every setting checked before anything is read or written
+    if staged and (options or {}).get("train") == "block":
+        raise GqakitError("--refit-option train=block rewrites every block's weights: convert to a model folder, "
+                          "not to GGUF (a GGUF OUT keeps the unchanged tensors' quantised bytes)")
     wanted = parse_gguf_type(gguf_type)
     dev = resolve_device(device)
     calib_file = calibration_data if calibration_data and not str(calibration_data).startswith("hf:") else None

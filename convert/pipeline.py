@@ -300,6 +300,22 @@ def check_settings(settings: Settings) -> bool:
     return staged
 
 
+def trained_block_tensors(plan: Plan, settings: Settings) -> set[str]:
+    """The pass-through tensors the calibration stage rewrites (`--refit-option train=block`
+    with reconstruction steps: each converted block's MLP and norms), which the writer
+    takes from the stage rather than from the source."""
+    if not method_spec(settings.method).needs_data or settings.num_kv_heads >= plan.shape.num_kv_heads:
+        return set()
+    from gqakit.convert.calibrate import refit_options
+
+    opts = refit_options(settings.options)
+    if opts["train"] != "block" or int(opts["steps"]) == 0:
+        return set()
+    spec = archmod.registry()[plan.family]
+    prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers))
+    return {s.name for s in plan.pass_through() if s.name.startswith(prefixes)}
+
+
 def converted_layers(opened: Opened, plan: Plan, settings: Settings, *, device: str = "cpu", progress: bool = True,
                      scratch: Path | None = None, resume_dir: Path | None = None,
                      written: Callable[[], list[str]] | None = None) -> tuple[Iterator[tuple[int, AttnHeads]], Any]:
@@ -353,13 +369,14 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
         writer = ShardWriter(tmp, plan.tensors, max_bytes, {"gqakit": gqakit.__version__},
                              written=state["written"] if state else ())
         done = set(writer.written)
+        from_stage = trained_block_tensors(plan, settings)
         try:
             planned_dtype = {p.name: p.dtype for p in plan.tensors}
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
                        disable=not progress or staged)
             # 1. every tensor the method leaves as it is, in file order
             for name in (step.name for step in plan.pass_through()):
-                if name in done:
+                if name in done or name in from_stage:
                     continue
                 raw = opened.source.raw(name)
                 if raw is not None and opened.source.meta(name)[0] == planned_dtype[name]:
@@ -382,6 +399,11 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
                         continue
                     writer.write(n, t)
                     bar.update(t.numel() * t.dtype.itemsize)
+                for n, t in (stage.block_tensors(layer).items() if from_stage else ()):
+                    if n not in from_stage:
+                        raise GqakitError(f"the calibration stage trained {n}, which the plan copies from the source")
+                    if n not in done:
+                        writer.write(n, t.to(planned_dtype[n]))
             writer.finish()
             bar.close()
         finally:

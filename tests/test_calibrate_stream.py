@@ -342,3 +342,49 @@ def test_reconstruction_is_skipped_when_nothing_is_pooled(tiny_model, one_thread
     plain, _, _, _ = _streamed(src, Settings(str(src), 4, "align-refit", calibration_tokens=256,
                                              options={"seq_len": 32}))
     _assert_same_heads(got, plain, rtol=0, atol=0)
+
+
+def test_block_training_writes_the_trained_mlp_and_norms(tiny_model, one_thread, tmp_path):
+    """`train=block`: the reconstruction steps train every weight of each block; the output
+    holds the trained MLP and norms (loaded by stock transformers), everything outside the
+    blocks stays the source's, and the drift ends below the closed form's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
+    base = {"seq_len": 32, "batch": 4, "holdout": 0.25, "lr": 1e-2, "guard_spans": 2}
+    kw = dict(calibration_tokens=1024, progress=False)
+    closed = convert_checkpoint(src, tmp_path / "closed", 1, "align-refit", options={"seq_len": 32, "batch": 4,
+                                                                                     "holdout": 0.25}, **kw)
+    attn = convert_checkpoint(src, tmp_path / "attn", 1, "align-refit", options={**base, "steps": 30}, **kw)
+    block = convert_checkpoint(src, tmp_path / "block", 1, "align-refit",
+                               options={**base, "steps": 30, "train": "block"}, **kw)
+    orig = load_file(src / "model.safetensors")
+    got = {d: load_file(d / "model.safetensors") for d in (attn, block)}
+    mlp = [n for n in orig if ".mlp." in n or "layernorm" in n]
+    outside = [n for n in orig if not n.startswith("model.layers.")]
+    assert mlp and outside
+    assert all(torch.equal(got[attn][n], orig[n]) for n in mlp + outside)
+    assert all(torch.equal(got[block][n], orig[n]) for n in outside)
+    assert sum(not torch.equal(got[block][n], orig[n]) for n in mlp) == len(mlp)
+    drift = {d: json.loads((d / "gqakit_convert.json").read_text())["calibration"]["residual_drift"][-1]
+             for d in (closed, block)}
+    assert drift[block] < drift[closed]
+    card = (block / "README.md").read_text()
+    assert "every weight of the block" in card
+    model = AutoModelForCausalLM.from_pretrained(block).eval()
+    assert model.config.num_key_value_heads == 1
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
+
+
+def test_block_training_is_refused_for_gguf_output(tmp_path):
+    from gqakit.convert.gguf_out import convert_gguf
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    with pytest.raises(GqakitError, match="train=block .* convert to a model folder"):
+        convert_gguf(src, tmp_path / "out.gguf", 1, "align-refit", options={"steps": 4, "train": "block"},
+                     progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+    with pytest.raises(GqakitError, match="align-refit option train='blocks'; choose from attention, block"):
+        refit_options({"train": "blocks"})

@@ -339,7 +339,7 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
 
 
 STEPS = [("decode", "1. Decode grid (bench/bench_decode.py)"), ("uptrain", "2. Uptrain throughput and MFU"),
-         ("convert", "3. Streamed calibrated conversion")]
+         ("convert", "3. Streamed calibrated conversion"), ("recover", "4. SmolLM2 G=1 recovery (bench/gpu_recover.py)")]
 
 
 def _read_steps(out: Path) -> dict[str, dict[str, Any]]:
@@ -439,6 +439,17 @@ def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str
     elif step == "convert":
         entry["result"] = data.get("result")
         md += _convert_md(data)
+    elif step == "recover" and data.get("ppl", {}).get("final") is not None:
+        p, w, t = data["ppl"], data["within_10_percent"], data["throughput"]
+        first = "n/a" if w["first_curve_tokens"] is None else f"{w['first_curve_tokens']:,} tokens"
+        mfu = "n/a" if t["mfu_median"] is None else f"{100 * t['mfu_median']:.1f}%"
+        entry["result"] = {"ppl": p, "within_10_percent": w, "throughput": t}
+        md += [f"{data['title']}. Perplexity by the method table's protocol; the curve is in recover.json "
+               f"and recover.png.", "",
+               "| original | converted (start) | final | within 10% | first curve point within 10% | tokens/s | MFU |",
+               "|---|---|---|---|---|---|---|",
+               f"| {p['original']:.2f} | {p['start']:.2f} | {p['final']:.2f} | {'yes' if w['final_met'] else 'no'} | "
+               f"{first} | {(t['tok_per_s_median'] or 0):,.0f} | {mfu} |", ""]
     return md
 
 

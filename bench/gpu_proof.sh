@@ -16,6 +16,10 @@
 #               speedup (bench/bench_decode.py)                                 -> decode.json
 #   3. uptrain  `gqakit uptrain`, 50 steps, random 1.1B Llama-shaped GQA model, bf16
 #               mixed precision: tokens/s and MFU from its log.jsonl           -> uptrain.json
+#   4. recover  only when GQAKIT_SMOLLM2 names the SmolLM2 GGUF (and ../shared is beside the
+#               checkout): SmolLM2 G=1 from the recommended align-refit start, uptrained
+#               until within 10% of the original (bench/gpu_recover.py), under its own limit
+#               GQAKIT_RECOVER_LIMIT_S (default 3600), outside the budget -> recover.json
 # Then OUTDIR/gpu_proof.json (everything) and OUTDIR/gpu_proof.md (a snippet for
 # docs/benchmarks.md), with OUTDIR/log.txt (all output) and OUTDIR/steps.tsv (exit codes).
 #
@@ -26,7 +30,8 @@
 # Environment: GQAKIT_PROOF_BUDGET_S (seconds for all steps; default 540 on a GPU),
 # GQAKIT_PROOF_WORK (scratch folder for models and text; default a new temporary one,
 # removed at the end; the GPU run needs about 30 GB of disk there at most),
-# GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git).
+# GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git),
+# GQAKIT_SMOLLM2, GQAKIT_RECOVER_LIMIT_S, GQAKIT_RECOVER_TOKENS (step 4; default 50,000,000 tokens).
 set -uo pipefail
 
 usage() { echo "usage: bash bench/gpu_proof.sh [--dry-run] [OUTDIR]   (OUTDIR defaults to \$OUT)" >&2; exit 2; }
@@ -35,7 +40,7 @@ OUTDIR=
 for arg in "$@"; do
   case "$arg" in
     --dry-run) PROFILE=dry ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUTDIR" ] || usage; OUTDIR=$arg ;;
   esac
@@ -47,7 +52,7 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-rm -f "$OUTDIR"/{decode,uptrain,convert,gpu_proof}.json "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
+rm -f "$OUTDIR"/{decode,uptrain,convert,recover,gpu_proof}.json "$OUTDIR"/recover.png "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
 LOG=$OUTDIR/log.txt
 : > "$LOG"
 
@@ -130,6 +135,18 @@ COMMON=(--profile "$PROFILE" --out "$OUTDIR" --work "$WORK")
 run_step convert "$LIMIT_CONVERT" "$PY" bench/gpu_convert.py "${COMMON[@]}"
 run_step decode "$LIMIT_DECODE" "$PY" bench/gpu_proof.py decode "${COMMON[@]}"
 run_step uptrain "$LIMIT_UPTRAIN" "$PY" bench/gpu_proof.py uptrain "${COMMON[@]}"
+# 4. recover: only with the SmolLM2 GGUF and ../shared's WikiText-2 at hand (issue 10; neither
+#    travels to a lent GPU machine), under its own limit, outside the budget above
+if [ -n "${GQAKIT_SMOLLM2:-}" ] && [ -f "$GQAKIT_SMOLLM2" ]; then
+  DEADLINE=$(( $(date +%s) + ${GQAKIT_RECOVER_LIMIT_S:-3600} ))
+  run_step recover "${GQAKIT_RECOVER_LIMIT_S:-3600}" "$PY" bench/gpu_recover.py --source "$GQAKIT_SMOLLM2" \
+    --out "$OUTDIR" --work "$WORK/recover" ${GQAKIT_RECOVER_TOKENS:+--tokens $GQAKIT_RECOVER_TOKENS} \
+    $([ "$PROFILE" = dry ] && echo --dry)
+else
+  printf '{"status": "skipped: GQAKIT_SMOLLM2 does not name the SmolLM2 GGUF (bench/gpu_recover.py)"}\n' > "$OUTDIR/recover.json"
+  printf 'recover\t0\t0\t0\n' >> "$OUTDIR/steps.tsv"
+  say "step recover: skipped (set GQAKIT_SMOLLM2 to the SmolLM2 GGUF to run bench/gpu_recover.py)"
+fi
 
 # ---- summary: gpu_proof.json + gpu_proof.md from what the steps wrote
 say "summary after $(( $(date +%s) - START ))s"

@@ -22,6 +22,7 @@ def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("gpu_proof")
     env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_WORK": str(out.parent / "gpu_proof_work")}
     env.pop("OUT", None)
+    env.pop("GQAKIT_SMOLLM2", None)
     r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=240)
     return out, r
@@ -34,7 +35,8 @@ def test_dry_run_finishes_and_writes_every_result(dry_run):
         assert (out / name).is_file(), name
     summary = json.loads((out / "gpu_proof.json").read_text())
     assert summary["profile"] == "dry"
-    assert set(summary["steps"]) == {"decode", "uptrain", "convert"}
+    assert set(summary["steps"]) == {"decode", "uptrain", "convert", "recover"}
+    assert summary["steps"]["recover"]["status"].startswith("skipped: GQAKIT_SMOLLM2")
     for step, s in summary["steps"].items():
         assert s["status"] == "ok" or s["status"].startswith("skipped"), (step, s)
         assert s["shell"]["rc"] == 0
@@ -91,7 +93,7 @@ def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
     res = gpu_proof.summary("gpu", tmp_path)
     st = {k: v["status"] for k, v in res["steps"].items()}
     assert st == {"decode": "timed out after 200 s", "uptrain": "failed (exit 1, in convert; see log.txt)",
-                  "convert": "not run: no time left in the budget"}
+                  "convert": "not run: no time left in the budget", "recover": "not run"}
     md = (tmp_path / "gpu_proof.md").read_text()
     assert "timed out after 200 s" in md and "Dry run" not in md
     assert json.loads((tmp_path / "gpu_proof.json").read_text())["steps"]["convert"]["file"] is None
@@ -124,3 +126,28 @@ def test_gpu_profile_is_valid_without_a_gpu(tmp_path: Path):
     biggest = max(map(int, d["batch"].split(",")))
     gqa_cache = 2 * d["layers"] * max(kvs[1:]) * head_dim * 2 * biggest * longest
     assert sum(weights(kv) for kv in kvs) + gqa_cache < 60e9
+
+
+def test_recovery_dry_run_reports_curves_and_the_10_percent_verdict(tmp_path: Path):
+    """bench/gpu_recover.py --dry: convert, uptrain and evaluate a pico model on the CPU;
+    the results hold both curves, throughput and the verdict, and the summary renders them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_recover.py"), "--dry", "--out", str(tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "recover.json").read_text())
+    assert res["status"] == "ok" and res["dry"] and (tmp_path / "recover.png").is_file()
+    assert not (tmp_path / "work").exists()  # the scratch folder is removed
+    p = res["ppl"]
+    assert all(p[k] > 1 for k in ("original", "start", "final"))
+    w = res["within_10_percent"]
+    assert w["final_met"] == (p["final"] <= 1.1 * p["original"])
+    assert len(res["loss_curve"]) >= 2 and res["ppl_curve"][0]["tokens"] == 0
+    assert [c["tokens"] for c in res["ppl_curve"]] == sorted(c["tokens"] for c in res["ppl_curve"])
+    assert res["throughput"]["tok_per_s_median"] > 0
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_proof
+
+    (tmp_path / "steps.tsv").write_text("recover\t0\t30.0\t3600\n")
+    md = gpu_proof.summary("dry", tmp_path)["markdown"]
+    assert "4. SmolLM2 G=1 recovery" in md and f"{p['final']:.2f}" in md

@@ -249,6 +249,23 @@ def steady(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def run_uptrain(cfg: dict[str, Any], cfg_path: Path, res: dict[str, Any]) -> list[dict[str, Any]]:
+    """`gqakit uptrain` on `cfg` (written to `cfg_path`); records the config and the wall time
+    in `res`, and returns the rows of the run's log.jsonl, also when the run fails."""
+    import yaml
+
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    res["config"] = cfg
+    log = Path(cfg["output"]["dir"]) / "log.jsonl"
+    t0 = time.time()
+    try:
+        run_cli(["uptrain", str(cfg_path), "--overwrite", "-q"])
+    finally:
+        res["uptrain_s"] = round(time.time() - t0, 2)
+        res["log"] = [json.loads(r) for r in log.read_text().splitlines() if r.strip()] if log.is_file() else []
+    return res["log"]
+
+
 def uptrain_config(p: dict[str, Any], model: Path, text: Path, run_dir: Path) -> dict[str, Any]:
     """The `gqakit uptrain` config of the profile: plain text, no eval, no checkpoints."""
     u = p["uptrain"]
@@ -267,7 +284,6 @@ def uptrain_config(p: dict[str, Any], model: Path, text: Path, run_dir: Path) ->
 def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
     """Random 1B Llama (MHA) -> `gqakit convert` (mean) -> `gqakit uptrain` for some tens of steps."""
     import torch
-    import yaml
 
     u, dev = p["uptrain"], p["device"]
     res: dict[str, Any] = {"status": "running", "phase": "setup", "profile": p["name"], "device": dev,
@@ -297,20 +313,12 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
     write_json(path, res)
     run_dir = work / "uptrain-run"
     cfg = uptrain_config(p, gqa, train_txt, run_dir)
-    cfg_path = work / "uptrain.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    res["config"] = cfg
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.time()
     try:
-        run_cli(["uptrain", str(cfg_path), "--overwrite", "-q"])
+        run_uptrain(cfg, work / "uptrain.yaml", res)
     finally:
-        res["uptrain_s"] = round(time.time() - t0, 2)
-        log = run_dir / "log.jsonl"
-        rows = [json.loads(r) for r in log.read_text().splitlines() if r.strip()] if log.is_file() else []
-        res["log"] = rows
-        train_rows = [r for r in rows if "tok_per_s" in r]
+        train_rows = [r for r in res.get("log", []) if "tok_per_s" in r]
         from gqakit.uptrain.trainer import _peak_flops
 
         peak = _peak_flops(torch.device(dev)) if dev.startswith("cuda") else None

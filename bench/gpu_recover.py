@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from gpu_proof import PICO, build_llama, proof_text, run_cli, run_facts, say, tokenizer, write_json  # noqa: E402
+from gpu_proof import (PICO, build_llama, proof_text, run_cli, run_facts, run_uptrain, say, steady,  # noqa: E402
+                       tokenizer, write_json)
 
 REPO = HERE.parent
 SMOL = Path.home() / ".cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,7 +101,6 @@ def main() -> None:
     ap.add_argument("--dry", action="store_true", help="a pico random model on the CPU, tiny budgets")
     args = ap.parse_args()
     import torch
-    import yaml
 
     dry = args.dry
     dev = "cpu" if dry else "cuda"
@@ -173,24 +172,15 @@ def main() -> None:
         "output": {"dir": str(run_dir), "save_every": 0},
         "logging": {"every": 5 if not dry else 1, "tensorboard": False},
     }
-    cfg_path = work / "recover.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    res["config"] = cfg
-    t0 = time.time()
     try:
-        run_cli(["uptrain", str(cfg_path), "--overwrite", "-q"])
+        run_uptrain(cfg, work / "recover.yaml", res)
     finally:
-        res["uptrain_s"] = round(time.time() - t0, 1)
-        log = run_dir / "log.jsonl"
-        rows = [json.loads(r) for r in log.read_text().splitlines() if r.strip()] if log.is_file() else []
+        rows = res.pop("log", [])
         train = [r for r in rows if "tok_per_s" in r]
         res["loss_curve"] = [{"tokens": r["tokens"], "loss": r["loss"]} for r in train]
         res["ppl_curve"] = [{"tokens": r["tokens"], "eval_ppl": r["eval_ppl"]} for r in rows if "eval_ppl" in r]
-        steady = train[1:] or train
-        res["throughput"] = {
-            "tok_per_s_median": statistics.median(r["tok_per_s"] for r in steady) if steady else None,
-            "mfu_median": statistics.median(r["mfu"] for r in steady) if steady and "mfu" in steady[0] else None,
-            "tokens_per_step": tokens_per_step}
+        res["throughput"] = {"tok_per_s_median": steady(train, "tok_per_s"), "mfu_median": steady(train, "mfu"),
+                             "tokens_per_step": tokens_per_step}
         write_json(path, res)
     final = run_dir / "model"
     res["ppl"]["final"] = perplexity(final, eval_file, dev)

@@ -63,6 +63,7 @@ class GqakitGPT2Attention(modeling_gpt2.GPT2Attention):
         self,
         hidden_states: torch.Tensor,
         past_key_values: Any = None,
+        cache: Any = None,  # transformers >= 5.24 passes the cache under this name
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
@@ -75,6 +76,7 @@ class GqakitGPT2Attention(modeling_gpt2.GPT2Attention):
         # (batch, seq, heads*D) -> (batch, heads, seq, D)
         q, k, v = (t.view(*t.shape[:-1], -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
 
+        past_key_values = cache if cache is not None else past_key_values
         if past_key_values is not None:
             if hasattr(past_key_values, "self_attention_cache"):  # EncoderDecoderCache
                 past_key_values = past_key_values.self_attention_cache

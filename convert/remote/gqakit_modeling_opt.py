@@ -58,6 +58,7 @@ class GqakitOPTAttention(modeling_opt.OPTAttention):
         self,
         hidden_states: torch.Tensor,
         past_key_values: Any = None,
+        cache: Any = None,  # transformers >= 5.24 passes the cache under this name
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         **kwargs: Any,
@@ -69,6 +70,7 @@ class GqakitOPTAttention(modeling_opt.OPTAttention):
         key_states = self.k_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
 
+        past_key_values = cache if cache is not None else past_key_values
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)  # G heads
 

@@ -232,3 +232,15 @@ def load_tokenizer(path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise GqakitError(f"cannot load the tokenizer of {path}: {_first_line(e)}") from None
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name a model's forward takes its KV cache under: `cache` from transformers 5.24
+    (which deprecates `past_key_values`, to be removed in 5.40), else `past_key_values`."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"

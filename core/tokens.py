@@ -66,8 +66,11 @@ def sample_tokens(model: Any, prompt: Sequence[int], num: int, length: int, *, t
     """
     import torch
 
+    from gqakit.core.loading import cache_kwarg
+
     dev = next(model.parameters()).device
     was_training = model.training
+    cache_kw = cache_kwarg(model)
     model.eval()
     p = len(prompt)
     cache = _new_cache(model, p + length)
@@ -76,7 +79,7 @@ def sample_tokens(model: Any, prompt: Sequence[int], num: int, length: int, *, t
     pos = torch.arange(p, device=dev)
     with torch.inference_mode():
         for i in range(length):
-            logits = model(input_ids=x, past_key_values=cache, use_cache=True, cache_position=pos).logits[:, -1].float()
+            logits = model(input_ids=x, **{cache_kw: cache}, use_cache=True, cache_position=pos).logits[:, -1].float()
             logits = logits / temperature
             if never:
                 logits[:, list(never)] = float("-inf")

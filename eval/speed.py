@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from gqakit.core.arch import loaded_shape
 from gqakit.core.device import PeakMemory, available_memory  # noqa: F401  (re-exported)
 from gqakit.core.errors import GqakitError
+from gqakit.core.loading import cache_kwarg
 from gqakit.eval.attention import SdpaSpy, describe_path, use_gqa_attention
 from gqakit.eval.records import MaxBatch, SpeedPoint, SpeedResult
 
@@ -124,6 +125,7 @@ class DecodeBench:
         from gqakit.eval.decode_fast import can_pack
 
         self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self._cache_kw = cache_kwarg(model)  # `cache` from transformers 5.24, else `past_key_values`
         self.cfg = model.config.get_text_config(decoder=True)
         shape = loaded_shape(self.cfg)
         self.heads, self.kv_heads, self.head_dim, self.layers = (shape.num_heads, shape.num_kv_heads, shape.head_dim,
@@ -203,7 +205,7 @@ class DecodeBench:
         pos = torch.arange(p, device=self.device).unsqueeze(0)
         sync(self.device)
         t0 = time.perf_counter()
-        logits = self.model(input_ids=prompt, past_key_values=cache, position_ids=pos, use_cache=True,
+        logits = self.model(input_ids=prompt, **{self._cache_kw: cache}, position_ids=pos, use_cache=True,
                             **self._keep).logits
         tok = logits[:, -1].argmax(-1, keepdim=True)
         sync(self.device)
@@ -235,9 +237,9 @@ class DecodeBench:
             pos = torch.full((1, 1), start + i, device=self.device, dtype=torch.long)
             if spy is not None and i == 0:
                 with spy:  # eager model, so the spy sees the real attention calls
-                    out = self.model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True)
+                    out = self.model(input_ids=tok, **{self._cache_kw: cache}, position_ids=pos, use_cache=True)
             else:
-                out = self.step(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True)
+                out = self.step(input_ids=tok, **{self._cache_kw: cache}, position_ids=pos, use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             if first_step is not None and i == 0:
                 sync(self.device)
@@ -279,7 +281,7 @@ class DecodeBench:
         pos = torch.zeros((1, 1), dtype=torch.long, device=self.device)
 
         def step() -> Any:
-            return self.model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True, **self._keep).logits
+            return self.model(input_ids=tok, **{self._cache_kw: cache}, position_ids=pos, use_cache=True, **self._keep).logits
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

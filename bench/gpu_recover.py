@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ def main() -> None:
     ap.add_argument("--source", type=Path, default=Path(os.environ.get("GQAKIT_SMOLLM2", SMOL)))
     ap.add_argument("--shared", type=Path, default=Path(os.environ.get("GQAKIT_SHARED", REPO.parent / "shared")))
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: OUT/work, removed at the end)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder, kept (default: a new folder in OUT, removed at the end)")
     ap.add_argument("--tokens", type=int, default=50_000_000, help="uptraining budget")
     ap.add_argument("--eval-every-tokens", type=int, default=1_000_000)
     ap.add_argument("--sample-tokens", type=int, default=8_000_000, help="teacher samples (reused each epoch)")
@@ -108,7 +109,9 @@ def main() -> None:
         sys.exit("gpu_recover.py: no CUDA device (use --dry for the CPU code path)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    work = (args.work or out / "work").resolve()
+    # scratch: --work as given (kept), else a new folder of our own in OUT (removed at the end);
+    # never an existing folder of the user's that we would then delete
+    work = args.work.resolve() if args.work else Path(tempfile.mkdtemp(prefix=".gpu_recover-", dir=out))
     work.mkdir(parents=True, exist_ok=True)
     path = out / "recover.json"
     res: dict[str, Any] = {"status": "running", "phase": "setup", "dry": dry, "device": dev, "run": run_facts(dev)}

@@ -126,6 +126,21 @@ def refit_options(options: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def train_steps(opts: dict[str, Any], kv_from: int | None = None, kv_to: int | None = None) -> int:
+    """Block-wise reconstruction steps per layer for resolved options `opts` (`refit_options`):
+    none when the conversion keeps every K/V head (kv_to >= kv_from: it is exact); with the
+    head counts unknown (None), the steps asked for."""
+    if kv_from is not None and kv_to is not None and kv_to >= kv_from:
+        return 0
+    return int(opts["steps"])
+
+
+def trains_block(opts: dict[str, Any], kv_from: int | None = None, kv_to: int | None = None) -> bool:
+    """Whether the steps train every weight of each converted block (`train=block` with steps),
+    so that the writer takes the blocks' MLP and norms from the stage, not from the source."""
+    return train_steps(opts, kv_from, kv_to) > 0 and opts["train"] == "block"
+
+
 def describe(calibration: dict[str, Any]) -> str:
     """What `align-refit` did, in one line for the model card (from its calibration record)."""
     opts = calibration.get("options", {})
@@ -527,9 +542,9 @@ class RefitStage:
         self.summary: dict[str, Any] = {}
         self.skeleton: Skeleton | None = None
         # block-wise reconstruction steps per layer; none at G = KV heads (the conversion is exact)
-        self.train_steps = int(self.opts["steps"]) if settings.num_kv_heads < plan.shape.num_kv_heads else 0
+        self.train_steps = train_steps(self.opts, plan.shape.num_kv_heads, settings.num_kv_heads)
         self.recon: list[dict[str, Any]] = []
-        self.train_block = self.train_steps > 0 and self.opts["train"] == "block"
+        self.train_block = trains_block(self.opts, plan.shape.num_kv_heads, settings.num_kv_heads)
         self._block_out: dict[int, dict[str, Tensor]] = {}  # trained non-attention tensors, by layer
 
     # ------------------------------------------------------------------ the stage, block by block

@@ -304,7 +304,9 @@ def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: st
     settings = Settings(str(src.resolve()), num_kv_heads, method, grouping, "auto", "-", seed, calibration_data,
                         tokens, options or {})
     staged = check_settings(settings)  # every setting checked before anything is read or written
-    if staged and (options or {}).get("train") == "block":
+    from gqakit.convert.calibrate import refit_options, trains_block
+
+    if staged and trains_block(refit_options(options)):  # (the source's K/V head count is not read yet)
         raise GqakitError("--refit-option train=block rewrites every block's weights: convert to a model folder, "
                           "not to GGUF (a GGUF OUT keeps the unchanged tensors' quantised bytes)")
     wanted = parse_gguf_type(gguf_type)

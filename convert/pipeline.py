@@ -304,12 +304,10 @@ def trained_block_tensors(plan: Plan, settings: Settings) -> set[str]:
     """The pass-through tensors the calibration stage rewrites (`--refit-option train=block`
     with reconstruction steps: each converted block's MLP and norms), which the writer
     takes from the stage rather than from the source."""
-    if not method_spec(settings.method).needs_data or settings.num_kv_heads >= plan.shape.num_kv_heads:
-        return set()
-    from gqakit.convert.calibrate import refit_options
+    from gqakit.convert.calibrate import refit_options, trains_block
 
-    opts = refit_options(settings.options)
-    if opts["train"] != "block" or int(opts["steps"]) == 0:
+    if not method_spec(settings.method).needs_data or not trains_block(
+            refit_options(settings.options), plan.shape.num_kv_heads, settings.num_kv_heads):
         return set()
     spec = archmod.registry()[plan.family]
     prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers))

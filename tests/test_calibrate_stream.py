@@ -386,5 +386,22 @@ def test_block_training_is_refused_for_gguf_output(tmp_path):
         convert_gguf(src, tmp_path / "out.gguf", 1, "align-refit", options={"steps": 4, "train": "block"},
                      progress=False)
     assert not (tmp_path / "out.gguf").exists()
+    # without steps train=block does nothing, so it is no reason to refuse (the fake source is)
+    with pytest.raises(GqakitError) as err:
+        convert_gguf(src, tmp_path / "out.gguf", 1, "align-refit", options={"steps": 0, "train": "block"},
+                     progress=False)
+    assert "train=block" not in str(err.value)
+    assert not (tmp_path / "out.gguf").exists()
     with pytest.raises(GqakitError, match="align-refit option train='blocks'; choose from attention, block"):
         refit_options({"train": "blocks"})
+
+
+def test_which_conversions_train_whole_blocks():
+    from gqakit.convert.calibrate import train_steps, trains_block
+
+    block = refit_options({"steps": 5, "train": "block"})
+    assert train_steps(block, 4, 2) == 5 and trains_block(block, 4, 2)
+    assert train_steps(block, 4, 4) == 0 and not trains_block(block, 4, 4)  # exact: no steps
+    assert trains_block(block)  # head counts not known yet: the steps asked for
+    assert not trains_block(refit_options({"steps": 0, "train": "block"}), 4, 2)
+    assert not trains_block(refit_options({"steps": 5}), 4, 2)

@@ -12,6 +12,7 @@ from gqakit.eval import cpu_kernels
 from gqakit.eval.attention import set_decode_kernel
 from gqakit.eval.decode_fast import decode_attention, fused_applies, packed_linears
 from gqakit.eval.speed import DecodeBench
+from reference_attention import reference_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,20 +45,16 @@ def test_skinny_linear_rejects_a_mismatched_input(kernels):
         kernels.skinny_linear(torch.randn(2, 32), torch.randn(48, 32), 48, None)
 
 
-def _reference(q, k, v, mask, scale):
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
-
-
-@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("h,kv_heads", [(8, 8), (8, 2), (8, 1), (9, 3), (9, 1), (26, 2)])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
 @pytest.mark.parametrize("t,d", [(11, 16), (700, 64), (300, 20)])
-def test_fused_decode_attention_equals_repeated_kv(kernels, kv_heads, mask_kind, t, d):
+def test_fused_decode_attention_equals_repeated_kv(kernels, h, kv_heads, mask_kind, t, d):
     """Several cache chunks (256 positions each) merged by log-sum-exp, masked positions,
-    head sizes that are and are not a multiple of the vector width."""
-    torch.manual_seed(t + kv_heads)
-    b, h = 3, 8
+    head sizes that are and are not a multiple of the vector width, 1 to 13 query rows per
+    K/V head (each scores path: per-row sums, one reduction tree, transposed keys; more
+    rows than one pass of the transposed scores holds)."""
+    torch.manual_seed(t + kv_heads + h)
+    b = 3
     q, k, v = torch.randn(b, h, 1, d), torch.randn(b, kv_heads, t, d), torch.randn(b, kv_heads, t, d)
     mask = None
     if mask_kind != "none":
@@ -68,14 +65,14 @@ def test_fused_decode_attention_equals_repeated_kv(kernels, kv_heads, mask_kind,
     assert fused_applies(q, k, v, mask)
     got = decode_attention(q, k, v, mask, 0.3, fused=True)
     assert got.shape == (b, 1, h, d)
-    torch.testing.assert_close(got, _reference(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference_attention(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_attention_falls_back_where_it_does_not_apply(kernels):
     q, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16)
     k = torch.randn(2, 9, 2, 16).transpose(1, 2)  # not contiguous: the matmul path takes it
     assert not fused_applies(q, k, v, None) and not fused_applies(q.bfloat16(), v.bfloat16(), v.bfloat16(), None)
-    torch.testing.assert_close(decode_attention(q, k, v, None, None, fused=True), _reference(q, k, v, None, None),
+    torch.testing.assert_close(decode_attention(q, k, v, None, None, fused=True), reference_attention(q, k, v, None, None),
                                rtol=1e-5, atol=1e-5)
 
 

@@ -12,16 +12,9 @@ from gqakit.eval import cpu_kernels
 from gqakit.eval.attention import set_decode_kernel
 from gqakit.eval.decode_fast import can_pack, decode_attention, packed_linears
 from gqakit.eval.speed import DecodeBench
+from reference_attention import reference_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _reference(q, k, v, mask, scale):
-    """K/V copied up to all query heads (repeat_kv), then SDPA: what GQA decode must equal."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)
 
 
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])
@@ -37,18 +30,18 @@ def test_decode_attention_equals_repeated_kv(kv_heads, mask_kind):
         mask = keep if mask_kind == "bool" else torch.zeros(b, 1, 1, t).masked_fill(~keep, float("-inf"))
     got = decode_attention(q, k, v, mask, 0.3)
     assert got.shape == (b, 1, h, d)
-    torch.testing.assert_close(got, _reference(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference_attention(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
     if mask_kind == "bool":  # the converted mask is reused for the same mask object, and not for another one
         torch.testing.assert_close(decode_attention(q, k, v, mask, 0.3), got)
         other = torch.ones_like(mask)
-        torch.testing.assert_close(decode_attention(q, k, v, other, 0.3), _reference(q, k, v, other, 0.3),
+        torch.testing.assert_close(decode_attention(q, k, v, other, 0.3), reference_attention(q, k, v, other, 0.3),
                                    rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_bf16_close_to_fp32():
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 8, 1, 32), torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
-    ref = _reference(q, k, v, None, None)
+    ref = reference_attention(q, k, v, None, None)
     got = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None).float()
     torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
 

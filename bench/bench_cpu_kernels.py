@@ -9,6 +9,13 @@ against the fused kernel, for each KV-head count given; GB/s of filled K/V.
 Random normal values (never zeros). Medians of --reps.
 
     .venv/bin/python bench/bench_cpu_kernels.py --threads 2 --out bench/results/cpu_kernels.json
+
+`--against FILE` also builds another version of the kernels' source (for example
+`git show REV:eval/cpu_kernels.cpp > /tmp/old.cpp`) and times its fused attention against
+the current one's, the two alternating call by call so that a noisy machine slows both
+alike (`--rows ""` skips the weights part):
+
+    .venv/bin/python bench/bench_cpu_kernels.py --threads 2 --rows "" --against /tmp/old.cpp --reps 15
 """
 
 from __future__ import annotations
@@ -29,6 +36,37 @@ def timed(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def timed_pair(fns: dict, reps: int) -> dict:
+    """Median seconds of each of `fns`, their calls alternating one by one after a warm-up."""
+    for fn in fns.values():
+        fn()
+    ts: dict = {n: [] for n in fns}
+    for _ in range(reps):
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in ts.items()}
+
+
+def build_other(path: str):
+    """Another version of the kernels' source, built under its own name and folder."""
+    import hashlib
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    from gqakit.eval import cpu_kernels
+
+    src = Path(path).read_bytes()
+    d = cpu_kernels.build_dir().parent / ("against-" + hashlib.sha256(src).hexdigest()[:16])
+    d.mkdir(parents=True, exist_ok=True)
+    copy = d / "against_kernels.cpp"
+    copy.write_bytes(src)
+    return load("gqakit_against_kernels", [str(copy)], build_directory=str(d),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None)
@@ -44,6 +82,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=1056)
     ap.add_argument("--filled", type=int, default=1030)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--against", default=None, metavar="FILE",
+                    help="another version of cpu_kernels.cpp whose fused attention is timed against this one")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -69,7 +109,8 @@ def main() -> None:
     out = {"device": "cpu", "dtype": "float32", "threads": torch.get_num_threads(), "weight_bytes": nbytes,
            "args": vars(args), "linear": [], "attention": []}
     print(f"{len(ws)} weight matrices, {nbytes / 1e6:.0f} MB, fp32, {torch.get_num_threads()} threads")
-    for rows in (int(x) for x in args.rows.split(",")):
+    other = build_other(args.against) if args.against else None
+    for rows in (int(x) for x in args.rows.split(",") if x.strip()):
         xs = {n: torch.randn(rows, n) for n in {s[1] for s in shapes}}
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
         paths = {
@@ -98,9 +139,20 @@ def main() -> None:
             tm = timed(lambda: [decode_attention(q, kk, v, mask, d ** -0.5, fused=fused)
                                 for q, kk, v in zip(qs, ks, vs)], args.reps)
             row[name] = {"ms": 1e3 * tm, "gb_s": kv / tm / 1e9}
-        out["attention"].append(row)
         print(f"attention, {g} KV heads ({kv / 1e6:.0f} MB): matmul {row['matmul']['ms']:.1f} ms "
               f"({row['matmul']['gb_s']:.1f} GB/s), fused {row['fused']['ms']:.1f} ms ({row['fused']['gb_s']:.1f} GB/s)")
+        if other is not None:
+            flat = mask.reshape(b, t).contiguous()
+            for q, kk, v in zip(qs[:2], ks, vs):  # the same results first
+                torch.testing.assert_close(other.decode_attention(q, kk, v, flat, d ** -0.5),
+                                           k.decode_attention(q, kk, v, flat, d ** -0.5), rtol=1e-5, atol=1e-5)
+            pair = timed_pair({n: (lambda mod=mod: [mod.decode_attention(q, kk, v, flat, d ** -0.5)
+                                                    for q, kk, v in zip(qs, ks, vs)])
+                               for n, mod in (("this", k), ("against", other))}, args.reps)
+            row["alternating"] = {n: {"ms": 1e3 * tm, "gb_s": kv / tm / 1e9} for n, tm in pair.items()}
+            print(f"  alternating with --against: this {1e3 * pair['this']:.1f} ms, against "
+                  f"{1e3 * pair['against']:.1f} ms ({pair['against'] / pair['this']:.2f}x)")
+        out["attention"].append(row)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=1)

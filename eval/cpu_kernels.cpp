@@ -14,7 +14,12 @@
 //   H/G query heads of a group read their K/V head once (scores, then the weighted sum of
 //   values) over chunks of the cache; chunks are independent tasks merged with their
 //   log-sum-exp, so batch 1 with one KV head still uses every thread. Positions the mask
-//   excludes (-inf) are skipped, and a chunk with none left is never read.
+//   excludes (-inf) are skipped, and a chunk with none left is never read. With many query
+//   rows per K/V head (a GQA conversion's 9 at batch 8 is 9 rows per head and sequence) a
+//   score per position and row with its horizontal sum is compute-bound, so from 6 rows on
+//   (AVX-512) 16 key rows at a time are transposed in registers and each query element
+//   becomes one broadcast multiply-add over 16 positions. Keys are prefetched into L2 64
+//   positions ahead: nearer, or into L1, the transposes wait on memory.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +41,9 @@ typedef int v16i __attribute__((vector_size(64)));
 
 constexpr int64_t NR = 48;       // panel width: 3 vectors of 16 floats
 constexpr int64_t PREFETCH = 24;  // panel rows (of 192 bytes) ahead of the stream
-constexpr int64_t CHUNK = 256;   // cache positions per attention task
+constexpr int64_t KEY_AHEAD = 64;  // cache positions ahead that the scores prefetch into L2
+constexpr int64_t CHUNK = 256;   // cache positions per attention task (a multiple of 16)
+constexpr int64_t TRANSPOSED_FROM = 6;  // query rows per K/V head from which scores use transposed keys
 
 inline float hsum(v16 a) {
 #ifdef __AVX512F__
@@ -166,6 +173,66 @@ inline v16 reduce16(const v16* p) {
   return fold(d[0], d[1], l4, h4);
 }
 
+#ifdef __AVX512F__
+// Scores of rr (<= 12) query rows against 16 cache positions, for a head size D (a multiple
+// of 16): the 16 key rows (stride D) are transposed in registers, 16 x 16 floats at a time,
+// into kt [D][16], so that each query element is one broadcast multiply-add over 16
+// positions: no horizontal sums. Lane j of row i's result = q_i . k_j (unscaled).
+inline void transpose16(const float* src, int64_t ld, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c]: rows 4i..4i+3 at column 4L + c of 128-bit lane L
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), vp = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    const __m512 w = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), wp = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    _mm512_store_ps(dst + c * 16, _mm512_shuffle_f32x4(v, w, 0x88));
+    _mm512_store_ps(dst + (8 + c) * 16, _mm512_shuffle_f32x4(v, w, 0xDD));
+    _mm512_store_ps(dst + (4 + c) * 16, _mm512_shuffle_f32x4(vp, wp, 0x88));
+    _mm512_store_ps(dst + (12 + c) * 16, _mm512_shuffle_f32x4(vp, wp, 0xDD));
+  }
+}
+
+// Rows 0..RR-1 of q [RR][D] times the transposed keys kt [D][16]: acc[i] lane j = q_i . k_j.
+// RR is a compile-time constant so that the accumulators stay in registers.
+template <int RR>
+void scores16(const float* kt, int64_t D, const float* q, v16* out) {
+  v16 acc[RR];
+  for (int i = 0; i < RR; ++i) acc[i] = (v16){};
+  for (int64_t d = 0; d < D; ++d) {
+    const v16 kv = *reinterpret_cast<const v16*>(kt + d * 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < RR; ++i) acc[i] += q[i * D + d] * kv;
+  }
+  for (int i = 0; i < RR; ++i) out[i] = acc[i];
+}
+
+void run_scores16(int64_t rr, const float* kt, int64_t D, const float* q, v16* out) {
+  switch (rr) {
+    case 12: scores16<12>(kt, D, q, out); break;
+    case 11: scores16<11>(kt, D, q, out); break;
+    case 10: scores16<10>(kt, D, q, out); break;
+    case 9: scores16<9>(kt, D, q, out); break;
+    case 8: scores16<8>(kt, D, q, out); break;
+    case 7: scores16<7>(kt, D, q, out); break;
+    case 6: scores16<6>(kt, D, q, out); break;
+    case 5: scores16<5>(kt, D, q, out); break;
+    case 4: scores16<4>(kt, D, q, out); break;
+    case 3: scores16<3>(kt, D, q, out); break;
+    case 2: scores16<2>(kt, D, q, out); break;
+    default: scores16<1>(kt, D, q, out); break;
+  }
+}
+#endif
+
 }  // namespace
 
 // W [N, K] (fp32) -> panels [ceil(N/48), K, 48], zero-padded past N.
@@ -235,8 +302,14 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
   const float sc = static_cast<float>(scale);
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool vec_d = D % 16 == 0, vec_dv = Dv % 16 == 0;
+#ifdef __AVX512F__
+  // from TRANSPOSED_FROM query rows per K/V head: 16 positions at a time, keys transposed
+  const bool transposed = vec_d && D <= 256 && R >= TRANSPOSED_FROM;
+#else
+  const bool transposed = false;
+#endif
   // 6 to 16 query rows per K/V head: one reduction tree per position instead of R sums
-  const bool tree = vec_d && R >= 6 && R <= 16;
+  const bool tree = !transposed && vec_d && R >= 6 && R <= 16;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(static_cast<size_t>(R * CHUNK));
     for (int64_t task = t0; task < t1; ++task) {
@@ -248,10 +321,56 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
       const float* mb = masked ? mk + b * T + lo : nullptr;
       float* out = part.data() + task * R * W;
       bool any = false;
+#ifdef __AVX512F__
+      if (transposed) {
+        alignas(64) float kt[16 * 256];  // D <= 256
+        alignas(64) float tail[16 * 256];
+        v16 acc[12];
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+          const int64_t m = std::min<int64_t>(16, n - j0);
+          v16 mv = (v16){};
+          bool live = !mb;
+          if (mb) {
+            for (int64_t j = 0; j < 16; ++j) {
+              mv[j] = j < m ? mb[j0 + j] : ninf;
+              live = live || mv[j] != ninf;
+            }
+          } else {
+            for (int64_t j = m; j < 16; ++j) mv[j] = ninf;
+          }
+          if (!live) {
+            for (int64_t r = 0; r < R; ++r)
+              for (int64_t j = 0; j < 16; ++j) s[r * CHUNK + j0 + j] = ninf;
+            continue;
+          }
+          any = true;
+          const float* src = kb + j0 * D;
+          if (m < 16) {  // the chunk's last, partial block: copy it so no row past the cache is read
+            std::memcpy(tail, src, sizeof(float) * m * D);
+            std::fill(tail + m * D, tail + 16 * D, 0.f);
+            src = tail;
+          }
+          for (int64_t d = 0; d < D; d += 16) {
+            for (int64_t j = 0; j < 16; ++j) __builtin_prefetch(src + (j + KEY_AHEAD) * D + d, 0, 2);
+            transpose16(src + d, D, kt + d * 16);
+          }
+          for (int64_t r0 = 0; r0 < R; r0 += 12) {
+            const int64_t rr = std::min<int64_t>(12, R - r0);
+            run_scores16(rr, kt, D, qb + r0 * D, acc);
+            for (int64_t i = 0; i < rr; ++i) {
+              const v16 x = acc[i] * sc + mv;
+              *reinterpret_cast<v16u*>(s.data() + (r0 + i) * CHUNK + j0) = mv == ninf ? (v16){} + ninf : x;
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < n && !transposed; ++j) {
+#else
       for (int64_t j = 0; j < n; ++j) {
+#endif
         const bool skip = mb && mb[j] == ninf;
         any = any || !skip;
-        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kb + (j + 8) * D + d, 0, 3);  // ask early
+        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kb + (j + KEY_AHEAD) * D + d, 0, 2);  // ask early
         if (tree && !skip) {  // R partial vectors, one reduction tree: lane r = score of row r
           const float* kj = kb + j * D;
           v16 part[16];

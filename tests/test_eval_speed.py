@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.loading import load_causal_lm
+from gqakit.core.loading import cache_kwarg, load_causal_lm
 from gqakit.eval.attention import gqa_sdpa_forward
 from gqakit.eval.speed import DecodeBench, SpeedSettings, evaluate_speed, parse_ints, percentile
 
@@ -49,9 +49,9 @@ def test_gqa_attention_matches_stock_sdpa(tiny_model):
         cache = StaticCache(config=model.config, max_cache_len=12)
         x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            model(input_ids=x, past_key_values=cache, position_ids=torch.arange(8)[None])
+            model(input_ids=x, **{cache_kwarg(model): cache}, position_ids=torch.arange(8)[None])
             nxt = torch.tensor([[5], [7]])
-            outs.append(model(input_ids=nxt, past_key_values=cache, position_ids=torch.tensor([[8]])).logits)
+            outs.append(model(input_ids=nxt, **{cache_kwarg(model): cache}, position_ids=torch.tensor([[8]])).logits)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
@@ -166,7 +166,7 @@ def test_graph_replay_plumbing_matches_eager_steps(tiny_model, monkeypatch):
             class Graph:
                 def replay(self):
                     t = frozen if stale else tok  # stale: the token baked in at capture
-                    logits.copy_(model(input_ids=t, past_key_values=cache, position_ids=pos, use_cache=True,
+                    logits.copy_(model(input_ids=t, **{cache_kwarg(model): cache}, position_ids=pos, use_cache=True,
                                        logits_to_keep=1).logits)
             cache.reset()
             return Graph(), tok, pos, logits

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -102,6 +103,13 @@ def main() -> None:
     ap.add_argument("--dry", action="store_true", help="a pico random model on the CPU, tiny budgets")
     args = ap.parse_args()
     import torch
+
+    # gpu_proof.sh runs this under `timeout`: its SIGTERM becomes an exception, so the
+    # `finally` blocks below still write the curves measured so far to recover.json
+    def stop(signum: int, frame: object) -> None:
+        raise TimeoutError("stopped by SIGTERM (the step's time limit)")
+
+    signal.signal(signal.SIGTERM, stop)
 
     dry = args.dry
     dev = "cpu" if dry else "cuda"

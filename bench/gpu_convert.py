@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -65,7 +66,8 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
         f"built in {source['build_s']} s; calibration text {n_tok:,} tokens")
     argv = ["convert", str(src), str(out), "-g", str(c["kv_heads"]), "--method", c["method"],
             *(["--device", device] if device is not None else []),
-            "--calibration-data", str(calib), "--calibration-tokens", str(c["calibration_tokens"]), "--overwrite", "-q"]
+            "--calibration-data", str(calib), "--calibration-tokens", str(c["calibration_tokens"]), "--overwrite",
+            *([] if os.environ.get("GQAKIT_PROOF_PROGRESS") else ["-q"])]
     phase("convert")
     cuda = torch.cuda.is_available()
     if cuda:
@@ -116,6 +118,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     args = ap.parse_args()
+    if os.environ.get("GQAKIT_PROOF_TRACE_S"):  # where a slow conversion spends its time: stacks every N s
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["GQAKIT_PROOF_TRACE_S"]), repeat=True)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     p = {**gpu_proof.PROFILES[args.profile], "name": args.profile}

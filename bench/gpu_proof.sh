@@ -27,7 +27,7 @@
 # this checkout is put on PYTHONPATH as `gqakit`. Missing dependencies (a GPU image may
 # lack pydantic) are installed from .whl/ into the scratch folder when .whl/ has wheels:
 # `bash bench/gpu_wheels.sh` fills it on a machine that reaches PyPI.
-# Environment: GQAKIT_PROOF_BUDGET_S (seconds for all steps; default 540 on a GPU),
+# Environment: GQAKIT_PROOF_BUDGET_S (seconds for all steps; default 560 on a GPU),
 # GQAKIT_PROOF_WORK (scratch folder for models and text; default a new temporary one,
 # removed at the end; the GPU run needs about 30 GB of disk there at most),
 # GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git),
@@ -59,7 +59,7 @@ LOG=$OUTDIR/log.txt
 if [ "$PROFILE" = gpu ]; then
   # convert (issue 9's measurement, the least predictable) runs first with the largest share;
   # the later steps get what is left, at most their own limit.
-  BUDGET=${GQAKIT_PROOF_BUDGET_S:-540}; LIMIT_CONVERT=300; LIMIT_DECODE=150; LIMIT_UPTRAIN=120
+  BUDGET=${GQAKIT_PROOF_BUDGET_S:-560}; LIMIT_CONVERT=380; LIMIT_DECODE=120; LIMIT_UPTRAIN=90
 else
   BUDGET=${GQAKIT_PROOF_BUDGET_S:-300}; LIMIT_DECODE=100; LIMIT_UPTRAIN=100; LIMIT_CONVERT=100
 fi

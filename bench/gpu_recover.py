@@ -57,7 +57,8 @@ def perplexity(path: Path, text_file: Path, device: str) -> float:
     from gqakit.eval.perplexity import evaluate_perplexity, read_text
 
     model = load_causal_lm(path, dtype=torch.float32).to(device)
-    res = evaluate_perplexity(model, load_tokenizer(path), read_text(str(text_file)), context=512, progress=False)
+    res = evaluate_perplexity(model, load_tokenizer(path), read_text(str(text_file)), context=512,
+                              device=device, progress=False)
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -185,6 +186,9 @@ def main() -> None:
     }
     try:
         run_uptrain(cfg, work / "recover.yaml", res)
+    except BaseException as e:  # stopped (the time limit) or failed: the curves so far still count
+        res["status"] = f"stopped during uptrain: {type(e).__name__}: {e}"[:300]
+        raise
     finally:
         rows = res.pop("log", [])
         train = [r for r in rows if "tok_per_s" in r]

@@ -5,7 +5,8 @@
 #
 # The GPU image (see docs/benchmarks.md) has torch, transformers, accelerate, click,
 # pyyaml, safetensors, tokenizers and tqdm, but not pydantic, which gqakit's config and
-# architecture tables validate with. The versions are the ones installed in .venv (a set
+# architecture tables validate with, nor gguf, which reads the SmolLM2 GGUF
+# (bench/gpu_recover.py). The versions are the ones installed in .venv (a set
 # that pip resolved together), built for CPython 3.12 on x86-64 Linux, the GPU image's
 # Python. `datasets` is not needed: uptrain reads plain text without it.
 # .whl/ is git-ignored; gpu_proof.sh installs what is in it (pip --no-index --no-deps)
@@ -16,7 +17,7 @@ PY=${PYTHON:-.venv/bin/python}
 PYVER=${WHEEL_PYTHON_VERSION:-3.12}
 SPECS=$("$PY" -c 'import importlib.metadata as m
 print(" ".join(f"{n}=={m.version(n)}" for n in ["pydantic", "pydantic-core", "annotated-types",
-                                                "typing-inspection", "typing-extensions"]))')
+                                                "typing-inspection", "typing-extensions", "gguf"]))')
 mkdir -p .whl
 echo "downloading $SPECS for CPython $PYVER, manylinux x86_64, into .whl/" >&2
 # shellcheck disable=SC2086

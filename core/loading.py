@@ -116,7 +116,9 @@ def check_weights(folder: Path) -> None:
 def _check_gguf(path: str, size: int, mtime: int) -> None:
     try:
         from gguf import GGUFReader
-
+    except ImportError:  # a dependency of gqakit, but an environment can lack it (a GPU image did)
+        raise GqakitError(f"cannot read {path}: reading GGUF needs the `gguf` package (pip install gguf)") from None
+    try:
         GGUFReader(path)
     except Exception as e:  # gguf raises ValueError, struct.error, numpy errors, ... on damage
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -619,3 +619,17 @@ def test_resume_from_the_runs_own_settings_file(world, capfd):
     assert max(json.loads(r)["step"] for r in (world / "run" / "log.jsonl").read_text().splitlines()) == 6
     # but an --overwrite from it would delete it: refused
     refused(world, ["uptrain", settings, *paths, "--overwrite", "-q"], capfd, "contains the config file")
+
+
+def test_gguf_without_the_gguf_package_says_so(world, capfd, monkeypatch):
+    """An environment without the `gguf` package (a GPU image lacked it) gets that reason,
+    not "corrupt file", and the GGUF is left as it was."""
+    import sys
+
+    from gqakit.core import loading
+
+    bad = _garbage_gguf(world / "bad.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
+    loading._check_gguf.cache_clear()
+    refused(world, ["inspect", bad], capfd, "bad.gguf", "needs the `gguf` package")
+    loading._check_gguf.cache_clear()

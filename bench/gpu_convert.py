@@ -75,6 +75,9 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     _vmhwm_reset()
+    # what the process already held (building the source leaves heap the allocator keeps): the
+    # peak below cannot fall under it, so the conversion's own share is the difference
+    rss_start = proc_bytes("/proc/self/status", "VmRSS:")
     t0 = time.perf_counter()
     gpu_proof.run_cli(argv)
     if cuda:
@@ -93,6 +96,7 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
            "wall_s": round(wall, 2), "peak_gpu_memory_allocated": peak_gpu,
            "peak_gpu_memory_reserved": int(torch.cuda.max_memory_reserved()) if cuda else None,
            "peak_host_rss": proc_bytes("/proc/self/status", "VmHWM:"),
+           "host_rss_at_start": rss_start,
            "note": ("no GPU memory was allocated in this process: did the conversion run elsewhere?"
                     if cuda and device and device.startswith("cuda") and not peak_gpu else None),
            "calibration_text_tokens": n_tok, "source": source, "output_bytes_on_disk": gpu_proof.folder_bytes(out),

@@ -62,6 +62,13 @@ PROFILES: dict[str, dict[str, Any]] = {
         # 2,048 tokens is searched with the cache and one decode step (no prefill).
         "decode": {**LLAMA2_7B, "kv_heads": "8,4", "batch": "1,16,64", "prompt_len": "512,2048",
                    "new_tokens": 32, "reps": 3, "warmup": 1, "cuda_graphs": True, "max_batch_at": 2048},
+        # The same models with the step compiled (`torch.compile(mode="reduce-overhead")`: inductor
+        # fuses the norms, rotary and activation kernels, and the step replays as a CUDA graph, the
+        # gpt-fast recipe). Session 9's graphs of eager steps ran at 55% of copy bandwidth at batch 1:
+        # ~1,300 small kernels per step. Each grid point compiles once per model, so the grid is
+        # two points, MHA against 8 KV heads (issue 13's batch-1 bandwidth and speedup targets).
+        "decode-compiled": {**LLAMA2_7B, "kv_heads": "8", "batch": "1,16", "prompt_len": "2048",
+                            "new_tokens": 32, "reps": 3, "warmup": 1, "compile": True},
         # 8,192 tokens per step keeps activations near 20 GiB next to 18 GiB of fp32
         # weights, gradients and AdamW state; 50 steps take well under a minute.
         "uptrain": {**LLAMA_1B, "kv_heads": 4, "seq_len": 2048, "micro_batch": 4, "steps": 50, "log_every": 10},
@@ -71,6 +78,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "device": "cpu", "dtype": "float32", "text_chars": 60_000, "tokenizer_vocab": 512, "tokenizer_chars": 60_000,
         "decode": {**PICO, "kv_heads": "2,1", "batch": "1,2", "prompt_len": "16,32", "new_tokens": 4,
                    "reps": 1, "warmup": 1, "cuda_graphs": True, "max_batch_at": 32},  # graphs: ignored on the CPU
+        "decode-compiled": {**PICO, "kv_heads": "2", "batch": "1", "prompt_len": "16", "new_tokens": 4,
+                            "reps": 1, "warmup": 1, "compile": True},
         "uptrain": {**PICO, "kv_heads": 2, "seq_len": 64, "micro_batch": 2, "steps": 6, "log_every": 2},
         "convert": {**PICO, "kv_heads": 2, "method": "align-refit", "calibration_tokens": 2048},
     },
@@ -219,21 +228,22 @@ def meta_parameters(folder: Path) -> int:
 # --------------------------------------------------------------------------- step 1: decode grid
 
 
-def decode_argv(p: dict[str, Any], out: Path) -> list[str]:
-    """bench/bench_decode.py's command line for the profile's grid."""
-    d = p["decode"]
+def decode_argv(p: dict[str, Any], out: Path, step: str = "decode") -> list[str]:
+    """bench/bench_decode.py's command line for the profile's grid of `step` (decode, decode-compiled)."""
+    d = p[step]
     argv = ["--hidden", d["hidden"], "--layers", d["layers"], "--heads", d["heads"],
             "--kv-heads", d["kv_heads"], "--intermediate", d["intermediate"], "--vocab", d["vocab"],
             "--batch", d["batch"], "--prompt-len", d["prompt_len"], "--new-tokens", d["new_tokens"],
             "--reps", d["reps"], "--warmup", d["warmup"], "--device", p["device"], "--dtype", p["dtype"],
-            "--out", out / "decode.json", *(["--cuda-graphs"] if d.get("cuda_graphs") else []),
+            "--out", out / f"{step.replace('-', '_')}.json", *(["--cuda-graphs"] if d.get("cuda_graphs") else []),
+            *(["--compile"] if d.get("compile") else []),
             *(["--max-batch-at", d["max_batch_at"]] if d.get("max_batch_at") else [])]
     return [str(a) for a in argv]
 
 
-def step_decode(p: dict[str, Any], out: Path, work: Path) -> None:
-    """bench/bench_decode.py with the profile's grid; it rewrites OUT/decode.json after every point."""
-    sys.argv = ["bench_decode.py", *decode_argv(p, out)]
+def step_decode(p: dict[str, Any], out: Path, work: Path, step: str = "decode") -> None:
+    """bench/bench_decode.py with the profile's grid; it rewrites OUT/<step>.json after every point."""
+    sys.argv = ["bench_decode.py", *decode_argv(p, out, step)]
     sys.path.insert(0, str(HERE))
     import bench_decode
 
@@ -347,7 +357,12 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
 
 
 STEPS = [("decode", "1. Decode grid (bench/bench_decode.py)"), ("uptrain", "2. Uptrain throughput and MFU"),
-         ("convert", "3. Streamed calibrated conversion"), ("recover", "4. SmolLM2 G=1 recovery (bench/gpu_recover.py)")]
+         ("convert", "3. Streamed calibrated conversion"), ("recover", "4. SmolLM2 G=1 recovery (bench/gpu_recover.py)"),
+         ("decode-compiled", "5. Decode, compiled step (bench/bench_decode.py --compile)")]
+
+
+def _file(step: str) -> str:
+    return f"{step.replace('-', '_')}.json"
 
 
 def _read_steps(out: Path) -> dict[str, dict[str, Any]]:
@@ -366,11 +381,13 @@ def _status(step: str, shell: dict[str, Any] | None, data: dict[str, Any] | None
         return "not run"
     if shell["rc"] == -1:
         return "not run: no time left in the budget"
+    if shell["rc"] == -2:
+        return "skipped: not in GQAKIT_PROOF_STEPS"
     if shell["rc"] in (124, 137):
         return f"timed out after {shell['limit_s']:.0f} s" + (f" (in {data['phase']})" if data and data.get("phase") else "")
     if data is None:
         return f"failed (exit {shell['rc']}, no results; see log.txt)"
-    st = str(data.get("status", "ok" if step == "decode" and data.get("complete") else "?"))
+    st = str(data.get("status", "ok" if step.startswith("decode") and data.get("complete") else "?"))
     if shell["rc"] != 0 and not st.startswith("skipped"):
         return f"failed (exit {shell['rc']}" + (f", in {data['phase']}" if data.get("phase") else "") + "; see log.txt)"
     return st
@@ -391,7 +408,7 @@ def summary(profile: str, out: Path) -> dict[str, Any]:
         md += ["**Dry run: pico models on the CPU. These numbers only show that the script works; "
                "they are not measurements.**", ""]
     for step, title in STEPS:
-        f = out / f"{step}.json"
+        f = out / _file(step)
         try:
             data = json.loads(f.read_text()) if f.is_file() else None
         except json.JSONDecodeError:
@@ -406,7 +423,7 @@ def summary(profile: str, out: Path) -> dict[str, Any]:
             md += _step_md(step, data, results["steps"][step])
         except (KeyError, TypeError, ValueError) as e:  # a partial file: say so, keep the rest of the summary
             md += [f"(results file {f.name} is incomplete: {type(e).__name__}: {e})", ""]
-    md.append("Raw numbers: gpu_proof.json, decode.json, uptrain.json, convert.json; logs: log.txt.")
+    md.append("Raw numbers: gpu_proof.json, decode.json, uptrain.json, convert.json, decode_compiled.json; logs: log.txt.")
     results["markdown"] = "\n".join(md) + "\n"
     write_json(out / "gpu_proof.json", results)
     (out / "gpu_proof.md").write_text(results["markdown"])
@@ -416,7 +433,7 @@ def summary(profile: str, out: Path) -> dict[str, Any]:
 def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str]:
     """Markdown lines for one step's results; fills `entry` (its part of gpu_proof.json)."""
     md: list[str] = []
-    if step == "decode" and data.get("rows") is not None:
+    if step.startswith("decode") and data.get("rows") is not None:
         sys.path.insert(0, str(HERE))
         import bench_decode
 
@@ -488,7 +505,7 @@ def _convert_md(data: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["decode", "uptrain", "summary"])
+    ap.add_argument("step", choices=["decode", "decode-compiled", "uptrain", "summary"])
     ap.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
     ap.add_argument("--out", type=Path, required=True, help="results folder (JSON, Markdown)")
     ap.add_argument("--work", type=Path, help="scratch folder for models and text (not for summary)")
@@ -504,7 +521,10 @@ def main() -> None:
         ap.error("--work is needed for this step")
     args.work.mkdir(parents=True, exist_ok=True)
     p = {**PROFILES[args.profile], "name": args.profile}
-    {"decode": step_decode, "uptrain": step_uptrain}[args.step](p, args.out, args.work)
+    if args.step == "uptrain":
+        step_uptrain(p, args.out, args.work)
+    else:
+        step_decode(p, args.out, args.work, args.step)
 
 
 if __name__ == "__main__":

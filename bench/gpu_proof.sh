@@ -20,6 +20,11 @@
 #               checkout): SmolLM2 G=1 from the recommended align-refit start, uptrained
 #               until within 10% of the original (bench/gpu_recover.py), under its own limit
 #               GQAKIT_RECOVER_LIMIT_S (default 3600), outside the budget -> recover.json
+#   5. decode-compiled  only when GQAKIT_PROOF_STEPS names it (a call of its own: it needs
+#               minutes of compiling): the models of step 2 with the decode step compiled
+#               (torch.compile, mode reduce-overhead: fused small kernels + CUDA graphs, the
+#               gpt-fast recipe), batch 1 and 16 at 2,048 tokens, MHA against 8 KV heads
+#                 GQAKIT_PROOF_STEPS=decode-compiled bash bench/gpu_proof.sh OUTDIR -> decode_compiled.json
 # Then OUTDIR/gpu_proof.json (everything) and OUTDIR/gpu_proof.md (a snippet for
 # docs/benchmarks.md), with OUTDIR/log.txt (all output) and OUTDIR/steps.tsv (exit codes).
 #
@@ -31,7 +36,9 @@
 # GQAKIT_PROOF_WORK (scratch folder for models and text; default a new temporary one,
 # removed at the end; the GPU run needs about 30 GB of disk there at most),
 # GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git),
-# GQAKIT_SMOLLM2, GQAKIT_RECOVER_LIMIT_S, GQAKIT_RECOVER_TOKENS (step 4; default 50,000,000 tokens).
+# GQAKIT_SMOLLM2, GQAKIT_RECOVER_LIMIT_S, GQAKIT_RECOVER_TOKENS (step 4; default 50,000,000 tokens),
+# GQAKIT_PROOF_STEPS (the steps to run, e.g. "decode-compiled" or "convert decode"; default
+# "convert decode uptrain recover"; the others are recorded as skipped).
 set -uo pipefail
 
 usage() { echo "usage: bash bench/gpu_proof.sh [--dry-run] [OUTDIR]   (OUTDIR defaults to \$OUT)" >&2; exit 2; }
@@ -40,28 +47,36 @@ OUTDIR=
 for arg in "$@"; do
   case "$arg" in
     --dry-run) PROFILE=dry ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUTDIR" ] || usage; OUTDIR=$arg ;;
   esac
 done
 OUTDIR=${OUTDIR:-${OUT:-}}
 [ -n "$OUTDIR" ] || usage
+# the steps asked for, checked before anything is written or removed
+ALL_STEPS="convert decode uptrain decode-compiled recover"
+SELECTED=" ${GQAKIT_PROOF_STEPS:-convert decode uptrain recover} "
+SELECTED=${SELECTED//,/ }
+for s in $SELECTED; do
+  case " $ALL_STEPS " in *" $s "*) ;; *) echo "gpu_proof.sh: unknown step '$s' in GQAKIT_PROOF_STEPS (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
+done
+selected() { case " $SELECTED " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-rm -f "$OUTDIR"/{decode,uptrain,convert,recover,gpu_proof}.json "$OUTDIR"/recover.png "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
+rm -f "$OUTDIR"/{decode,decode_compiled,uptrain,convert,recover,gpu_proof}.json "$OUTDIR"/recover.png "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
 LOG=$OUTDIR/log.txt
 : > "$LOG"
 
 if [ "$PROFILE" = gpu ]; then
   # convert (issue 9's measurement, the least predictable) runs first with the largest share;
   # the later steps get what is left, at most their own limit.
-  BUDGET=${GQAKIT_PROOF_BUDGET_S:-560}; LIMIT_CONVERT=380; LIMIT_DECODE=120; LIMIT_UPTRAIN=90
+  BUDGET=${GQAKIT_PROOF_BUDGET_S:-560}; LIMIT_CONVERT=380; LIMIT_DECODE=120; LIMIT_UPTRAIN=90; LIMIT_DECODE_COMPILED=540
 else
-  BUDGET=${GQAKIT_PROOF_BUDGET_S:-300}; LIMIT_DECODE=100; LIMIT_UPTRAIN=100; LIMIT_CONVERT=100
+  BUDGET=${GQAKIT_PROOF_BUDGET_S:-300}; LIMIT_DECODE=100; LIMIT_UPTRAIN=100; LIMIT_CONVERT=100; LIMIT_DECODE_COMPILED=150
 fi
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
@@ -112,6 +127,11 @@ fi
 # ---- one step: NAME LIMIT_S COMMAND...; the limit is cut to what is left of the budget
 run_step() {
   local name=$1 limit=$2; shift 2
+  if ! selected "$name"; then
+    say "step $name: skipped, not in GQAKIT_PROOF_STEPS"
+    printf '%s\t-2\t0\t%s\n' "$name" "$limit" >> "$OUTDIR/steps.tsv"
+    return
+  fi
   local left=$((DEADLINE - $(date +%s)))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 5 ]; then
@@ -135,9 +155,13 @@ COMMON=(--profile "$PROFILE" --out "$OUTDIR" --work "$WORK")
 run_step convert "$LIMIT_CONVERT" "$PY" bench/gpu_convert.py "${COMMON[@]}"
 run_step decode "$LIMIT_DECODE" "$PY" bench/gpu_proof.py decode "${COMMON[@]}"
 run_step uptrain "$LIMIT_UPTRAIN" "$PY" bench/gpu_proof.py uptrain "${COMMON[@]}"
+run_step decode-compiled "$LIMIT_DECODE_COMPILED" "$PY" bench/gpu_proof.py decode-compiled "${COMMON[@]}"
 # 4. recover: only with the SmolLM2 GGUF and ../shared's WikiText-2 at hand (issue 10; neither
 #    travels to a lent GPU machine), under its own limit, outside the budget above
-if [ -n "${GQAKIT_SMOLLM2:-}" ] && [ -f "$GQAKIT_SMOLLM2" ]; then
+if ! selected recover; then
+  printf 'recover\t-2\t0\t0\n' >> "$OUTDIR/steps.tsv"
+  say "step recover: skipped, not in GQAKIT_PROOF_STEPS"
+elif [ -n "${GQAKIT_SMOLLM2:-}" ] && [ -f "$GQAKIT_SMOLLM2" ]; then
   DEADLINE=$(( $(date +%s) + ${GQAKIT_RECOVER_LIMIT_S:-3600} ))
   run_step recover "${GQAKIT_RECOVER_LIMIT_S:-3600}" "$PY" bench/gpu_recover.py --source "$GQAKIT_SMOLLM2" \
     --out "$OUTDIR" --work "$WORK/recover" ${GQAKIT_RECOVER_TOKENS:+--tokens $GQAKIT_RECOVER_TOKENS} \

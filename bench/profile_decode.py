@@ -20,6 +20,24 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+class _Labelled:
+    """A kernel module whose calls show in the profile as `gqakit::<name>`."""
+
+    def __init__(self, mod):
+        self._mod = mod
+
+    def __getattr__(self, name):
+        import torch
+
+        fn = getattr(self._mod, name)
+
+        def call(*args):
+            with torch.profiler.record_function(f"gqakit::{name}"):
+                return fn(*args)
+
+        return call
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -45,7 +63,13 @@ def main() -> None:
     bench = DecodeBench(model, device="cpu", dtype=torch.float32, pack_weights=not args.eager,
                         decode_kernel="sdpa" if args.eager else "matmul", compile=args.compile)
     b, p = args.batch, args.prompt_len
-    pack = packed_linears(model, b) if bench.pack_weights and b > 1 else contextlib.nullcontext()
+    if bench.kernels is not None:
+        # the compiled kernels are pybind functions, which the profiler does not see: label each call
+        from gqakit.eval import cpu_kernels
+
+        cpu_kernels._STATE["mod"] = bench.kernels = _Labelled(bench.kernels)
+    pack = (packed_linears(model, b, kernels=bench.kernels) if bench.pack_weights and (b > 1 or bench.kernels is not None)
+            else contextlib.nullcontext())
     with torch.inference_mode(), pack:
         cache = bench._cache(b, p + args.steps + 2)
         for layer in cache.layers:

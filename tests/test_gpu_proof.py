@@ -35,11 +35,14 @@ def test_dry_run_finishes_and_writes_every_result(dry_run):
         assert (out / name).is_file(), name
     summary = json.loads((out / "gpu_proof.json").read_text())
     assert summary["profile"] == "dry"
-    assert set(summary["steps"]) == {"decode", "uptrain", "convert", "recover"}
+    assert set(summary["steps"]) == {"decode", "uptrain", "convert", "recover", "decode-compiled"}
     assert summary["steps"]["recover"]["status"].startswith("skipped: GQAKIT_SMOLLM2")
+    # the compiled decode step runs only when asked for (a call of its own on a GPU)
+    assert summary["steps"]["decode-compiled"]["status"] == "skipped: not in GQAKIT_PROOF_STEPS"
+    assert not (out / "decode_compiled.json").exists()
     for step, s in summary["steps"].items():
         assert s["status"] == "ok" or s["status"].startswith("skipped"), (step, s)
-        assert s["shell"]["rc"] == 0
+        assert s["shell"]["rc"] in (0, -2)
     # Every step's limit is recorded, and the budget was not the reason anything stopped.
     assert all(len(line.split("\t")) == 4 for line in (out / "steps.tsv").read_text().splitlines())
 
@@ -93,7 +96,7 @@ def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
     res = gpu_proof.summary("gpu", tmp_path)
     st = {k: v["status"] for k, v in res["steps"].items()}
     assert st == {"decode": "timed out after 200 s", "uptrain": "failed (exit 1, in convert; see log.txt)",
-                  "convert": "not run: no time left in the budget", "recover": "not run"}
+                  "convert": "not run: no time left in the budget", "recover": "not run", "decode-compiled": "not run"}
     md = (tmp_path / "gpu_proof.md").read_text()
     assert "timed out after 200 s" in md and "Dry run" not in md
     assert json.loads((tmp_path / "gpu_proof.json").read_text())["steps"]["convert"]["file"] is None
@@ -110,6 +113,10 @@ def test_gpu_profile_is_valid_without_a_gpu(tmp_path: Path):
     p = {**gpu_proof.PROFILES["gpu"], "name": "gpu"}
     args = bench_decode.parser().parse_args(gpu_proof.decode_argv(p, tmp_path))
     assert (args.device, args.dtype, args.cuda_graphs, args.kv_heads) == ("cuda", "bfloat16", True, "8,4")
+    assert not args.compile and args.out.endswith("decode.json")
+    args = bench_decode.parser().parse_args(gpu_proof.decode_argv(p, tmp_path, "decode-compiled"))
+    assert (args.device, args.dtype, args.compile, args.kv_heads, args.prompt_len) == ("cuda", "bfloat16", True, "8", "2048")
+    assert args.out.endswith("decode_compiled.json")
     cfg = load_config(gpu_proof.uptrain_config(p, tmp_path / "m", tmp_path / "t.txt", tmp_path / "run"))
     assert cfg.train.precision == "auto" and not cfg.train.cpu
     assert cfg.train.budget() // (cfg.train.seq_len * cfg.train.micro_batch) == p["uptrain"]["steps"]
@@ -151,3 +158,29 @@ def test_recovery_dry_run_reports_curves_and_the_10_percent_verdict(tmp_path: Pa
     (tmp_path / "steps.tsv").write_text("recover\t0\t30.0\t3600\n")
     md = gpu_proof.summary("dry", tmp_path)["markdown"]
     assert "4. SmolLM2 G=1 recovery" in md and f"{p['final']:.2f}" in md
+
+
+def test_compiled_decode_step_alone(tmp_path):
+    """GQAKIT_PROOF_STEPS=decode-compiled: only that step runs (the step a GPU call makes on its own)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_STEPS": "decode-compiled"}
+    env.pop("OUT", None)
+    r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = json.loads((out / "gpu_proof.json").read_text())["steps"]
+    assert steps["decode-compiled"]["status"] == "ok"
+    assert all(s["status"] == "skipped: not in GQAKIT_PROOF_STEPS" for k, s in steps.items() if k != "decode-compiled")
+    d = json.loads((out / "decode_compiled.json").read_text())
+    assert d["complete"] and d["args"]["compile"] is True
+    assert all(r["status"] == "ok" and r["compile_s"] is not None for r in d["rows"])
+    assert not (out / "decode.json").exists()
+
+
+def test_unknown_step_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_STEPS": "decode, convrt"}
+    r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown step 'convrt'" in r.stderr
+    assert not (out / "log.txt").exists()

@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--filled", type=int, default=1030)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--against", default=None, metavar="FILE",
-                    help="another version of cpu_kernels.cpp whose fused attention is timed against this one")
+                    help="another version of cpu_kernels.cpp whose panel GEMM and fused attention are timed against this one's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -126,6 +126,17 @@ def main() -> None:
         out["linear"].append(row)
         print(f"rows {rows}: " + ", ".join(f"{n} {row[n]['gb_s']:.1f} GB/s" for n in paths))
         del onednn
+        if other is not None:
+            theirs = [other.pack_weight(w) for w in ws]
+            torch.testing.assert_close(other.skinny_linear(xs[h], theirs[0], ws[0].shape[0], None),
+                                       k.skinny_linear(xs[h], panels[0], ws[0].shape[0], None), rtol=1e-5, atol=1e-5)
+            pair = timed_pair({n: (lambda mod=mod, pp=pp: [mod.skinny_linear(xs[w.shape[1]], p, w.shape[0], None)
+                                                           for w, p in zip(ws, pp)])
+                               for n, mod, pp in (("this", k, panels), ("against", other, theirs))}, args.reps)
+            row["alternating"] = {n: {"ms": 1e3 * tm, "gb_s": nbytes / tm / 1e9} for n, tm in pair.items()}
+            print(f"  alternating with --against: panels this {nbytes / pair['this'] / 1e9:.1f} GB/s, against "
+                  f"{nbytes / pair['against'] / 1e9:.1f} GB/s ({pair['against'] / pair['this']:.2f}x)")
+            del theirs
     b, t, f = args.batch, args.positions, args.filled
     for g in (int(x) for x in args.kv_heads.split(",")):
         qs = [torch.randn(b, args.heads, 1, d) for _ in range(args.layers)]

@@ -40,7 +40,7 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int v16i __attribute__((vector_size(64)));
 
 constexpr int64_t NR = 48;       // panel width: 3 vectors of 16 floats
-constexpr int64_t PREFETCH = 24;  // panel rows (of 192 bytes) ahead of the stream
+constexpr int64_t PREFETCH = 48;  // panel rows (of 192 bytes) ahead of the stream
 constexpr int64_t KEY_AHEAD = 64;  // cache positions ahead that the scores prefetch into L2
 constexpr int64_t CHUNK = 256;   // cache positions per attention task (a multiple of 16)
 constexpr int64_t TRANSPOSED_FROM = 6;  // query rows per K/V head from which scores use transposed keys
@@ -64,6 +64,8 @@ void panel(const float* x, int64_t K, const float* wp, float* y, int64_t ldy, in
     for (int j = 0; j < 3; ++j) acc[m][j] = (v16){};
   for (int64_t k = 0; k < K; ++k) {
     __builtin_prefetch(wp + (k + PREFETCH) * NR, 0, 3);
+    __builtin_prefetch(wp + (k + PREFETCH) * NR + 16, 0, 3);
+    __builtin_prefetch(wp + (k + PREFETCH) * NR + 32, 0, 3);
     const v16* w = reinterpret_cast<const v16*>(wp + k * NR);
     const v16 w0 = w[0], w1 = w[1], w2 = w[2];
 #pragma GCC unroll 8
@@ -120,11 +122,55 @@ inline v16 vexp(v16 x) {
   return lo > 0.f ? (v16){} : y;
 }
 
+// RR (a compile-time row count, so that the accumulators stay in registers and the inner
+// loop has no branches) rows of p [RR][ldp] times V [n][Dv], value columns d0..d0+31 (all
+// 32 present), written to out (row stride W). The generic `value_sums` below handles a
+// last, narrower column block; this one is where the time goes.
+template <int RR>
+void value_rows(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t ldp, int64_t d0, float* out,
+                int64_t W, bool prefetch) {
+  v16 a[RR][2];
+  for (int i = 0; i < RR; ++i) a[i][0] = a[i][1] = (v16){};
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch)
+      for (int64_t d = 0; d < Dv; d += 16) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
+    const float* vj = vb + j * Dv + d0;
+    const v16 v0 = *reinterpret_cast<const v16u*>(vj), v1 = *reinterpret_cast<const v16u*>(vj + 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < RR; ++i) {
+      const float pv = p[i * ldp + j];
+      a[i][0] += pv * v0;
+      a[i][1] += pv * v1;
+    }
+  }
+  for (int i = 0; i < RR; ++i) {
+    *reinterpret_cast<v16u*>(out + i * W + d0) = a[i][0];
+    *reinterpret_cast<v16u*>(out + i * W + d0 + 16) = a[i][1];
+  }
+}
+
 // Rows 0..rr-1 (rr <= 12) of p [rr][ldp] times V [n][Dv], value columns d0..d0+31 (fewer
 // at the end of a row), written to out (row stride W). Accumulators stay in registers over
 // the n rows of V; `prefetch` asks for V rows ahead (the first pass over a chunk).
 void value_sums(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t ldp, int64_t rr, int64_t d0,
                 float* out, int64_t W, bool prefetch) {
+  if (Dv - d0 >= 32) {
+    switch (rr) {
+      case 12: return value_rows<12>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 11: return value_rows<11>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 10: return value_rows<10>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 9: return value_rows<9>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 8: return value_rows<8>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 7: return value_rows<7>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 6: return value_rows<6>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 5: return value_rows<5>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 4: return value_rows<4>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 3: return value_rows<3>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 2: return value_rows<2>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      case 1: return value_rows<1>(vb, Dv, n, p, ldp, d0, out, W, prefetch);
+      default: break;
+    }
+  }
   v16 a[12][2];
   for (int i = 0; i < 12; ++i) a[i][0] = a[i][1] = (v16){};
   const int64_t w0 = std::min<int64_t>(16, Dv - d0), w1 = std::max<int64_t>(0, std::min<int64_t>(16, Dv - d0 - 16));

@@ -47,10 +47,11 @@ def test_skinny_linear_rejects_a_mismatched_input(kernels):
 
 @pytest.mark.parametrize("h,kv_heads", [(8, 8), (8, 2), (8, 1), (9, 3), (9, 1), (26, 2)])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
-@pytest.mark.parametrize("t,d", [(11, 16), (700, 64), (300, 20)])
+@pytest.mark.parametrize("t,d", [(11, 16), (700, 64), (300, 20), (130, 48)])
 def test_fused_decode_attention_equals_repeated_kv(kernels, h, kv_heads, mask_kind, t, d):
     """Several cache chunks (256 positions each) merged by log-sum-exp, masked positions,
-    head sizes that are and are not a multiple of the vector width, 1 to 13 query rows per
+    head sizes that are and are not a multiple of the vector width (48: one 32-column block of
+    the value sums and a narrower one), 1 to 13 query rows per
     K/V head (each scores path: per-row sums, one reduction tree, transposed keys; more
     rows than one pass of the transposed scores holds)."""
     torch.manual_seed(t + kv_heads + h)

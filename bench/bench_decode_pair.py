@@ -55,6 +55,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--both-paths", action="store_true",
                     help="each model twice, fast path and --eager (separate copies), all steps alternating: "
                          "what the fast path buys, measured in one run")
+    ap.add_argument("--layers-both", action="store_true",
+                    help="each model twice, the fast path with fused decode layers and without them (the per-op "
+                         "fast path, named '(per-op)'), all steps alternating: what the fused layers buy, in one run")
+    ap.add_argument("--no-fused-layers", action="store_true",
+                    help="the fast path without fused decode layers (one compiled call per layer)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--prefill-every-rep", action="store_true",
                     help="prefill before every repetition (default: once per point, decode repetitions rewind the cache)")
@@ -150,17 +155,22 @@ def main() -> None:
         sys.exit("bench_decode_pair: --names needs one distinct name per model")
     batches, lens = parse_ints(args.batch, "--batch"), parse_ints(args.prompt_len, "--prompt-len")
     cuda = torch.device(args.device).type == "cuda"
-    paths = [True, False] if args.both_paths else [not args.eager]
-    entries = [(n if fast else f"{n} (eager)", path, fast) for fast in paths for n, path in zip(names, args.models)]
-    base_of = {e[0]: (names[0] if e[2] else f"{names[0]} (eager)") for e in entries}
+    if args.both_paths and args.layers_both:
+        sys.exit("bench_decode_pair: --both-paths and --layers-both are two different pairings; choose one")
+    # variants: (suffix, fast path, fused layers)
+    variants = ([("", True, True), (" (eager)", False, False)] if args.both_paths
+                else [("", True, True), (" (per-op)", True, False)] if args.layers_both
+                else [("", not args.eager, not args.no_fused_layers)])
+    entries = [(n + suf, path, fast, fuse) for suf, fast, fuse in variants for n, path in zip(names, args.models)]
+    base_of = {n + suf: names[0] + suf for suf, _, _ in variants for n in names}
     names = [e[0] for e in entries]
     args.models = [e[1] for e in entries]
     benches = {}
-    for n, path, fast in entries:
+    for n, path, fast, fuse in entries:
         m = load_causal_lm(path, dtype=dtype, device=args.device)
         benches[n] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
                                  cuda_graphs=fast and cuda and not args.compile, pack_weights=fast,
-                                 decode_kernel="matmul" if fast else "sdpa")
+                                 decode_kernel="matmul" if fast else "sdpa", fuse_layers=fuse)
     data: dict[str, Any] = {
         "args": vars(args), "names": names, "baseline_of": base_of, "threads": torch.get_num_threads(),
         "probes": {n: b.probe() for n, b in benches.items()},

@@ -508,7 +508,91 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
   return result;
 }
 
+// x [B, N] -> x / rms(x) * w, row by row (fp32; LlamaRMSNorm's arithmetic).
+static torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const int64_t B = x.size(0), N = x.size(1);
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* r = xp + b * N;
+    float ss = 0.f;
+    for (int64_t i = 0; i < N; ++i) ss += r[i] * r[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + static_cast<float>(eps));
+    for (int64_t i = 0; i < N; ++i) yp[b * N + i] = wp[i] * (r[i] * inv);
+  }
+  return y;
+}
+
+// One decode step of a Llama-layout decoder layer (pre-norm RMSNorm, rotary on the two halves
+// of each head, grouped attention over a static cache, SiLU-gated MLP) in one call: what
+// transformers runs as ~60 small ops and module calls per layer, with their per-op cost.
+// x [B, hidden]; wqkv: q, k and v weights stacked and packed (N = (H + 2G) D), wgu: gate and
+// up stacked and packed (N = 2I); cos/sin [D] or [B, D]; caches [B, G, T, D], written at
+// `slot`; mask: additive [B, T]. Returns the layer's output [B, hidden].
+torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torch::Tensor wqkv,
+                           c10::optional<torch::Tensor> bqkv, torch::Tensor wo, c10::optional<torch::Tensor> bo,
+                           torch::Tensor ln2, double eps2, torch::Tensor wgu, torch::Tensor wd, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor kcache, torch::Tensor vcache, int64_t slot,
+                           torch::Tensor mask, double scale, int64_t H, int64_t I) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "decode_layer: x [B, hidden] fp32");
+  const int64_t B = x.size(0), hidden = x.size(1);
+  const int64_t G = kcache.size(1), T = kcache.size(2), D = kcache.size(3);
+  TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous() && kcache.size(0) == B && vcache.sizes() == kcache.sizes() &&
+              slot >= 0 && slot < T && H % G == 0 && D % 2 == 0, "decode_layer: caches [B, G, T, D] and a slot inside them");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() &&
+              (cos.numel() == D || cos.numel() == B * D), "decode_layer: cos/sin [D] or [B, D]");
+  auto h = rms_rows(x, ln1, eps1);
+  auto qkv = skinny_linear(h, wqkv, (H + 2 * G) * D, bqkv);  // [B, (H + 2G) D]
+  auto q = torch::empty({B, H, 1, D}, x.options());
+  {
+    const float* src = qkv.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    float* kc = kcache.data_ptr<float>();
+    float* vc = vcache.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t half = D / 2, row = (H + 2 * G) * D;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* c = cp + (cos.numel() == D ? 0 : b * D);
+      const float* sn = sp + (sin.numel() == D ? 0 : b * D);
+      const float* r = src + b * row;
+      auto rope = [&](const float* in, float* out) {  // x cos + rotate_half(x) sin
+        for (int64_t d = 0; d < half; ++d) {
+          out[d] = in[d] * c[d] - in[d + half] * sn[d];
+          out[d + half] = in[d + half] * c[d + half] + in[d] * sn[d + half];
+        }
+      };
+      for (int64_t hh = 0; hh < H; ++hh) rope(r + hh * D, qp + (b * H + hh) * D);
+      for (int64_t g = 0; g < G; ++g) {
+        rope(r + (H + g) * D, kc + ((b * G + g) * T + slot) * D);
+        std::memcpy(vc + ((b * G + g) * T + slot) * D, r + (H + G + g) * D, sizeof(float) * D);
+      }
+    }
+  }
+  auto att = decode_attention(q, kcache, vcache, mask, scale).reshape({B, H * D});
+  auto x2 = skinny_linear(att, wo, hidden, bo);
+  x2.add_(x);
+  auto h2 = rms_rows(x2, ln2, eps2);
+  auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);  // [B, 2I]: gate, then up
+  auto act = torch::empty({B, I}, x.options());
+  {
+    const float* g = gu.data_ptr<float>();
+    float* a = act.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = g[b * 2 * I + i];
+        a[b * I + i] = gv / (1.f + std::exp(-gv)) * g[b * 2 * I + I + i];
+      }
+  }
+  auto out = skinny_linear(act, wd, hidden, c10::nullopt);
+  out.add_(x2);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layer", &decode_layer, "one decode step of a Llama-layout decoder layer");
   m.def("pack_weight", &pack_weight, "pack a [N, K] fp32 weight into 48-column panels");
   m.def("skinny_linear", &skinny_linear, "x W^T (+ bias) for a few rows of x, W packed");
   m.def("decode_attention", &decode_attention, "grouped one-token attention against a KV cache");

@@ -118,7 +118,8 @@ class DecodeBench:
     """
 
     def __init__(self, model: Any, *, device: Any, dtype: Any, compile: bool = False,
-                 cuda_graphs: bool = False, pack_weights: bool = True, decode_kernel: str = "matmul") -> None:
+                 cuda_graphs: bool = False, pack_weights: bool = True, decode_kernel: str = "matmul",
+                 fuse_layers: bool = True) -> None:
         import torch
 
         from gqakit.eval.attention import set_decode_kernel
@@ -142,6 +143,12 @@ class DecodeBench:
         self.pack_weights = bool(pack_weights) and can_pack(self.device, dtype)
         self.kernels = None
         self.kernel_note: str | None = None
+        # With the kernels, eager decode steps of a Llama-layout model run one compiled call per
+        # layer (decode_layers.FusedDecode), checked against the model's own step at each point;
+        # `fused_note` says why not where it does not apply.
+        self.fuse_layers = bool(fuse_layers)
+        self.fused_note: str | None = None
+        self._fused: Any = None
         if self.pack_weights and decode_kernel == "matmul" and dtype == torch.float32:
             from gqakit.eval import cpu_kernels
 
@@ -235,7 +242,9 @@ class DecodeBench:
                 tok = g_logits[:, -1].argmax(-1, keepdim=True)
                 continue
             pos = torch.full((1, 1), start + i, device=self.device, dtype=torch.long)
-            if spy is not None and i == 0:
+            if self._fused is not None and spy is None:
+                out = self._fused(input_ids=tok, **{self._cache_kw: cache}, position_ids=pos)
+            elif spy is not None and i == 0:
                 with spy:  # eager model, so the spy sees the real attention calls
                     out = self.model(input_ids=tok, **{self._cache_kw: cache}, position_ids=pos, use_cache=True)
             else:
@@ -338,6 +347,8 @@ class DecodeBench:
             return "torch.compile, weights frozen" if self.device.type == "cpu" else "torch.compile"
         if self.cuda_graphs:
             return "CUDA graph per step"
+        if self.kernels is not None and self.fuse_layers and self.fused_note is None:
+            return "eager, gqakit CPU kernels in fused decode layers (one call per layer: panel GEMMs, fused attention)"
         return "eager, gqakit CPU kernels (panel GEMM, fused decode attention)" if self.kernels is not None else "eager"
 
     def probe(self) -> dict[str, Any]:
@@ -448,7 +459,18 @@ class DecodeBench:
         cache = self._cache(batch, prompt_len + new_tokens)
         st["kv_bytes"] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         st["packed_bytes"] = 0
-        if self.pack_weights and (batch > 1 or self.kernels is not None):
+        fused = None
+        if self.pack_weights and self.kernels is not None and not self.compiled and self.fuse_layers:
+            from gqakit.eval.decode_layers import fused_decode
+
+            fused, why = st["stack"].enter_context(fused_decode(self.model, self.kernels, self._cache, self.vocab,
+                                                                self._cache_kw))
+            self.fused_note = why
+            if fused is not None:
+                st["packed_bytes"] = fused.packed_bytes
+                self._fused = fused
+                st["stack"].callback(setattr, self, "_fused", None)
+        if fused is None and self.pack_weights and (batch > 1 or self.kernels is not None):
             st["packed_bytes"] = st["stack"].enter_context(packed_linears(self.model, batch, kernels=self.kernels))
         t0 = time.perf_counter()
         graph = self._graph_for(cache, batch, prompt_len, new_tokens)  # capture counts as warm-up
@@ -555,6 +577,9 @@ class DecodeBench:
             decode_path={"steps": mode, "weights": ("as loaded" if not packed else "packed once (gqakit panels)" if self.kernels is not None
                                       else "packed once (oneDNN)"),
                          "attention_kernel": self.decode_kernel,
+                         **({"layers": "per-op (transformers' modules)" + (f": {self.fused_note}" if self.fused_note else "")
+                             if self.fused_note or not self.fuse_layers else "fused, one compiled call per layer"}
+                            if self.kernels is not None and not self.compiled else {}),
                          "prefill": "every repetition" if len(pre) >= reps else
                          "once, decode repetitions rewind the cache"},
             decode_samples=len(dec), decode_sample="one step" if len(dec) > reps else "mean step of a repetition",

@@ -11,8 +11,10 @@ from gqakit.core.loading import load_causal_lm
 from gqakit.eval import cpu_kernels
 from gqakit.eval.attention import set_decode_kernel
 from gqakit.eval.decode_fast import decode_attention, fused_applies, packed_linears
+from gqakit.eval.decode_layers import fused_decode
 from gqakit.eval.speed import DecodeBench
 from reference_attention import reference_attention
+from tiny_models import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,3 +114,72 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
     pt = bench.run_point(2, 8, 3, 1, 0, roof)
     assert pt.status == "ok" and pt.decode_path["attention_kernel"] == "matmul"
     assert pt.decode_path["weights"] in ("packed once (oneDNN)", "as loaded")
+
+
+FUSED_FAMILIES = {"llama", "mistral", "qwen2"}  # Llama layout (Qwen2: with q/k/v biases)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tiny_model, family):
+    """One compiled call per layer (decode_layers.FusedDecode) where the layout is Llama's:
+    the same greedy tokens as the model's own step (SDPA, loaded weights), batch 1 and 3,
+    8 steps, and the same cache fill; every other family gets a reason and the per-op path."""
+    kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES else {}
+    model = load_causal_lm(tiny_model(family, **kw))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    with fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw) as (step, why):
+        if family not in FUSED_FAMILIES:
+            assert step is None and why
+            return
+        assert step is not None, why
+        for batch in (1, 3):
+            prompt = torch.randint(0, bench.vocab, (batch, 10))
+            runs = []
+            for fn in (step, None):
+                with torch.inference_mode():
+                    cache = bench._cache(batch, 10 + 8)
+                    _, tok = bench._prefill(cache, prompt)
+                    out = []
+                    for i in range(8):
+                        out.append(tok)
+                        pos = torch.full((1, 1), 10 + i)
+                        f = fn or (lambda **a: model(**a, use_cache=True))
+                        tok = f(input_ids=tok, **{bench._cache_kw: cache}, position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
+                runs.append((torch.cat(out, 1), cache))
+            assert torch.equal(runs[0][0], runs[1][0])
+            for a, b in zip(runs[0][1].layers, runs[1][1].layers):
+                assert int(a.cumulative_length) == int(b.cumulative_length) == 18
+                torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
+
+
+def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
+    roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
+    fused = DecodeBench(load_causal_lm(tiny_model("llama", num_key_value_heads=2)), device="cpu", dtype=torch.float32)
+    pt = fused.run_point(2, 8, 3, 1, 0, roof)
+    assert pt.status == "ok" and pt.decode_path["layers"] == "fused, one compiled call per layer"
+    assert "fused decode layers" in pt.decode_mode
+    other = DecodeBench(load_causal_lm(tiny_model("olmo")), device="cpu", dtype=torch.float32)
+    pt = other.run_point(2, 8, 3, 1, 0, roof)
+    assert pt.status == "ok" and pt.decode_path["layers"].startswith("per-op") and "RMSNorm" in pt.decode_path["layers"]
+    off = DecodeBench(load_causal_lm(tiny_model("llama", num_key_value_heads=2)), device="cpu", dtype=torch.float32,
+                      fuse_layers=False)
+    assert off.run_point(2, 8, 3, 1, 0, roof).decode_path["layers"] == "per-op (transformers' modules)"
+
+
+def test_a_fused_step_that_disagrees_is_not_used(kernels, tiny_model, monkeypatch):
+    """The check before use: a fused step whose logits differ (here: a wrong norm epsilon) is refused."""
+    from gqakit.eval import decode_layers
+
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    real = decode_layers.FusedDecode.__init__
+
+    def broken(self, m, k):
+        real(self, m, k)
+        for e in self.layers:
+            e.eps1 = 10.0
+
+    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", broken)
+    with fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw) as (step, why):
+        assert step is None and "other logits" in why

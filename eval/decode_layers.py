@@ -1,0 +1,173 @@
+"""A CPU decode step with one compiled call per decoder layer (Llama-layout models, fp32).
+
+What is left of an eager decode step once the weights and the KV cache stream at memory
+speed (`cpu_kernels.cpp`'s panel GEMM and fused attention) is per-op cost: transformers
+runs a layer as ~60 small ops and module calls (RMSNorm as six ops, rotary as seven per
+tensor, the cache update, reshapes, the SiLU gate), about 5 ms of SmolLM2-135M's 21-26 ms
+step at batch 8 on the project's CPU (`bench/profile_decode.py`). `FusedDecode` runs each
+layer as one call of `decode_layer` (norm, one GEMM for q/k/v stacked, rotary, the cache
+write, grouped attention, output projection, norm, one GEMM for gate/up stacked, SiLU
+gate, down projection, both residual adds), then the final norm and the LM head.
+
+It applies where a model's layers have that layout (RMSNorm modules, q/k/v/o projections,
+gate/up/down MLP with SiLU, no per-head q/k norms, no MLP biases, full attention), and it
+is checked before use: one decode step from the same cache, fused and plain, must give the
+same logits and write the same cache slot (`check`); otherwise the plain step runs and
+`why_not` says why. Used only for decode steps without a padding mask (the speed
+benchmark's); prefill stays transformers' own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+
+def _layout_problem(model: Any) -> str | None:
+    """Why `model`'s decoder layers do not have the layout `decode_layer` computes, or None."""
+    import torch
+
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
+        return "not a decoder stack with .model.layers, .rotary_emb and .norm"
+    cfg = model.config.get_text_config(decoder=True)
+    window = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or window:
+        return "sliding-window layers"
+    for layer in layers:
+        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if att is None or not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in names):
+            return "attention without q/k/v/o projections"
+        if getattr(att, "q_norm", None) is not None or getattr(att, "k_norm", None) is not None:
+            return "per-head q/k norms"
+        if mlp is None or not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "MLP without gate/up/down projections"
+        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            return "MLP biases"
+        act = getattr(mlp, "act_fn", None)
+        if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+            return "MLP activation other than SiLU"
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, n, None)
+            if norm is None or "RMSNorm" not in type(norm).__name__ or not hasattr(norm, "variance_epsilon"):
+                return f"{n} is not an RMSNorm"
+        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
+            return "decoder layer of another layout"
+    if "RMSNorm" not in type(inner.norm).__name__ or not hasattr(inner.norm, "variance_epsilon"):
+        return "final norm is not an RMSNorm"
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
+        return "not an fp32 CPU model"
+    return None
+
+
+class FusedDecode:
+    """`model`'s decode step as one `decode_layer` call per layer (see the module docstring).
+
+    Called like the model for one decode step: `step(input_ids=[B, 1], cache=..., position_ids=[1, 1])`
+    (or `past_key_values=`), returns an object with `.logits` [B, 1, vocab].
+    """
+
+    def __init__(self, model: Any, kernels: Any) -> None:
+        import torch
+
+        self.model, self.k = model, kernels
+        inner = model.model
+        self.embed, self.rotary, self.final = inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.layers = []
+        self.packed_bytes = 0
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+            bias = [x.bias for x in (a.q_proj, a.k_proj, a.v_proj)]
+            bqkv = None
+            if any(b is not None for b in bias):
+                bqkv = torch.cat([b.detach() if b is not None else torch.zeros(x.out_features)
+                                  for b, x in zip(bias, (a.q_proj, a.k_proj, a.v_proj))])
+            entry = SimpleNamespace(
+                ln1=layer.input_layernorm.weight.detach(), eps1=float(layer.input_layernorm.variance_epsilon),
+                wqkv=kernels.pack_weight(wqkv), bqkv=bqkv,
+                wo=kernels.pack_weight(a.o_proj.weight.detach()),
+                bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                ln2=layer.post_attention_layernorm.weight.detach(),
+                eps2=float(layer.post_attention_layernorm.variance_epsilon),
+                wgu=kernels.pack_weight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()),
+                wd=kernels.pack_weight(m.down_proj.weight.detach()),
+                heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features,
+                scale=float(getattr(a, "scaling", a.head_dim ** -0.5)))
+            self.layers.append(entry)
+            self.packed_bytes += sum(t.numel() * 4 for t in (entry.wqkv, entry.wo, entry.wgu, entry.wd))
+        head = model.get_output_embeddings()
+        self.head = kernels.pack_weight(head.weight.detach())
+        self.head_bias = None if getattr(head, "bias", None) is None else head.bias.detach()
+        self.vocab = head.weight.shape[0]
+        self.packed_bytes += self.head.numel() * 4
+
+    def __call__(self, input_ids: Any, cache: Any = None, past_key_values: Any = None, position_ids: Any = None,
+                 **_: Any) -> Any:
+        import torch
+
+        cache = cache if cache is not None else past_key_values
+        b = input_ids.shape[0]
+        x = self.embed(input_ids)  # [B, 1, hidden]
+        cos, sin = self.rotary(x, position_ids)  # [1, 1, D] (or [B, 1, D])
+        cos, sin = cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
+        x = x.reshape(b, -1).contiguous()
+        first = cache.layers[0]
+        slot = int(first.cumulative_length)
+        t = first.keys.shape[2]
+        mask = torch.zeros(b, t)
+        mask[:, slot + 1:] = float("-inf")  # causal: this token and everything before it
+        for e, layer in zip(self.layers, cache.layers):
+            x = self.k.decode_layer(x, e.ln1, e.eps1, e.wqkv, e.bqkv, e.wo, e.bo, e.ln2, e.eps2, e.wgu, e.wd,
+                                    cos, sin, layer.keys, layer.values, slot, mask, e.scale, e.heads, e.inter)
+            layer.cumulative_length.add_(1)
+        x = self.final(x)
+        logits = self.k.skinny_linear(x, self.head, self.vocab, self.head_bias)
+        return SimpleNamespace(logits=logits.reshape(b, 1, self.vocab))
+
+
+def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_kw: str = "past_key_values") -> str | None:
+    """One decode step both ways from the same prefilled cache: None if they agree, else why not."""
+    import torch
+
+    with torch.inference_mode():
+        b, p = 2, 5
+        prompt = torch.randint(0, vocab, (b, p))
+        caches = []
+        for _ in range(2):
+            c = cache_factory(b, p + 2)
+            model(input_ids=prompt, **{cache_kw: c}, position_ids=torch.arange(p).unsqueeze(0), use_cache=True)
+            caches.append(c)
+        tok = torch.randint(0, vocab, (b, 1))
+        pos = torch.full((1, 1), p)
+        ref = model(input_ids=tok, **{cache_kw: caches[0]}, position_ids=pos, use_cache=True).logits[:, -1]
+        got = step(input_ids=tok, past_key_values=caches[1], position_ids=pos).logits[:, -1]
+        tol = 1e-4 * max(1.0, ref.abs().max().item())
+        if not torch.allclose(got, ref, rtol=1e-4, atol=tol):
+            return f"fused layers gave other logits than the model (max difference {(got - ref).abs().max().item():.3g})"
+        for la, lb in zip(caches[0].layers, caches[1].layers):
+            if not (torch.allclose(la.keys[:, :, p], lb.keys[:, :, p], rtol=1e-4, atol=1e-4)
+                    and torch.allclose(la.values[:, :, p], lb.values[:, :, p], rtol=1e-4, atol=1e-4)
+                    and int(la.cumulative_length) == int(lb.cumulative_length)):
+                return "fused layers wrote another cache slot than the model"
+    return None
+
+
+@contextlib.contextmanager
+def fused_decode(model: Any, kernels: Any, cache_factory: Any, vocab: int,
+                 cache_kw: str = "past_key_values") -> Iterator[tuple[Any, str | None]]:
+    """Inside: (a checked `FusedDecode` for `model`, None) or (None, why it does not apply)."""
+    why = _layout_problem(model) if kernels is not None and hasattr(kernels, "decode_layer") else "no compiled kernels"
+    step = None
+    if why is None:
+        step = FusedDecode(model, kernels)
+        why = check(model, step, cache_factory, vocab, cache_kw)
+        if why is not None:
+            step = None
+    try:
+        yield step, why
+    finally:
+        step = None

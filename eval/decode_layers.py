@@ -156,10 +156,9 @@ def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_k
     return None
 
 
-@contextlib.contextmanager
-def fused_decode(model: Any, kernels: Any, cache_factory: Any, vocab: int,
-                 cache_kw: str = "past_key_values") -> Iterator[tuple[Any, str | None]]:
-    """Inside: (a checked `FusedDecode` for `model`, None) or (None, why it does not apply)."""
+def build_fused_decode(model: Any, kernels: Any, cache_factory: Any, vocab: int,
+                       cache_kw: str = "past_key_values") -> tuple[FusedDecode | None, str | None]:
+    """(A checked `FusedDecode` for `model`, None), or (None, why it does not apply)."""
     why = _layout_problem(model) if kernels is not None and hasattr(kernels, "decode_layer") else "no compiled kernels"
     step = None
     if why is None:
@@ -167,7 +166,15 @@ def fused_decode(model: Any, kernels: Any, cache_factory: Any, vocab: int,
         why = check(model, step, cache_factory, vocab, cache_kw)
         if why is not None:
             step = None
+    return step, why
+
+
+@contextlib.contextmanager
+def fused_decode(model: Any, kernels: Any, cache_factory: Any, vocab: int,
+                 cache_kw: str = "past_key_values") -> Iterator[tuple[FusedDecode | None, str | None]]:
+    """`build_fused_decode` for the length of a block (the packed weights are freed after it)."""
+    pair: tuple[FusedDecode | None, str | None] | None = build_fused_decode(model, kernels, cache_factory, vocab, cache_kw)
     try:
-        yield step, why
+        yield pair  # type: ignore[misc]
     finally:
-        step = None
+        pair = None

@@ -144,11 +144,13 @@ class DecodeBench:
         self.kernels = None
         self.kernel_note: str | None = None
         # With the kernels, eager decode steps of a Llama-layout model run one compiled call per
-        # layer (decode_layers.FusedDecode), checked against the model's own step at each point;
-        # `fused_note` says why not where it does not apply.
+        # layer (decode_layers.FusedDecode: its packed weights, built and checked against the
+        # model's own step on first use, live as long as this object); `fused_note` says why
+        # not where it does not apply.
         self.fuse_layers = bool(fuse_layers)
         self.fused_note: str | None = None
         self._fused: Any = None
+        self._fused_built: tuple[Any, str | None] | None = None
         if self.pack_weights and decode_kernel == "matmul" and dtype == torch.float32:
             from gqakit.eval import cpu_kernels
 
@@ -461,10 +463,11 @@ class DecodeBench:
         st["packed_bytes"] = 0
         fused = None
         if self.pack_weights and self.kernels is not None and not self.compiled and self.fuse_layers:
-            from gqakit.eval.decode_layers import fused_decode
+            if self._fused_built is None:  # packed and checked once per model, reused at every point
+                from gqakit.eval.decode_layers import build_fused_decode
 
-            fused, why = st["stack"].enter_context(fused_decode(self.model, self.kernels, self._cache, self.vocab,
-                                                                self._cache_kw))
+                self._fused_built = build_fused_decode(self.model, self.kernels, self._cache, self.vocab, self._cache_kw)
+            fused, why = self._fused_built
             self.fused_note = why
             if fused is not None:
                 st["packed_bytes"] = fused.packed_bytes

@@ -530,8 +530,14 @@ static torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, do
   float* yp = y.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     const float* r = xp + b * N;
-    float ss = 0.f;
-    for (int64_t i = 0; i < N; ++i) ss += r[i] * r[i];
+    v16 acc = (v16){};
+    int64_t i = 0;
+    for (; i + 16 <= N; i += 16) {
+      const v16 v = *reinterpret_cast<const v16u*>(r + i);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < N; ++i) ss += r[i] * r[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + static_cast<float>(eps));
     for (int64_t i = 0; i < N; ++i) yp[b * N + i] = wp[i] * (r[i] * inv);
   }
@@ -593,11 +599,19 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
   {
     const float* g = gu.data_ptr<float>();
     float* a = act.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < I; ++i) {
-        const float gv = g[b * 2 * I + i];
-        a[b * I + i] = gv / (1.f + std::exp(-gv)) * g[b * 2 * I + I + i];
+    // SiLU(gate) * up, 16 at a time (a scalar exp per element cost ~2 ms of SmolLM2's step)
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* gr = g + b * 2 * I;
+        float* ar = a + b * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+          const v16 gv = *reinterpret_cast<const v16u*>(gr + i), uv = *reinterpret_cast<const v16u*>(gr + I + i);
+          *reinterpret_cast<v16u*>(ar + i) = gv / (1.f + vexp(-gv)) * uv;
+        }
+        for (; i < I; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
       }
+    });
   }
   auto out = skinny_linear(act, wd, hidden, c10::nullopt);
   out.add_(x2);

@@ -132,6 +132,7 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
             assert step is None and why
             return
         assert step is not None, why
+        set_decode_kernel("sdpa")  # the reference: transformers' step with SDPA, loaded weights
         for batch in (1, 3):
             prompt = torch.randint(0, bench.vocab, (batch, 10))
             runs = []

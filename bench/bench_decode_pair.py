@@ -130,6 +130,12 @@ def markdown(data: dict[str, Any]) -> str:
                       "n/a" if sh is None else f"{100 * sh:.0f}%",
                       f"{c['predicted_speedup_no_overlap']:.2f}×" if "predicted_speedup_no_overlap" in c else ""]
         lines.append("| " + " | ".join(cells) + " |")
+    low = sorted({f"{r['model']} ({100 * r['decode_path']['packed_on_huge_pages']:.0f}%)" for r in data["rows"]
+                  if r["status"] == "ok" and r.get("decode_path", {}).get("packed_on_huge_pages", 1) < 0.5})
+    if low:
+        lines += ["", "**Warning**: packed weights mostly not on huge pages for " + ", ".join(low) + ": on the "
+                  "project's VM such a model stepped about 1.4x slower for the whole run (docs/benchmarks.md, "
+                  "session 10); its speedups here are not the kernels'."]
     lines.append("")
     lines.append(f"Models: " + "; ".join(f"{n}: `{p}`, {data['info'][n]['kv_heads']}/{data['info'][n]['heads']} KV/query heads, "
                                          f"{data['info'][n]['weight_bytes'] / 1e6:.0f} MB weights per step, "

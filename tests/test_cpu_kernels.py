@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -160,6 +161,8 @@ def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
     pt = fused.run_point(2, 8, 3, 1, 0, roof)
     assert pt.status == "ok" and pt.decode_path["layers"] == "fused, one compiled call per layer"
     assert "fused decode layers" in pt.decode_mode
+    if os.path.exists("/proc/self/smaps_rollup"):  # how much of the packed weights is on huge pages
+        assert 0.0 <= pt.decode_path["packed_on_huge_pages"] <= 1.0
     other = DecodeBench(load_causal_lm(tiny_model("olmo")), device="cpu", dtype=torch.float32)
     pt = other.run_point(2, 8, 3, 1, 0, roof)
     assert pt.status == "ok" and pt.decode_path["layers"].startswith("per-op") and "RMSNorm" in pt.decode_path["layers"]

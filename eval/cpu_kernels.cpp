@@ -162,8 +162,8 @@ void value_rows(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t 
   }
 }
 
-// value_rows<1> ... value_rows<12>, by row count - 1 (a table of plain functions: compiled
-// as separate functions, they ran 2-3% faster than instances inlined behind `with_rows`)
+// value_rows<1> ... value_rows<12>, by row count - 1 (a table of plain functions: in a scratch
+// timing they ran a few percent faster than instances inlined behind `with_rows`)
 using ValueRowsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool);
 template <int... I>
 constexpr std::array<ValueRowsFn, sizeof...(I)> value_rows_table(std::integer_sequence<int, I...>) {
@@ -276,8 +276,7 @@ void run_scores16(int64_t rr, const float* kt, int64_t D, const float* q, v16* o
 
 // A zeroed fp32 buffer of n floats. From 2 MiB up it is aligned to 2 MiB and advised as
 // huge pages (Linux; "madvise" is the common transparent-huge-page setting), so streaming a
-// step's weights walks a few hundred TLB entries instead of a hundred thousand: with 4 KiB
-// pages the same panels ran a decode step up to 1.4x slower from one allocation to the next.
+// step's weights walks a few hundred TLB entries instead of a hundred thousand.
 static torch::Tensor huge_zeros(int64_t n) {
   const size_t bytes = static_cast<size_t>(n) * sizeof(float), align = size_t(1) << 21;
 #ifdef __linux__
@@ -599,7 +598,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
   {
     const float* g = gu.data_ptr<float>();
     float* a = act.data_ptr<float>();
-    // SiLU(gate) * up, 16 at a time (a scalar exp per element cost ~2 ms of SmolLM2's step)
+    // SiLU(gate) * up, 16 at a time
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const float* gr = g + b * 2 * I;

@@ -19,9 +19,8 @@ benchmark's); prefill stays transformers' own.
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 
 def _layout_problem(model: Any) -> str | None:
@@ -54,8 +53,6 @@ def _layout_problem(model: Any) -> str | None:
             norm = getattr(layer, n, None)
             if norm is None or "RMSNorm" not in type(norm).__name__ or not hasattr(norm, "variance_epsilon"):
                 return f"{n} is not an RMSNorm"
-        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
-            return "decoder layer of another layout"
     if "RMSNorm" not in type(inner.norm).__name__ or not hasattr(inner.norm, "variance_epsilon"):
         return "final norm is not an RMSNorm"
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
@@ -167,14 +164,3 @@ def build_fused_decode(model: Any, kernels: Any, cache_factory: Any, vocab: int,
         if why is not None:
             step = None
     return step, why
-
-
-@contextlib.contextmanager
-def fused_decode(model: Any, kernels: Any, cache_factory: Any, vocab: int,
-                 cache_kw: str = "past_key_values") -> Iterator[tuple[FusedDecode | None, str | None]]:
-    """`build_fused_decode` for the length of a block (the packed weights are freed after it)."""
-    pair: tuple[FusedDecode | None, str | None] | None = build_fused_decode(model, kernels, cache_factory, vocab, cache_kw)
-    try:
-        yield pair  # type: ignore[misc]
-    finally:
-        pair = None

@@ -148,9 +148,7 @@ class DecodeBench:
         # model's own step on first use, live as long as this object); `fused_note` says why
         # not where it does not apply.
         self.fuse_layers = bool(fuse_layers)
-        self.fused_note: str | None = None
-        self._fused: Any = None
-        self._fused_built: tuple[Any, str | None] | None = None
+        self._fused_built: tuple[Any, str | None] | None = None  # (FusedDecode or None, why not)
         self.fused_huge_fraction: float | None = None
         if self.pack_weights and decode_kernel == "matmul" and dtype == torch.float32:
             from gqakit.eval import cpu_kernels
@@ -343,6 +341,16 @@ class DecodeBench:
             return None
 
     @property
+    def _fused(self) -> Any:
+        """The checked fused step once built (at the first grid point), else None."""
+        return None if self._fused_built is None else self._fused_built[0]
+
+    @property
+    def fused_note(self) -> str | None:
+        """Why the fused step does not apply, once that is known."""
+        return None if self._fused_built is None else self._fused_built[1]
+
+    @property
     def decode_mode(self) -> str:
         if self.compiled:
             if self.kernels is not None:
@@ -474,12 +482,9 @@ class DecodeBench:
                     # how much of the packed weights the kernel put on huge pages: on the project's
                     # VM a model whose panels stayed on 4 KiB pages stepped ~1.4x slower
                     self.fused_huge_fraction = min(1.0, max(0, after - before) / self._fused_built[0].packed_bytes)
-            fused, why = self._fused_built
-            self.fused_note = why
+            fused = self._fused
             if fused is not None:
                 st["packed_bytes"] = fused.packed_bytes
-                self._fused = fused
-                st["stack"].callback(setattr, self, "_fused", None)
         if fused is None and self.pack_weights and (batch > 1 or self.kernels is not None):
             st["packed_bytes"] = st["stack"].enter_context(packed_linears(self.model, batch, kernels=self.kernels))
         t0 = time.perf_counter()
@@ -582,17 +587,20 @@ class DecodeBench:
         t_bytes = bytes_step / roof["copy_bandwidth"]
         t_flops = flops_step / roof["matmul_flops"] if roof.get("matmul_flops") else None
         mode = "CUDA graph per step" if graph_used else self.decode_mode
+        layers: dict[str, Any] = {}
+        if self.kernels is not None and not self.compiled:
+            if self._fused is not None:
+                layers["layers"] = "fused, one compiled call per layer"
+                if self.fused_huge_fraction is not None:
+                    layers["packed_on_huge_pages"] = round(self.fused_huge_fraction, 3)
+            else:
+                layers["layers"] = "per-op (transformers' modules)" + (f": {self.fused_note}" if self.fused_note else "")
         return SpeedPoint(
             **point, status="ok", decode_mode=mode,
             decode_path={"steps": mode, "weights": ("as loaded" if not packed else "packed once (gqakit panels)" if self.kernels is not None
                                       else "packed once (oneDNN)"),
                          "attention_kernel": self.decode_kernel,
-                         **({"layers": "per-op (transformers' modules)" + (f": {self.fused_note}" if self.fused_note else "")
-                             if self.fused_note or not self.fuse_layers else "fused, one compiled call per layer"}
-                            if self.kernels is not None and not self.compiled else {}),
-                         **({"packed_on_huge_pages": round(self.fused_huge_fraction, 3)}
-                            if self.fused_huge_fraction is not None and self.fused_note is None and self.fuse_layers
-                            and self.kernels is not None and not self.compiled else {}),
+                         **layers,
                          "prefill": "every repetition" if len(pre) >= reps else
                          "once, decode repetitions rewind the cache"},
             decode_samples=len(dec), decode_sample="one step" if len(dec) > reps else "mean step of a repetition",

@@ -12,7 +12,7 @@ from gqakit.core.loading import load_causal_lm
 from gqakit.eval import cpu_kernels
 from gqakit.eval.attention import set_decode_kernel
 from gqakit.eval.decode_fast import decode_attention, fused_applies, packed_linears
-from gqakit.eval.decode_layers import fused_decode
+from gqakit.eval.decode_layers import build_fused_decode
 from gqakit.eval.speed import DecodeBench
 from reference_attention import reference_attention
 from tiny_models import FAMILIES
@@ -128,31 +128,31 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
     kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES else {}
     model = load_causal_lm(tiny_model(family, **kw))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    with fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw) as (step, why):
-        if family not in FUSED_FAMILIES:
-            assert step is None and why
-            return
-        assert step is not None, why
-        set_decode_kernel("sdpa")  # the reference: transformers' step with SDPA, loaded weights
-        for batch in (1, 3):
-            prompt = torch.randint(0, bench.vocab, (batch, 10))
-            runs = []
-            for fn in (step, None):
-                with torch.inference_mode():
-                    cache = bench._cache(batch, 10 + 8)
-                    _, tok = bench._prefill(cache, prompt)
-                    out = []
-                    for i in range(8):
-                        out.append(tok)
-                        pos = torch.full((1, 1), 10 + i)
-                        f = fn or (lambda **a: model(**a, use_cache=True))
-                        tok = f(input_ids=tok, **{bench._cache_kw: cache}, position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
-                runs.append((torch.cat(out, 1), cache))
-            assert torch.equal(runs[0][0], runs[1][0])
-            for a, b in zip(runs[0][1].layers, runs[1][1].layers):
-                assert int(a.cumulative_length) == int(b.cumulative_length) == 18
-                torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    if family not in FUSED_FAMILIES:
+        assert step is None and why
+        return
+    assert step is not None, why
+    set_decode_kernel("sdpa")  # the reference: transformers' step with SDPA, loaded weights
+    for batch in (1, 3):
+        prompt = torch.randint(0, bench.vocab, (batch, 10))
+        runs = []
+        for fn in (step, None):
+            with torch.inference_mode():
+                cache = bench._cache(batch, 10 + 8)
+                _, tok = bench._prefill(cache, prompt)
+                out = []
+                for i in range(8):
+                    out.append(tok)
+                    pos = torch.full((1, 1), 10 + i)
+                    f = fn or (lambda **a: model(**a, use_cache=True))
+                    tok = f(input_ids=tok, **{bench._cache_kw: cache}, position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
+            runs.append((torch.cat(out, 1), cache))
+        assert torch.equal(runs[0][0], runs[1][0])
+        for a, b in zip(runs[0][1].layers, runs[1][1].layers):
+            assert int(a.cumulative_length) == int(b.cumulative_length) == 18
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
 
 
 def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
@@ -185,5 +185,5 @@ def test_a_fused_step_that_disagrees_is_not_used(kernels, tiny_model, monkeypatc
             e.eps1 = 10.0
 
     monkeypatch.setattr(decode_layers.FusedDecode, "__init__", broken)
-    with fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw) as (step, why):
-        assert step is None and "other logits" in why
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is None and "other logits" in why

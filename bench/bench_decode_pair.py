@@ -133,9 +133,9 @@ def markdown(data: dict[str, Any]) -> str:
     low = sorted({f"{r['model']} ({100 * r['decode_path']['packed_on_huge_pages']:.0f}%)" for r in data["rows"]
                   if r["status"] == "ok" and r.get("decode_path", {}).get("packed_on_huge_pages", 1) < 0.5})
     if low:
-        lines += ["", "**Warning**: packed weights mostly not on huge pages for " + ", ".join(low) + ": on the "
-                  "project's VM such a model stepped about 1.4x slower for the whole run (docs/benchmarks.md, "
-                  "session 10); its speedups here are not the kernels'."]
+        lines += ["", "**Note**: packed weights mostly not on huge pages for " + ", ".join(low) + ". On the "
+                  "project's VM one model's memory could run slower for a whole run (docs/benchmarks.md, "
+                  "session 10): repeat a run before reading its speedups."]
     lines.append("")
     lines.append(f"Models: " + "; ".join(f"{n}: `{p}`, {data['info'][n]['kv_heads']}/{data['info'][n]['heads']} KV/query heads, "
                                          f"{data['info'][n]['weight_bytes'] / 1e6:.0f} MB weights per step, "
@@ -159,6 +159,10 @@ def main() -> None:
     names = args.names.split(",") if args.names else [Path(m).stem for m in args.models]
     if len(names) != len(args.models) or len(set(names)) != len(names):
         sys.exit("bench_decode_pair: --names needs one distinct name per model")
+    for out in (args.out, args.md):  # results never overwrite a model: checked before anything runs
+        if out and any(Path(out).resolve() == Path(m).resolve() or Path(m).resolve() in Path(out).resolve().parents
+                       for m in args.models):
+            sys.exit(f"bench_decode_pair: {out} is one of the models or inside one; write the results elsewhere")
     batches, lens = parse_ints(args.batch, "--batch"), parse_ints(args.prompt_len, "--prompt-len")
     cuda = torch.device(args.device).type == "cuda"
     if args.both_paths and args.layers_both:

@@ -158,3 +158,19 @@ def test_compiled_cpu_step_decodes_the_eager_tokens(tiny_model):
             assert torch.equal(toks[0], toks[1])
             pt = comp.run_point(b, p, 3, 2, 1, roof, prefill_once=True)
             assert pt.status == "ok" and pt.compile_s is not None and pt.compile_s >= 0
+
+
+def test_pair_bench_refuses_to_write_over_a_model(tiny_model):
+    """bench_decode_pair.py checks --out / --md against the models before anything runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = tiny_model("llama", num_key_value_heads=2)
+    target = Path(model) / "config.json"
+    before = target.read_bytes()
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "bench_decode_pair.py"), str(model), str(model),
+                        "--names", "a,b", "--out", str(target)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "write the results elsewhere" in r.stderr
+    assert target.read_bytes() == before

@@ -81,10 +81,13 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     tb = max(rb["bytes"], rb["flops"] or 0)
     to = max(ro["bytes"], ro["flops"] or 0)
     measured = mb / mo
+    paths = [(r["decode_mode"], r.get("decode_path", {}).get("layers")) for r in (base, other)]
     bound = not (base["memory_bound"] and other["memory_bound"])
     out = {"measured_speedup": measured, "predicted_speedup_bytes": pb, "predicted_speedup_roofline": tb / to,
            "compute_bound": bound, "share_of_predicted": share(measured, pb),
-           "share_of_predicted_roofline": share(measured, tb / to)}
+           "share_of_predicted_roofline": share(measured, tb / to),
+           # a ratio of two different code paths is not what GQA buys: said under the table
+           "paths_differ": None if paths[0] == paths[1] else {"base": paths[0], "other": paths[1]}}
     if rb["flops"] and ro["flops"]:
         # No overlap: each step reads its bytes at the copy bandwidth and *then* does its FLOPs at
         # the matmul roof. The roofline above assumes perfect overlap (the max of the two); near
@@ -130,12 +133,12 @@ def markdown(data: dict[str, Any]) -> str:
                       "n/a" if sh is None else f"{100 * sh:.0f}%",
                       f"{c['predicted_speedup_no_overlap']:.2f}×" if "predicted_speedup_no_overlap" in c else ""]
         lines.append("| " + " | ".join(cells) + " |")
-    low = sorted({f"{r['model']} ({100 * r['decode_path']['packed_on_huge_pages']:.0f}%)" for r in data["rows"]
-                  if r["status"] == "ok" and r.get("decode_path", {}).get("packed_on_huge_pages", 1) < 0.5})
-    if low:
-        lines += ["", "**Note**: packed weights mostly not on huge pages for " + ", ".join(low) + ". On the "
-                  "project's VM one model's memory could run slower for a whole run (docs/benchmarks.md, "
-                  "session 10): repeat a run before reading its speedups."]
+    differ = sorted({(r["model"], data["baseline_of"][r["model"]], " / ".join(filter(None, r["comparison"]["paths_differ"]["other"])),
+                      " / ".join(filter(None, r["comparison"]["paths_differ"]["base"])))
+                     for r in data["rows"] if r.get("comparison", {}).get("paths_differ")})
+    for n, b0, po, pb in differ:
+        lines += ["", f"**Note**: {n} and {b0} ran different decode paths ({n}: {po}; {b0}: {pb}), so their "
+                  "speedup compares two code paths, not only the bytes GQA saves."]
     lines.append("")
     lines.append(f"Models: " + "; ".join(f"{n}: `{p}`, {data['info'][n]['kv_heads']}/{data['info'][n]['heads']} KV/query heads, "
                                          f"{data['info'][n]['weight_bytes'] / 1e6:.0f} MB weights per step, "
@@ -234,7 +237,9 @@ def main() -> None:
                       + (f" {r['decode_ms_per_token']['median']:8.1f} ms/step {100 * r['roofline_fraction']:4.0f}% of copy"
                          if r["status"] == "ok" else "")
                       + (f"  speedup {c['measured_speedup']:.2f}x of predicted {c['predicted_speedup_bytes']:.2f}x"
-                         if c else ""), file=sys.stderr, flush=True)
+                         if c else "")
+                      + ("  DIFFERENT DECODE PATHS: " + str(c["paths_differ"]) if c and c["paths_differ"] else ""),
+                      file=sys.stderr, flush=True)
     data["complete"] = True
     data["loadavg_end"] = os.getloadavg()
     save()

@@ -126,30 +126,52 @@ class FusedDecode:
         return SimpleNamespace(logits=logits.reshape(b, 1, self.vocab))
 
 
-def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_kw: str = "past_key_values") -> str | None:
-    """One decode step both ways from the same prefilled cache: None if they agree, else why not."""
+# How far apart the fused and the plain step may be: the relative error ||got - ref|| / ||ref||
+# of the logits and of each layer's new cache entries. Both steps are fp32 with other summation
+# orders, and the difference grows through the residual stream: on SmolLM2-135M's 3->1
+# conversion (30 layers) it measured 5e-6 to 5e-5, which an element-wise 1e-4 bound refused
+# about one check in three (the deepest layers' cache entries, logits of magnitude 20). A wrong
+# slot, norm, rotary or head map is off by 1e-2 or more.
+REL_TOL = 1e-3
+
+
+def _rel(got: Any, ref: Any) -> float:
+    """||got - ref|| / ||ref|| (0 when both are zero)."""
+    den = ref.double().norm().item()
+    num = (got.double() - ref.double()).norm().item()
+    return num / den if den > 0 else num
+
+
+def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_kw: str = "past_key_values",
+          seed: int = 0) -> str | None:
+    """One decode step both ways from the same prefilled cache: None if they agree, else why not.
+
+    Deterministic (a seeded prompt), so a model gets the same verdict in every run.
+    """
     import torch
 
+    gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         b, p = 2, 5
-        prompt = torch.randint(0, vocab, (b, p))
+        prompt = torch.randint(0, vocab, (b, p), generator=gen)
         caches = []
         for _ in range(2):
             c = cache_factory(b, p + 2)
             model(input_ids=prompt, **{cache_kw: c}, position_ids=torch.arange(p).unsqueeze(0), use_cache=True)
             caches.append(c)
-        tok = torch.randint(0, vocab, (b, 1))
+        tok = torch.randint(0, vocab, (b, 1), generator=gen)
         pos = torch.full((1, 1), p)
         ref = model(input_ids=tok, **{cache_kw: caches[0]}, position_ids=pos, use_cache=True).logits[:, -1]
         got = step(input_ids=tok, past_key_values=caches[1], position_ids=pos).logits[:, -1]
-        tol = 1e-4 * max(1.0, ref.abs().max().item())
-        if not torch.allclose(got, ref, rtol=1e-4, atol=tol):
-            return f"fused layers gave other logits than the model (max difference {(got - ref).abs().max().item():.3g})"
-        for la, lb in zip(caches[0].layers, caches[1].layers):
-            if not (torch.allclose(la.keys[:, :, p], lb.keys[:, :, p], rtol=1e-4, atol=1e-4)
-                    and torch.allclose(la.values[:, :, p], lb.values[:, :, p], rtol=1e-4, atol=1e-4)
-                    and int(la.cumulative_length) == int(lb.cumulative_length)):
-                return "fused layers wrote another cache slot than the model"
+        err = _rel(got, ref)
+        if not err <= REL_TOL:
+            return f"fused layers gave other logits than the model (relative error {err:.2g})"
+        for i, (la, lb) in enumerate(zip(caches[0].layers, caches[1].layers)):
+            err = max(_rel(lb.keys[:, :, p], la.keys[:, :, p]), _rel(lb.values[:, :, p], la.values[:, :, p]))
+            untouched = torch.equal(la.keys[:, :, p + 1:], lb.keys[:, :, p + 1:]) and torch.equal(
+                la.values[:, :, p + 1:], lb.values[:, :, p + 1:])
+            if not (err <= REL_TOL and untouched and int(la.cumulative_length) == int(lb.cumulative_length)):
+                return f"fused layers wrote another cache slot than the model (layer {i}, relative error {err:.2g})"
     return None
 
 

@@ -174,3 +174,29 @@ def test_pair_bench_refuses_to_write_over_a_model(tiny_model):
                         "--names", "a,b", "--out", str(target)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "write the results elsewhere" in r.stderr
     assert target.read_bytes() == before
+
+
+def test_pair_bench_says_when_the_models_ran_different_paths(tiny_model, tmp_path):
+    """A speedup between two code paths (here: fused layers for Llama, per-op for OLMo) is flagged
+    under the table: in session 10 a check that refused the conversion's fused step by mistake
+    made such a ratio read as a memory problem."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gqakit.eval import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels not built here: {cpu_kernels.why_unavailable()}")
+    a, b = tiny_model("llama", num_key_value_heads=2), tiny_model("olmo")
+    repo = Path(__file__).resolve().parents[1]
+    out, md = tmp_path / "pair.json", tmp_path / "pair.md"
+    r = subprocess.run([sys.executable, str(repo / "bench" / "bench_decode_pair.py"), str(a), str(b), "--names", "a,b",
+                        "--batch", "1", "--prompt-len", "8", "--new-tokens", "2", "--reps", "1", "--threads", "1",
+                        "--out", str(out), "--md", str(md)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = [x for x in json.loads(out.read_text())["rows"] if x["model"] == "b"][0]
+    assert row["comparison"]["paths_differ"]["base"][1].startswith("fused")
+    assert row["comparison"]["paths_differ"]["other"][1].startswith("per-op")
+    assert "b and a ran different decode paths" in md.read_text()

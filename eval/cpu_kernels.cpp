@@ -293,12 +293,15 @@ static torch::Tensor huge_zeros(int64_t n) {
   return torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32));
 }
 
-// W [N, K] (fp32) -> panels [ceil(N/48), K, 48], zero-padded past N.
-torch::Tensor pack_weight(torch::Tensor w) {
+// W [N, K] (fp32) -> panels [ceil(N/48), K, 48], zero-padded past N, written into `out` (a
+// zeroed, contiguous fp32 tensor of that many elements, e.g. a slice of one arena).
+torch::Tensor pack_weight_into(torch::Tensor w, torch::Tensor out) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2, "pack_weight: a 2-D fp32 CPU tensor");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
-  auto out = huge_zeros(P * K * NR).view({P, K, NR});
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.numel() == P * K * NR,
+              "pack_weight_into: out must be a contiguous fp32 tensor of ", P * K * NR, " elements");
+  out = out.view({P, K, NR});
   const float* s = w.data_ptr<float>();
   float* d = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -307,6 +310,15 @@ torch::Tensor pack_weight(torch::Tensor w) {
         for (int64_t k = 0; k < K; ++k) d[(p * K + k) * NR + j] = s[(p * NR + j) * K + k];
   });
   return out;
+}
+
+// Elements of W [N, K]'s packed panels.
+int64_t packed_numel(int64_t N, int64_t K) { return (N + NR - 1) / NR * K * NR; }
+
+// W [N, K] (fp32) -> panels [ceil(N/48), K, 48] in a buffer of their own (on huge pages from 2 MiB).
+torch::Tensor pack_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_weight: a 2-D fp32 CPU tensor");
+  return pack_weight_into(w, huge_zeros(packed_numel(w.size(0), w.size(1))));
 }
 
 // x [..., K] times a packed W (N outputs), plus an optional bias [N] -> [..., N].
@@ -350,7 +362,11 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
   if (masked)
     TORCH_CHECK(mask.scalar_type() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * T,
                 "decode_attention: the mask must be a contiguous [B, T] fp32 tensor");
-  const int64_t R = H / G, C = (T + CHUNK - 1) / CHUNK, tasks = B * G * C, W = Dv + 2;
+  // Chunks of CHUNK positions, shorter where that gives fewer than two tasks per thread (batch 1
+  // with one KV head: the whole attention would otherwise be one or two tasks on one thread).
+  const int64_t want = (2 * at::get_num_threads() + B * G - 1) / (B * G);
+  const int64_t chunk = std::clamp<int64_t>(((T + want - 1) / want + 15) / 16 * 16, 16, CHUNK);
+  const int64_t R = H / G, C = (T + chunk - 1) / chunk, tasks = B * G * C, W = Dv + 2;
   // partial results per task and query row: Dv weighted values, then the max and the sum
   std::vector<float> part(static_cast<size_t>(tasks * R * W));
   const float* q = query.data_ptr<float>();
@@ -372,7 +388,7 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
     std::vector<float> s(static_cast<size_t>(R * CHUNK));
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t c = task % C, bg = task / C, b = bg / G;
-      const int64_t lo = c * CHUNK, hi = std::min(T, lo + CHUNK), n = hi - lo;
+      const int64_t lo = c * chunk, hi = std::min(T, lo + chunk), n = hi - lo;
       const float* qb = q + (bg * R) * D;  // the R query rows of this group (B, H) = (B, G, R)
       const float* kb = k + (bg * T + lo) * D;
       const float* vb = v + (bg * T + lo) * Dv;
@@ -620,6 +636,9 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, "one decode step of a Llama-layout decoder layer");
   m.def("pack_weight", &pack_weight, "pack a [N, K] fp32 weight into 48-column panels");
+  m.def("pack_weight_into", &pack_weight_into, "pack a [N, K] fp32 weight into a given zeroed buffer");
+  m.def("packed_numel", &packed_numel, "elements of an [N, K] weight's packed panels");
+  m.def("huge_zeros", &huge_zeros, "a zeroed fp32 buffer, 2 MiB-aligned and advised as huge pages from 2 MiB");
   m.def("skinny_linear", &skinny_linear, "x W^T (+ bias) for a few rows of x, W packed");
   m.def("decode_attention", &decode_attention, "grouped one-token attention against a KV cache");
 }

@@ -67,40 +67,57 @@ class FusedDecode:
     (or `past_key_values=`), returns an object with `.logits` [B, 1, vocab].
     """
 
-    def __init__(self, model: Any, kernels: Any) -> None:
+    def __init__(self, model: Any, kernels: Any, arena: bool = True) -> None:
         import torch
 
         self.model, self.k = model, kernels
         inner = model.model
         self.embed, self.rotary, self.final = inner.embed_tokens, inner.rotary_emb, inner.norm
-        self.layers = []
-        self.packed_bytes = 0
+        head = model.get_output_embeddings()
+        # every matrix the step streams, packed into one buffer in the order the step reads them
+        # (2 MiB-aligned, advised as huge pages: small matrices too, e.g. a 1-KV-head model's
+        # stacked q/k/v, sit on huge pages, and the stream has no gaps)
+        mats = []  # (rows, columns, the matrix when asked for): stacked copies made one at a time
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+            qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+            mats += [(sum(x.out_features for x in qkv), a.q_proj.in_features,
+                      lambda qkv=qkv: torch.cat([x.weight for x in qkv]).detach()),
+                     (*a.o_proj.weight.shape, a.o_proj.weight.detach),
+                     (sum(x.out_features for x in gu), m.gate_proj.in_features,
+                      lambda gu=gu: torch.cat([x.weight for x in gu]).detach()),
+                     (*m.down_proj.weight.shape, m.down_proj.weight.detach)]
+        mats.append((*head.weight.shape, head.weight.detach))
+        if arena:
+            sizes = [int(kernels.packed_numel(n, k)) for n, k, _ in mats]
+            buf = kernels.huge_zeros(sum(sizes))
+            packed, off = [], 0
+            for (_, _, w), n in zip(mats, sizes):
+                packed.append(kernels.pack_weight_into(w(), buf[off:off + n]))
+                off += n
+        else:
+            packed = [kernels.pack_weight(w()) for _, _, w in mats]
+        self.packed_bytes = sum(t.numel() * 4 for t in packed)
+        self.layers = []
+        for i, layer in enumerate(inner.layers):
+            a, m = layer.self_attn, layer.mlp
             bias = [x.bias for x in (a.q_proj, a.k_proj, a.v_proj)]
             bqkv = None
             if any(b is not None for b in bias):
                 bqkv = torch.cat([b.detach() if b is not None else torch.zeros(x.out_features)
                                   for b, x in zip(bias, (a.q_proj, a.k_proj, a.v_proj))])
-            entry = SimpleNamespace(
+            self.layers.append(SimpleNamespace(
                 ln1=layer.input_layernorm.weight.detach(), eps1=float(layer.input_layernorm.variance_epsilon),
-                wqkv=kernels.pack_weight(wqkv), bqkv=bqkv,
-                wo=kernels.pack_weight(a.o_proj.weight.detach()),
+                wqkv=packed[4 * i], bqkv=bqkv, wo=packed[4 * i + 1],
                 bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
                 ln2=layer.post_attention_layernorm.weight.detach(),
                 eps2=float(layer.post_attention_layernorm.variance_epsilon),
-                wgu=kernels.pack_weight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()),
-                wd=kernels.pack_weight(m.down_proj.weight.detach()),
+                wgu=packed[4 * i + 2], wd=packed[4 * i + 3],
                 heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features,
-                scale=float(getattr(a, "scaling", a.head_dim ** -0.5)))
-            self.layers.append(entry)
-            self.packed_bytes += sum(t.numel() * 4 for t in (entry.wqkv, entry.wo, entry.wgu, entry.wd))
-        head = model.get_output_embeddings()
-        self.head = kernels.pack_weight(head.weight.detach())
+                scale=float(getattr(a, "scaling", a.head_dim ** -0.5))))
+        self.head = packed[-1]
         self.head_bias = None if getattr(head, "bias", None) is None else head.bias.detach()
         self.vocab = head.weight.shape[0]
-        self.packed_bytes += self.head.numel() * 4
 
     def __call__(self, input_ids: Any, cache: Any = None, past_key_values: Any = None, position_ids: Any = None,
                  **_: Any) -> Any:

@@ -72,6 +72,24 @@ def test_fused_decode_attention_equals_repeated_kv(kernels, h, kv_heads, mask_ki
     torch.testing.assert_close(got, reference_attention(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("t", [11, 40, 300, 700])
+def test_one_sequence_one_kv_head_splits_the_cache_and_agrees(kernels, threads, t):
+    """Batch 1 with one K/V head: chunks shorter than 256 positions so that every thread gets
+    work (two tasks per thread), with the same merged result."""
+    torch.manual_seed(t + threads)
+    q, k, v = torch.randn(1, 9, 1, 64), torch.randn(1, 1, t, 64), torch.randn(1, 1, t, 64)
+    mask = torch.zeros(1, 1, 1, t)
+    mask[..., t - t // 5:] = float("-inf")  # an unfilled tail
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode_attention(q, k, v, mask, 0.125, fused=True)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_attention_falls_back_where_it_does_not_apply(kernels):
     q, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16)
     k = torch.randn(2, 9, 2, 16).transpose(1, 2)  # not contiguous: the matmul path takes it

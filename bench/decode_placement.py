@@ -1,7 +1,9 @@
 """Does one model's decode step depend on what else the process measured first? (issue 13)
 
-On the project's VM a converted model's fused CPU decode step sometimes ran ~1.4x slower for a
-whole run (docs/benchmarks.md, session 10). This loads models in the order given, measures
+On the project's VM a converted model's CPU decode step sometimes ran ~1.4x slower for a
+whole run (docs/benchmarks.md, session 10). That turned out to be the per-op path, after the
+fused step's check refused the model by mistake (fixed in session 11; each row records the
+path in `layers`), not memory placement as first thought. This loads models in the order given, measures
 each at one grid point in turn (not alternating: the point is what one model's presence does
 to the next), for --rounds rounds, and records per model and round the median step time and
 the process's memory on transparent huge pages (AnonHugePages) after the point.

@@ -1,0 +1,71 @@
+"""How far apart are the fused CPU decode step and the model's own step? (issue 13, session 11)
+
+For one model, from --prompts random prompts (seeds 0..N-1, 2 sequences of 5 tokens), one
+decode step both ways from the same prefilled cache, as `eval/decode_layers.check` does; prints
+per prompt the logits' and the new cache entries' (worst layer) relative error
+||got - ref|| / ||ref|| and largest element difference, the verdict of the check (relative,
+1e-3) and what session 10's element-wise rule (allclose, rtol 1e-4, atol 1e-4 for the cache
+entries) would have said.
+
+    .venv/bin/python bench/fused_check_errors.py /tmp/i13/smol-g1 --prompts 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if not Path(args.model).exists():
+        sys.exit(f"fused_check_errors: no such model: {args.model}")
+
+    import torch
+
+    from gqakit.core.loading import load_causal_lm
+    from gqakit.eval.decode_layers import REL_TOL, FusedDecode, _rel
+    from gqakit.eval.speed import DecodeBench
+
+    torch.set_num_threads(args.threads)
+    bench = DecodeBench(load_causal_lm(args.model, dtype=torch.float32, device="cpu"), device="cpu", dtype=torch.float32)
+    if bench.kernels is None:
+        sys.exit("fused_check_errors: the CPU kernels are not built here")
+    model, step = bench.model, FusedDecode(bench.model, bench.kernels)
+    print("prompt | logits rel. error (max element diff) | cache entries rel. error (max element diff, layer) "
+          "| check | session 10's element-wise check")
+    for seed in range(args.prompts):
+        gen = torch.Generator().manual_seed(seed)
+        with torch.inference_mode():
+            b, p = 2, 5
+            prompt = torch.randint(0, bench.vocab, (b, p), generator=gen)
+            caches = []
+            for _ in range(2):
+                c = bench._cache(b, p + 2)
+                model(input_ids=prompt, **{bench._cache_kw: c}, position_ids=torch.arange(p).unsqueeze(0), use_cache=True)
+                caches.append(c)
+            tok, pos = torch.randint(0, bench.vocab, (b, 1), generator=gen), torch.full((1, 1), p)
+            ref = model(input_ids=tok, **{bench._cache_kw: caches[0]}, position_ids=pos, use_cache=True).logits[:, -1]
+            got = step(input_ids=tok, past_key_values=caches[1], position_ids=pos).logits[:, -1]
+            worst, old_ok = (0.0, 0.0, -1), True
+            old_ok = torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()))
+            for i, (la, lb) in enumerate(zip(caches[0].layers, caches[1].layers)):
+                for name in ("keys", "values"):
+                    x, y = getattr(lb, name)[:, :, p], getattr(la, name)[:, :, p]
+                    e = _rel(x, y)
+                    if e > worst[0]:
+                        worst = (e, (x - y).abs().max().item(), i)
+                    old_ok = old_ok and torch.allclose(y, x, rtol=1e-4, atol=1e-4)
+            lr = _rel(got, ref)
+            ok = lr <= REL_TOL and worst[0] <= REL_TOL
+            print(f"{seed} | {lr:.1e} ({(got - ref).abs().max().item():.1e}) | {worst[0]:.1e} ({worst[1]:.1e}, layer {worst[2]}) "
+                  f"| {'pass' if ok else 'FAIL'} | {'pass' if old_ok else 'FAIL'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

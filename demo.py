@@ -200,13 +200,31 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
                              prefill_once=b.get("prefill_once", False))
     results = []
     models = (("original", gguf), ("mean", mean), ("converted", converted), ("uptrained", uptrained))
+    evals = {}
     for i, (name, path) in enumerate(models):
-        say(f"4/5 eval {i + 1}/{len(models)}: {name}")
+        say(f"4/5 eval {i + 1}/{len(models) + 1}: {name}, perplexity")
+        evals[name] = run_eval(path, data=str(data), ppl=True, speed=False, context=b["context"],
+                               max_chars=b["eval_chars"], progress=False,
+                               command=["gqakit", "eval", str(path), "--data", str(data), "--context", str(b["context"]),
+                                        "--max-chars", str(b["eval_chars"]), "--out", str(out / "results" / f"{name}.json")])
+    # decode speed of the four models in one run, their steps alternating one by one: on a
+    # machine whose memory speed drifts (this project's VM: 42-74 GB/s within minutes), separate
+    # runs per model gave "speedups" of 0.77x for a model as fast as its neighbour
+    say(f"4/5 eval {len(models) + 1}/{len(models) + 1}: decode speed, the four models alternating")
+    from gqakit.core.device import resolve_device
+    from gqakit.core.loading import load_causal_lm
+    from gqakit.eval.results import write_results
+    from gqakit.eval.runner import resolve_dtype
+    from gqakit.eval.speed import evaluate_speed_together
+
+    dev = resolve_device(None)
+    dt = resolve_dtype(None, dev)
+    speeds = evaluate_speed_together({name: load_causal_lm(path, dtype=dt, device=dev) for name, path in models},
+                                     settings, device=dev, dtype=dt, progress=False)
+    for name, _ in models:
         res_path = out / "results" / f"{name}.json"
-        run_eval(path, data=str(data), ppl=True, speed=True, context=b["context"], max_chars=b["eval_chars"],
-                 speed_settings=settings, out=res_path, progress=False,
-                 command=["gqakit", "eval", str(path), "--data", str(data), "--context", str(b["context"]),
-                          "--max-chars", str(b["eval_chars"]), "--speed", "--out", str(res_path)])
+        evals[name].speed = speeds[name]
+        write_results(evals[name], res_path)
         results.append(res_path)
     say("5/5 report")
     report = write_report(results, out / "report", names=["original", "mean (paper)", f"converted ({method})",

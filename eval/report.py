@@ -196,8 +196,17 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
         "tasks": ({"harness": {n: r.tasks.harness_version for n, r in zip(names, results) if r.tasks},
                    "columns": task_columns(results)} if any(r.tasks for r in results) else None),
         "rows": rows,
+        # the speed sections of all the models from one run with their steps alternating
+        # (eval.speed.evaluate_speed_together), or each from its own run
+        "speed_timed_together": _timed_together(results),
         "warnings": comparability_warnings(results, names) + task_warnings(results, names),
     }
+
+
+def _timed_together(results: list[EvalResult]) -> bool:
+    together = [r.speed.settings.get("timed_with") for r in results
+                if r.speed and isinstance(r.speed.settings, dict)]
+    return len(together) == len(results) and together[0] is not None and all(t == together[0] for t in together)
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -335,8 +344,11 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                 "Predicted from bytes: the bytes a decode step must read (all weights once, plus the filled KV cache) "
                 f"of {report['baseline']} over this model's, at the same batch and prompt. Where a step is "
                 "compute-bound, also from the roofline (FLOPs). Share = (measured − 1) / (predicted − 1): 100% "
-                "means the model got all the speed its smaller KV cache promises. Each model here was timed in "
-                "its own run; for ratios measured in one run, alternating models, use `bench/bench_decode_pair.py`.",
+                "means the model got all the speed its smaller KV cache promises. "
+                + ("All models here were timed in one run, their decode steps alternating one by one, so the "
+                   "ratios are measured in one run." if report.get("speed_timed_together") else
+                   "Each model here was timed in its own run; for ratios measured in one run, alternating "
+                   "models, use `bench/bench_decode_pair.py`."),
                 ""] + pred
     out += task_markdown(report)
     mb = memory_bound_sentence(report)

@@ -669,11 +669,7 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     """The whole decode benchmark: roofs, attention path, grid, and max batch per prompt length."""
     import torch
 
-    if settings.new_tokens < 1 or settings.reps < 1 or settings.warmup < 0:
-        raise GqakitError("--new-tokens and --reps must be at least 1, --warmup at least 0")
-    longest = max(settings.prompt_lens) + settings.new_tokens
-    if max_positions is not None and longest > max_positions:
-        raise GqakitError(f"prompt length + new tokens ({longest}) exceeds the model's {max_positions} positions")
+    _check_settings(settings, max_positions)
     if settings.compile and torch.device(device).type != "cuda":
         tqdm.write("gqakit: note: --compile on the CPU needs a C++ compiler and compiles each model once per grid "
                    "point (about a minute each on 2 cores); the compile time is reported apart")
@@ -702,17 +698,96 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     if settings.max_batch_search:
         for p in tqdm(settings.prompt_lens, desc="max batch", unit="len", disable=not progress):
             max_batch.append(bench.max_batch(p, settings.new_tokens, settings.max_batch_limit))
+    return _speed_result(bench, settings, attention, roof, grid, max_batch)
+
+
+def _check_settings(settings: SpeedSettings, max_positions: int | None) -> None:
+    if settings.new_tokens < 1 or settings.reps < 1 or settings.warmup < 0:
+        raise GqakitError("--new-tokens and --reps must be at least 1, --warmup at least 0")
+    longest = max(settings.prompt_lens) + settings.new_tokens
+    if max_positions is not None and longest > max_positions:
+        raise GqakitError(f"prompt length + new tokens ({longest}) exceeds the model's {max_positions} positions")
+
+
+def _speed_result(bench: DecodeBench, settings: SpeedSettings, attention: dict[str, Any], roof: dict[str, float],
+                  grid: list[SpeedPoint], max_batch: list[MaxBatch], **extra_settings: Any) -> SpeedResult:
+    import torch
+
     return SpeedResult(
         settings={"batches": list(settings.batches), "prompt_lens": list(settings.prompt_lens),
                   "new_tokens": settings.new_tokens, "reps": settings.reps, "warmup": settings.warmup,
                   "compile": settings.compile, "eager": settings.eager, "prefill_once": settings.prefill_once,
-                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids"},
+                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids", **extra_settings},
         graph_error=bench.graph_error,
         attention=attention,
-        device_roof={"copy_bandwidth_gbs": bw / 1e9, "matmul_tflops": fl / 1e12,
+        device_roof={"copy_bandwidth_gbs": roof["copy_bandwidth"] / 1e9, "matmul_tflops": roof["matmul_flops"] / 1e12,
                      "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},
         weight_bytes_per_step=bench.weight_bytes,
         kv_bytes_per_token=bench.kv_bytes_per_token,
         grid=grid,
         max_batch=max_batch,
     )
+
+
+def run_points_alternating(benches: dict[str, DecodeBench], batch: int, prompt_len: int, new_tokens: int, reps: int,
+                           warmup: int, *, prefill_once: bool = True) -> tuple[dict[str, SpeedPoint], dict[str, float]]:
+    """One grid point of several models in one run: their decode steps alternate one by one
+    (A B C, C B A, ...), so that the machine's drift (on a VM, memory speed that changes within
+    minutes) hits every model alike and their ratios are measured, not inferred from separate
+    runs. The roofs are measured after each repetition; their medians are the point's roof.
+    Returns ({name: point}, roof)."""
+    states = {n: b.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once)
+              for n, b in benches.items()}
+    live = [n for n in benches if "result" not in states[n]]
+    bws, fls = [], []
+    try:
+        for r in range(reps):
+            order = live if r % 2 == 0 else live[::-1]
+            for n in order:
+                benches[n].begin_rep(states[n])
+            for i in range(new_tokens):
+                for n in (order if i % 2 == 0 else order[::-1]):
+                    benches[n].decode_step(states[n])
+            dev = next(iter(benches.values())).device
+            dt = next(iter(benches.values())).dtype
+            bws.append(copy_bandwidth(dev))
+            fls.append(matmul_flops(dev, dt))
+    except BaseException:
+        for n in live:
+            if "stack" in states[n]:
+                states[n]["stack"].close()
+        raise
+    bw, fl = statistics.median(bws), statistics.median(fls)
+    roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
+    return {n: benches[n].close_point(states[n], roof) for n in benches}, roof
+
+
+def evaluate_speed_together(models: dict[str, Any], settings: SpeedSettings, *, device: Any, dtype: Any,
+                            max_positions: int | None = None, progress: bool = True) -> dict[str, SpeedResult]:
+    """`evaluate_speed` for several loaded models at once, their steps alternating at every grid
+    point (`run_points_alternating`): what `gqakit demo` uses, so that its report's speedups
+    are ratios measured in one run. The fast path only (no --compile, --eager or max batch)."""
+    import torch
+
+    _check_settings(settings, max_positions)
+    if settings.compile or settings.eager or settings.max_batch_search:
+        raise GqakitError("timing models together supports the default fast path only")
+    cuda = torch.device(device).type == "cuda"
+    benches = {n: DecodeBench(m, device=device, dtype=dtype, cuda_graphs=cuda, pack_weights=True,
+                              decode_kernel="matmul") for n, m in models.items()}
+    attention = {n: b.probe() for n, b in benches.items()}
+    grids: dict[str, list[SpeedPoint]] = {n: [] for n in benches}
+    roofs = []
+    points = [(b, p) for p in settings.prompt_lens for b in settings.batches]
+    for b, p in tqdm(points, desc="decode grid (models alternating)", unit="point", disable=not progress):
+        got, roof = run_points_alternating(benches, b, p, settings.new_tokens, settings.reps, settings.warmup,
+                                           prefill_once=settings.prefill_once)
+        roofs.append(roof)
+        for n in benches:
+            grids[n].append(got[n])
+    bw = statistics.median(r["copy_bandwidth"] for r in roofs)
+    fl = statistics.median(r["matmul_flops"] for r in roofs)
+    roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
+    return {n: _speed_result(benches[n], settings, attention[n], roof, grids[n], [],
+                             timed_with=list(models), timing="one run, the models' decode steps alternating one by one")
+            for n in benches}

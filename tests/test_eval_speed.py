@@ -197,3 +197,34 @@ def test_flops_count_the_lm_head_once(tiny_model, tied):
     body = params - emb - (0 if tied else head)  # the decoder blocks and norms
     assert bench.matmul_params == body + head
     assert bench.weight_bytes == 4 * (body + head)
+
+
+def test_models_timed_together_alternate_and_say_so(tiny_model):
+    """The demo's joint measurement: every model gets the whole grid from one run, steps
+    alternating, and the report says its ratios were measured in one run."""
+    from gqakit.eval.records import EvalResult
+    from gqakit.eval.report import build_report, render_markdown
+    from gqakit.eval.speed import evaluate_speed_together
+    from gqakit.eval.results import model_info, run_info
+
+    paths = {"mha": tiny_model("llama", num_key_value_heads=8), "gqa": tiny_model("llama", num_key_value_heads=2)}
+    models = {n: load_causal_lm(p) for n, p in paths.items()}
+    got = evaluate_speed_together(models, SMALL, device="cpu", dtype=torch.float32, progress=False)
+    assert set(got) == {"mha", "gqa"}
+    for n, res in got.items():
+        assert res.settings["timed_with"] == ["mha", "gqa"] and "alternating" in res.settings["timing"]
+        assert [(g.batch, g.prompt_len, g.status) for g in res.grid] == [(1, 16, "ok"), (2, 16, "ok")]
+        assert all(g.decode_samples == SMALL.reps * SMALL.new_tokens for g in res.grid)  # one sample per step
+    assert got["gqa"].kv_bytes_per_token * 4 == got["mha"].kv_bytes_per_token
+    results = []
+    for n, p in paths.items():
+        r = EvalResult(schema=1, run=run_info(command=["test"], device="cpu", dtype=torch.float32),
+                       model=model_info(models[n], p, 4))
+        r.speed = got[n]
+        results.append(r)
+    rep = build_report(results, list(paths), command=["test"])
+    assert rep["speed_timed_together"] is True
+    assert "timed in one run" in render_markdown(rep, [])
+    with pytest.raises(GqakitError, match="fast path only"):
+        evaluate_speed_together(models, SpeedSettings(batches=(1,), prompt_lens=(16,), new_tokens=2, eager=True),
+                                device="cpu", dtype=torch.float32, progress=False)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -154,7 +153,7 @@ def main() -> None:
 
     from gqakit.core.loading import load_causal_lm
     from gqakit.eval.results import run_info
-    from gqakit.eval.speed import DecodeBench, copy_bandwidth, matmul_flops, parse_ints
+    from gqakit.eval.speed import DecodeBench, parse_ints, run_points_alternating
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -203,24 +202,10 @@ def main() -> None:
     t0 = time.time()
     for p in lens:
         for b in batches:
-            states = {}
-            for n, bench in benches.items():
-                states[n] = bench.open_point(b, p, args.new_tokens, args.warmup,
-                                             prefill_once=not args.prefill_every_rep)
-            live = [n for n in names if "result" not in states[n]]
-            bws, fls = [], []
-            for r in range(args.reps):
-                order = live if r % 2 == 0 else live[::-1]
-                for n in order:
-                    benches[n].begin_rep(states[n])  # rewind (or prefill), untimed as decode
-                for i in range(args.new_tokens):  # steps alternate one by one: A B, B A, ...
-                    for n in (order if i % 2 == 0 else order[::-1]):
-                        benches[n].decode_step(states[n])
-                bws.append(copy_bandwidth(args.device))
-                fls.append(matmul_flops(args.device, dtype))
-            bw, fl = (statistics.median(bws), statistics.median(fls)) if bws else (1.0, 1.0)
-            roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
-            rows = {n: {"model": n, **benches[n].close_point(states[n], roof).to_json()} for n in names}
+            points, roof = run_points_alternating(benches, b, p, args.new_tokens, args.reps, args.warmup,
+                                                  prefill_once=not args.prefill_every_rep)
+            bw, fl = roof["copy_bandwidth"], roof["matmul_flops"]
+            rows = {n: {"model": n, **points[n].to_json()} for n in names}
             for n in names:
                 rows[n]["roof"] = {"copy_bandwidth_gbs": bw / 1e9, "matmul_gflops": fl / 1e9,
                                    "ridge_flops_per_byte": fl / bw}

@@ -564,12 +564,14 @@ static torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, do
 // transformers runs as ~60 small ops and module calls per layer, with their per-op cost.
 // x [B, hidden]; wqkv: q, k and v weights stacked and packed (N = (H + 2G) D), wgu: gate and
 // up stacked and packed (N = 2I); cos/sin [D] or [B, D]; caches [B, G, T, D], written at
-// `slot`; mask: additive [B, T]. Returns the layer's output [B, hidden].
+// `slot`; mask: additive [B, T]; qnorm/knorm: per-head RMSNorm weights [D] applied to q and k
+// before rotary (Qwen3), or none. Returns the layer's output [B, hidden].
 torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torch::Tensor wqkv,
                            c10::optional<torch::Tensor> bqkv, torch::Tensor wo, c10::optional<torch::Tensor> bo,
                            torch::Tensor ln2, double eps2, torch::Tensor wgu, torch::Tensor wd, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kcache, torch::Tensor vcache, int64_t slot,
-                           torch::Tensor mask, double scale, int64_t H, int64_t I) {
+                           torch::Tensor mask, double scale, int64_t H, int64_t I,
+                           c10::optional<torch::Tensor> qnorm, c10::optional<torch::Tensor> knorm, double qk_eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "decode_layer: x [B, hidden] fp32");
   const int64_t B = x.size(0), hidden = x.size(1);
   const int64_t G = kcache.size(1), T = kcache.size(2), D = kcache.size(3);
@@ -577,6 +579,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
               slot >= 0 && slot < T && H % G == 0 && D % 2 == 0, "decode_layer: caches [B, G, T, D] and a slot inside them");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() &&
               (cos.numel() == D || cos.numel() == B * D), "decode_layer: cos/sin [D] or [B, D]");
+  const bool qk_norms = qnorm.has_value() && qnorm->defined();
+  TORCH_CHECK(qk_norms == (knorm.has_value() && knorm->defined()) &&
+              (!qk_norms || (qnorm->is_contiguous() && knorm->is_contiguous() && qnorm->numel() == D && knorm->numel() == D)),
+              "decode_layer: per-head q and k norm weights [D], both or neither");
   auto h = rms_rows(x, ln1, eps1);
   auto qkv = skinny_linear(h, wqkv, (H + 2 * G) * D, bqkv);  // [B, (H + 2G) D]
   auto q = torch::empty({B, H, 1, D}, x.options());
@@ -592,15 +598,25 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
       const float* c = cp + (cos.numel() == D ? 0 : b * D);
       const float* sn = sp + (sin.numel() == D ? 0 : b * D);
       const float* r = src + b * row;
-      auto rope = [&](const float* in, float* out) {  // x cos + rotate_half(x) sin
+      std::vector<float> normed(qk_norms ? D : 0);
+      auto rope = [&](const float* in, float* out, const float* nw) {  // x cos + rotate_half(x) sin
+        if (nw) {  // per-head RMSNorm first (Qwen3's q_norm / k_norm)
+          float ss = 0.f;
+          for (int64_t d = 0; d < D; ++d) ss += in[d] * in[d];
+          const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(qk_eps));
+          for (int64_t d = 0; d < D; ++d) normed[d] = nw[d] * (in[d] * inv);
+          in = normed.data();
+        }
         for (int64_t d = 0; d < half; ++d) {
           out[d] = in[d] * c[d] - in[d + half] * sn[d];
           out[d + half] = in[d + half] * c[d + half] + in[d] * sn[d + half];
         }
       };
-      for (int64_t hh = 0; hh < H; ++hh) rope(r + hh * D, qp + (b * H + hh) * D);
+      const float* qn = qk_norms ? qnorm->data_ptr<float>() : nullptr;
+      const float* kn = qk_norms ? knorm->data_ptr<float>() : nullptr;
+      for (int64_t hh = 0; hh < H; ++hh) rope(r + hh * D, qp + (b * H + hh) * D, qn);
       for (int64_t g = 0; g < G; ++g) {
-        rope(r + (H + g) * D, kc + ((b * G + g) * T + slot) * D);
+        rope(r + (H + g) * D, kc + ((b * G + g) * T + slot) * D, kn);
         std::memcpy(vc + ((b * G + g) * T + slot) * D, r + (H + G + g) * D, sizeof(float) * D);
       }
     }

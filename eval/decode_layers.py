@@ -10,7 +10,8 @@ write, grouped attention, output projection, norm, one GEMM for gate/up stacked,
 gate, down projection, both residual adds), then the final norm and the LM head.
 
 It applies where a model's layers have that layout (RMSNorm modules, q/k/v/o projections,
-gate/up/down MLP with SiLU, no per-head q/k norms, no MLP biases, full attention), and it
+gate/up/down MLP with SiLU, per-head q/k RMSNorms or none (Qwen3 has them), no MLP biases,
+full attention), and it
 is checked before use: one decode step from the same cache, fused and plain, must give the
 same logits and write the same cache slot (`check`); otherwise the plain step runs and
 `why_not` says why. Used only for decode steps without a padding mask (the speed
@@ -40,8 +41,12 @@ def _layout_problem(model: Any) -> str | None:
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         if att is None or not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in names):
             return "attention without q/k/v/o projections"
-        if getattr(att, "q_norm", None) is not None or getattr(att, "k_norm", None) is not None:
-            return "per-head q/k norms"
+        qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
+        if (qn is None) != (kn is None):
+            return "a q norm without a k norm, or the reverse"
+        if qn is not None and not all("RMSNorm" in type(n).__name__ and hasattr(n, "variance_epsilon")
+                                      and n.weight.shape == (att.head_dim,) for n in (qn, kn)):
+            return "q/k norms other than a per-head RMSNorm"
         if mlp is None or not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
             return "MLP without gate/up/down projections"
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
@@ -106,7 +111,10 @@ class FusedDecode:
             if any(b is not None for b in bias):
                 bqkv = torch.cat([b.detach() if b is not None else torch.zeros(x.out_features)
                                   for b, x in zip(bias, (a.q_proj, a.k_proj, a.v_proj))])
+            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
             self.layers.append(SimpleNamespace(
+                qnorm=None if qn is None else qn.weight.detach(), knorm=None if kn is None else kn.weight.detach(),
+                qk_eps=float(qn.variance_epsilon) if qn is not None else 0.0,
                 ln1=layer.input_layernorm.weight.detach(), eps1=float(layer.input_layernorm.variance_epsilon),
                 wqkv=packed[4 * i], bqkv=bqkv, wo=packed[4 * i + 1],
                 bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
@@ -136,7 +144,8 @@ class FusedDecode:
         mask[:, slot + 1:] = float("-inf")  # causal: this token and everything before it
         for e, layer in zip(self.layers, cache.layers):
             x = self.k.decode_layer(x, e.ln1, e.eps1, e.wqkv, e.bqkv, e.wo, e.bo, e.ln2, e.eps2, e.wgu, e.wd,
-                                    cos, sin, layer.keys, layer.values, slot, mask, e.scale, e.heads, e.inter)
+                                    cos, sin, layer.keys, layer.values, slot, mask, e.scale, e.heads, e.inter,
+                                    e.qnorm, e.knorm, e.qk_eps)
             layer.cumulative_length.add_(1)
         x = self.final(x)
         logits = self.k.skinny_linear(x, self.head, self.vocab, self.head_bias)

@@ -135,7 +135,7 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
     assert pt.decode_path["weights"] in ("packed once (oneDNN)", "as loaded")
 
 
-FUSED_FAMILIES = {"llama", "mistral", "qwen2"}  # Llama layout (Qwen2: with q/k/v biases)
+FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}  # Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -145,6 +145,11 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
     8 steps, and the same cache fill; every other family gets a reason and the per-op path."""
     kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES else {}
     model = load_causal_lm(tiny_model(family, **kw))
+    torch.manual_seed(0)
+    with torch.no_grad():  # norm weights away from their initial ones: a step that skipped one would differ
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
     if family not in FUSED_FAMILIES:

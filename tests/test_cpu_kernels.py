@@ -178,6 +178,30 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
             torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
 
 
+def test_a_fused_step_with_the_wrong_q_norm_is_not_used(kernels, tiny_model, monkeypatch):
+    """Qwen3's per-head q/k norms are part of the fused layer: with the q norm weights replaced
+    by ones (a step that ignored them) the check refuses it."""
+    from gqakit.eval import decode_layers
+
+    model = load_causal_lm(tiny_model("qwen3", num_key_value_heads=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    real = decode_layers.FusedDecode.__init__
+
+    def ones(self, m, k, **kw):
+        real(self, m, k, **kw)
+        for e in self.layers:
+            e.qnorm = torch.ones_like(e.qnorm)
+
+    assert build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)[0] is not None
+    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", ones)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is None and "other logits" in why
+
+
 def _wrapped_step(monkeypatch, after):
     """FusedDecode with `after(out, cache, slot)` run after each step (to perturb or break it)."""
     from gqakit.eval import decode_layers

@@ -559,19 +559,47 @@ static torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, do
   return y;
 }
 
+// x [B, N] -> (x - mean) / sqrt(var + eps), row by row, no weight or bias (OLMo's LayerNorm;
+// F.layer_norm's arithmetic: the biased variance).
+static torch::Tensor layer_norm_rows(const torch::Tensor& x, double eps) {
+  const int64_t B = x.size(0), N = x.size(1);
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* r = xp + b * N;
+    float sum = 0.f;
+    for (int64_t i = 0; i < N; ++i) sum += r[i];
+    const float mean = sum / static_cast<float>(N);
+    float ss = 0.f;
+    for (int64_t i = 0; i < N; ++i) ss += (r[i] - mean) * (r[i] - mean);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + static_cast<float>(eps));
+    for (int64_t i = 0; i < N; ++i) yp[b * N + i] = (r[i] - mean) * inv;
+  }
+  return y;
+}
+
+// A decoder layer's norm: RMSNorm with weight w (norm_kind 0) or LayerNorm without parameters (1).
+static torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps, int64_t norm_kind) {
+  return norm_kind == 1 ? layer_norm_rows(x, eps) : rms_rows(x, w, eps);
+}
+
 // One decode step of a Llama-layout decoder layer (pre-norm RMSNorm, rotary on the two halves
 // of each head, grouped attention over a static cache, SiLU-gated MLP) in one call: what
 // transformers runs as ~60 small ops and module calls per layer, with their per-op cost.
 // x [B, hidden]; wqkv: q, k and v weights stacked and packed (N = (H + 2G) D), wgu: gate and
 // up stacked and packed (N = 2I); cos/sin [D] or [B, D]; caches [B, G, T, D], written at
 // `slot`; mask: additive [B, T]; qnorm/knorm: per-head RMSNorm weights [D] applied to q and k
-// before rotary (Qwen3), or none. Returns the layer's output [B, hidden].
+// before rotary (Qwen3), or none; norm_kind: 0 RMSNorm (ln1/ln2 its weights), 1 LayerNorm without
+// parameters (OLMo; ln1/ln2 unused); clip_qkv: q, k and v clamped to +-clip_qkv after the
+// projection where > 0 (OLMo). Returns the layer's output [B, hidden].
 torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torch::Tensor wqkv,
                            c10::optional<torch::Tensor> bqkv, torch::Tensor wo, c10::optional<torch::Tensor> bo,
                            torch::Tensor ln2, double eps2, torch::Tensor wgu, torch::Tensor wd, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kcache, torch::Tensor vcache, int64_t slot,
                            torch::Tensor mask, double scale, int64_t H, int64_t I,
-                           c10::optional<torch::Tensor> qnorm, c10::optional<torch::Tensor> knorm, double qk_eps) {
+                           c10::optional<torch::Tensor> qnorm, c10::optional<torch::Tensor> knorm, double qk_eps,
+                           int64_t norm_kind, double clip_qkv) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "decode_layer: x [B, hidden] fp32");
   const int64_t B = x.size(0), hidden = x.size(1);
   const int64_t G = kcache.size(1), T = kcache.size(2), D = kcache.size(3);
@@ -583,8 +611,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
   TORCH_CHECK(qk_norms == (knorm.has_value() && knorm->defined()) &&
               (!qk_norms || (qnorm->is_contiguous() && knorm->is_contiguous() && qnorm->numel() == D && knorm->numel() == D)),
               "decode_layer: per-head q and k norm weights [D], both or neither");
-  auto h = rms_rows(x, ln1, eps1);
+  TORCH_CHECK(norm_kind == 0 || norm_kind == 1, "decode_layer: norm_kind 0 (RMSNorm) or 1 (LayerNorm without parameters)");
+  auto h = norm_rows(x, ln1, eps1, norm_kind);
   auto qkv = skinny_linear(h, wqkv, (H + 2 * G) * D, bqkv);  // [B, (H + 2G) D]
+  if (clip_qkv > 0) qkv.clamp_(-clip_qkv, clip_qkv);  // OLMo's clip_qkv
   auto q = torch::empty({B, H, 1, D}, x.options());
   {
     const float* src = qkv.data_ptr<float>();
@@ -624,7 +654,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
   auto att = decode_attention(q, kcache, vcache, mask, scale).reshape({B, H * D});
   auto x2 = skinny_linear(att, wo, hidden, bo);
   x2.add_(x);
-  auto h2 = rms_rows(x2, ln2, eps2);
+  auto h2 = norm_rows(x2, ln2, eps2, norm_kind);
   auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);  // [B, 2I]: gate, then up
   auto act = torch::empty({B, I}, x.options());
   {

@@ -9,7 +9,8 @@ layer as one call of `decode_layer` (norm, one GEMM for q/k/v stacked, rotary, t
 write, grouped attention, output projection, norm, one GEMM for gate/up stacked, SiLU
 gate, down projection, both residual adds), then the final norm and the LM head.
 
-It applies where a model's layers have that layout (RMSNorm modules, q/k/v/o projections,
+It applies where a model's layers have that layout (RMSNorm modules, or OLMo's LayerNorm
+without parameters and its clip_qkv; q/k/v/o projections,
 gate/up/down MLP with SiLU, per-head q/k RMSNorms or none (Qwen3 has them), no MLP biases,
 full attention), and it
 is checked before use: one decode step from the same cache, fused and plain, must give the
@@ -24,6 +25,20 @@ from types import SimpleNamespace
 from typing import Any
 
 
+def _norm(module: Any) -> tuple[int, Any, float] | None:
+    """(norm_kind for `decode_layer`, weight, eps) of a decoder layer's norm, or None if neither
+    an RMSNorm with a weight (0) nor OLMo's LayerNorm without parameters (1, eps 1e-5 as its
+    forward hard-codes; the check before use would catch a change)."""
+    import torch
+
+    name = type(module).__name__
+    if "RMSNorm" in name and hasattr(module, "variance_epsilon") and getattr(module, "weight", None) is not None:
+        return 0, module.weight.detach(), float(module.variance_epsilon)
+    if name == "OlmoLayerNorm" and not list(module.parameters()):
+        return 1, torch.empty(0), 1e-5
+    return None
+
+
 def _layout_problem(model: Any) -> str | None:
     """Why `model`'s decoder layers do not have the layout `decode_layer` computes, or None."""
     import torch
@@ -36,6 +51,7 @@ def _layout_problem(model: Any) -> str | None:
     window = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or window:
         return "sliding-window layers"
+    kinds = set()
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -55,11 +71,14 @@ def _layout_problem(model: Any) -> str | None:
         if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
             return "MLP activation other than SiLU"
         for n in ("input_layernorm", "post_attention_layernorm"):
-            norm = getattr(layer, n, None)
-            if norm is None or "RMSNorm" not in type(norm).__name__ or not hasattr(norm, "variance_epsilon"):
-                return f"{n} is not an RMSNorm"
-    if "RMSNorm" not in type(inner.norm).__name__ or not hasattr(inner.norm, "variance_epsilon"):
-        return "final norm is not an RMSNorm"
+            got = _norm(getattr(layer, n, None))
+            if got is None:
+                return f"{n} is neither an RMSNorm nor a LayerNorm without parameters"
+            kinds.add(got[0])
+    if _norm(inner.norm) is None:
+        return "final norm is neither an RMSNorm nor a LayerNorm without parameters"
+    if len(kinds) > 1:
+        return "layers with different norms"
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
         return "not an fp32 CPU model"
     return None
@@ -112,17 +131,19 @@ class FusedDecode:
                 bqkv = torch.cat([b.detach() if b is not None else torch.zeros(x.out_features)
                                   for b, x in zip(bias, (a.q_proj, a.k_proj, a.v_proj))])
             qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            self.layers.append(SimpleNamespace(
+            (kind, ln1, eps1), (_, ln2, eps2) = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+            self.layers.append(SimpleNamespace(norm_kind=kind,
                 qnorm=None if qn is None else qn.weight.detach(), knorm=None if kn is None else kn.weight.detach(),
                 qk_eps=float(qn.variance_epsilon) if qn is not None else 0.0,
-                ln1=layer.input_layernorm.weight.detach(), eps1=float(layer.input_layernorm.variance_epsilon),
+                ln1=ln1, eps1=eps1,
                 wqkv=packed[4 * i], bqkv=bqkv, wo=packed[4 * i + 1],
                 bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
-                ln2=layer.post_attention_layernorm.weight.detach(),
-                eps2=float(layer.post_attention_layernorm.variance_epsilon),
+                ln2=ln2, eps2=eps2,
                 wgu=packed[4 * i + 2], wd=packed[4 * i + 3],
                 heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features,
                 scale=float(getattr(a, "scaling", a.head_dim ** -0.5))))
+        cfg = model.config.get_text_config(decoder=True)
+        self.clip_qkv = float(getattr(cfg, "clip_qkv", None) or 0.0)  # OLMo: q/k/v clamped after projection
         self.head = packed[-1]
         self.head_bias = None if getattr(head, "bias", None) is None else head.bias.detach()
         self.vocab = head.weight.shape[0]
@@ -145,7 +166,7 @@ class FusedDecode:
         for e, layer in zip(self.layers, cache.layers):
             x = self.k.decode_layer(x, e.ln1, e.eps1, e.wqkv, e.bqkv, e.wo, e.bo, e.ln2, e.eps2, e.wgu, e.wd,
                                     cos, sin, layer.keys, layer.values, slot, mask, e.scale, e.heads, e.inter,
-                                    e.qnorm, e.knorm, e.qk_eps)
+                                    e.qnorm, e.knorm, e.qk_eps, e.norm_kind, self.clip_qkv)
             layer.cumulative_length.add_(1)
         x = self.final(x)
         logits = self.k.skinny_linear(x, self.head, self.vocab, self.head_bias)

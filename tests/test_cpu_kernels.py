@@ -135,7 +135,8 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
     assert pt.decode_path["weights"] in ("packed once (oneDNN)", "as loaded")
 
 
-FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}  # Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms)
+# Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters)
+FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -200,6 +201,26 @@ def test_a_fused_step_with_the_wrong_q_norm_is_not_used(kernels, tiny_model, mon
     monkeypatch.setattr(decode_layers.FusedDecode, "__init__", ones)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
     assert step is None and "other logits" in why
+
+
+def test_olmo_clip_qkv_is_applied(kernels, tiny_model, monkeypatch):
+    """OLMo clamps q, k and v after the projection (clip_qkv): the fused step does too (checked
+    against the model's own step), and one that did not is refused."""
+    from gqakit.eval import decode_layers
+
+    model = load_causal_lm(tiny_model("olmo", num_key_value_heads=2, clip_qkv=0.05))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is not None and step.clip_qkv == pytest.approx(0.05), why
+    real = decode_layers.FusedDecode.__init__
+
+    def unclipped(self, m, k, **kw):
+        real(self, m, k, **kw)
+        self.clip_qkv = 0.0
+
+    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", unclipped)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is None and why
 
 
 def _wrapped_step(monkeypatch, after):
@@ -279,7 +300,7 @@ def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
     assert "fused decode layers" in pt.decode_mode
     if os.path.exists("/proc/self/smaps_rollup"):  # how much of the packed weights is on huge pages
         assert 0.0 <= pt.decode_path["packed_on_huge_pages"] <= 1.0
-    other = DecodeBench(load_causal_lm(tiny_model("olmo")), device="cpu", dtype=torch.float32)
+    other = DecodeBench(load_causal_lm(tiny_model("stablelm")), device="cpu", dtype=torch.float32)
     pt = other.run_point(2, 8, 3, 1, 0, roof)
     assert pt.status == "ok" and pt.decode_path["layers"].startswith("per-op") and "RMSNorm" in pt.decode_path["layers"]
     off = DecodeBench(load_causal_lm(tiny_model("llama", num_key_value_heads=2)), device="cpu", dtype=torch.float32,

@@ -559,9 +559,10 @@ static torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, do
   return y;
 }
 
-// x [B, N] -> (x - mean) / sqrt(var + eps), row by row, no weight or bias (OLMo's LayerNorm;
-// F.layer_norm's arithmetic: the biased variance).
-static torch::Tensor layer_norm_rows(const torch::Tensor& x, double eps) {
+// x [B, N] -> (x - mean) / sqrt(var + eps), row by row, then times w plus bias where given
+// (F.layer_norm's arithmetic: the biased variance; OLMo's has no weight or bias).
+static torch::Tensor layer_norm_rows(const torch::Tensor& x, double eps, const float* w = nullptr,
+                                     const float* bias = nullptr) {
   const int64_t B = x.size(0), N = x.size(1);
   auto y = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
@@ -575,13 +576,19 @@ static torch::Tensor layer_norm_rows(const torch::Tensor& x, double eps) {
     for (int64_t i = 0; i < N; ++i) ss += (r[i] - mean) * (r[i] - mean);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + static_cast<float>(eps));
     for (int64_t i = 0; i < N; ++i) yp[b * N + i] = (r[i] - mean) * inv;
+    if (w)
+      for (int64_t i = 0; i < N; ++i) yp[b * N + i] = yp[b * N + i] * w[i] + bias[i];
   }
   return y;
 }
 
-// A decoder layer's norm: RMSNorm with weight w (norm_kind 0) or LayerNorm without parameters (1).
-static torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps, int64_t norm_kind) {
-  return norm_kind == 1 ? layer_norm_rows(x, eps) : rms_rows(x, w, eps);
+// A decoder layer's norm: RMSNorm with weight w (norm_kind 0), LayerNorm without parameters (1)
+// or LayerNorm with weight w and bias (2).
+static torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                               double eps, int64_t norm_kind) {
+  if (norm_kind == 0) return rms_rows(x, w, eps);
+  if (norm_kind == 1) return layer_norm_rows(x, eps);
+  return layer_norm_rows(x, eps, w.data_ptr<float>(), bias->data_ptr<float>());
 }
 
 // One decode step of a Llama-layout decoder layer (pre-norm RMSNorm, rotary on the two halves
@@ -592,27 +599,37 @@ static torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, d
 // `slot`; mask: additive [B, T]; qnorm/knorm: per-head RMSNorm weights [D] applied to q and k
 // before rotary (Qwen3), or none; norm_kind: 0 RMSNorm (ln1/ln2 its weights), 1 LayerNorm without
 // parameters (OLMo; ln1/ln2 unused); clip_qkv: q, k and v clamped to +-clip_qkv after the
-// projection where > 0 (OLMo). Returns the layer's output [B, hidden].
+// projection where > 0 (OLMo); norm_kind 2: LayerNorm with weights ln1/ln2 and biases ln1b/ln2b;
+// mlp_kind 0: SiLU(gate) * up with wgu = gate and up stacked (N = 2I), 1: GELU(up) with wgu = up
+// (N = I), biases bup/bdown where given; parallel: x + attention(norm1(x)) + MLP(norm2(x))
+// (GPT-NeoX) instead of the sequential residuals. cos/sin [1 or B, rot]: rotary on the first rot
+// dims of each head, the rest passes through. Returns the layer's output [B, hidden].
 torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torch::Tensor wqkv,
                            c10::optional<torch::Tensor> bqkv, torch::Tensor wo, c10::optional<torch::Tensor> bo,
                            torch::Tensor ln2, double eps2, torch::Tensor wgu, torch::Tensor wd, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kcache, torch::Tensor vcache, int64_t slot,
                            torch::Tensor mask, double scale, int64_t H, int64_t I,
                            c10::optional<torch::Tensor> qnorm, c10::optional<torch::Tensor> knorm, double qk_eps,
-                           int64_t norm_kind, double clip_qkv) {
+                           int64_t norm_kind, double clip_qkv, c10::optional<torch::Tensor> ln1b,
+                           c10::optional<torch::Tensor> ln2b, int64_t mlp_kind, c10::optional<torch::Tensor> bup,
+                           c10::optional<torch::Tensor> bdown, bool parallel) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "decode_layer: x [B, hidden] fp32");
   const int64_t B = x.size(0), hidden = x.size(1);
   const int64_t G = kcache.size(1), T = kcache.size(2), D = kcache.size(3);
   TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous() && kcache.size(0) == B && vcache.sizes() == kcache.sizes() &&
               slot >= 0 && slot < T && H % G == 0 && D % 2 == 0, "decode_layer: caches [B, G, T, D] and a slot inside them");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() &&
-              (cos.numel() == D || cos.numel() == B * D), "decode_layer: cos/sin [D] or [B, D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
+              (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) % 2 == 0 && cos.size(1) <= D,
+              "decode_layer: cos/sin [1 or B, rotary dims <= D]");
+  const int64_t rot = cos.size(1);  // rotary on the first rot dims of each head (GPT-NeoX: a quarter), the rest passes
   const bool qk_norms = qnorm.has_value() && qnorm->defined();
   TORCH_CHECK(qk_norms == (knorm.has_value() && knorm->defined()) &&
               (!qk_norms || (qnorm->is_contiguous() && knorm->is_contiguous() && qnorm->numel() == D && knorm->numel() == D)),
               "decode_layer: per-head q and k norm weights [D], both or neither");
-  TORCH_CHECK(norm_kind == 0 || norm_kind == 1, "decode_layer: norm_kind 0 (RMSNorm) or 1 (LayerNorm without parameters)");
-  auto h = norm_rows(x, ln1, eps1, norm_kind);
+  TORCH_CHECK(norm_kind >= 0 && norm_kind <= 2 && (norm_kind < 2 || (ln1b.has_value() && ln2b.has_value())),
+              "decode_layer: norm_kind 0 (RMSNorm), 1 (LayerNorm without parameters) or 2 (LayerNorm, with biases)");
+  TORCH_CHECK(mlp_kind == 0 || mlp_kind == 1, "decode_layer: mlp_kind 0 (SiLU-gated) or 1 (GELU)");
+  auto h = norm_rows(x, ln1, ln1b, eps1, norm_kind);
   auto qkv = skinny_linear(h, wqkv, (H + 2 * G) * D, bqkv);  // [B, (H + 2G) D]
   if (clip_qkv > 0) qkv.clamp_(-clip_qkv, clip_qkv);  // OLMo's clip_qkv
   auto q = torch::empty({B, H, 1, D}, x.options());
@@ -623,10 +640,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
     float* vc = vcache.data_ptr<float>();
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
-    const int64_t half = D / 2, row = (H + 2 * G) * D;
+    const int64_t half = rot / 2, row = (H + 2 * G) * D;
     for (int64_t b = 0; b < B; ++b) {
-      const float* c = cp + (cos.numel() == D ? 0 : b * D);
-      const float* sn = sp + (sin.numel() == D ? 0 : b * D);
+      const float* c = cp + (cos.size(0) == 1 ? 0 : b * rot);
+      const float* sn = sp + (sin.size(0) == 1 ? 0 : b * rot);
       const float* r = src + b * row;
       std::vector<float> normed(qk_norms ? D : 0);
       auto rope = [&](const float* in, float* out, const float* nw) {  // x cos + rotate_half(x) sin
@@ -641,6 +658,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
           out[d] = in[d] * c[d] - in[d + half] * sn[d];
           out[d + half] = in[d + half] * c[d + half] + in[d] * sn[d + half];
         }
+        for (int64_t d = rot; d < D; ++d) out[d] = in[d];
       };
       const float* qn = qk_norms ? qnorm->data_ptr<float>() : nullptr;
       const float* kn = qk_norms ? knorm->data_ptr<float>() : nullptr;
@@ -652,12 +670,15 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
     }
   }
   auto att = decode_attention(q, kcache, vcache, mask, scale).reshape({B, H * D});
-  auto x2 = skinny_linear(att, wo, hidden, bo);
-  x2.add_(x);
-  auto h2 = norm_rows(x2, ln2, eps2, norm_kind);
-  auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);  // [B, 2I]: gate, then up
-  auto act = torch::empty({B, I}, x.options());
-  {
+  auto x2 = skinny_linear(att, wo, hidden, bo);  // the attention's output
+  if (!parallel) x2.add_(x);  // sequential: the MLP sees x + attention
+  auto h2 = norm_rows(parallel ? x : x2, ln2, ln2b, eps2, norm_kind);
+  torch::Tensor act;
+  if (mlp_kind == 1) {  // GELU (erf), no gate: GPT-NeoX
+    act = torch::gelu(skinny_linear(h2, wgu, I, bup));
+  } else {
+    auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);  // [B, 2I]: gate, then up
+    act = torch::empty({B, I}, x.options());
     const float* g = gu.data_ptr<float>();
     float* a = act.data_ptr<float>();
     // SiLU(gate) * up, 16 at a time
@@ -674,8 +695,9 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
       }
     });
   }
-  auto out = skinny_linear(act, wd, hidden, c10::nullopt);
+  auto out = skinny_linear(act, wd, hidden, bdown);
   out.add_(x2);
+  if (parallel) out.add_(x);  // parallel: x + attention + MLP(norm(x))
   return out;
 }
 

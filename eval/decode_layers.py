@@ -1,4 +1,4 @@
-"""A CPU decode step with one compiled call per decoder layer (Llama-layout models, fp32).
+"""A CPU decode step with one compiled call per decoder layer (Llama-layout and GPT-NeoX models, fp32).
 
 What is left of an eager decode step once the weights and the KV cache stream at memory
 speed (`cpu_kernels.cpp`'s panel GEMM and fused attention) is per-op cost: transformers
@@ -11,7 +11,8 @@ gate, down projection, both residual adds), then the final norm and the LM head.
 
 It applies where a model's layers have that layout (RMSNorm modules, or OLMo's LayerNorm
 without parameters and its clip_qkv; q/k/v/o projections; per-head q/k RMSNorms, as Qwen3
-has, or none; gate/up/down MLP with SiLU and no biases; full attention), and it is checked
+has, or none; gate/up/down MLP with SiLU and no biases; full attention), or GPT-NeoX's
+(`_neox_layers`), and it is checked
 before use: one decode step from the same cache, fused and plain, must give the
 same logits and write the same cache slot (`check`); otherwise the plain step runs and
 `why_not` says why. Used only for decode steps without a padding mask (the speed
@@ -39,7 +40,40 @@ def _norm(module: Any) -> tuple[int, Any, float] | None:
 
 
 def _layout_problem(model: Any) -> str | None:
-    """Why `model`'s decoder layers do not have the layout `decode_layer` computes, or None."""
+    """Why `model`'s decoder layers do not have a layout `decode_layer` computes, or None."""
+    import torch
+
+    why = _neox_problem(model) if hasattr(model, "gpt_neox") else _llama_problem(model)
+    if why is None and any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
+        return "not an fp32 CPU model"
+    return why
+
+
+def _neox_problem(model: Any) -> str | None:
+    """GPT-NeoX (Pythia, and gqakit's grouped version of it): LayerNorms with biases, one
+    query_key_value projection, partial rotary, GELU MLP with biases, parallel or sequential
+    residuals."""
+    import torch
+
+    inner = model.gpt_neox
+    if getattr(inner, "rotary_emb", None) is None or not isinstance(getattr(inner, "final_layer_norm", None), torch.nn.LayerNorm):
+        return "GPT-NeoX stack without rotary embeddings or a final LayerNorm"
+    if model.config.hidden_act != "gelu":
+        return f"MLP activation {model.config.hidden_act!r} (only exact GELU is fused)"
+    for layer in inner.layers:
+        att, mlp = layer.attention, layer.mlp
+        if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("query_key_value", "dense")):
+            return "attention without query_key_value / dense projections"
+        if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h")):
+            return "MLP without dense_h_to_4h / dense_4h_to_h"
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, n, None)
+            if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
+                return f"{n} is not a LayerNorm with weight and bias"
+    return None
+
+
+def _llama_problem(model: Any) -> str | None:
     import torch
 
     inner = getattr(model, "model", None)
@@ -78,9 +112,81 @@ def _layout_problem(model: Any) -> str | None:
         return "final norm is neither an RMSNorm nor a LayerNorm without parameters"
     if len(kinds) > 1:
         return "layers with different norms"
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
-        return "not an fp32 CPU model"
     return None
+
+
+def _llama_layers(model: Any) -> SimpleNamespace:
+    """What FusedDecode needs of a Llama-layout model: the stack's modules, and per layer the
+    four matrices to pack (rows, columns, the matrix when asked for: stacked copies are made one
+    at a time) and the rest of `decode_layer`'s arguments."""
+    import torch
+
+    inner = model.model
+    layers = []
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+        bias = [x.bias for x in qkv]
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        (kind, ln1, eps1), (_, ln2, eps2) = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        layers.append(SimpleNamespace(
+            mats=[(sum(x.out_features for x in qkv), a.q_proj.in_features,
+                   lambda qkv=qkv: torch.cat([x.weight for x in qkv]).detach()),
+                  (*a.o_proj.weight.shape, a.o_proj.weight.detach),
+                  (sum(x.out_features for x in gu), m.gate_proj.in_features,
+                   lambda gu=gu: torch.cat([x.weight for x in gu]).detach()),
+                  (*m.down_proj.weight.shape, m.down_proj.weight.detach)],
+            bqkv=None if all(b is None for b in bias) else torch.cat(
+                [b.detach() if b is not None else torch.zeros(x.out_features) for b, x in zip(bias, qkv)]),
+            bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(), bup=None, bdown=None,
+            norm_kind=kind, ln1=ln1, ln1b=None, eps1=eps1, ln2=ln2, ln2b=None, eps2=eps2,
+            qnorm=None if qn is None else qn.weight.detach(), knorm=None if kn is None else kn.weight.detach(),
+            qk_eps=float(qn.variance_epsilon) if qn is not None else 0.0,
+            heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features, mlp_kind=0,
+            scale=float(getattr(a, "scaling", a.head_dim ** -0.5))))
+    cfg = model.config.get_text_config(decoder=True)
+    return SimpleNamespace(embed=inner.embed_tokens, rotary=inner.rotary_emb, final=inner.norm, layers=layers,
+                           clip_qkv=float(getattr(cfg, "clip_qkv", None) or 0.0),  # OLMo: q/k/v clamped
+                           parallel=False)
+
+
+def _neox_layers(model: Any) -> SimpleNamespace:
+    """`_llama_layers` for GPT-NeoX. Its query_key_value rows are, per K/V group g, the group's
+    H/G query heads, then its key head, then its value head ((G, H/G + 2, D); stock Pythia is
+    G = H: (H, 3, D)); they are re-stacked as all queries, all keys, all values."""
+    import torch
+
+    cfg = model.config
+    inner = model.gpt_neox
+    H = cfg.num_attention_heads
+    D = cfg.hidden_size // H
+    G = (inner.layers[0].attention.query_key_value.out_features // D - H) // 2  # rows: (H + 2G) D
+    R = H // G
+
+    def restack(t: Any) -> Any:  # rows (G, R + 2, D, ...) -> queries (G R D), keys (G D), values (G D)
+        v, rest = t.detach().reshape(G, R + 2, D, *t.shape[1:]), t.shape[1:]
+        return torch.cat([v[:, :R].reshape(-1, *rest), v[:, R].reshape(-1, *rest), v[:, R + 1].reshape(-1, *rest)])
+
+    layers = []
+    for layer in inner.layers:
+        a, m = layer.attention, layer.mlp
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        qkv = a.query_key_value
+        layers.append(SimpleNamespace(
+            mats=[(*qkv.weight.shape, lambda qkv=qkv: restack(qkv.weight)),
+                  (*a.dense.weight.shape, a.dense.weight.detach),
+                  (*m.dense_h_to_4h.weight.shape, m.dense_h_to_4h.weight.detach),
+                  (*m.dense_4h_to_h.weight.shape, m.dense_4h_to_h.weight.detach)],
+            bqkv=None if qkv.bias is None else restack(qkv.bias),
+            bo=None if a.dense.bias is None else a.dense.bias.detach(),
+            bup=None if m.dense_h_to_4h.bias is None else m.dense_h_to_4h.bias.detach(),
+            bdown=None if m.dense_4h_to_h.bias is None else m.dense_4h_to_h.bias.detach(),
+            norm_kind=2, ln1=n1.weight.detach(), ln1b=n1.bias.detach(), eps1=float(n1.eps),
+            ln2=n2.weight.detach(), ln2b=n2.bias.detach(), eps2=float(n2.eps),
+            qnorm=None, knorm=None, qk_eps=0.0, heads=H, inter=m.dense_h_to_4h.out_features, mlp_kind=1,
+            scale=float(getattr(a, "scaling", D ** -0.5))))
+    return SimpleNamespace(embed=inner.embed_in, rotary=inner.rotary_emb, final=inner.final_layer_norm,
+                           layers=layers, clip_qkv=0.0, parallel=bool(cfg.use_parallel_residual))
 
 
 class FusedDecode:
@@ -91,26 +197,15 @@ class FusedDecode:
     """
 
     def __init__(self, model: Any, kernels: Any, arena: bool = True) -> None:
-        import torch
-
         self.model, self.k = model, kernels
-        inner = model.model
-        self.embed, self.rotary, self.final = inner.embed_tokens, inner.rotary_emb, inner.norm
+        spec = _neox_layers(model) if hasattr(model, "gpt_neox") else _llama_layers(model)
+        self.embed, self.rotary, self.final = spec.embed, spec.rotary, spec.final
+        self.clip_qkv, self.parallel = spec.clip_qkv, spec.parallel
         head = model.get_output_embeddings()
         # every matrix the step streams, packed into one buffer in the order the step reads them
         # (2 MiB-aligned, advised as huge pages: small matrices too, e.g. a 1-KV-head model's
         # stacked q/k/v, sit on huge pages, and the stream has no gaps)
-        mats = []  # (rows, columns, the matrix when asked for): stacked copies made one at a time
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-            mats += [(sum(x.out_features for x in qkv), a.q_proj.in_features,
-                      lambda qkv=qkv: torch.cat([x.weight for x in qkv]).detach()),
-                     (*a.o_proj.weight.shape, a.o_proj.weight.detach),
-                     (sum(x.out_features for x in gu), m.gate_proj.in_features,
-                      lambda gu=gu: torch.cat([x.weight for x in gu]).detach()),
-                     (*m.down_proj.weight.shape, m.down_proj.weight.detach)]
-        mats.append((*head.weight.shape, head.weight.detach))
+        mats = [m for e in spec.layers for m in e.mats] + [(*head.weight.shape, head.weight.detach)]
         if arena:
             sizes = [int(kernels.packed_numel(n, k)) for n, k, _ in mats]
             buf = kernels.huge_zeros(sum(sizes))
@@ -121,28 +216,10 @@ class FusedDecode:
         else:
             packed = [kernels.pack_weight(w()) for _, _, w in mats]
         self.packed_bytes = sum(t.numel() * 4 for t in packed)
-        self.layers = []
-        for i, layer in enumerate(inner.layers):
-            a, m = layer.self_attn, layer.mlp
-            bias = [x.bias for x in (a.q_proj, a.k_proj, a.v_proj)]
-            bqkv = None
-            if any(b is not None for b in bias):
-                bqkv = torch.cat([b.detach() if b is not None else torch.zeros(x.out_features)
-                                  for b, x in zip(bias, (a.q_proj, a.k_proj, a.v_proj))])
-            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            (kind, ln1, eps1), (_, ln2, eps2) = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-            self.layers.append(SimpleNamespace(norm_kind=kind,
-                qnorm=None if qn is None else qn.weight.detach(), knorm=None if kn is None else kn.weight.detach(),
-                qk_eps=float(qn.variance_epsilon) if qn is not None else 0.0,
-                ln1=ln1, eps1=eps1,
-                wqkv=packed[4 * i], bqkv=bqkv, wo=packed[4 * i + 1],
-                bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
-                ln2=ln2, eps2=eps2,
-                wgu=packed[4 * i + 2], wd=packed[4 * i + 3],
-                heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features,
-                scale=float(getattr(a, "scaling", a.head_dim ** -0.5))))
-        cfg = model.config.get_text_config(decoder=True)
-        self.clip_qkv = float(getattr(cfg, "clip_qkv", None) or 0.0)  # OLMo: q/k/v clamped after projection
+        self.layers = spec.layers
+        for i, e in enumerate(self.layers):
+            e.wqkv, e.wo, e.wgu, e.wd = packed[4 * i: 4 * i + 4]
+            del e.mats
         self.head = packed[-1]
         self.head_bias = None if getattr(head, "bias", None) is None else head.bias.detach()
         self.vocab = head.weight.shape[0]
@@ -165,7 +242,8 @@ class FusedDecode:
         for e, layer in zip(self.layers, cache.layers):
             x = self.k.decode_layer(x, e.ln1, e.eps1, e.wqkv, e.bqkv, e.wo, e.bo, e.ln2, e.eps2, e.wgu, e.wd,
                                     cos, sin, layer.keys, layer.values, slot, mask, e.scale, e.heads, e.inter,
-                                    e.qnorm, e.knorm, e.qk_eps, e.norm_kind, self.clip_qkv)
+                                    e.qnorm, e.knorm, e.qk_eps, e.norm_kind, self.clip_qkv, e.ln1b, e.ln2b,
+                                    e.mlp_kind, e.bup, e.bdown, self.parallel)
             layer.cumulative_length.add_(1)
         x = self.final(x)
         logits = self.k.skinny_linear(x, self.head, self.vocab, self.head_bias)

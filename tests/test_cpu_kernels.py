@@ -135,8 +135,8 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
     assert pt.decode_path["weights"] in ("packed once (oneDNN)", "as loaded")
 
 
-# Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters)
-FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo"}
+# Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters), GPT-NeoX
+FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -144,13 +144,15 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
     """One compiled call per layer (decode_layers.FusedDecode) where the layout is Llama's:
     the same greedy tokens as the model's own step (SDPA, loaded weights), batch 1 and 3,
     8 steps, and the same cache fill; every other family gets a reason and the per-op path."""
-    kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES else {}
+    kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES - {"gpt_neox"} else {}  # NeoX: stock MHA
     model = load_causal_lm(tiny_model(family, **kw))
     torch.manual_seed(0)
-    with torch.no_grad():  # norm weights away from their initial ones: a step that skipped one would differ
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # norm weights away from their initial ones, biases from their zeros:
+        for name, p in model.named_parameters():  # a step that skipped one would differ
             if "norm" in name and p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.05)
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
     if family not in FUSED_FAMILIES:
@@ -221,6 +223,49 @@ def test_olmo_clip_qkv_is_applied(kernels, tiny_model, monkeypatch):
     monkeypatch.setattr(decode_layers.FusedDecode, "__init__", unclipped)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
     assert step is None and why
+
+
+@pytest.mark.parametrize("variant", ["sequential, full rotary", "converted to 2 KV heads"])
+def test_gpt_neox_variants_take_the_fused_step(kernels, tiny_model, tmp_path, variant):
+    """GPT-NeoX beyond stock Pythia's parallel residual and quarter rotary: sequential residuals
+    with full rotary, and gqakit's grouped NeoX (query_key_value rows per group: queries, key,
+    value), checked against the model's own step for several prompts."""
+    from gqakit.convert import convert_checkpoint
+    from gqakit.eval.decode_layers import FusedDecode, check
+
+    if variant.startswith("sequential"):
+        path = tiny_model("gpt_neox", use_parallel_residual=False, rotary_pct=1.0)
+    else:
+        path = convert_checkpoint(tiny_model("gpt_neox"), tmp_path / "g2", 2, progress=False)
+    model = load_causal_lm(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):  # q/k/v, dense and MLP biases: not the zeros they start as
+                p.normal_(0, 0.05)
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is not None, why
+    assert step.parallel is variant.startswith("converted")  # stock config: parallel residual
+    assert all(check(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=s) is None for s in range(4))
+
+
+def test_a_neox_step_with_the_wrong_residuals_is_not_used(kernels, tiny_model, monkeypatch):
+    """Pythia's parallel residual (x + attention + MLP, both from x) computed sequentially: refused."""
+    from gqakit.eval import decode_layers
+
+    model = load_causal_lm(tiny_model("gpt_neox"))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    real = decode_layers.FusedDecode.__init__
+
+    def sequential(self, m, k, **kw):
+        real(self, m, k, **kw)
+        self.parallel = False
+
+    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", sequential)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is None and "other logits" in why
 
 
 def _wrapped_step(monkeypatch, after):

@@ -1,4 +1,4 @@
-"""A CPU decode step with one compiled call per decoder layer (Llama-layout and GPT-NeoX models, fp32).
+"""A CPU decode step with one compiled call per decoder layer (Llama-layout, GPT-NeoX and GPT-2 models, fp32).
 
 What is left of an eager decode step once the weights and the KV cache stream at memory
 speed (`cpu_kernels.cpp`'s panel GEMM and fused attention) is per-op cost: transformers
@@ -12,7 +12,7 @@ gate, down projection, both residual adds), then the final norm and the LM head.
 It applies where a model's layers have that layout (RMSNorm modules, or OLMo's LayerNorm
 without parameters and its clip_qkv; q/k/v/o projections; per-head q/k RMSNorms, as Qwen3
 has, or none; gate/up/down MLP with SiLU and no biases; full attention), or GPT-NeoX's
-(`_neox_layers`), and it is checked
+(`_neox_layers`) or GPT-2's (`_gpt2_layers`), and it is checked
 before use: one decode step from the same cache, fused and plain, must give the
 same logits and write the same cache slot (`check`); otherwise the plain step runs and
 `why_not` says why. Used only for decode steps without a padding mask (the speed
@@ -43,7 +43,8 @@ def _layout_problem(model: Any) -> str | None:
     """Why `model`'s decoder layers do not have a layout `decode_layer` computes, or None."""
     import torch
 
-    why = _neox_problem(model) if hasattr(model, "gpt_neox") else _llama_problem(model)
+    why = (_neox_problem(model) if hasattr(model, "gpt_neox") else _gpt2_problem(model) if hasattr(model, "transformer")
+           else _llama_problem(model))
     if why is None and any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
         return "not an fp32 CPU model"
     return why
@@ -70,6 +71,32 @@ def _neox_problem(model: Any) -> str | None:
             norm = getattr(layer, n, None)
             if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
                 return f"{n} is not a LayerNorm with weight and bias"
+    return None
+
+
+_GELU = {"gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}  # activation -> decode_layer's mlp_kind
+
+
+def _gpt2_problem(model: Any) -> str | None:
+    """GPT-2 (and gqakit's grouped GPT-2): learned positions, LayerNorms with biases, Conv1D
+    projections (c_attn: queries, keys, values side by side), GELU MLP, sequential residuals."""
+    import torch
+
+    inner = model.transformer
+    cfg = model.config
+    if not all(hasattr(inner, n) for n in ("h", "wte", "wpe", "ln_f")) or getattr(cfg, "add_cross_attention", False):
+        return "not a GPT-2 stack (transformer.h, wte, wpe, ln_f) without cross-attention"
+    if cfg.activation_function not in _GELU:
+        return f"MLP activation {cfg.activation_function!r} (only GELU is fused)"
+    for block in inner.h:
+        for n in ("ln_1", "ln_2"):
+            norm = getattr(block, n, None)
+            if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
+                return f"{n} is not a LayerNorm with weight and bias"
+        convs = [getattr(block.attn, "c_attn", None), getattr(block.attn, "c_proj", None),
+                 getattr(block.mlp, "c_fc", None), getattr(block.mlp, "c_proj", None)]
+        if not all(type(c).__name__ == "Conv1D" for c in convs):
+            return "projections other than Conv1D c_attn / c_proj / c_fc"
     return None
 
 
@@ -145,7 +172,8 @@ def _llama_layers(model: Any) -> SimpleNamespace:
             heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features, mlp_kind=0,
             scale=float(getattr(a, "scaling", a.head_dim ** -0.5))))
     cfg = model.config.get_text_config(decoder=True)
-    return SimpleNamespace(embed=inner.embed_tokens, rotary=inner.rotary_emb, final=inner.norm, layers=layers,
+    return SimpleNamespace(embed=lambda ids, pos: inner.embed_tokens(ids), rotary=inner.rotary_emb,
+                           final=inner.norm, layers=layers,
                            clip_qkv=float(getattr(cfg, "clip_qkv", None) or 0.0),  # OLMo: q/k/v clamped
                            parallel=False)
 
@@ -185,8 +213,30 @@ def _neox_layers(model: Any) -> SimpleNamespace:
             ln2=n2.weight.detach(), ln2b=n2.bias.detach(), eps2=float(n2.eps),
             qnorm=None, knorm=None, qk_eps=0.0, heads=H, inter=m.dense_h_to_4h.out_features, mlp_kind=1,
             scale=float(getattr(a, "scaling", D ** -0.5))))
-    return SimpleNamespace(embed=inner.embed_in, rotary=inner.rotary_emb, final=inner.final_layer_norm,
-                           layers=layers, clip_qkv=0.0, parallel=bool(cfg.use_parallel_residual))
+    return SimpleNamespace(embed=lambda ids, pos: inner.embed_in(ids), rotary=inner.rotary_emb,
+                           final=inner.final_layer_norm, layers=layers, clip_qkv=0.0,
+                           parallel=bool(cfg.use_parallel_residual))
+
+
+def _gpt2_layers(model: Any) -> SimpleNamespace:
+    """`_llama_layers` for GPT-2: Conv1D weights are [in, out], so each matrix is transposed as
+    it is packed; c_attn's outputs are already all queries, then keys, then values."""
+    cfg = model.config
+    inner = model.transformer
+    layers = []
+    for block in inner.h:
+        a, m = block.attn, block.mlp
+        layers.append(SimpleNamespace(
+            mats=[(c.weight.shape[1], c.weight.shape[0], lambda c=c: c.weight.detach().t())
+                  for c in (a.c_attn, a.c_proj, m.c_fc, m.c_proj)],
+            bqkv=a.c_attn.bias.detach(), bo=a.c_proj.bias.detach(), bup=m.c_fc.bias.detach(),
+            bdown=m.c_proj.bias.detach(), norm_kind=2,
+            ln1=block.ln_1.weight.detach(), ln1b=block.ln_1.bias.detach(), eps1=float(block.ln_1.eps),
+            ln2=block.ln_2.weight.detach(), ln2b=block.ln_2.bias.detach(), eps2=float(block.ln_2.eps),
+            qnorm=None, knorm=None, qk_eps=0.0, heads=cfg.num_attention_heads, inter=m.c_fc.weight.shape[1],
+            mlp_kind=_GELU[cfg.activation_function], scale=float(a.scaling)))
+    return SimpleNamespace(embed=lambda ids, pos: inner.wte(ids) + inner.wpe(pos), rotary=None, final=inner.ln_f,
+                           layers=layers, clip_qkv=0.0, parallel=False)
 
 
 class FusedDecode:
@@ -198,7 +248,8 @@ class FusedDecode:
 
     def __init__(self, model: Any, kernels: Any, arena: bool = True) -> None:
         self.model, self.k = model, kernels
-        spec = _neox_layers(model) if hasattr(model, "gpt_neox") else _llama_layers(model)
+        spec = (_neox_layers(model) if hasattr(model, "gpt_neox") else _gpt2_layers(model) if hasattr(model, "transformer")
+                else _llama_layers(model))
         self.embed, self.rotary, self.final = spec.embed, spec.rotary, spec.final
         self.clip_qkv, self.parallel = spec.clip_qkv, spec.parallel
         head = model.get_output_embeddings()
@@ -230,9 +281,12 @@ class FusedDecode:
 
         cache = cache if cache is not None else past_key_values
         b = input_ids.shape[0]
-        x = self.embed(input_ids)  # [B, 1, hidden]
-        cos, sin = self.rotary(x, position_ids)  # [1, 1, D] (or [B, 1, D])
-        cos, sin = cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
+        x = self.embed(input_ids, position_ids)  # [B, 1, hidden]
+        if self.rotary is None:  # learned positions (GPT-2): no rotary
+            cos = sin = torch.empty(1, 0)
+        else:
+            cos, sin = self.rotary(x, position_ids)  # [1, 1, D] (or [B, 1, D])
+            cos, sin = cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
         x = x.reshape(b, -1).contiguous()
         first = cache.layers[0]
         slot = int(first.cumulative_length)

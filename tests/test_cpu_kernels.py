@@ -136,7 +136,7 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
 
 
 # Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters), GPT-NeoX
-FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox"}
+FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox", "gpt2"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -144,7 +144,7 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
     """One compiled call per layer (decode_layers.FusedDecode) where the layout is Llama's:
     the same greedy tokens as the model's own step (SDPA, loaded weights), batch 1 and 3,
     8 steps, and the same cache fill; every other family gets a reason and the per-op path."""
-    kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES - {"gpt_neox"} else {}  # NeoX: stock MHA
+    kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES - {"gpt_neox", "gpt2"} else {}  # stock MHA
     model = load_causal_lm(tiny_model(family, **kw))
     torch.manual_seed(0)
     with torch.no_grad():  # norm weights away from their initial ones, biases from their zeros:
@@ -225,29 +225,33 @@ def test_olmo_clip_qkv_is_applied(kernels, tiny_model, monkeypatch):
     assert step is None and why
 
 
-@pytest.mark.parametrize("variant", ["sequential, full rotary", "converted to 2 KV heads"])
-def test_gpt_neox_variants_take_the_fused_step(kernels, tiny_model, tmp_path, variant):
+@pytest.mark.parametrize("variant", ["sequential, full rotary", "converted to 2 KV heads", "gpt2 converted"])
+def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp_path, variant):
     """GPT-NeoX beyond stock Pythia's parallel residual and quarter rotary: sequential residuals
     with full rotary, and gqakit's grouped NeoX (query_key_value rows per group: queries, key,
-    value), checked against the model's own step for several prompts."""
+    value); and gqakit's grouped GPT-2 (c_attn: queries, then G keys, then G values), each
+    checked against the model's own step for several prompts."""
     from gqakit.convert import convert_checkpoint
-    from gqakit.eval.decode_layers import FusedDecode, check
+    from gqakit.eval.decode_layers import check
 
     if variant.startswith("sequential"):
         path = tiny_model("gpt_neox", use_parallel_residual=False, rotary_pct=1.0)
+    elif variant.startswith("gpt2"):
+        path = convert_checkpoint(tiny_model("gpt2"), tmp_path / "g2", 2, progress=False)
     else:
         path = convert_checkpoint(tiny_model("gpt_neox"), tmp_path / "g2", 2, progress=False)
     model = load_causal_lm(path)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "layernorm" in name or "layer_norm" in name:
+            if "layernorm" in name or "layer_norm" in name or ".ln_" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):  # q/k/v, dense and MLP biases: not the zeros they start as
                 p.normal_(0, 0.05)
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
     assert step is not None, why
-    assert step.parallel is variant.startswith("converted")  # stock config: parallel residual
+    assert step.parallel is variant.startswith("converted")  # NeoX's stock config: parallel residual
+    assert variant.startswith("sequential") or model.config.num_key_value_heads == 2
     assert all(check(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=s) is None for s in range(4))
 
 
@@ -264,6 +268,23 @@ def test_a_neox_step_with_the_wrong_residuals_is_not_used(kernels, tiny_model, m
         self.parallel = False
 
     monkeypatch.setattr(decode_layers.FusedDecode, "__init__", sequential)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is None and "other logits" in why
+
+
+def test_a_gpt2_step_without_learned_positions_is_not_used(kernels, tiny_model, monkeypatch):
+    """GPT-2 adds learned position embeddings to the tokens' (no rotary): a step without them is refused."""
+    from gqakit.eval import decode_layers
+
+    model = load_causal_lm(tiny_model("gpt2"))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    real = decode_layers.FusedDecode.__init__
+
+    def no_positions(self, m, k, **kw):
+        real(self, m, k, **kw)
+        self.embed = lambda ids, pos: m.transformer.wte(ids)
+
+    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", no_positions)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
     assert step is None and "other logits" in why
 

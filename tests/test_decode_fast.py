@@ -200,3 +200,19 @@ def test_pair_bench_says_when_the_models_ran_different_paths(tiny_model, tmp_pat
     assert row["comparison"]["paths_differ"]["base"][1].startswith("fused")
     assert row["comparison"]["paths_differ"]["other"][1].startswith("per-op")
     assert "b and a ran different decode paths" in md.read_text()
+
+
+def test_random_model_never_writes_over_a_folder(tmp_path):
+    """bench/random_model.py refuses an OUT that exists, before building anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "random_model.py"), "gpt2-124m", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "exists" in r.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"

@@ -181,50 +181,6 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
             torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
 
 
-def test_a_fused_step_with_the_wrong_q_norm_is_not_used(kernels, tiny_model, monkeypatch):
-    """Qwen3's per-head q/k norms are part of the fused layer: with the q norm weights replaced
-    by ones (a step that ignored them) the check refuses it."""
-    from gqakit.eval import decode_layers
-
-    model = load_causal_lm(tiny_model("qwen3", num_key_value_heads=2))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    real = decode_layers.FusedDecode.__init__
-
-    def ones(self, m, k, **kw):
-        real(self, m, k, **kw)
-        for e in self.layers:
-            e.qnorm = torch.ones_like(e.qnorm)
-
-    assert build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)[0] is not None
-    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", ones)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
-    assert step is None and "other logits" in why
-
-
-def test_olmo_clip_qkv_is_applied(kernels, tiny_model, monkeypatch):
-    """OLMo clamps q, k and v after the projection (clip_qkv): the fused step does too (checked
-    against the model's own step), and one that did not is refused."""
-    from gqakit.eval import decode_layers
-
-    model = load_causal_lm(tiny_model("olmo", num_key_value_heads=2, clip_qkv=0.05))
-    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
-    assert step is not None and step.clip_qkv == pytest.approx(0.05), why
-    real = decode_layers.FusedDecode.__init__
-
-    def unclipped(self, m, k, **kw):
-        real(self, m, k, **kw)
-        self.clip_qkv = 0.0
-
-    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", unclipped)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
-    assert step is None and why
-
-
 @pytest.mark.parametrize("variant", ["sequential, full rotary", "converted to 2 KV heads", "gpt2 converted"])
 def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp_path, variant):
     """GPT-NeoX beyond stock Pythia's parallel residual and quarter rotary: sequential residuals
@@ -255,38 +211,45 @@ def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp
     assert all(check(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=s) is None for s in range(4))
 
 
-def test_a_neox_step_with_the_wrong_residuals_is_not_used(kernels, tiny_model, monkeypatch):
-    """Pythia's parallel residual (x + attention + MLP, both from x) computed sequentially: refused."""
+# family, config overrides, how to break its fused step (self: the FusedDecode, m: the model)
+BROKEN = {
+    "Qwen3 without its q norm": ("qwen3", {"num_key_value_heads": 2},
+                                 lambda self, m: [setattr(e, "qnorm", torch.ones_like(e.qnorm)) for e in self.layers]),
+    "OLMo without its clip_qkv": ("olmo", {"num_key_value_heads": 2, "clip_qkv": 0.05},
+                                  lambda self, m: setattr(self, "clip_qkv", 0.0)),
+    "Pythia with sequential residuals": ("gpt_neox", {}, lambda self, m: setattr(self, "parallel", False)),
+    "GPT-2 without learned positions": ("gpt2", {},
+                                        lambda self, m: setattr(self, "embed", lambda ids, pos: m.transformer.wte(ids))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_fused_step_missing_a_family_feature_is_not_used(kernels, tiny_model, monkeypatch, case):
+    """Each family's own part of the fused layer matters: the step is used as built, and refused
+    with that part left out (Qwen3's per-head q norm, OLMo's clamp of q/k/v, Pythia's parallel
+    residual, GPT-2's learned positions)."""
     from gqakit.eval import decode_layers
 
-    model = load_causal_lm(tiny_model("gpt_neox"))
+    family, overrides, breaks = BROKEN[case]
+    model = load_causal_lm(tiny_model(family, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is not None, why
+    if family == "olmo":
+        assert step.clip_qkv == pytest.approx(0.05)
     real = decode_layers.FusedDecode.__init__
 
-    def sequential(self, m, k, **kw):
+    def broken(self, m, k, **kw):
         real(self, m, k, **kw)
-        self.parallel = False
+        breaks(self, m)
 
-    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", sequential)
+    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", broken)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
-    assert step is None and "other logits" in why
-
-
-def test_a_gpt2_step_without_learned_positions_is_not_used(kernels, tiny_model, monkeypatch):
-    """GPT-2 adds learned position embeddings to the tokens' (no rotary): a step without them is refused."""
-    from gqakit.eval import decode_layers
-
-    model = load_causal_lm(tiny_model("gpt2"))
-    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    real = decode_layers.FusedDecode.__init__
-
-    def no_positions(self, m, k, **kw):
-        real(self, m, k, **kw)
-        self.embed = lambda ids, pos: m.transformer.wte(ids)
-
-    monkeypatch.setattr(decode_layers.FusedDecode, "__init__", no_positions)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
-    assert step is None and "other logits" in why
+    assert step is None and why
 
 
 def _wrapped_step(monkeypatch, after):

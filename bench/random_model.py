@@ -19,6 +19,9 @@ from pathlib import Path
 # name -> (transformers config class, its arguments): the published configs' shapes
 SHAPES = {
     "gpt2-124m": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)),
+    "opt-125m": ("OPTConfig", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072,
+                                   word_embed_proj_dim=768, max_position_embeddings=2048, vocab_size=50272,
+                                   do_layer_norm_before=True)),
     "pythia-160m": ("GPTNeoXConfig", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                           intermediate_size=3072, rotary_pct=0.25, vocab_size=50304,
                                           max_position_embeddings=2048, use_parallel_residual=True,

@@ -1,4 +1,4 @@
-"""A CPU decode step with one compiled call per decoder layer (Llama-layout, GPT-NeoX and GPT-2 models, fp32).
+"""A CPU decode step with one compiled call per decoder layer (Llama-layout, GPT-NeoX, GPT-2 and OPT models, fp32).
 
 What is left of an eager decode step once the weights and the KV cache stream at memory
 speed (`cpu_kernels.cpp`'s panel GEMM and fused attention) is per-op cost: transformers
@@ -12,7 +12,7 @@ gate, down projection, both residual adds), then the final norm and the LM head.
 It applies where a model's layers have that layout (RMSNorm modules, or OLMo's LayerNorm
 without parameters and its clip_qkv; q/k/v/o projections; per-head q/k RMSNorms, as Qwen3
 has, or none; gate/up/down MLP with SiLU and no biases; full attention), or GPT-NeoX's
-(`_neox_layers`) or GPT-2's (`_gpt2_layers`), and it is checked
+(`_neox_layers`), GPT-2's (`_gpt2_layers`) or OPT's (`_opt_layers`), and it is checked
 before use: one decode step from the same cache, fused and plain, must give the
 same logits and write the same cache slot (`check`); otherwise the plain step runs and
 `why_not` says why. Used only for decode steps without a padding mask (the speed
@@ -44,7 +44,7 @@ def _layout_problem(model: Any) -> str | None:
     import torch
 
     why = (_neox_problem(model) if hasattr(model, "gpt_neox") else _gpt2_problem(model) if hasattr(model, "transformer")
-           else _llama_problem(model))
+           else _opt_problem(model) if hasattr(getattr(model, "model", None), "decoder") else _llama_problem(model))
     if why is None and any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
         return "not an fp32 CPU model"
     return why
@@ -97,6 +97,27 @@ def _gpt2_problem(model: Any) -> str | None:
                  getattr(block.mlp, "c_fc", None), getattr(block.mlp, "c_proj", None)]
         if not all(type(c).__name__ == "Conv1D" for c in convs):
             return "projections other than Conv1D c_attn / c_proj / c_fc"
+    return None
+
+
+def _opt_problem(model: Any) -> str | None:
+    """OPT (and gqakit's grouped OPT): learned positions (offset 2), pre-norm LayerNorms, biased
+    q/k/v/out projections, ReLU MLP. The 350M variant (post-norm, project_in/out) is not fused."""
+    import torch
+
+    cfg, dec = model.config, model.model.decoder
+    if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
+        return "OPT with norms after the blocks or projections in/out (opt-350m's layout)"
+    if dec.final_layer_norm is None or cfg.activation_function != "relu":
+        return "OPT without a final LayerNorm or with an activation other than ReLU"
+    for layer in dec.layers:
+        att = layer.self_attn
+        if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")):
+            return "attention without q/k/v/out projections"
+        for n in ("self_attn_layer_norm", "final_layer_norm"):
+            norm = getattr(layer, n, None)
+            if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
+                return f"{n} is not a LayerNorm with weight and bias"
     return None
 
 
@@ -218,6 +239,32 @@ def _neox_layers(model: Any) -> SimpleNamespace:
                            parallel=bool(cfg.use_parallel_residual))
 
 
+def _opt_layers(model: Any) -> SimpleNamespace:
+    """`_llama_layers` for OPT (pre-norm): q/k/v stacked, ReLU MLP, position embeddings offset by 2."""
+    import torch
+
+    cfg, dec = model.config, model.model.decoder
+    layers = []
+    for layer in dec.layers:
+        a, n1, n2 = layer.self_attn, layer.self_attn_layer_norm, layer.final_layer_norm
+        qkv = (a.q_proj, a.k_proj, a.v_proj)
+        layers.append(SimpleNamespace(
+            mats=[(sum(x.out_features for x in qkv), a.q_proj.in_features,
+                   lambda qkv=qkv: torch.cat([x.weight for x in qkv]).detach()),
+                  (*a.out_proj.weight.shape, a.out_proj.weight.detach),
+                  (*layer.fc1.weight.shape, layer.fc1.weight.detach), (*layer.fc2.weight.shape, layer.fc2.weight.detach)],
+            bqkv=None if a.q_proj.bias is None else torch.cat([x.bias for x in qkv]).detach(),
+            bo=None if a.out_proj.bias is None else a.out_proj.bias.detach(),
+            bup=None if layer.fc1.bias is None else layer.fc1.bias.detach(),
+            bdown=None if layer.fc2.bias is None else layer.fc2.bias.detach(),
+            norm_kind=2, ln1=n1.weight.detach(), ln1b=n1.bias.detach(), eps1=float(n1.eps),
+            ln2=n2.weight.detach(), ln2b=n2.bias.detach(), eps2=float(n2.eps),
+            qnorm=None, knorm=None, qk_eps=0.0, heads=cfg.num_attention_heads, inter=layer.fc1.out_features,
+            mlp_kind=3, scale=float(a.scaling)))
+    return SimpleNamespace(embed=lambda ids, pos: dec.embed_tokens(ids) + dec.embed_positions(None, 0, position_ids=pos),
+                           rotary=None, final=dec.final_layer_norm, layers=layers, clip_qkv=0.0, parallel=False)
+
+
 def _gpt2_layers(model: Any) -> SimpleNamespace:
     """`_llama_layers` for GPT-2: Conv1D weights are [in, out], so each matrix is transposed as
     it is packed; c_attn's outputs are already all queries, then keys, then values."""
@@ -249,7 +296,7 @@ class FusedDecode:
     def __init__(self, model: Any, kernels: Any, arena: bool = True) -> None:
         self.model, self.k = model, kernels
         spec = (_neox_layers(model) if hasattr(model, "gpt_neox") else _gpt2_layers(model) if hasattr(model, "transformer")
-                else _llama_layers(model))
+                else _opt_layers(model) if hasattr(model.model, "decoder") else _llama_layers(model))
         self.embed, self.rotary, self.final = spec.embed, spec.rotary, spec.final
         self.clip_qkv, self.parallel = spec.clip_qkv, spec.parallel
         head = model.get_output_embeddings()

@@ -136,7 +136,7 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
 
 
 # Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters), GPT-NeoX
-FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox", "gpt2"}
+FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox", "gpt2", "opt"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -144,7 +144,7 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
     """One compiled call per layer (decode_layers.FusedDecode) where the layout is Llama's:
     the same greedy tokens as the model's own step (SDPA, loaded weights), batch 1 and 3,
     8 steps, and the same cache fill; every other family gets a reason and the per-op path."""
-    kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES - {"gpt_neox", "gpt2"} else {}  # stock MHA
+    kw = {"num_key_value_heads": 2} if family in FUSED_FAMILIES - {"gpt_neox", "gpt2", "opt"} else {}  # stock MHA
     model = load_causal_lm(tiny_model(family, **kw))
     torch.manual_seed(0)
     with torch.no_grad():  # norm weights away from their initial ones, biases from their zeros:
@@ -181,19 +181,20 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
             torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["sequential, full rotary", "converted to 2 KV heads", "gpt2 converted"])
+@pytest.mark.parametrize("variant", ["sequential, full rotary", "converted to 2 KV heads", "gpt2 converted",
+                                     "opt converted"])
 def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp_path, variant):
     """GPT-NeoX beyond stock Pythia's parallel residual and quarter rotary: sequential residuals
     with full rotary, and gqakit's grouped NeoX (query_key_value rows per group: queries, key,
-    value); and gqakit's grouped GPT-2 (c_attn: queries, then G keys, then G values), each
-    checked against the model's own step for several prompts."""
+    value); and gqakit's grouped GPT-2 (c_attn: queries, then G keys, then G values) and OPT,
+    each checked against the model's own step for several prompts."""
     from gqakit.convert import convert_checkpoint
     from gqakit.eval.decode_layers import check
 
     if variant.startswith("sequential"):
         path = tiny_model("gpt_neox", use_parallel_residual=False, rotary_pct=1.0)
-    elif variant.startswith("gpt2"):
-        path = convert_checkpoint(tiny_model("gpt2"), tmp_path / "g2", 2, progress=False)
+    elif variant.startswith(("gpt2", "opt")):
+        path = convert_checkpoint(tiny_model(variant.split()[0]), tmp_path / "g2", 2, progress=False)
     else:
         path = convert_checkpoint(tiny_model("gpt_neox"), tmp_path / "g2", 2, progress=False)
     model = load_causal_lm(path)
@@ -211,6 +212,14 @@ def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp
     assert all(check(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=s) is None for s in range(4))
 
 
+def test_opt_350m_layout_keeps_the_per_op_path(kernels, tiny_model):
+    """OPT-350M normalises after each block (do_layer_norm_before=False): not fused, and said why."""
+    model = load_causal_lm(tiny_model("opt", do_layer_norm_before=False))
+    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    assert step is None and "opt-350m" in why
+
+
 # family, config overrides, how to break its fused step (self: the FusedDecode, m: the model)
 BROKEN = {
     "Qwen3 without its q norm": ("qwen3", {"num_key_value_heads": 2},
@@ -220,6 +229,8 @@ BROKEN = {
     "Pythia with sequential residuals": ("gpt_neox", {}, lambda self, m: setattr(self, "parallel", False)),
     "GPT-2 without learned positions": ("gpt2", {},
                                         lambda self, m: setattr(self, "embed", lambda ids, pos: m.transformer.wte(ids))),
+    "OPT without its position offset": ("opt", {}, lambda self, m: setattr(
+        self, "embed", lambda ids, pos: m.model.decoder.embed_tokens(ids) + m.model.decoder.embed_positions.weight[pos])),
 }
 
 
@@ -227,7 +238,7 @@ BROKEN = {
 def test_a_fused_step_missing_a_family_feature_is_not_used(kernels, tiny_model, monkeypatch, case):
     """Each family's own part of the fused layer matters: the step is used as built, and refused
     with that part left out (Qwen3's per-head q norm, OLMo's clamp of q/k/v, Pythia's parallel
-    residual, GPT-2's learned positions)."""
+    residual, GPT-2's learned positions, OPT's offset of 2 into its position table)."""
     from gqakit.eval import decode_layers
 
     family, overrides, breaks = BROKEN[case]

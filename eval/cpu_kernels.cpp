@@ -601,7 +601,8 @@ static torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, c
 // parameters (OLMo; ln1/ln2 unused); clip_qkv: q, k and v clamped to +-clip_qkv after the
 // projection where > 0 (OLMo); norm_kind 2: LayerNorm with weights ln1/ln2 and biases ln1b/ln2b;
 // mlp_kind 0: SiLU(gate) * up with wgu = gate and up stacked (N = 2I), 1: GELU(up) with wgu = up
-// (N = I), 2: the same with GELU's tanh approximation, 3: ReLU(up); biases bup/bdown where given; parallel: x + attention(norm1(x)) + MLP(norm2(x))
+// (N = I), 2: the same with GELU's tanh approximation, 3: ReLU(up), 4: GELU-tanh(gate) * up with
+// wgu as for 0; biases bup/bdown where given; parallel: x + attention(norm1(x)) + MLP(norm2(x))
 // (GPT-NeoX) instead of the sequential residuals. cos/sin [1 or B, rot]: rotary on the first rot
 // dims of each head, the rest passes through (rot 0: no rotary, GPT-2). Returns the layer's output [B, hidden].
 torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torch::Tensor wqkv,
@@ -628,7 +629,8 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
               "decode_layer: per-head q and k norm weights [D], both or neither");
   TORCH_CHECK(norm_kind >= 0 && norm_kind <= 2 && (norm_kind < 2 || (ln1b.has_value() && ln2b.has_value())),
               "decode_layer: norm_kind 0 (RMSNorm), 1 (LayerNorm without parameters) or 2 (LayerNorm, with biases)");
-  TORCH_CHECK(mlp_kind >= 0 && mlp_kind <= 3, "decode_layer: mlp_kind 0 (SiLU-gated), 1 (GELU), 2 (GELU, tanh) or 3 (ReLU)");
+  TORCH_CHECK(mlp_kind >= 0 && mlp_kind <= 4,
+              "decode_layer: mlp_kind 0 (SiLU-gated), 1 (GELU), 2 (GELU, tanh), 3 (ReLU) or 4 (GELU-tanh-gated)");
   auto h = norm_rows(x, ln1, ln1b, eps1, norm_kind);
   auto qkv = skinny_linear(h, wqkv, (H + 2 * G) * D, bqkv);  // [B, (H + 2G) D]
   if (clip_qkv > 0) qkv.clamp_(-clip_qkv, clip_qkv);  // OLMo's clip_qkv
@@ -674,7 +676,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
   if (!parallel) x2.add_(x);  // sequential: the MLP sees x + attention
   auto h2 = norm_rows(parallel ? x : x2, ln2, ln2b, eps2, norm_kind);
   torch::Tensor act;
-  if (mlp_kind == 3) {  // ReLU, no gate: OPT
+  if (mlp_kind == 4) {  // GELU(gate, tanh) * up: Gemma
+    auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);
+    act = torch::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I);
+  } else if (mlp_kind == 3) {  // ReLU, no gate: OPT
     act = torch::relu(skinny_linear(h2, wgu, I, bup));
   } else if (mlp_kind > 0) {  // GELU, no gate: GPT-NeoX (erf), GPT-2 (tanh approximation)
     act = torch::gelu(skinny_linear(h2, wgu, I, bup), mlp_kind == 2 ? "tanh" : "none");

@@ -25,18 +25,27 @@ from types import SimpleNamespace
 from typing import Any
 
 
-def _norm(module: Any) -> tuple[int, Any, float] | None:
-    """(norm_kind for `decode_layer`, weight, eps) of a decoder layer's norm, or None if neither
-    an RMSNorm with a weight (0) nor OLMo's LayerNorm without parameters (1, eps 1e-5 as its
-    forward hard-codes; the check before use would catch a change)."""
+def _norm(module: Any) -> tuple[int, Any, Any, float] | None:
+    """(norm_kind for `decode_layer`, weight, bias, eps) of a decoder layer's norm, or None: an
+    RMSNorm (0; Gemma's, which scales by 1 + weight, with that sum as its weight), OLMo's
+    LayerNorm without parameters (1, eps 1e-5 as its forward hard-codes; the check before use
+    would catch a change), or a LayerNorm with weight and bias (2)."""
     import torch
 
     name = type(module).__name__
+    if name == "GemmaRMSNorm" and hasattr(module, "eps"):
+        return 0, (1.0 + module.weight.detach().float()), None, float(module.eps)
     if "RMSNorm" in name and hasattr(module, "variance_epsilon") and getattr(module, "weight", None) is not None:
-        return 0, module.weight.detach(), float(module.variance_epsilon)
+        return 0, module.weight.detach(), None, float(module.variance_epsilon)
     if name == "OlmoLayerNorm" and not list(module.parameters()):
-        return 1, torch.empty(0), 1e-5
+        return 1, torch.empty(0), None, 1e-5
+    if isinstance(module, torch.nn.LayerNorm) and module.weight is not None and module.bias is not None:
+        return 2, module.weight.detach(), module.bias.detach(), float(module.eps)
     return None
+
+
+# MLP activation module (class name) -> decode_layer's mlp_kind for a gate/up/down MLP
+_GATED = {"SiLU": 0, "SiLUActivation": 0, "GELUTanh": 4, "PytorchGELUTanh": 4}
 
 
 def _layout_problem(model: Any) -> str | None:
@@ -148,16 +157,18 @@ def _llama_problem(model: Any) -> str | None:
             return "MLP without gate/up/down projections"
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             return "MLP biases"
-        act = getattr(mlp, "act_fn", None)
-        if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
-            return "MLP activation other than SiLU"
-        for n in ("input_layernorm", "post_attention_layernorm"):
+        if type(getattr(mlp, "act_fn", None)).__name__ not in _GATED:
+            return "MLP activation other than SiLU or tanh-GELU"
+        if getattr(att, "qk_layernorm", False):
+            return "per-head q/k LayerNorms"
+        parallel = getattr(cfg, "use_parallel_residual", False)  # StableLM: one norm for both branches
+        for n in ("input_layernorm",) + (() if parallel else ("post_attention_layernorm",)):
             got = _norm(getattr(layer, n, None))
             if got is None:
-                return f"{n} is neither an RMSNorm nor a LayerNorm without parameters"
+                return f"{n} is neither an RMSNorm nor a LayerNorm"
             kinds.add(got[0])
     if _norm(inner.norm) is None:
-        return "final norm is neither an RMSNorm nor a LayerNorm without parameters"
+        return "final norm is neither an RMSNorm nor a LayerNorm"
     if len(kinds) > 1:
         return "layers with different norms"
     return None
@@ -170,13 +181,16 @@ def _llama_layers(model: Any) -> SimpleNamespace:
     import torch
 
     inner = model.model
+    cfg = model.config.get_text_config(decoder=True)
+    parallel = bool(getattr(cfg, "use_parallel_residual", False))
     layers = []
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
         qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
         bias = [x.bias for x in qkv]
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        (kind, ln1, eps1), (_, ln2, eps2) = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        kind, ln1, ln1b, eps1 = _norm(layer.input_layernorm)
+        _, ln2, ln2b, eps2 = (kind, ln1, ln1b, eps1) if parallel else _norm(layer.post_attention_layernorm)
         layers.append(SimpleNamespace(
             mats=[(sum(x.out_features for x in qkv), a.q_proj.in_features,
                    lambda qkv=qkv: torch.cat([x.weight for x in qkv]).detach()),
@@ -187,16 +201,18 @@ def _llama_layers(model: Any) -> SimpleNamespace:
             bqkv=None if all(b is None for b in bias) else torch.cat(
                 [b.detach() if b is not None else torch.zeros(x.out_features) for b, x in zip(bias, qkv)]),
             bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(), bup=None, bdown=None,
-            norm_kind=kind, ln1=ln1, ln1b=None, eps1=eps1, ln2=ln2, ln2b=None, eps2=eps2,
+            norm_kind=kind, ln1=ln1, ln1b=ln1b, eps1=eps1, ln2=ln2, ln2b=ln2b, eps2=eps2,
             qnorm=None if qn is None else qn.weight.detach(), knorm=None if kn is None else kn.weight.detach(),
             qk_eps=float(qn.variance_epsilon) if qn is not None else 0.0,
-            heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features, mlp_kind=0,
+            heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features,
+            mlp_kind=_GATED[type(m.act_fn).__name__],
             scale=float(getattr(a, "scaling", a.head_dim ** -0.5))))
-    cfg = model.config.get_text_config(decoder=True)
+    # (Gemma's embedding module scales by sqrt(hidden) itself; were that in the model's forward,
+    # as in older transformers, the check would refuse this step)
     return SimpleNamespace(embed=lambda ids, pos: inner.embed_tokens(ids), rotary=inner.rotary_emb,
                            final=inner.norm, layers=layers,
                            clip_qkv=float(getattr(cfg, "clip_qkv", None) or 0.0),  # OLMo: q/k/v clamped
-                           parallel=False)
+                           parallel=parallel)
 
 
 def _neox_layers(model: Any) -> SimpleNamespace:

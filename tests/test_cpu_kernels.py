@@ -135,8 +135,9 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
     assert pt.decode_path["weights"] in ("packed once (oneDNN)", "as loaded")
 
 
-# Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters), GPT-NeoX
-FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox", "gpt2", "opt"}
+# Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters; Gemma:
+# 1 + w norms, scaled embeddings, tanh-GELU gate; StableLM: LayerNorms, partial rotary), GPT-NeoX, GPT-2, OPT
+FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox", "gpt2", "opt", "gemma", "stablelm"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -182,17 +183,19 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
 
 
 @pytest.mark.parametrize("variant", ["sequential, full rotary", "converted to 2 KV heads", "gpt2 converted",
-                                     "opt converted"])
+                                     "opt converted", "stablelm parallel"])
 def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp_path, variant):
     """GPT-NeoX beyond stock Pythia's parallel residual and quarter rotary: sequential residuals
     with full rotary, and gqakit's grouped NeoX (query_key_value rows per group: queries, key,
-    value); and gqakit's grouped GPT-2 (c_attn: queries, then G keys, then G values) and OPT,
-    each checked against the model's own step for several prompts."""
+    value); gqakit's grouped GPT-2 (c_attn: queries, then G keys, then G values) and OPT; and
+    StableLM's parallel residual; each checked against the model's own step for several prompts."""
     from gqakit.convert import convert_checkpoint
     from gqakit.eval.decode_layers import check
 
     if variant.startswith("sequential"):
         path = tiny_model("gpt_neox", use_parallel_residual=False, rotary_pct=1.0)
+    elif variant.startswith("stablelm"):  # one LayerNorm feeding attention and MLP side by side
+        path = tiny_model("stablelm", use_parallel_residual=True, num_key_value_heads=2)
     elif variant.startswith(("gpt2", "opt")):
         path = convert_checkpoint(tiny_model(variant.split()[0]), tmp_path / "g2", 2, progress=False)
     else:
@@ -207,7 +210,7 @@ def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
     assert step is not None, why
-    assert step.parallel is variant.startswith("converted")  # NeoX's stock config: parallel residual
+    assert step.parallel is variant.startswith(("converted", "stablelm"))  # NeoX's stock config: parallel
     assert variant.startswith("sequential") or model.config.num_key_value_heads == 2
     assert all(check(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=s) is None for s in range(4))
 
@@ -229,6 +232,8 @@ BROKEN = {
     "Pythia with sequential residuals": ("gpt_neox", {}, lambda self, m: setattr(self, "parallel", False)),
     "GPT-2 without learned positions": ("gpt2", {},
                                         lambda self, m: setattr(self, "embed", lambda ids, pos: m.transformer.wte(ids))),
+    "Gemma with w for its 1 + w norms": ("gemma", {"num_key_value_heads": 2}, lambda self, m: [
+        setattr(e, "ln1", e.ln1 - 1) for e in self.layers]),
     "OPT without its position offset": ("opt", {}, lambda self, m: setattr(
         self, "embed", lambda ids, pos: m.model.decoder.embed_tokens(ids) + m.model.decoder.embed_positions.weight[pos])),
 }
@@ -340,9 +345,9 @@ def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
     assert "fused decode layers" in pt.decode_mode
     if os.path.exists("/proc/self/smaps_rollup"):  # how much of the packed weights is on huge pages
         assert 0.0 <= pt.decode_path["packed_on_huge_pages"] <= 1.0
-    other = DecodeBench(load_causal_lm(tiny_model("stablelm")), device="cpu", dtype=torch.float32)
+    other = DecodeBench(load_causal_lm(tiny_model("phi3")), device="cpu", dtype=torch.float32)
     pt = other.run_point(2, 8, 3, 1, 0, roof)
-    assert pt.status == "ok" and pt.decode_path["layers"].startswith("per-op") and "RMSNorm" in pt.decode_path["layers"]
+    assert pt.status == "ok" and pt.decode_path["layers"].startswith("per-op") and "projections" in pt.decode_path["layers"]
     off = DecodeBench(load_causal_lm(tiny_model("llama", num_key_value_heads=2)), device="cpu", dtype=torch.float32,
                       fuse_layers=False)
     assert off.run_point(2, 8, 3, 1, 0, roof).decode_path["layers"] == "per-op (transformers' modules)"

@@ -48,6 +48,15 @@ def _norm(module: Any) -> tuple[int, Any, Any, float] | None:
 _GATED = {"SiLU": 0, "SiLUActivation": 0, "GELUTanh": 4, "PytorchGELUTanh": 4}
 
 
+def _affine_norms_problem(layer: Any, names: tuple[str, ...]) -> str | None:
+    """Why the named norms of `layer` are not all LayerNorms with weight and bias, or None."""
+    for n in names:
+        got = _norm(getattr(layer, n, None))
+        if got is None or got[0] != 2:
+            return f"{n} is not a LayerNorm with weight and bias"
+    return None
+
+
 def _layout_problem(model: Any) -> str | None:
     """Why `model`'s decoder layers do not have a layout `decode_layer` computes, or None."""
     import torch
@@ -76,10 +85,9 @@ def _neox_problem(model: Any) -> str | None:
             return "attention without query_key_value / dense projections"
         if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h")):
             return "MLP without dense_h_to_4h / dense_4h_to_h"
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            norm = getattr(layer, n, None)
-            if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
-                return f"{n} is not a LayerNorm with weight and bias"
+        why = _affine_norms_problem(layer, ("input_layernorm", "post_attention_layernorm"))
+        if why:
+            return why
     return None
 
 
@@ -89,8 +97,6 @@ _GELU = {"gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}  # activation -> deco
 def _gpt2_problem(model: Any) -> str | None:
     """GPT-2 (and gqakit's grouped GPT-2): learned positions, LayerNorms with biases, Conv1D
     projections (c_attn: queries, keys, values side by side), GELU MLP, sequential residuals."""
-    import torch
-
     inner = model.transformer
     cfg = model.config
     if not all(hasattr(inner, n) for n in ("h", "wte", "wpe", "ln_f")) or getattr(cfg, "add_cross_attention", False):
@@ -98,10 +104,9 @@ def _gpt2_problem(model: Any) -> str | None:
     if cfg.activation_function not in _GELU:
         return f"MLP activation {cfg.activation_function!r} (only GELU is fused)"
     for block in inner.h:
-        for n in ("ln_1", "ln_2"):
-            norm = getattr(block, n, None)
-            if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
-                return f"{n} is not a LayerNorm with weight and bias"
+        why = _affine_norms_problem(block, ("ln_1", "ln_2"))
+        if why:
+            return why
         convs = [getattr(block.attn, "c_attn", None), getattr(block.attn, "c_proj", None),
                  getattr(block.mlp, "c_fc", None), getattr(block.mlp, "c_proj", None)]
         if not all(type(c).__name__ == "Conv1D" for c in convs):
@@ -123,10 +128,9 @@ def _opt_problem(model: Any) -> str | None:
         att = layer.self_attn
         if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")):
             return "attention without q/k/v/out projections"
-        for n in ("self_attn_layer_norm", "final_layer_norm"):
-            norm = getattr(layer, n, None)
-            if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
-                return f"{n} is not a LayerNorm with weight and bias"
+        why = _affine_norms_problem(layer, ("self_attn_layer_norm", "final_layer_norm"))
+        if why:
+            return why
     return None
 
 

@@ -1,4 +1,4 @@
-"""A CPU decode step with one compiled call per decoder layer (Llama-layout, GPT-NeoX, GPT-2 and OPT models, fp32).
+"""A CPU decode step with one compiled call per decoder layer (Llama-layout, Phi, GPT-NeoX, GPT-2, OPT; fp32).
 
 What is left of an eager decode step once the weights and the KV cache stream at memory
 speed (`cpu_kernels.cpp`'s panel GEMM and fused attention) is per-op cost: transformers
@@ -12,7 +12,8 @@ gate, down projection, both residual adds), then the final norm and the LM head.
 It applies where a model's layers have that layout (RMSNorm modules, or OLMo's LayerNorm
 without parameters and its clip_qkv; q/k/v/o projections; per-head q/k RMSNorms, as Qwen3
 has, or none; gate/up/down MLP with SiLU and no biases; full attention), or GPT-NeoX's
-(`_neox_layers`), GPT-2's (`_gpt2_layers`) or OPT's (`_opt_layers`), and it is checked
+(`_neox_layers`), GPT-2's (`_gpt2_layers`), OPT's (`_opt_layers`) or Phi's (`_phi_layers`),
+and it is checked
 before use: one decode step from the same cache, fused and plain, must give the
 same logits and write the same cache slot (`check`); otherwise the plain step runs and
 `why_not` says why. Used only for decode steps without a padding mask (the speed
@@ -61,8 +62,10 @@ def _layout_problem(model: Any) -> str | None:
     """Why `model`'s decoder layers do not have a layout `decode_layer` computes, or None."""
     import torch
 
+    inner = getattr(model, "model", None)
     why = (_neox_problem(model) if hasattr(model, "gpt_neox") else _gpt2_problem(model) if hasattr(model, "transformer")
-           else _opt_problem(model) if hasattr(getattr(model, "model", None), "decoder") else _llama_problem(model))
+           else _opt_problem(model) if hasattr(inner, "decoder") else _phi_problem(model) if hasattr(inner, "final_layernorm")
+           else _llama_problem(model))
     if why is None and any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
         return "not an fp32 CPU model"
     return why
@@ -129,6 +132,28 @@ def _opt_problem(model: Any) -> str | None:
         if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")):
             return "attention without q/k/v/out projections"
         why = _affine_norms_problem(layer, ("self_attn_layer_norm", "final_layer_norm"))
+        if why:
+            return why
+    return None
+
+
+def _phi_problem(model: Any) -> str | None:
+    """Phi (-1, -1.5, -2): one LayerNorm per block feeding attention and MLP side by side, biased
+    q/k/v/dense projections, partial rotary, a GELU MLP with biases."""
+    import torch
+
+    cfg, inner = model.config, model.model
+    if cfg.hidden_act not in _GELU or getattr(cfg, "qk_layernorm", False):
+        return "Phi with q/k LayerNorms or an activation other than GELU"
+    if _affine_norms_problem(inner, ("final_layernorm",)):
+        return "final_layernorm is not a LayerNorm with weight and bias"
+    for layer in inner.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "dense")):
+            return "attention without q/k/v/dense projections"
+        if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("fc1", "fc2")):
+            return "MLP without fc1 / fc2"
+        why = _affine_norms_problem(layer, ("input_layernorm",))
         if why:
             return why
     return None
@@ -259,30 +284,46 @@ def _neox_layers(model: Any) -> SimpleNamespace:
                            parallel=bool(cfg.use_parallel_residual))
 
 
-def _opt_layers(model: Any) -> SimpleNamespace:
-    """`_llama_layers` for OPT (pre-norm): q/k/v stacked, ReLU MLP, position embeddings offset by 2."""
+def _biased_layer(qkv: tuple, o: Any, up: Any, down: Any, n1: Any, n2: Any, heads: int, mlp_kind: int,
+                  scale: float) -> SimpleNamespace:
+    """A layer entry for the families with separate q/k/v, output, up and down `nn.Linear`s (biases
+    where present), LayerNorms with weight and bias, and an ungated MLP (OPT, Phi)."""
     import torch
 
+    def bias(x: Any) -> Any:
+        return None if x.bias is None else x.bias.detach()
+
+    return SimpleNamespace(
+        mats=[(sum(x.out_features for x in qkv), qkv[0].in_features,
+               lambda: torch.cat([x.weight for x in qkv]).detach()),
+              (*o.weight.shape, o.weight.detach), (*up.weight.shape, up.weight.detach),
+              (*down.weight.shape, down.weight.detach)],
+        bqkv=None if qkv[0].bias is None else torch.cat([x.bias for x in qkv]).detach(),
+        bo=bias(o), bup=bias(up), bdown=bias(down),
+        norm_kind=2, ln1=n1.weight.detach(), ln1b=n1.bias.detach(), eps1=float(n1.eps),
+        ln2=n2.weight.detach(), ln2b=n2.bias.detach(), eps2=float(n2.eps),
+        qnorm=None, knorm=None, qk_eps=0.0, heads=heads, inter=up.out_features, mlp_kind=mlp_kind, scale=scale)
+
+
+def _opt_layers(model: Any) -> SimpleNamespace:
+    """`_llama_layers` for OPT (pre-norm): q/k/v stacked, ReLU MLP, position embeddings offset by 2."""
     cfg, dec = model.config, model.model.decoder
-    layers = []
-    for layer in dec.layers:
-        a, n1, n2 = layer.self_attn, layer.self_attn_layer_norm, layer.final_layer_norm
-        qkv = (a.q_proj, a.k_proj, a.v_proj)
-        layers.append(SimpleNamespace(
-            mats=[(sum(x.out_features for x in qkv), a.q_proj.in_features,
-                   lambda qkv=qkv: torch.cat([x.weight for x in qkv]).detach()),
-                  (*a.out_proj.weight.shape, a.out_proj.weight.detach),
-                  (*layer.fc1.weight.shape, layer.fc1.weight.detach), (*layer.fc2.weight.shape, layer.fc2.weight.detach)],
-            bqkv=None if a.q_proj.bias is None else torch.cat([x.bias for x in qkv]).detach(),
-            bo=None if a.out_proj.bias is None else a.out_proj.bias.detach(),
-            bup=None if layer.fc1.bias is None else layer.fc1.bias.detach(),
-            bdown=None if layer.fc2.bias is None else layer.fc2.bias.detach(),
-            norm_kind=2, ln1=n1.weight.detach(), ln1b=n1.bias.detach(), eps1=float(n1.eps),
-            ln2=n2.weight.detach(), ln2b=n2.bias.detach(), eps2=float(n2.eps),
-            qnorm=None, knorm=None, qk_eps=0.0, heads=cfg.num_attention_heads, inter=layer.fc1.out_features,
-            mlp_kind=3, scale=float(a.scaling)))
+    layers = [_biased_layer((x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj), x.self_attn.out_proj,
+                            x.fc1, x.fc2, x.self_attn_layer_norm, x.final_layer_norm, cfg.num_attention_heads, 3,
+                            float(x.self_attn.scaling)) for x in dec.layers]
     return SimpleNamespace(embed=lambda ids, pos: dec.embed_tokens(ids) + dec.embed_positions(None, 0, position_ids=pos),
                            rotary=None, final=dec.final_layer_norm, layers=layers, clip_qkv=0.0, parallel=False)
+
+
+def _phi_layers(model: Any) -> SimpleNamespace:
+    """`_llama_layers` for Phi: q/k/v stacked, the block's one LayerNorm for both branches
+    (decode_layer's parallel residual with norm 2 = norm 1), GELU MLP, biases everywhere."""
+    cfg, inner = model.config, model.model
+    layers = [_biased_layer((x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj), x.self_attn.dense,
+                            x.mlp.fc1, x.mlp.fc2, x.input_layernorm, x.input_layernorm, cfg.num_attention_heads,
+                            _GELU[cfg.hidden_act], float(x.self_attn.scaling)) for x in inner.layers]
+    return SimpleNamespace(embed=lambda ids, pos: inner.embed_tokens(ids), rotary=inner.rotary_emb,
+                           final=inner.final_layernorm, layers=layers, clip_qkv=0.0, parallel=True)
 
 
 def _gpt2_layers(model: Any) -> SimpleNamespace:
@@ -316,7 +357,8 @@ class FusedDecode:
     def __init__(self, model: Any, kernels: Any, arena: bool = True) -> None:
         self.model, self.k = model, kernels
         spec = (_neox_layers(model) if hasattr(model, "gpt_neox") else _gpt2_layers(model) if hasattr(model, "transformer")
-                else _opt_layers(model) if hasattr(model.model, "decoder") else _llama_layers(model))
+                else _opt_layers(model) if hasattr(model.model, "decoder")
+                else _phi_layers(model) if hasattr(model.model, "final_layernorm") else _llama_layers(model))
         self.embed, self.rotary, self.final = spec.embed, spec.rotary, spec.final
         self.clip_qkv, self.parallel = spec.clip_qkv, spec.parallel
         head = model.get_output_embeddings()

@@ -136,8 +136,8 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
 
 
 # Llama layout (Qwen2: q/k/v biases; Qwen3: q/k norms; OLMo: LayerNorm without parameters; Gemma:
-# 1 + w norms, scaled embeddings, tanh-GELU gate; StableLM: LayerNorms, partial rotary), GPT-NeoX, GPT-2, OPT
-FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox", "gpt2", "opt", "gemma", "stablelm"}
+# 1 + w norms, scaled embeddings, tanh-GELU gate; StableLM: LayerNorms, partial rotary), Phi, GPT-NeoX, GPT-2, OPT
+FUSED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox", "gpt2", "opt", "gemma", "stablelm", "phi"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -234,6 +234,7 @@ BROKEN = {
                                         lambda self, m: setattr(self, "embed", lambda ids, pos: m.transformer.wte(ids))),
     "Gemma with w for its 1 + w norms": ("gemma", {"num_key_value_heads": 2}, lambda self, m: [
         setattr(e, "ln1", e.ln1 - 1) for e in self.layers]),
+    "Phi with sequential residuals": ("phi", {"num_key_value_heads": 2}, lambda self, m: setattr(self, "parallel", False)),
     "OPT without its position offset": ("opt", {}, lambda self, m: setattr(
         self, "embed", lambda ids, pos: m.model.decoder.embed_tokens(ids) + m.model.decoder.embed_positions.weight[pos])),
 }

@@ -173,20 +173,23 @@ def _llama_problem(model: Any) -> str | None:
     kinds = set()
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if att is None or not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in names):
-            return "attention without q/k/v/o projections"
+        lin = lambda mod, names: mod is not None and all(  # noqa: E731
+            isinstance(getattr(mod, n, None), torch.nn.Linear) for n in names)
+        if not (lin(att, ("q_proj", "k_proj", "v_proj", "o_proj")) or lin(att, ("qkv_proj", "o_proj"))):
+            return "attention without q/k/v/o (or Phi-3's qkv/o) projections"
         qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
         if (qn is None) != (kn is None):
             return "a q norm without a k norm, or the reverse"
         if qn is not None and not all("RMSNorm" in type(n).__name__ and hasattr(n, "variance_epsilon")
                                       and n.weight.shape == (att.head_dim,) for n in (qn, kn)):
             return "q/k norms other than a per-head RMSNorm"
-        if mlp is None or not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-            return "MLP without gate/up/down projections"
-        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        names = ("gate_proj", "up_proj", "down_proj") if lin(mlp, ("gate_proj", "up_proj", "down_proj")) else (
+            ("gate_up_proj", "down_proj") if lin(mlp, ("gate_up_proj", "down_proj")) else None)
+        if names is None:
+            return "MLP without gate/up/down (or Phi-3's gate_up/down) projections"
+        if any(getattr(mlp, n).bias is not None for n in names):
             return "MLP biases"
-        if type(getattr(mlp, "act_fn", None)).__name__ not in _GATED:
+        if type(getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))).__name__ not in _GATED:
             return "MLP activation other than SiLU or tanh-GELU"
         if getattr(att, "qk_layernorm", False):
             return "per-head q/k LayerNorms"
@@ -215,16 +218,18 @@ def _llama_layers(model: Any) -> SimpleNamespace:
     layers = []
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
-        qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+        # Phi-3 has q/k/v and gate/up as one projection each, already stacked as decode_layer reads them
+        qkv = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
+        gu = (m.gate_up_proj,) if hasattr(m, "gate_up_proj") else (m.gate_proj, m.up_proj)
         bias = [x.bias for x in qkv]
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         kind, ln1, ln1b, eps1 = _norm(layer.input_layernorm)
         _, ln2, ln2b, eps2 = (kind, ln1, ln1b, eps1) if parallel else _norm(layer.post_attention_layernorm)
         layers.append(SimpleNamespace(
-            mats=[(sum(x.out_features for x in qkv), a.q_proj.in_features,
+            mats=[(sum(x.out_features for x in qkv), qkv[0].in_features,
                    lambda qkv=qkv: torch.cat([x.weight for x in qkv]).detach()),
                   (*a.o_proj.weight.shape, a.o_proj.weight.detach),
-                  (sum(x.out_features for x in gu), m.gate_proj.in_features,
+                  (sum(x.out_features for x in gu), gu[0].in_features,
                    lambda gu=gu: torch.cat([x.weight for x in gu]).detach()),
                   (*m.down_proj.weight.shape, m.down_proj.weight.detach)],
             bqkv=None if all(b is None for b in bias) else torch.cat(
@@ -233,8 +238,8 @@ def _llama_layers(model: Any) -> SimpleNamespace:
             norm_kind=kind, ln1=ln1, ln1b=ln1b, eps1=eps1, ln2=ln2, ln2b=ln2b, eps2=eps2,
             qnorm=None if qn is None else qn.weight.detach(), knorm=None if kn is None else kn.weight.detach(),
             qk_eps=float(qn.variance_epsilon) if qn is not None else 0.0,
-            heads=a.q_proj.out_features // a.head_dim, inter=m.gate_proj.out_features,
-            mlp_kind=_GATED[type(m.act_fn).__name__],
+            heads=cfg.num_attention_heads, inter=m.down_proj.in_features,
+            mlp_kind=_GATED[type(getattr(m, "act_fn", getattr(m, "activation_fn", None))).__name__],
             scale=float(getattr(a, "scaling", a.head_dim ** -0.5))))
     # (Gemma's embedding module scales by sqrt(hidden) itself; were that in the model's forward,
     # as in older transformers, the check would refuse this step)

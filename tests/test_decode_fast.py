@@ -177,7 +177,7 @@ def test_pair_bench_refuses_to_write_over_a_model(tiny_model):
 
 
 def test_pair_bench_says_when_the_models_ran_different_paths(tiny_model, tmp_path):
-    """A speedup between two code paths (here: fused layers for Llama, per-op for Phi-3) is flagged
+    """A speedup between two code paths (here: fused layers for Llama, per-op for Gemma 2) is flagged
     under the table: in session 10 a check that refused the conversion's fused step by mistake
     made such a ratio read as a memory problem."""
     import json
@@ -189,7 +189,7 @@ def test_pair_bench_says_when_the_models_ran_different_paths(tiny_model, tmp_pat
 
     if cpu_kernels.load() is None:
         pytest.skip(f"CPU kernels not built here: {cpu_kernels.why_unavailable()}")
-    a, b = tiny_model("llama", num_key_value_heads=2), tiny_model("phi3")
+    a, b = tiny_model("llama", num_key_value_heads=2), tiny_model("gemma2")
     repo = Path(__file__).resolve().parents[1]
     out, md = tmp_path / "pair.json", tmp_path / "pair.md"
     r = subprocess.run([sys.executable, str(repo / "bench" / "bench_decode_pair.py"), str(a), str(b), "--names", "a,b",

@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode_layers import REL_TOL, FusedDecode, _rel
+    from gqakit.eval.decode_layers import FusedDecode, _rel, both_steps, verdict
     from gqakit.eval.speed import DecodeBench
 
     torch.set_num_threads(args.threads)
@@ -40,31 +40,19 @@ def main() -> None:
     print("prompt | logits rel. error (max element diff) | cache entries rel. error (max element diff, layer) "
           "| check | session 10's element-wise check")
     for seed in range(args.prompts):
-        gen = torch.Generator().manual_seed(seed)
-        with torch.inference_mode():
-            b, p = 2, 5
-            prompt = torch.randint(0, bench.vocab, (b, p), generator=gen)
-            caches = []
-            for _ in range(2):
-                c = bench._cache(b, p + 2)
-                model(input_ids=prompt, **{bench._cache_kw: c}, position_ids=torch.arange(p).unsqueeze(0), use_cache=True)
-                caches.append(c)
-            tok, pos = torch.randint(0, bench.vocab, (b, 1), generator=gen), torch.full((1, 1), p)
-            ref = model(input_ids=tok, **{bench._cache_kw: caches[0]}, position_ids=pos, use_cache=True).logits[:, -1]
-            got = step(input_ids=tok, past_key_values=caches[1], position_ids=pos).logits[:, -1]
-            worst, old_ok = (0.0, 0.0, -1), True
-            old_ok = torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * max(1.0, ref.abs().max().item()))
-            for i, (la, lb) in enumerate(zip(caches[0].layers, caches[1].layers)):
-                for name in ("keys", "values"):
-                    x, y = getattr(lb, name)[:, :, p], getattr(la, name)[:, :, p]
-                    e = _rel(x, y)
-                    if e > worst[0]:
-                        worst = (e, (x - y).abs().max().item(), i)
-                    old_ok = old_ok and torch.allclose(y, x, rtol=1e-4, atol=1e-4)
-            lr = _rel(got, ref)
-            ok = lr <= REL_TOL and worst[0] <= REL_TOL
-            print(f"{seed} | {lr:.1e} ({(got - ref).abs().max().item():.1e}) | {worst[0]:.1e} ({worst[1]:.1e}, layer {worst[2]}) "
-                  f"| {'pass' if ok else 'FAIL'} | {'pass' if old_ok else 'FAIL'}", flush=True)
+        r = both_steps(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=seed)
+        old_ok = torch.allclose(r.got, r.ref, rtol=1e-4, atol=1e-4 * max(1.0, r.ref.abs().max().item()))
+        worst = (0.0, 0.0, -1)
+        for i, (la, lb) in enumerate(zip(r.ref_cache.layers, r.got_cache.layers)):
+            for name in ("keys", "values"):
+                x, y = getattr(lb, name)[:, :, r.p], getattr(la, name)[:, :, r.p]
+                e = _rel(x, y)
+                if e > worst[0]:
+                    worst = (e, (x - y).abs().max().item(), i)
+                old_ok = old_ok and torch.allclose(y, x, rtol=1e-4, atol=1e-4)
+        print(f"{seed} | {_rel(r.got, r.ref):.1e} ({(r.got - r.ref).abs().max().item():.1e}) | {worst[0]:.1e} "
+              f"({worst[1]:.1e}, layer {worst[2]}) | {'pass' if verdict(r) is None else 'FAIL'} | "
+              f"{'pass' if old_ok else 'FAIL'}", flush=True)
 
 
 if __name__ == "__main__":

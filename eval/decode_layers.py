@@ -49,6 +49,13 @@ def _norm(module: Any) -> tuple[int, Any, Any, float] | None:
 _GATED = {"SiLU": 0, "SiLUActivation": 0, "GELUTanh": 4, "PytorchGELUTanh": 4}
 
 
+def _linears(module: Any, names: tuple[str, ...]) -> bool:
+    """Whether `module` has an `nn.Linear` under each of `names`."""
+    import torch
+
+    return module is not None and all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in names)
+
+
 def _affine_norms_problem(layer: Any, names: tuple[str, ...]) -> str | None:
     """Why the named norms of `layer` are not all LayerNorms with weight and bias, or None."""
     for n in names:
@@ -84,9 +91,9 @@ def _neox_problem(model: Any) -> str | None:
         return f"MLP activation {model.config.hidden_act!r} (only exact GELU is fused)"
     for layer in inner.layers:
         att, mlp = layer.attention, layer.mlp
-        if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("query_key_value", "dense")):
+        if not _linears(att, ("query_key_value", "dense")):
             return "attention without query_key_value / dense projections"
-        if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h")):
+        if not _linears(mlp, ("dense_h_to_4h", "dense_4h_to_h")):
             return "MLP without dense_h_to_4h / dense_4h_to_h"
         why = _affine_norms_problem(layer, ("input_layernorm", "post_attention_layernorm"))
         if why:
@@ -129,7 +136,7 @@ def _opt_problem(model: Any) -> str | None:
         return "OPT without a final LayerNorm or with an activation other than ReLU"
     for layer in dec.layers:
         att = layer.self_attn
-        if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")):
+        if not _linears(att, ("q_proj", "k_proj", "v_proj", "out_proj")):
             return "attention without q/k/v/out projections"
         why = _affine_norms_problem(layer, ("self_attn_layer_norm", "final_layer_norm"))
         if why:
@@ -149,9 +156,9 @@ def _phi_problem(model: Any) -> str | None:
         return "final_layernorm is not a LayerNorm with weight and bias"
     for layer in inner.layers:
         att, mlp = layer.self_attn, layer.mlp
-        if not all(isinstance(getattr(att, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "dense")):
+        if not _linears(att, ("q_proj", "k_proj", "v_proj", "dense")):
             return "attention without q/k/v/dense projections"
-        if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("fc1", "fc2")):
+        if not _linears(mlp, ("fc1", "fc2")):
             return "MLP without fc1 / fc2"
         why = _affine_norms_problem(layer, ("input_layernorm",))
         if why:
@@ -173,9 +180,7 @@ def _llama_problem(model: Any) -> str | None:
     kinds = set()
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        lin = lambda mod, names: mod is not None and all(  # noqa: E731
-            isinstance(getattr(mod, n, None), torch.nn.Linear) for n in names)
-        if not (lin(att, ("q_proj", "k_proj", "v_proj", "o_proj")) or lin(att, ("qkv_proj", "o_proj"))):
+        if not (_linears(att, ("q_proj", "k_proj", "v_proj", "o_proj")) or _linears(att, ("qkv_proj", "o_proj"))):
             return "attention without q/k/v/o (or Phi-3's qkv/o) projections"
         qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
         if (qn is None) != (kn is None):
@@ -183,8 +188,8 @@ def _llama_problem(model: Any) -> str | None:
         if qn is not None and not all("RMSNorm" in type(n).__name__ and hasattr(n, "variance_epsilon")
                                       and n.weight.shape == (att.head_dim,) for n in (qn, kn)):
             return "q/k norms other than a per-head RMSNorm"
-        names = ("gate_proj", "up_proj", "down_proj") if lin(mlp, ("gate_proj", "up_proj", "down_proj")) else (
-            ("gate_up_proj", "down_proj") if lin(mlp, ("gate_up_proj", "down_proj")) else None)
+        names = next((n for n in (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
+                      if _linears(mlp, n)), None)
         if names is None:
             return "MLP without gate/up/down (or Phi-3's gate_up/down) projections"
         if any(getattr(mlp, n).bias is not None for n in names):
@@ -434,12 +439,10 @@ def _rel(got: Any, ref: Any) -> float:
     return num / den if den > 0 else num
 
 
-def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_kw: str = "past_key_values",
-          seed: int = 0) -> str | None:
-    """One decode step both ways from the same prefilled cache: None if they agree, else why not.
-
-    Deterministic (a seeded prompt), so a model gets the same verdict in every run.
-    """
+def both_steps(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_kw: str = "past_key_values",
+               seed: int = 0) -> SimpleNamespace:
+    """One decode step of the model and of `step` from two equally prefilled caches (a seeded
+    prompt of 2 x 5 tokens): `ref`/`got` logits, `ref_cache`/`got_cache`, and `p`, the slot written."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -455,15 +458,32 @@ def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_k
         pos = torch.full((1, 1), p)
         ref = model(input_ids=tok, **{cache_kw: caches[0]}, position_ids=pos, use_cache=True).logits[:, -1]
         got = step(input_ids=tok, past_key_values=caches[1], position_ids=pos).logits[:, -1]
-        err = _rel(got, ref)
-        if not err <= REL_TOL:
-            return f"fused layers gave other logits than the model (relative error {err:.2g})"
-        for i, (la, lb) in enumerate(zip(caches[0].layers, caches[1].layers)):
-            err = max(_rel(lb.keys[:, :, p], la.keys[:, :, p]), _rel(lb.values[:, :, p], la.values[:, :, p]))
-            untouched = torch.equal(la.keys[:, :, p + 1:], lb.keys[:, :, p + 1:]) and torch.equal(
-                la.values[:, :, p + 1:], lb.values[:, :, p + 1:])
-            if not (err <= REL_TOL and untouched and int(la.cumulative_length) == int(lb.cumulative_length)):
-                return f"fused layers wrote another cache slot than the model (layer {i}, relative error {err:.2g})"
+    return SimpleNamespace(ref=ref, got=got, ref_cache=caches[0], got_cache=caches[1], p=p)
+
+
+def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_kw: str = "past_key_values",
+          seed: int = 0) -> str | None:
+    """One decode step both ways from the same prefilled cache: None if they agree, else why not.
+
+    Deterministic (a seeded prompt), so a model gets the same verdict in every run.
+    """
+    return verdict(both_steps(model, step, cache_factory, vocab, cache_kw, seed))
+
+
+def verdict(r: SimpleNamespace) -> str | None:
+    """`check`'s judgement of a `both_steps` result: None if the steps agree, else why not."""
+    import torch
+
+    p = r.p
+    err = _rel(r.got, r.ref)
+    if not err <= REL_TOL:
+        return f"fused layers gave other logits than the model (relative error {err:.2g})"
+    for i, (la, lb) in enumerate(zip(r.ref_cache.layers, r.got_cache.layers)):
+        err = max(_rel(lb.keys[:, :, p], la.keys[:, :, p]), _rel(lb.values[:, :, p], la.values[:, :, p]))
+        untouched = torch.equal(la.keys[:, :, p + 1:], lb.keys[:, :, p + 1:]) and torch.equal(
+            la.values[:, :, p + 1:], lb.values[:, :, p + 1:])
+        if not (err <= REL_TOL and untouched and int(la.cumulative_length) == int(lb.cumulative_length)):
+            return f"fused layers wrote another cache slot than the model (layer {i}, relative error {err:.2g})"
     return None
 
 

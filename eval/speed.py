@@ -479,8 +479,8 @@ class DecodeBench:
                 self._fused_built = build_fused_decode(self.model, self.kernels, self._cache, self.vocab, self._cache_kw)
                 after = huge_page_bytes()
                 if self._fused_built[0] is not None and before is not None and after is not None:
-                    # how much of the packed weights the kernel put on huge pages: on the project's
-                    # VM a model whose panels stayed on 4 KiB pages stepped ~1.4x slower
+                    # how much of the packed weights the kernel put on huge pages (a record: the
+                    # slow runs once blamed on 4 KiB pages were a refused check, docs/decode.md)
                     self.fused_huge_fraction = min(1.0, max(0, after - before) / self._fused_built[0].packed_bytes)
             fused = self._fused
             if fused is not None:
@@ -739,6 +739,7 @@ def run_points_alternating(benches: dict[str, DecodeBench], batch: int, prompt_l
     states = {n: b.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once)
               for n, b in benches.items()}
     live = [n for n in benches if "result" not in states[n]]
+    first = next(iter(benches.values()))
     bws, fls = [], []
     try:
         for r in range(reps):
@@ -748,10 +749,8 @@ def run_points_alternating(benches: dict[str, DecodeBench], batch: int, prompt_l
             for i in range(new_tokens):
                 for n in (order if i % 2 == 0 else order[::-1]):
                     benches[n].decode_step(states[n])
-            dev = next(iter(benches.values())).device
-            dt = next(iter(benches.values())).dtype
-            bws.append(copy_bandwidth(dev))
-            fls.append(matmul_flops(dev, dt))
+            bws.append(copy_bandwidth(first.device))
+            fls.append(matmul_flops(first.device, first.dtype))
     except BaseException:
         for n in live:
             if "stack" in states[n]:

@@ -127,8 +127,6 @@ def _gpt2_problem(model: Any) -> str | None:
 def _opt_problem(model: Any) -> str | None:
     """OPT (and gqakit's grouped OPT): learned positions (offset 2), pre-norm LayerNorms, biased
     q/k/v/out projections, ReLU MLP. The 350M variant (post-norm, project_in/out) is not fused."""
-    import torch
-
     cfg, dec = model.config, model.model.decoder
     if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
         return "OPT with norms after the blocks or projections in/out (opt-350m's layout)"
@@ -147,8 +145,6 @@ def _opt_problem(model: Any) -> str | None:
 def _phi_problem(model: Any) -> str | None:
     """Phi (-1, -1.5, -2): one LayerNorm per block feeding attention and MLP side by side, biased
     q/k/v/dense projections, partial rotary, a GELU MLP with biases."""
-    import torch
-
     cfg, inner = model.config, model.model
     if cfg.hidden_act not in _GELU or getattr(cfg, "qk_layernorm", False):
         return "Phi with q/k LayerNorms or an activation other than GELU"
@@ -167,8 +163,6 @@ def _phi_problem(model: Any) -> str | None:
 
 
 def _llama_problem(model: Any) -> str | None:
-    import torch
-
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:

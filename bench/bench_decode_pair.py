@@ -67,32 +67,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def share(measured: float, predicted: float) -> float | None:
-    """(measured - 1) / (predicted - 1): the share of the predicted gain that showed up."""
-    return None if abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
-
-
 def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """Measured against predicted speedup of `other` over `base` at one point (both status ok)."""
+    from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
+
     mb, mo = base["decode_ms_per_token"]["median"], other["decode_ms_per_token"]["median"]
-    pb = base["bytes_per_step"]["total"] / other["bytes_per_step"]["total"]
-    rb, ro = base["roofline_ms"], other["roofline_ms"]
-    tb = max(rb["bytes"], rb["flops"] or 0)
-    to = max(ro["bytes"], ro["flops"] or 0)
+    pred = predict_speedup(StepCost.of(base), StepCost.of(other))
     measured = mb / mo
     paths = [(r["decode_mode"], r.get("decode_path", {}).get("layers")) for r in (base, other)]
-    bound = not (base["memory_bound"] and other["memory_bound"])
-    out = {"measured_speedup": measured, "predicted_speedup_bytes": pb, "predicted_speedup_roofline": tb / to,
-           "compute_bound": bound, "share_of_predicted": share(measured, pb),
-           "share_of_predicted_roofline": share(measured, tb / to),
+    out = {"measured_speedup": measured, "predicted_speedup_bytes": pred.bytes, "predicted_speedup_roofline": pred.roofline,
+           "compute_bound": pred.compute_bound, "share_of_predicted": share(measured, pred.bytes),
+           "share_of_predicted_roofline": share(measured, pred.roofline),
            # a ratio of two different code paths is not what GQA buys: said under the table
            "paths_differ": None if paths[0] == paths[1] else {"base": paths[0], "other": paths[1]}}
-    if rb["flops"] and ro["flops"]:
+    if pred.no_overlap is not None:
         # No overlap: each step reads its bytes at the copy bandwidth and *then* does its FLOPs at
         # the matmul roof. The roofline above assumes perfect overlap (the max of the two); near
         # the ridge point the truth lies between, and the sum is the pessimistic end.
+        rb, ro = base["roofline_ms"], other["roofline_ms"]
         sb, so = rb["bytes"] + rb["flops"], ro["bytes"] + ro["flops"]
-        out.update(predicted_speedup_no_overlap=sb / so, share_of_predicted_no_overlap=share(measured, sb / so),
+        out.update(predicted_speedup_no_overlap=pred.no_overlap, share_of_predicted_no_overlap=share(measured, pred.no_overlap),
                    step_over_no_overlap={"base": mb / sb, "other": mo / so})
     return out
 

@@ -1,6 +1,6 @@
 """One buffer for all of a model's packed weights, or one per matrix? (issue 13)
 
-The fused CPU decode step (`eval/decode_layers.py`) streams every weight matrix once per
+The fused CPU decode step (`eval/decode/layers.py`) streams every weight matrix once per
 step. Packed into one 2 MiB-aligned buffer advised as huge pages ("arena", the default),
 the stream has no gaps and matrices under 2 MiB (a 1-KV-head model's stacked q/k/v, every
 o-proj of SmolLM2) sit on huge pages too; packed one buffer per matrix ("separate",
@@ -42,7 +42,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode_layers import FusedDecode, check
+    from gqakit.eval.decode.layers import FusedDecode, check
     from gqakit.eval.results import run_info
     from gqakit.eval.speed import DecodeBench, copy_bandwidth, parse_ints
 
@@ -55,7 +55,7 @@ def main() -> None:
         steps = {"arena": FusedDecode(bench.model, bench.kernels, arena=True),
                  "separate": FusedDecode(bench.model, bench.kernels, arena=False)}
         for name, step in steps.items():
-            why = check(bench.model, step, bench._cache, bench.vocab, bench._cache_kw)
+            why = check(bench.model, step, bench.new_cache, bench.vocab, bench.cache_kw)
             if why:
                 sys.exit(f"bench_fused_arena: {name}: {why}")
         rows = []
@@ -63,8 +63,8 @@ def main() -> None:
             for b in batches:
                 times: dict[str, list[float]] = {k: [] for k in steps}
                 with torch.inference_mode():
-                    cache = bench._cache(b, p + 8)
-                    bench.model(input_ids=torch.randint(0, bench.vocab, (b, p)), **{bench._cache_kw: cache},
+                    cache = bench.new_cache(b, p + 8)
+                    bench.model(input_ids=torch.randint(0, bench.vocab, (b, p)), **{bench.cache_kw: cache},
                                 position_ids=torch.arange(p).unsqueeze(0), use_cache=True)
                     tok, pos = torch.randint(0, bench.vocab, (b, 1)), torch.full((1, 1), p)
                     for i in range(args.steps + 4):

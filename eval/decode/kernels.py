@@ -9,11 +9,12 @@ The first build takes about half a minute; later loads are instant.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
 _STATE: dict[str, Any] = {"tried": False, "mod": None, "why": None}
@@ -65,7 +66,35 @@ def load(verbose: bool = False) -> Any | None:
 
 
 def why_unavailable() -> str | None:
+    """Why `load()` returned None (the first line of the build error, or the switch that disabled it)."""
     return _STATE["why"]
+
+
+@contextlib.contextmanager
+def loaded_afresh() -> Iterator[None]:
+    """Inside: `load()` builds or loads the kernels again, as a new process would (reading
+    GQAKIT_NO_CPU_KERNELS again); on exit the earlier state is back."""
+    saved = dict(_STATE)
+    _STATE.clear()
+    _STATE.update(tried=False, mod=None, why=None)
+    try:
+        yield
+    finally:
+        _STATE.clear()
+        _STATE.update(saved)
+
+
+@contextlib.contextmanager
+def substituted(mod: Any) -> Iterator[Any]:
+    """Inside: `load()` returns `mod` (say, a wrapper of the compiled module that labels each
+    call for a profiler); on exit the earlier state is back. Yields `mod`."""
+    saved = dict(_STATE)
+    _STATE.update(tried=True, mod=mod, why=None)
+    try:
+        yield mod
+    finally:
+        _STATE.clear()
+        _STATE.update(saved)
 
 
 def ops() -> Any | None:

@@ -16,7 +16,7 @@ unconditionally:
   release; what is left is the math kernel, whose O(prompt²) score tensor does not fit
   at large batch x prompt. Prefill only: decode steps never copy.
 
-`probe_attention_path` then checks what really reached SDPA in one decode step, so the
+`SdpaSpy` and `describe_path` then check what really reached SDPA in one decode step, so the
 results say which path ran instead of assuming it.
 """
 
@@ -25,19 +25,38 @@ from __future__ import annotations
 from typing import Any
 
 NAME = "gqakit_sdpa"
-# Decode (one query token) kernel: "matmul" (decode_fast.decode_attention), "cpu" (its
-# fused compiled CPU kernel where it applies, else "matmul") or "sdpa" (SDPA with the
-# query heads folded per KV head). Set through `set_decode_kernel`.
+# Decode (one query token) kernel: "matmul" (grouped.decode_attention), "cpu" (its fused
+# compiled CPU kernel where it applies, else "matmul") or "sdpa" (SDPA with the query heads
+# folded per KV head). Each model carries its own choice (`set_decode_kernel`); a module
+# without one decodes with "matmul".
 DECODE_KERNELS = ("matmul", "cpu", "sdpa")
-DECODE_KERNEL = {"name": "matmul"}
+_ATTR = "gqakit_decode_kernel"
 
 
-def set_decode_kernel(name: str) -> str:
-    """Choose the decode attention kernel of `gqakit_sdpa`; returns the previous one."""
+class DecodeKernel:
+    """The decode kernel of one model, shared by all its modules (so switching is one assignment)."""
+
+    def __init__(self, name: str = "matmul") -> None:
+        self.name = name
+
+
+def set_decode_kernel(model: Any, name: str) -> str:
+    """Choose the decode attention kernel `gqakit_sdpa` runs for `model`; returns the previous one."""
     if name not in DECODE_KERNELS:
         raise ValueError(f"decode kernel must be one of {DECODE_KERNELS}, got {name!r}")
-    prev, DECODE_KERNEL["name"] = DECODE_KERNEL["name"], name
+    choice = model.__dict__.get(_ATTR)
+    if not isinstance(choice, DecodeKernel):
+        choice = DecodeKernel()
+        for m in model.modules():  # the attention function is handed its attention module
+            object.__setattr__(m, _ATTR, choice)
+    prev, choice.name = choice.name, name
     return prev
+
+
+def decode_kernel_of(module: Any) -> str:
+    """The decode kernel chosen for the model `module` belongs to ("matmul" when none was)."""
+    choice = getattr(module, _ATTR, None)
+    return choice.name if isinstance(choice, DecodeKernel) else "matmul"
 
 
 def gqa_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
@@ -50,13 +69,13 @@ def gqa_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_ma
     kv_heads = key.shape[1]
     groups = h // kv_heads
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
-    if q_len == 1 and not per_head_mask and DECODE_KERNEL["name"] in ("matmul", "cpu"):
+    kernel = decode_kernel_of(module)
+    if q_len == 1 and not per_head_mask and kernel in ("matmul", "cpu"):
         # Two matmuls and a softmax (or the fused CPU kernel), query heads of a group as rows
         # of its K/V head (MHA too, so both sides of a comparison run the same kernel).
-        from gqakit.eval.decode_fast import decode_attention
+        from gqakit.eval.decode.grouped import decode_attention
 
-        return decode_attention(query, key, value, attention_mask, scaling,
-                                fused=DECODE_KERNEL["name"] == "cpu"), None
+        return decode_attention(query, key, value, attention_mask, scaling, fused=kernel == "cpu"), None
     if q_len == 1 and groups > 1 and not per_head_mask:
         # (B, H, 1, D) -> (B, G, H/G, D): rows of one group attend to the same K/V head.
         q = query.reshape(b, kv_heads, groups, d)
@@ -83,13 +102,15 @@ def register() -> str:
     return NAME
 
 
-def use_gqa_attention(model: Any) -> str:
-    """Switch `model` to `gqakit_sdpa` when it supports pluggable attention; returns what it runs.
+def use_gqa_attention(model: Any, decode_kernel: str = "matmul") -> str:
+    """Switch `model` to `gqakit_sdpa` (decoding with `decode_kernel`) when it supports
+    pluggable attention; returns what it runs.
 
     Models that do not (some remote-code folders) keep their own implementation; the
     probe reports what that one does.
     """
     register()
+    set_decode_kernel(model, decode_kernel)
     try:
         model.set_attn_implementation(NAME)
     except (ValueError, AttributeError, NotImplementedError, KeyError):
@@ -114,29 +135,29 @@ class SdpaSpy:
                                "enable_gqa": bool(kwargs.get("enable_gqa", False))})
             return orig(query, key, value, *args, **kwargs)
 
-        from gqakit.eval import decode_fast
+        from gqakit.eval.decode import grouped
 
-        self._orig_dec = decode_fast.decode_attention
+        self._orig_dec = grouped.decode_attention
         orig_dec = self._orig_dec
 
         def spy_dec(query, key, value, *args, **kwargs):
             g = key.shape[1]
-            fused = kwargs.get("fused") and decode_fast.fused_applies(query, key, value, args[0] if args else None)
+            fused = kwargs.get("fused") and grouped.fused_applies(query, key, value, args[0] if args else None)
             self.calls.append({"q_heads": g, "q_rows": query.shape[1] // g, "kv_heads": g, "enable_gqa": False,
                                "kernel": "cpu" if fused else "matmul"})
             return orig_dec(query, key, value, *args, **kwargs)
 
         F.scaled_dot_product_attention = spy
-        decode_fast.decode_attention = spy_dec
+        grouped.decode_attention = spy_dec
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import torch.nn.functional as F
 
-        from gqakit.eval import decode_fast
+        from gqakit.eval.decode import grouped
 
         F.scaled_dot_product_attention = self._orig
-        decode_fast.decode_attention = self._orig_dec
+        grouped.decode_attention = self._orig_dec
 
 
 def describe_path(calls: list[dict[str, Any]], heads: int, kv_heads: int) -> dict[str, Any]:

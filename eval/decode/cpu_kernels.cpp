@@ -1,6 +1,6 @@
 // gqakit's CPU decode kernels (fp32): what a decode step must do, without what it need not.
 //
-// Built on first use by gqakit/eval/cpu_kernels.py (torch.utils.cpp_extension, -O3
+// Built on first use by gqakit/eval/decode/kernels.py (torch.utils.cpp_extension, -O3
 // -march=native, OpenMP through ATen's parallel_for), cached per machine. Two kernels:
 //
 // * skinny_linear: y = x W^T for a few rows of x (a decode step: one row per sequence).

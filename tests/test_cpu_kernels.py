@@ -322,10 +322,9 @@ def test_a_fused_step_writing_another_slot_is_not_used(kernels, tiny_model, monk
 
 @pytest.mark.slow
 def test_the_check_passes_smollm2_at_one_kv_head(kernels, tmp_path):
-    """The real case: SmolLM2-135M (30 layers) mean-pooled to 1 KV head, 30 prompts. The element-wise
-    check this replaced refused about one prompt in five (`bench/fused_check_errors.py`: 12 of 60
-    with 2 threads), and the speed benchmark then ran the slower per-op path for that model
-    only (docs/benchmarks.md, session 11)."""
+    """The real case: SmolLM2-135M (30 layers) mean-pooled to 1 KV head, 30 prompts. An element-wise
+    check would refuse about one prompt in five (`bench/fused_check_errors.py`), and the speed
+    benchmark would then run the slower per-op path for that model only."""
     from pathlib import Path
 
     from gqakit.convert import convert_checkpoint

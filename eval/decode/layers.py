@@ -4,7 +4,7 @@ What is left of an eager decode step once the weights and the KV cache stream at
 speed (`cpu_kernels.cpp`'s panel GEMM and fused attention) is per-op cost: transformers
 runs a layer as ~60 small ops and module calls (RMSNorm as six ops, rotary as seven per
 tensor, the cache update, reshapes, the SiLU gate), about 5 ms of SmolLM2-135M's 21-26 ms
-step at batch 8 on the project's CPU (`bench/profile_decode.py`). `FusedDecode` runs each
+step at batch 8 on the CPU profiled in docs/decode.md (`bench/profile_decode.py`). `FusedDecode` runs each
 layer as one call of `decode_layer` (norm, one GEMM for q/k/v stacked, rotary, the cache
 write, grouped attention, output projection, norm, one GEMM for gate/up stacked, SiLU
 gate, down projection, both residual adds), then the final norm and the LM head.
@@ -93,8 +93,8 @@ class FusedDecode:
 # of the logits and of each layer's new cache entries. Both steps are fp32 with other summation
 # orders, and the difference grows through the residual stream: on SmolLM2-135M's 3->1
 # conversion (30 layers), over 60 prompts, up to 1.3e-4 for the logits and 8.4e-5 for the
-# deepest layers' cache entries, where an element-wise 1e-4 bound refused 12 of the 60
-# (bench/fused_check_errors.py). A wrong slot, norm, rotary or head map is off by 1e-2 or more.
+# deepest layers' cache entries (bench/fused_check_errors.py), so an element-wise 1e-4 bound
+# would refuse correct steps. A wrong slot, norm, rotary or head map is off by 1e-2 or more.
 REL_TOL = 1e-3
 
 

@@ -228,3 +228,29 @@ def test_models_timed_together_alternate_and_say_so(tiny_model):
     with pytest.raises(GqakitError, match="fast path only"):
         evaluate_speed_together(models, SpeedSettings(batches=(1,), prompt_lens=(16,), new_tokens=2, eager=True),
                                 device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_speed_flags_default_to_the_settings_defaults():
+    """`gqakit eval --speed` with no grid flags runs SpeedSettings() (one default per setting),
+    and the settings refuse bad values in one line naming the flag, and unknown keys."""
+    from pydantic import ValidationError
+
+    import click
+
+    from gqakit.eval.cli import eval_cmd
+
+    ctx = click.Context(eval_cmd)
+    flags = {p.name: p.get_default(ctx) for p in eval_cmd.params}
+    cli = SpeedSettings(batches=flags["batches"], prompt_lens=flags["prompt_lens"], new_tokens=flags["new_tokens"],
+                        reps=flags["reps"], warmup=flags["warmup"], max_batch_limit=flags["max_batch_limit"])
+    assert cli == SpeedSettings()
+    switches = {"compile_": "compile", "eager": "eager", "prefill_once": "prefill_once",
+                "max_batch_search": "max_batch_search"}
+    assert all(flags[f] is False and SpeedSettings.model_fields[k].default is False for f, k in switches.items())
+    assert SpeedSettings(batches="1, 8", prompt_lens=(16,)).batches == (1, 8)
+    for kw, msg in [({"batches": "1,x"}, "--batch must be comma-separated"), ({"prompt_lens": "0"}, "--prompt-len"),
+                    ({"reps": 0}, "--reps"), ({"warmup": -1}, "--warmup"), ({"max_batch_limit": 0}, "--max-batch-limit")]:
+        with pytest.raises(GqakitError, match=msg):
+            SpeedSettings(**kw)
+    with pytest.raises(ValidationError, match="new_token"):
+        SpeedSettings(new_token=4)

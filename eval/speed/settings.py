@@ -48,7 +48,7 @@ class SpeedSettings(BaseModel):
     prompt_lens: tuple[int, ...] = (128, 1024)
     new_tokens: int = 128
     reps: int = 5
-    warmup: int = 1
+    warmup: int = 2
     compile: bool = False
     max_batch_search: bool = False
     max_batch_limit: int = 4096

@@ -1,14 +1,13 @@
-"""One buffer for all of a model's packed weights, or one per matrix? (issue 13)
+"""One buffer for all of a model's packed weights, or one per matrix?
 
 The fused CPU decode step (`eval/decode_layers.py`) streams every weight matrix once per
 step. Packed into one 2 MiB-aligned buffer advised as huge pages ("arena", the default),
 the stream has no gaps and matrices under 2 MiB (a 1-KV-head model's stacked q/k/v, every
-o-proj of SmolLM2) sit on huge pages too; packed one buffer per matrix ("separate",
-session 10's layout), those small ones are on 4 KiB pages. This builds both for one model and
+o-proj of SmolLM2) sit on huge pages too; packed one buffer per matrix ("separate"), those small ones are on 4 KiB pages. This builds both for one model and
 times their steps alternating one by one on the same cache, at each batch x prompt point.
 
     G=~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    .venv/bin/python bench/bench_fused_arena.py $G /tmp/i13/smol-g1 --batch 1,8 --prompt-len 256,1024
+    .venv/bin/python bench/bench_fused_arena.py $G /tmp/smol-g1 --batch 1,8 --prompt-len 256,1024
 
 Appends one JSON line per model to --out (default bench/results/fused_arena.jsonl).
 """

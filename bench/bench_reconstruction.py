@@ -1,4 +1,4 @@
-"""Block-wise reconstruction settings on stories260K (issue 10): one calibration sample,
+"""Block-wise reconstruction settings on stories260K: one calibration sample,
 several `align-refit` option sets, perplexity of each.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reconstruction.py 2 similarity 16384 \\

@@ -12,7 +12,7 @@ peak host RSS (VmHWM, reset before the conversion) is recorded too. The calibrat
 text is standard-library docstrings, built in code (`../shared` is not on a GPU machine).
 
 Besides wall time and peak memory it records the conversion's own calibration record
-(tokens, where the streams lived, residual drift) and checks the issue's GPU memory
+(tokens, where the streams lived, residual drift) and checks the GPU memory
 target: peak allocated <= 2 x one decoder block (in the compute dtype) + the two streams.
 
     python bench/gpu_convert.py --profile gpu --out OUT --work WORK

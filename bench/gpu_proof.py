@@ -58,15 +58,15 @@ PROFILES: dict[str, dict[str, Any]] = {
         # step) long before HBM is: steps are replayed as CUDA graphs (captured per grid
         # point, checked against eager, eager again if capture fails); torch.compile would
         # recompile for every batch and cache length, minutes the budget does not have.
-        # MHA against GQA at 8 and 4 KV heads (issue 13); the largest batch that fits at
+        # MHA against GQA at 8 and 4 KV heads; the largest batch that fits at
         # 2,048 tokens is searched with the cache and one decode step (no prefill).
         "decode": {**LLAMA2_7B, "kv_heads": "8,4", "batch": "1,16,64", "prompt_len": "512,2048",
                    "new_tokens": 32, "reps": 3, "warmup": 1, "cuda_graphs": True, "max_batch_at": 2048},
         # The same models with the step compiled (`torch.compile(mode="reduce-overhead")`: inductor
         # fuses the norms, rotary and activation kernels, and the step replays as a CUDA graph, the
-        # gpt-fast recipe). Session 9's graphs of eager steps ran at 55% of copy bandwidth at batch 1:
+        # gpt-fast recipe). CUDA graphs of eager steps ran at 55% of copy bandwidth at batch 1 on an H100:
         # ~1,300 small kernels per step. Each grid point compiles once per model, so the grid is
-        # two points, MHA against 8 KV heads (issue 13's batch-1 bandwidth and speedup targets).
+        # two points, MHA against 8 KV heads (batch-1 bandwidth and speedup at batch 16).
         "decode-compiled": {**LLAMA2_7B, "kv_heads": "8", "batch": "1,16", "prompt_len": "2048",
                             "new_tokens": 32, "reps": 3, "warmup": 1, "compile": True},
         # 8,192 tokens per step keeps activations near 20 GiB next to 18 GiB of fp32

@@ -1,5 +1,5 @@
 """SmolLM2-135M at 1 KV head, uptrained on a GPU from gqakit's best start until it is
-within 10% of the original's perplexity (issue 10's GPU measurement).
+within 10% of the original's perplexity.
 
     python bench/gpu_recover.py --source ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --out OUT [--tokens 50000000] [--eval-every-tokens 1000000]
@@ -19,9 +19,8 @@ per million tokens and the first point within 10% of the original; OUT/recover.p
 curves. The curve's perplexities are uptrain's held-out evaluation (packed 512-token
 blocks of the same text, no BOS), close to but not the protocol's; the start and final
 numbers are the protocol's. Needs the SmolLM2 GGUF (98 MB: `gqakit demo` caches it, or
-see ../shared/README.md) and ../shared's WikiText-2; neither travels to this project's
-lent GPU machines (64 MiB carry limit), so `bench/gpu_proof.sh` runs this step only when
-GQAKIT_SMOLLM2 names the GGUF.
+see ../shared/README.md) and ../shared's WikiText-2 beside the checkout, so
+`bench/gpu_proof.sh` runs this step only when GQAKIT_SMOLLM2 names the GGUF.
 """
 
 from __future__ import annotations

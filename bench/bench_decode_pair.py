@@ -17,9 +17,9 @@ compute-bound), the one predicted with no overlap of memory and compute (bytes /
 predicted gain achieved, (measured - 1) /
 (predicted - 1).
 
-    .venv/bin/python bench/bench_decode_pair.py ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        /tmp/smol-g1 --names original,3to1 --batch 8 --prompt-len 1024 --out bench/results/decode_smollm2.json
-    .venv/bin/python bench/bench_decode_pair.py A B --batch 1,4,8,16 --prompt-len 256,1024 --eager   # plain steps
+    .venv/bin/python -m bench.bench_decode_pair ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        /tmp/smol-g1 --names original,3to1 --batch 8 --prompt-len 1024 --out /tmp/decode_pair.json
+    .venv/bin/python -m bench.bench_decode_pair A B --batch 1,4,8,16 --prompt-len 256,1024 --eager   # plain steps
 
 Writes JSON to `--out` after every point (a run stopped early keeps what it measured) and
 a Markdown table to `--md`.

@@ -7,7 +7,7 @@ o-proj of SmolLM2) sit on huge pages too; packed one buffer per matrix ("separat
 times their steps alternating one by one on the same cache, at each batch x prompt point.
 
     G=~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    .venv/bin/python bench/bench_fused_arena.py $G /tmp/smol-g1 --batch 1,8 --prompt-len 256,1024
+    .venv/bin/python -m bench.bench_fused_arena $G /tmp/smol-g1 --batch 1,8 --prompt-len 256,1024
 
 Appends one JSON line per model to --out (default bench/results/fused_arena.jsonl).
 """
@@ -15,12 +15,13 @@ Appends one JSON line per model to --out (default bench/results/fused_arena.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench.common import RESULTS, append_jsonl
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="256,1024")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per variant and point (after 4 warm-up)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/fused_arena.jsonl")
+    ap.add_argument("--out", default=str(RESULTS / "fused_arena.jsonl"))
     args = ap.parse_args()
     for m in args.models:
         if not Path(m).exists():
@@ -83,8 +84,7 @@ def main() -> None:
                "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                "run": run_info(command=sys.argv, device="cpu", dtype=torch.float32).to_json()}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
+        append_jsonl(args.out, rec)
 
 
 if __name__ == "__main__":

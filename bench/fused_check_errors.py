@@ -7,7 +7,7 @@ per prompt the logits' and the new cache entries' (worst layer) relative error
 1e-3) and what an element-wise rule (allclose, rtol 1e-4, atol 1e-4 for the cache
 entries) would have said.
 
-    .venv/bin/python bench/fused_check_errors.py /tmp/smol-g1 --prompts 10
+    .venv/bin/python -m bench.fused_check_errors /tmp/smol-g1 --prompts 10
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+
+def rel_error(got, ref) -> float:
+    """||got - ref|| / ||ref|| in float64 (0 when both are zero), as the check measures it."""
+    den = ref.double().norm().item()
+    num = (got.double() - ref.double()).norm().item()
+    return num / den if den > 0 else num
 
 
 def main() -> None:
@@ -29,7 +36,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode_layers import FusedDecode, _rel, both_steps, verdict
+    from gqakit.eval.decode_layers import FusedDecode, both_steps, verdict
     from gqakit.eval.speed import DecodeBench
 
     torch.set_num_threads(args.threads)
@@ -46,11 +53,11 @@ def main() -> None:
         for i, (la, lb) in enumerate(zip(r.ref_cache.layers, r.got_cache.layers)):
             for name in ("keys", "values"):
                 x, y = getattr(lb, name)[:, :, r.p], getattr(la, name)[:, :, r.p]
-                e = _rel(x, y)
+                e = rel_error(x, y)
                 if e > worst[0]:
                     worst = (e, (x - y).abs().max().item(), i)
                 old_ok = old_ok and torch.allclose(y, x, rtol=1e-4, atol=1e-4)
-        print(f"{seed} | {_rel(r.got, r.ref):.1e} ({(r.got - r.ref).abs().max().item():.1e}) | {worst[0]:.1e} "
+        print(f"{seed} | {rel_error(r.got, r.ref):.1e} ({(r.got - r.ref).abs().max().item():.1e}) | {worst[0]:.1e} "
               f"({worst[1]:.1e}, layer {worst[2]}) | {'pass' if verdict(r) is None else 'FAIL'} | "
               f"{'pass' if old_ok else 'FAIL'}", flush=True)
 

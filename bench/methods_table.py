@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-RES = Path(__file__).resolve().parent / "results"
+from bench.common import RESULTS
+
+RES = RESULTS
 
 
 def rows(name: str) -> list[dict]:

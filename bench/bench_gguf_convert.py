@@ -54,7 +54,7 @@ def main() -> None:
     base = baseline_python_rss()
     gib = 2 ** 30
     result = {"source": a.source.name, "source_bytes": a.source.stat().st_size, "out_bytes": out_file.stat().st_size,
-              "g": a.g, "method": a.method, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
+              "g": a.g, "method": a.method, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
               "tensors": len(out.tensors), "byte_identical_tensors": same, "imports_rss_anon": base,
               "runs": {k: [{"seconds": round(s, 2), "peak_rss_anon": an, "vm_hwm": hw} for s, an, hw in v]
                        for k, v in runs.items()}}

@@ -10,7 +10,10 @@ block in the results file with each metric, its standard error, the task version
 the harness version.
 
 Local tasks are ordinary harness YAML files in a folder given by `--tasks-path`
-(`TaskManager(include_path=...)`); `examples/tasks/` has one over a jsonl file.
+(`TaskManager(include_path=...)`); `examples/tasks/` has one over a jsonl file. A task file
+with a `!function module.fn` tag makes the harness import `module.py` from beside it: such
+a folder is refused before anything runs unless --trust-remote-code was given
+(`core.trust.check_task_folder`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 
 if TYPE_CHECKING:
@@ -157,6 +161,7 @@ def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
             raise GqakitError(f"--tasks-path must be a folder of task YAML files; {p} is not a folder")
         if not any(p.rglob("*.yaml")) and not any(p.rglob("*.yml")):
             raise GqakitError(f"--tasks-path {p} holds no .yaml task definitions")
+        trust.check_task_folder(p)
     harness()
     include = str(Path(settings.tasks_path).expanduser().resolve()) if settings.tasks_path else None
     tm = None

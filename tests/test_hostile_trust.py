@@ -250,14 +250,19 @@ def test_verbs_that_run_no_input_code_have_no_flag(verb, capfd):
 # ============================================================================ task folders
 
 
+def task_yaml(tasks: Path, doc_to_text: str = "{{context}}") -> str:
+    """A multiple-choice task `evil_mc` over a jsonl file in TASKS."""
+    (tasks / "rows.jsonl").write_text("".join(json.dumps({"context": f"a {i}", "choices": ["x", "y"], "label": 0}) + "\n"
+                                              for i in range(4)))
+    return (f"task: evil_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'rows.jsonl'}\n"
+            f"output_type: multiple_choice\ntest_split: test\ndoc_to_text: {json.dumps(doc_to_text)}\n"
+            "doc_to_choice: choices\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
+
+
 def evil_tasks(root: Path, marker: Path, *, via_include: bool = False) -> Path:
     tasks = root / "tasks"
     tasks.mkdir()
-    (tasks / "rows.jsonl").write_text("".join(json.dumps({"context": f"a {i}", "choices": ["x", "y"], "label": 0}) + "\n"
-                                              for i in range(4)))
-    body = (f"task: evil_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'rows.jsonl'}\n"
-            "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{context}}'\ndoc_to_choice: choices\n"
-            "doc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    body = task_yaml(tasks)
     fn = "process_docs: !function utils.process_docs\n"
     lib = root / "lib"
     lib.mkdir()
@@ -293,3 +298,19 @@ def test_the_shipped_example_tasks_need_no_flag():
     assert trust.task_code(REPO / "examples" / "tasks") == []
     trust.check_task_folder(REPO / "examples" / "tasks")
 
+
+def test_a_task_template_cannot_reach_python(world, marker, capfd):
+    """A Jinja template (no `!function` at all) that reaches a function's globals: the
+    sandbox stops it in one line; with --trust-remote-code it renders as the harness would."""
+    pytest.importorskip("lm_eval")
+    tasks = world / "tasks"
+    tasks.mkdir()
+    reach = "{{ lipsum.__globals__['os'].popen('touch " + str(marker) + "').read() }}{{context}}"
+    (tasks / "t.yaml").write_text(task_yaml(tasks, reach))
+    args = ["eval", world / "llama-g2", "--tasks", "evil_mc", "--tasks-path", tasks, "--limit", 2, "-q",
+            "--out", world / "r.json"]
+    refused(world, args, capfd, "sandbox", FLAG)
+    assert not marker.exists()
+    code, _, err = run_cli(args + [FLAG], capfd)
+    assert code == 0, err
+    assert marker.exists()

@@ -153,8 +153,7 @@ def split_source(path: str | Path) -> tuple[Path, str | None]:
 def is_gqakit_remote(folder: Path) -> bool:
     """True when the model folder's `auto_map` names only gqakit's own modeling files,
     byte-identical to the ones this version ships (they load without --trust-remote-code)."""
-    files = trust.code_files(Path(folder))
-    return bool(files) and all(p is not None and trust.is_shipped(p) for _, p in files)
+    return trust.only_gqakit_code(trust.code_files(Path(folder)))
 
 
 def remote_code(folder: Path, gguf: str | None) -> bool:
@@ -165,7 +164,7 @@ def remote_code(folder: Path, gguf: str | None) -> bool:
 
 def _refuse_code(folder: Path, e: BaseException) -> None:
     """transformers said the folder needs its own code: one line naming the file and the flag."""
-    if trust.needs_code(e):
+    if trust.needs_code(e) and trust.code_files(folder):
         raise trust.refusal(folder) from None
 
 

@@ -130,6 +130,11 @@ def code_files(folder: Path) -> list[tuple[str, Path | None]]:
     return list(out.items())
 
 
+def only_gqakit_code(files: list[tuple[str, Path | None]]) -> bool:
+    """FILES (from `code_files`) are all byte-identical to gqakit's shipped modeling files."""
+    return bool(files) and all(p is not None and is_shipped(p) for _, p in files)
+
+
 def _describe(ref: str, path: Path | None) -> str:
     return str(path) if path is not None else f"{ref} (code from another repository)"
 
@@ -138,6 +143,7 @@ def refusal(folder: Path, files: list[tuple[str, Path | None]] | None = None) ->
     """One line naming the first file of FOLDER's code that needs --trust-remote-code."""
     files = code_files(folder) if files is None else files
     foreign = [(r, p) for r, p in files if p is None or not is_shipped(p)]
+    foreign.sort(key=lambda rp: not (rp[1] is not None and rp[1].name.startswith(REMOTE_PREFIX)))  # claims first
     what = _describe(*foreign[0]) if foreign else f"the Python code of {folder}"
     claims = bool(foreign) and foreign[0][1] is not None and foreign[0][1].name.startswith(REMOTE_PREFIX)
     why = ("is not byte-identical to a modeling file this version of gqakit ships (edited, or from another "
@@ -154,9 +160,7 @@ def check_folder(folder: Path) -> bool:
     files = code_files(folder)
     if not files:
         return False
-    if all(p is not None and is_shipped(p) for _, p in files):
-        return True
-    if allowed():
+    if only_gqakit_code(files) or allowed():
         return True
     if any(p is not None and p.name.startswith(REMOTE_PREFIX) and not is_shipped(p) for _, p in files):
         raise refusal(folder, files)

@@ -12,8 +12,9 @@ Otherwise a folder whose `auto_map` names a `gqakit_modeling_*` file is refused 
 line: the file claims to be gqakit's and is not (edited, or from another gqakit version).
 Any other `auto_map` is left to transformers with `trust_remote_code=False`: a family it
 knows loads with its own classes and the folder's code is ignored; a folder that only its
-code can load is refused (`refusal`). The same consent covers `!function` tags in the
-task files of `eval --tasks-path` (`eval/tasks.py`).
+code can load is refused (`refusal`). The same consent covers the task files of
+`eval --tasks-path`: a `!function` tag there imports Python (`check_task_folder`), and
+without consent their Jinja templates render in Jinja's sandbox (`eval/tasks.py`).
 
 The consent lives in a context variable set around one verb, so nothing outside that
 verb (a test, the Python API, another thread) inherits it. This module imports nothing
@@ -40,8 +41,8 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "convert" / "remote"
 # The files whose `auto_map` transformers follows.
 MAP_FILES = ("config.json", "tokenizer_config.json")
 HELP = ("Allow Python code that comes with the input to run: the modules a model folder's config.json or "
-        "tokenizer_config.json names in `auto_map`{extra}. Without it only gqakit's own modeling files run, and only when they are "
-        "byte-identical to the ones this version of gqakit ships.")
+        "tokenizer_config.json names in `auto_map`{extra}. Without it only gqakit's own modeling files run, and "
+        "only when they are byte-identical to the ones this version of gqakit ships.")
 
 _consent: ContextVar[bool] = ContextVar("gqakit_trust_remote_code", default=False)
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ def command_line() -> list[str]:
 @click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16, or auto (fp32 CPU, bf16 GPU).")
 @click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit results file.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
+@trust.option("; for the task files of --tasks-path, the Python modules their `!function` tags import and "
+              "their Jinja templates outside Jinja's sandbox")
 def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, new_tokens,
              reps, warmup, compile_, eager, prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot,
              limit, tasks_path, tasks_batch, device, dtype, overwrite, quiet) -> None:

@@ -228,7 +228,7 @@ def main() -> None:
 
     import torch
 
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, copy_bandwidth, matmul_flops, parse_ints
 
     dtype = getattr(torch, args.dtype)

@@ -52,7 +52,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, huge_page_bytes
 
     torch.set_num_threads(args.threads)

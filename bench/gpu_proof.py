@@ -125,7 +125,7 @@ def folder_bytes(path: Path) -> int:
 def run_facts(device: str) -> dict[str, Any]:
     import torch
 
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
 
     return run_info(command=sys.argv, device=device, dtype=torch.bfloat16).to_json()
 

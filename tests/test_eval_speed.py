@@ -218,7 +218,7 @@ def test_models_timed_together_alternate_and_say_so(tiny_model):
     assert got["gqa"].kv_bytes_per_token * 4 == got["mha"].kv_bytes_per_token
     results = []
     for n, p in paths.items():
-        r = EvalResult(schema=1, run=run_info(command=["test"], device="cpu", dtype=torch.float32),
+        r = EvalResult(schema="gqakit.eval/1", run=run_info(command=["test"], device="cpu", dtype=torch.float32),
                        model=model_info(models[n], p, 4))
         r.speed = got[n]
         results.append(r)

@@ -42,12 +42,12 @@ def perplexity(path: Path, data: Path, max_chars: int | None, threads: int | Non
     import torch
 
     from gqakit.core.loading import load_causal_lm, load_tokenizer
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
 
     torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
     model = load_causal_lm(path, dtype=torch.float32)
     tok = load_tokenizer(path)
-    res = evaluate_perplexity(model, tok, read_text(str(data), max_chars=max_chars), context=512, progress=False)
+    res = evaluate_perplexity(model, tok, read_text(str(data), max_chars=max_chars), Window(context=512), progress=False)
     return res.token_perplexity
 
 

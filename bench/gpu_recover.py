@@ -54,10 +54,10 @@ def perplexity(path: Path, text_file: Path, device: str) -> float:
     import torch
 
     from gqakit.core.loading import load_causal_lm, load_tokenizer
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
 
     model = load_causal_lm(path, dtype=torch.float32).to(device)
-    res = evaluate_perplexity(model, load_tokenizer(path), read_text(str(text_file)), context=512,
+    res = evaluate_perplexity(model, load_tokenizer(path), read_text(str(text_file)), Window(context=512),
                               device=device, progress=False)
     del model
     if device.startswith("cuda"):

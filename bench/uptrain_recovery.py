@@ -37,10 +37,10 @@ RECIPE = REPO / "configs" / "stories260K-g2.yaml"
 
 def perplexity(folder: Path) -> float:
     from gqakit.core.loading import load_causal_lm, load_tokenizer
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
 
     model, tok = load_causal_lm(folder), load_tokenizer(folder)
-    res = evaluate_perplexity(model, tok, read_text(str(EVAL)), context=512, stride=512, progress=False)
+    res = evaluate_perplexity(model, tok, read_text(str(EVAL)), Window(context=512, stride=512), progress=False)
     return res.token_perplexity
 
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from gqakit.core.device import check_device, resolve_device
 from gqakit.core.errors import GqakitError
 from gqakit.core.text import EvalText, TextSource
-from gqakit.eval.records import SCHEMA, EvalResult, write_results
 from gqakit.eval.perplexity import PerplexitySettings
 from gqakit.eval.provenance import model_info, run_info
+from gqakit.eval.records import SCHEMA, EvalResult, write_results
 
 if TYPE_CHECKING:
     from gqakit.eval.speed import SpeedSettings
@@ -40,8 +40,9 @@ def check_dtype(dtype: str | None) -> None:
         raise GqakitError(f"--dtype must be one of auto, {', '.join(sorted(set(DTYPES)))}; got {dtype!r}")
 
 
-def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings | None, speed: Any, tasks: Any,
-                      device: str | None, dtype: str | None, out: Path | None, overwrite: bool) -> Path | None:
+def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings | None, speed: SpeedSettings | None,
+                      tasks: TaskSettings | None, device: str | None, dtype: str | None, out: Path | None,
+                      overwrite: bool) -> Path | None:
     """Every check that needs no torch and no loaded model; returns OUT resolved. Writes nothing.
 
     The settings were checked when they were built (PerplexitySettings, SpeedSettings,
@@ -60,7 +61,8 @@ def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings 
                              kind=RESULTS, flag="--out")
 
 
-def eval_inputs(model_path: str | Path, perplexity: PerplexitySettings | None, tasks: Any) -> list[tuple[str, Any]]:
+def eval_inputs(model_path: str | Path, perplexity: PerplexitySettings | None,
+                tasks: TaskSettings | None) -> list[tuple[str, Any]]:
     """What OUT must never be, nor be inside: the model, the data file, the tasks folder."""
     inputs: list[tuple[str, Any]] = [("model", model_path)]
     if perplexity is not None and perplexity.data.file is not None:

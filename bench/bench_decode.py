@@ -13,8 +13,8 @@ step must read: all weights once plus the filled KV cache). A decode step that i
 memory-bound and reaches the same fraction of bandwidth for both models gets the
 predicted speedup; a step bound by kernel launches or Python gets less.
 
-    .venv/bin/python bench/bench_decode.py                      # CPU-sized default
-    .venv/bin/python bench/bench_decode.py --hidden 4096 --layers 32 --heads 32 --kv-heads 8,1 \
+    .venv/bin/python -m bench.bench_decode                      # CPU-sized default
+    .venv/bin/python -m bench.bench_decode --hidden 4096 --layers 32 --heads 32 --kv-heads 8,1 \
         --intermediate 11008 --vocab 32000 --batch 1,16,64 --prompt-len 512,2048 \
         --device cuda --dtype bfloat16 --cuda-graphs
 
@@ -32,24 +32,9 @@ import sys
 import time
 from typing import Any
 
+from bench.common import random_llama
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def build(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, positions: int,
-          dtype, device, seed: int = 0):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
-                      max_position_embeddings=positions, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    # Initialised on the device itself: a 7B-shaped model initialised on the host first
-    # would take minutes of CPU time before the first measurement.
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    assert all(p.abs().sum() > 0 for p in model.parameters() if p.dim() > 1), "weights must not be zeros"
-    return model
 
 
 def model_name(heads: int, kv: int) -> str:
@@ -238,7 +223,9 @@ def main() -> None:
     models = {model_name(args.heads, kv): kv for kv in [args.heads, *kvs]}
     benches = {}
     for name, kv in models.items():
-        m = build(args.hidden, args.layers, args.heads, kv, args.intermediate, args.vocab, positions, dtype, args.device)
+        shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+                 "intermediate": args.intermediate, "vocab": args.vocab}
+        m = random_llama(shape, kv, device=args.device, dtype=dtype, positions=positions)
         benches[name] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
                                     cuda_graphs=args.cuda_graphs and not args.eager, pack_weights=not args.eager,
                                     decode_kernel="sdpa" if args.eager else "matmul")

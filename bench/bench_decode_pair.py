@@ -4,7 +4,7 @@ Loads two or more models (the first is the baseline; e.g. SmolLM2-135M and its 3
 head conversion) and times their decode steps with gqakit's decode benchmark
 (`gqakit.eval.speed.DecodeBench`) over a batch x prompt grid. At each grid point all
 models are set up first (cache, packed weights, warm-up, excluded from the timing), then
-their timed decode steps alternate one by one, A B B A A B ..., so load from other jobs on a shared
+their timed decode steps alternate one by one, A B B A A B ..., so load from other processes on the
 machine hits all alike; the copy bandwidth and matmul FLOP/s (the roofs) are measured
 again at each point, between the models' repetitions.
 
@@ -17,9 +17,9 @@ compute-bound), the one predicted with no overlap of memory and compute (bytes /
 predicted gain achieved, (measured - 1) /
 (predicted - 1).
 
-    .venv/bin/python bench/bench_decode_pair.py ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        /tmp/smol-g1 --names original,3to1 --batch 8 --prompt-len 1024 --out bench/results/decode_smollm2.json
-    .venv/bin/python bench/bench_decode_pair.py A B --batch 1,4,8,16 --prompt-len 256,1024 --eager   # plain steps
+    .venv/bin/python -m bench.bench_decode_pair ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        /tmp/smol-g1 --names original,3to1 --batch 8 --prompt-len 1024 --out /tmp/decode_pair.json
+    .venv/bin/python -m bench.bench_decode_pair A B --batch 1,4,8,16 --prompt-len 256,1024 --eager   # plain steps
 
 Writes JSON to `--out` after every point (a run stopped early keeps what it measured) and
 a Markdown table to `--md`.
@@ -104,7 +104,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"Device: {data['run']['device_name']}, {a['dtype']}, torch threads {data['threads']}, torch "
         f"{data['run']['torch']}, transformers {data['run']['transformers']}; load average "
         f"{data['loadavg_start'][0]:.1f} at the start, {data.get('loadavg_end', [float('nan')])[0]:.1f} at the end "
-        f"on {os.cpu_count()} cores (load above the thread count means other jobs shared them); decode: {a['new_tokens']} new tokens after a random prompt, "
+        f"on {os.cpu_count()} cores (load above the thread count means other processes shared them); decode: {a['new_tokens']} new tokens after a random prompt, "
         f"{a['warmup']} warm-up run(s) excluded, median of {a['reps']} x {a['new_tokens']} single steps, the models' "
         "steps alternating one by one; steps: "
         + ", ".join(sorted({r['decode_mode'] for r in data['rows'] if r['status'] == 'ok'})) + "; "

@@ -6,7 +6,7 @@ run under the profiler. `--eager` profiles the plain transformers step (loaded w
 SDPA attention); the default is gqakit's fast path (packed weights from batch 2, grouped
 matmul decode attention).
 
-    .venv/bin/python bench/profile_decode.py ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    .venv/bin/python -m bench.profile_decode ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --batch 8 --prompt-len 1024 --threads 1
 """
 

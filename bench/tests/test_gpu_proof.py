@@ -1,7 +1,7 @@
 """`bench/gpu_proof.sh --dry-run`: the one-call GPU measurement script, at pico size on the CPU.
 
-The GPU run happens rarely (one call of a lent machine); the dry run goes through the
-same steps and code paths every time the suite runs, so the script cannot rot unseen.
+A GPU run needs a machine with a CUDA GPU; the dry run goes through the same steps and code
+paths every time the suite runs, so the script cannot rot unseen.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,7 @@ def test_convert_step_measures_the_streamed_conversion(dry_run):
 
 def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
     """What the shell script writes when steps go wrong becomes a status per step, never a crash."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import gpu_proof
+    from bench import gpu_proof
 
     (tmp_path / "steps.tsv").write_text("decode\t124\t200.0\t200\nuptrain\t1\t12.5\t150\nconvert\t-1\t0\t3\n")
     # decode was killed after one grid point: its JSON is the one rewritten after that point.
@@ -104,9 +103,7 @@ def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
 
 def test_gpu_profile_is_valid_without_a_gpu(tmp_path: Path):
     """The GPU sizes never run here: check what can be checked (arguments, config, memory plan)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import bench_decode
-    import gpu_proof
+    from bench import bench_decode, gpu_proof
 
     from gqakit.uptrain.config import load_config
 
@@ -139,7 +136,7 @@ def test_recovery_dry_run_reports_curves_and_the_10_percent_verdict(tmp_path: Pa
     """bench/gpu_recover.py --dry: convert, uptrain and evaluate a pico model on the CPU;
     the results hold both curves, throughput and the verdict, and the summary renders them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_recover.py"), "--dry", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_recover", "--dry", "--out", str(tmp_path)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "recover.json").read_text())
@@ -152,8 +149,7 @@ def test_recovery_dry_run_reports_curves_and_the_10_percent_verdict(tmp_path: Pa
     assert len(res["loss_curve"]) >= 2 and res["ppl_curve"][0]["tokens"] == 0
     assert [c["tokens"] for c in res["ppl_curve"]] == sorted(c["tokens"] for c in res["ppl_curve"])
     assert res["throughput"]["tok_per_s_median"] > 0
-    sys.path.insert(0, str(REPO / "bench"))
-    import gpu_proof
+    from bench import gpu_proof
 
     (tmp_path / "steps.tsv").write_text("recover\t0\t30.0\t3600\n")
     md = gpu_proof.summary("dry", tmp_path)["markdown"]

@@ -178,7 +178,7 @@ def main() -> None:
 
     import torch
 
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, measure_roof, parse_ints
 
     dtype = getattr(torch, args.dtype)

@@ -146,7 +146,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, parse_ints, run_points_alternating
 
     if args.threads:

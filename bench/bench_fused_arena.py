@@ -43,7 +43,7 @@ def main() -> None:
 
     from gqakit.core.loading import load_causal_lm
     from gqakit.eval.decode.layers import FusedDecode, check
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, copy_bandwidth, parse_ints
 
     torch.set_num_threads(args.threads)

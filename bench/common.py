@@ -118,18 +118,16 @@ def perplexity(path: Path | str, data: Path | str, max_chars: int | None = None,
     (default: $OMP_NUM_THREADS, else every core)."""
     import torch
 
-    from gqakit.core.loading import load_causal_lm, load_tokenizer
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.eval.perplexity import PerplexitySettings, Window
+    from gqakit.eval.runner import perplexity_of_file
 
     if device == "cpu":
         torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
-    model = load_causal_lm(path, dtype=torch.float32).to(device)
-    res = evaluate_perplexity(model, load_tokenizer(path), read_text(str(data), max_chars=max_chars),
-                              context=context, stride=stride, device=device, progress=False)
-    del model
+    settings = PerplexitySettings(data=data, window=Window(context=context, stride=stride), max_chars=max_chars)
+    res = perplexity_of_file(path, settings, device=device, dtype="float32", quiet=True)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return res.token_perplexity
+    return res.perplexity.token_perplexity
 
 
 def timed_convert(src: Path, out: Path, g: int, extra: tuple[str, ...] = ()) -> tuple[float, int, int]:

@@ -106,7 +106,7 @@ def run_cli(argv: list[str]) -> None:
 def run_facts(device: str) -> dict[str, Any]:
     import torch
 
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
 
     return run_info(command=sys.argv, device=device, dtype=torch.bfloat16).to_json()
 

@@ -79,12 +79,12 @@ def main() -> None:
     model.model.layers[args.layer].self_attn.requires_grad_(True)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
 
     text = read_text(str(m["data"]))
 
     def perplexity(net) -> float:
-        return evaluate_perplexity(net, tok, text, context=SEQ, stride=SEQ, progress=False).token_perplexity
+        return evaluate_perplexity(net, tok, text, Window(context=SEQ, stride=SEQ), progress=False).token_perplexity
 
     def ppl() -> float:
         return perplexity(model)

@@ -99,6 +99,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./my-gqa --tasks hellaswag,arc_easy --num-fewshot 0 --out acc.json
       gqakit eval ./my-gqa --tasks gqakit_stories_mc --tasks-path examples/tasks --limit 20 --out acc.json
     """
+    from gqakit.eval.perplexity import PerplexitySettings, Window
     from gqakit.eval.runner import run_eval
     from gqakit.eval.speed import SpeedSettings
 
@@ -111,16 +112,20 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
                                      tasks_path=tasks_path, batch_size=tasks_batch)
     elif num_fewshot is not None or limit is not None or tasks_path is not None:
         raise GqakitError("--num-fewshot, --limit and --tasks-path go with --tasks NAMES")
-    settings = None
+    speed_settings = None
     if speed:
-        settings = SpeedSettings(batches=batches, prompt_lens=prompt_lens,
-                                 new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
-                                 max_batch_search=max_batch_search, max_batch_limit=max_batch_limit,
-                                 eager=eager, prefill_once=prefill_once)
-    res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
-                   text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
-                   command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet,
-                   tasks=task_settings)
+        speed_settings = SpeedSettings(batches=batches, prompt_lens=prompt_lens,
+                                       new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
+                                       max_batch_search=max_batch_search, max_batch_limit=max_batch_limit,
+                                       eager=eager, prefill_once=prefill_once)
+    ppl_settings = None
+    if ppl:
+        if not data:
+            raise GqakitError("--ppl needs --data FILE (or hf:NAME[:CONFIG][:SPLIT])")
+        ppl_settings = PerplexitySettings(data=data, window=Window(context=context, stride=stride),
+                                          max_chars=max_chars, text_field=text_field)
+    res = run_eval(model, perplexity=ppl_settings, speed=speed_settings, tasks=task_settings, device=device,
+                   dtype=dtype, out=out, command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
     _print_summary(res, out)
 
 

@@ -15,8 +15,7 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
-from gqakit.eval.records import EvalResult, SpeedPoint, TaskRow, opt
-from gqakit.eval.results import SCHEMA, read_results
+from gqakit.eval.records import SCHEMA, EvalResult, SpeedPoint, TaskRow, opt, read_results
 from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
 
 REPORT_SCHEMA = "gqakit.compare/1"

@@ -25,9 +25,10 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
@@ -45,8 +46,11 @@ BOOTSTRAP_ITERS = 100000
 LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
 
 
-@dataclass
-class TaskSettings:
+class TaskSettings(BaseModel):
+    """What `gqakit eval --tasks` runs: the task names and the harness's options. Checked when built."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
     tasks: list[str]
     num_fewshot: int | None = None
     limit: int | None = None
@@ -54,10 +58,20 @@ class TaskSettings:
     batch_size: int = 1
     bootstrap_iters: int = BOOTSTRAP_ITERS
     # filled by check_tasks: the harness's TaskManager (scanning the YAML index takes seconds)
-    manager: Any = field(default=None, repr=False, compare=False)
+    manager: Any = Field(default=None, repr=False, exclude=True)
     # filled by load_tasks: the built tasks (their datasets read), for simple_evaluate
-    loaded: list[Any] | None = field(default=None, repr=False, compare=False)
-    local_index: bool = field(default=False, repr=False, compare=False)  # manager indexes --tasks-path only
+    loaded: list[Any] | None = Field(default=None, repr=False, exclude=True)
+    local_index: bool = Field(default=False, repr=False, exclude=True)  # manager indexes --tasks-path only
+
+    @model_validator(mode="after")
+    def _check(self) -> "TaskSettings":
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise GqakitError(f"--num-fewshot must be 0 or more; got {self.num_fewshot}")
+        if self.limit is not None and self.limit < 1:
+            raise GqakitError(f"--limit must be a positive number of examples per task; got {self.limit}")
+        if self.batch_size < 1:
+            raise GqakitError(f"--tasks-batch must be at least 1; got {self.batch_size}")
+        return self
 
 
 def parse_tasks(value: str) -> list[str]:
@@ -146,13 +160,8 @@ def harness_logs(quiet: bool) -> Iterator[None]:
 
 def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
     """Every check that needs no model: harness present, options sane, tasks known, local
-    task data present. Returns (and keeps in settings.manager) the harness's TaskManager."""
-    if settings.num_fewshot is not None and settings.num_fewshot < 0:
-        raise GqakitError(f"--num-fewshot must be 0 or more; got {settings.num_fewshot}")
-    if settings.limit is not None and settings.limit < 1:
-        raise GqakitError(f"--limit must be a positive number of examples per task; got {settings.limit}")
-    if settings.batch_size < 1:
-        raise GqakitError(f"--tasks-batch must be at least 1; got {settings.batch_size}")
+    task data present. Returns (and keeps in settings.manager) the harness's TaskManager.
+    The numbers were checked when the settings were built."""
     if settings.tasks_path is not None:
         p = Path(settings.tasks_path).expanduser()
         if not p.exists():

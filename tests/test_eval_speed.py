@@ -205,7 +205,7 @@ def test_models_timed_together_alternate_and_say_so(tiny_model):
     from gqakit.eval.records import EvalResult
     from gqakit.eval.report import build_report, render_markdown
     from gqakit.eval.speed import evaluate_speed_together
-    from gqakit.eval.results import model_info, run_info
+    from gqakit.eval.provenance import model_info, run_info
 
     paths = {"mha": tiny_model("llama", num_key_value_heads=8), "gqa": tiny_model("llama", num_key_value_heads=2)}
     models = {n: load_causal_lm(p) for n, p in paths.items()}
@@ -218,7 +218,7 @@ def test_models_timed_together_alternate_and_say_so(tiny_model):
     assert got["gqa"].kv_bytes_per_token * 4 == got["mha"].kv_bytes_per_token
     results = []
     for n, p in paths.items():
-        r = EvalResult(schema=1, run=run_info(command=["test"], device="cpu", dtype=torch.float32),
+        r = EvalResult(schema="gqakit.eval/1", run=run_info(command=["test"], device="cpu", dtype=torch.float32),
                        model=model_info(models[n], p, 4))
         r.speed = got[n]
         results.append(r)

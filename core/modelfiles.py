@@ -235,9 +235,10 @@ def check_geometry(config: Mapping[str, Any], shapes: Mapping[str, tuple[tuple[i
                 raise GqakitError(f"{where}: {fields} disagree with the weights: {found} in {f.name} has shape "
                                   f"{list(got)}, where the config implies {list(want)}")
         lacking = sorted(everything - set(per_layer[layer]))
-        if lacking:  # a layer's MLP or norm left out
-            raise GqakitError(f"tensor {spec.block_name(layer)}.{lacking[0]} is not present in {files} "
-                              f"(the other layers have it)")
+        if lacking:  # one layer's MLP or norm left out, or one layer with a tensor the others lack
+            other = next(i for i in sorted(per_layer) if lacking[0] in per_layer[i])
+            raise GqakitError(f"{files}: the layers hold different tensors: {per_layer[other][lacking[0]]} has no "
+                              f"counterpart {spec.block_name(layer)}.{lacking[0]}")
 
 
 def check_folder(folder: Path, config: Mapping[str, Any]) -> None:

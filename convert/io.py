@@ -1,9 +1,10 @@
 """Streaming checkpoint IO: read one tensor at a time, write safetensors without buffering.
 
-Reading: `open_source(folder)` opens single or sharded safetensors lazily (`safe_open`),
-or `pytorch_model*.bin` with `torch.load(weights_only=True, mmap=True)`; every check on
-the files (missing shard, a shard path escaping the folder, a truncated file, unsafe
-pickles) becomes a one-line `GqakitError`.
+Reading: `open_source(folder)` opens single or sharded safetensors lazily and reads each
+tensor with `pread` (a file cut while it is read is then a short read, not a SIGBUS), or
+`pytorch_model*.bin` with `torch.load(weights_only=True, mmap=True)`; every check on the
+files (missing shard, a shard path escaping the folder, a truncated file, unsafe pickles;
+`core/modelfiles.py`) becomes a one-line `GqakitError`.
 
 Writing: `ShardWriter` knows every output tensor's name, dtype and shape in advance (the
 conversion plan), so it writes each shard's safetensors header first and then streams

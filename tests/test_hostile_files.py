@@ -289,7 +289,8 @@ except SystemExit as e:
 
 
 def test_source_truncated_while_align_refit_reads_it(world, tmp_path):
-    """The process died by SIGBUS with no message: now one line naming the file, exit 2."""
+    """The process died by SIGBUS with no message: now one line naming the file, exit 2.
+    (A separate process: a SIGBUS would otherwise end the test run itself.)"""
     src = world / "mha"
     before = snapshot(world)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -306,18 +307,3 @@ def test_source_truncated_while_align_refit_reads_it(world, tmp_path):
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert changed == ["mha/model.safetensors"], changed  # only the file the test cut; no output left
 
-
-def test_reading_a_truncated_source_is_an_error_not_a_signal(world):
-    """The same in-process: tensors are read with pread, so a file cut after it was opened
-    gives a short read (a SIGBUS from a memory map would end this test run)."""
-    from gqakit.convert.pipeline import open_checkpoint
-    from gqakit.core.errors import GqakitError
-
-    opened = open_checkpoint(world / "mha", progress=False)
-    last = opened.source.names()[-1]
-    whole = opened.source.get(last).clone()
-    f = world / "mha" / "model.safetensors"
-    os.truncate(f, f.stat().st_size // 2)
-    with pytest.raises(GqakitError, match=r"model\.safetensors.*truncated"):
-        opened.source.get(last)
-    assert whole.numel() > 0

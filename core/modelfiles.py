@@ -282,20 +282,20 @@ def check_gguf_metadata(reader: Any, path: Path) -> None:
         if v is not None and (not v or any(x <= 0 for x in v)):
             raise GqakitError(f"{name}: metadata {arch}.{key} must be a positive integer, got "
                               f"{reader.fields[f'{arch}.{key}'].contents()!r}")
-    for key in ("block_count", "attention.head_count", "embedding_length"):
-        if values[key] is None:
-            raise GqakitError(f"{name}: metadata {arch}.{key} is missing")
+    if values["block_count"] is None:
+        return  # no transformer blocks described (another kind of model): the loader's to judge
     blocks = values["block_count"][0]
     tensors = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
     held = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"blk\.(\d+)\.", n))})
-    if held != list(range(blocks)):
-        span = f"tensors for blocks {held[0]}..{held[-1]}" if held else "no block tensors"
-        raise GqakitError(f"{name}: metadata {arch}.block_count is {blocks}, but the file holds {span} "
-                          f"({len(held)} blocks)")
+    if held and held != list(range(blocks)):
+        raise GqakitError(f"{name}: metadata {arch}.block_count is {blocks}, but the file holds tensors for blocks "
+                          f"{held[0]}..{held[-1]} ({len(held)} blocks)")
+    if values["attention.head_count"] is None or values["embedding_length"] is None:
+        return
     hid = values["embedding_length"][0]
     heads_all = values["attention.head_count"]
     kv_all = values["attention.head_count_kv"] or heads_all
-    for layer in range(blocks):
+    for layer in held:  # = range(block_count) here, or nothing
         H = heads_all[layer] if len(heads_all) == blocks else heads_all[0]
         KV = kv_all[layer] if len(kv_all) == blocks else kv_all[0]
         if H % KV:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache
@@ -24,6 +23,7 @@ from typing import Any
 
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
+from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded, read_st_header  # noqa: F401 (re-exported)
 
 # Nothing in gqakit may reach the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,53 +65,12 @@ def read_config_json(folder: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def read_st_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file, checked against the file's size.
-
-    Raises ValueError for a truncated or malformed file (OSError if unreadable)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError("file shorter than its header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError("header larger than the file")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (KeyError, TypeError, IndexError, ValueError):
-        raise ValueError("header lacks data_offsets") from None
-    if 8 + n + end > size:
-        raise ValueError(f"file is {size} bytes but its header needs {8 + n + end}")
-    header["__data_start__"] = 8 + n
-    return header
-
-
 def check_weights(folder: Path) -> None:
-    """Every safetensors file of FOLDER (and its index) is whole; else one line naming the file."""
+    """The weights of FOLDER are whole, inside it, and agree with its config.json; else one
+    line naming the file and the field (`core/modelfiles.py`)."""
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if (folder / ST_INDEX).is_file():
-        try:
-            index = json.loads((folder / ST_INDEX).read_bytes().decode("utf-8"))
-            shards = sorted(set(index["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise GqakitError(f"{folder / ST_INDEX} is not a valid index: {e}") from None
-        for rel in shards:
-            if not isinstance(rel, str) or not (folder / rel).is_file():
-                raise GqakitError(f"index {ST_INDEX} names shard {rel!r}, which is missing from {folder}")
-        files = [folder / rel for rel in shards]
-    for f in files:
-        try:
-            read_st_header(f)
-        except (OSError, ValueError) as e:
-            raise GqakitError(f"cannot read {f}: truncated or corrupt safetensors file ({e})") from None
+    config = read_config_json(folder) if (folder / "config.json").is_file() else {}
+    check_folder(folder, config)
 
 
 @lru_cache(maxsize=16)
@@ -121,10 +80,11 @@ def _check_gguf(path: str, size: int, mtime: int) -> None:
     except ImportError:  # a dependency of gqakit, but an environment can lack it (a GPU image did)
         raise GqakitError(f"cannot read {path}: reading GGUF needs the `gguf` package (pip install gguf)") from None
     try:
-        GGUFReader(path)
+        reader = GGUFReader(path)
     except Exception as e:  # gguf raises ValueError, struct.error, numpy errors, ... on damage
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise GqakitError(f"cannot read {path}: truncated or corrupt GGUF file ({first})") from None
+    check_gguf_metadata(reader, Path(path))
 
 
 def check_gguf(path: Path) -> None:
@@ -223,12 +183,14 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
 
     try:
         with hf_bars(progress), gguf_bars_off() if gguf else nullcontext():
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc, **kwargs
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc,
+                output_loading_info=True, **kwargs
             )
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, SafetensorError) as e:
         _refuse_code(folder, e)
         raise GqakitError(f"cannot load the model at {path}: {_first_line(e)}") from None
+    check_loaded(info, Path(path), type(model).__name__)
     return model.to(device).eval()
 
 

@@ -29,7 +29,7 @@ OUT = Path(__file__).resolve().parent / "results" / "reconstruction.jsonl"
 def main() -> None:
     import torch
 
-    from gqakit.convert import calibrate
+    from gqakit.convert.calibration import stage as calibrate
     from gqakit.convert.pipeline import convert_checkpoint
 
     torch.set_num_threads(1)

@@ -25,22 +25,24 @@ OUT = Path(__file__).resolve().parent / "results" / "reconstruction_probe.jsonl"
 def main() -> None:
     import torch
 
-    from gqakit.convert.calibrate import RefitStage
-    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
+    from gqakit.convert.calibration import CalibrationStage
+    from gqakit.convert.plan import make_plan
+    from gqakit.convert.settings import ConvertSettings
+    from gqakit.convert.source import open_checkpoint
 
     torch.set_num_threads(1)
     n_layers, tokens = int(sys.argv[1]), int(sys.argv[2])
     for spec in sys.argv[3:]:
         opts = {"holdout": 0.25, **json.loads(spec)}
-        s = Settings(str(bm.SMOL), 1, "align-refit", calibration_data=bm.MODELS["smollm2"]["calib"],
-                     calibration_tokens=tokens, options=opts)
+        s = ConvertSettings(source=bm.SMOL, num_kv_heads=1, method="align-refit",
+                            calibration_data=bm.MODELS["smollm2"]["calib"], calibration_tokens=tokens, refit=opts)
         opened = open_checkpoint(bm.SMOL, progress=False)
-        stage = RefitStage(opened, make_plan(opened, s), s, progress=False)
+        stage = CalibrationStage(opened, make_plan(opened, s), s, progress=False)
         t, times = time.time(), []
         for _ in itertools.islice(stage.layers(), n_layers):
             times.append(round(time.time() - t, 1))
         row = {"model": "smollm2", "G": 1, "opts": opts, "tokens": tokens, "layers": n_layers,
-               "heldout_drift": [round(d, 4) for d in stage.drift], "elapsed_at_layer": times, "recon": stage.recon,
+               "heldout_drift": [round(d, 4) for d in stage.drift], "elapsed_at_layer": times, "recon": stage.fit.record().get("reconstruction", []),
                "device": "cpu", "threads": 1}
         print(json.dumps(row), flush=True)
         with open(OUT, "a") as f:

@@ -147,7 +147,7 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
     from gqakit.convert import convert_checkpoint
     from gqakit.eval.report import write_report
     from gqakit.eval.runner import run_eval
-    from gqakit.eval.speed import SpeedSettings, parse_ints
+    from gqakit.eval.speed import SpeedSettings
     from gqakit.uptrain import run_uptrain
 
     t_start = time.time()
@@ -195,7 +195,7 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
     }
     uptrained = run_uptrain(cfg, overwrite=True)
 
-    settings = SpeedSettings(batches=parse_ints(b["batch"], "batch"), prompt_lens=parse_ints(b["prompt_len"], "len"),
+    settings = SpeedSettings(batches=b["batch"], prompt_lens=b["prompt_len"],
                              new_tokens=b["new_tokens"], reps=b["reps"], warmup=1,
                              prefill_once=b.get("prefill_once", False))
     results = []

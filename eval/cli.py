@@ -97,7 +97,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./my-gqa --tasks gqakit_stories_mc --tasks-path examples/tasks --limit 20 --out acc.json
     """
     from gqakit.eval.runner import run_eval
-    from gqakit.eval.speed import SpeedSettings, parse_ints
+    from gqakit.eval.speed import SpeedSettings
 
     ppl = bool(data) if ppl is None else ppl
     task_settings = None
@@ -110,9 +110,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
         raise GqakitError("--num-fewshot, --limit and --tasks-path go with --tasks NAMES")
     settings = None
     if speed:
-        if new_tokens < 1 or reps < 1 or warmup < 0 or max_batch_limit < 1:
-            raise GqakitError("--new-tokens, --reps and --max-batch-limit must be at least 1, --warmup at least 0")
-        settings = SpeedSettings(batches=parse_ints(batches, "--batch"), prompt_lens=parse_ints(prompt_lens, "--prompt-len"),
+        settings = SpeedSettings(batches=batches, prompt_lens=prompt_lens,
                                  new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
                                  max_batch_search=max_batch_search, max_batch_limit=max_batch_limit,
                                  eager=eager, prefill_once=prefill_once)

@@ -117,3 +117,12 @@ def test_convert_layers():
     assert not any(d.startswith("convert.calibration") for m in math for d in graph[m])
     # the settings import no torch-heavy module at import time (the CLI checks before torch loads)
     assert not {n.split(".")[0] for n in gqakit_imports(ROOT / "convert" / "settings.py")} - {"core", "convert"}
+
+
+def test_decode_never_imports_speed():
+    """eval/decode (attention, packed weights, fused layers, kernels) is used by the speed
+    benchmark and knows nothing of it."""
+    bad = {str(p.relative_to(ROOT)): sorted(n for n in gqakit_imports(p) if n.startswith("eval.speed"))
+           for p in sorted((ROOT / "eval" / "decode").rglob("*.py"))}
+    assert not {k: v for k, v in bad.items() if v}
+    assert (ROOT / "eval" / "decode" / "layers.py").is_file()  # the rule looks where the package is

@@ -23,11 +23,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -63,9 +64,114 @@ class Kind:
     folder: bool = True
     legacy: Callable[[Path], bool] | None = None  # recognises outputs written before manifests
     file_ok: Callable[[Path], bool] | None = None  # file kinds: is this file one gqakit wrote?
+    # A manifest entry `name/` covers a sub-folder only as far as its part says: another kind
+    # of output (with its own manifest), or a function listing what in it gqakit did not write.
+    parts: Mapping[str, "Kind | Callable[[Path], list[str]]"] = field(default_factory=dict)
+    entries: tuple[str, ...] = ()               # the entries of a legacy folder (no manifest)
 
 
-RUN_ENTRIES = ("gqakit_uptrain.yaml", "log.jsonl", "checkpoints/", "model/", "uptrain/")
+def _files(folder: Path) -> list[str]:
+    """Every file, link and empty or unreadable folder (`name/`) under FOLDER, relative, sorted."""
+    out: list[str] = []
+    failed: list[str] = []
+    for root, dirs, files in os.walk(folder, onerror=lambda e: failed.append(str(e.filename))):
+        r = Path(root)
+        rel = "" if r == folder else str(r.relative_to(folder)) + "/"
+        if not dirs and not files and rel:
+            out.append(rel)
+        for d in [d for d in dirs if (r / d).is_symlink()]:
+            dirs.remove(d)
+            out.append(rel + d)
+        out += [rel + f for f in files]
+    out += [str(Path(f).relative_to(folder)) + "/" for f in failed if Path(f) != folder]
+    return sorted(set(out))
+
+
+def _foreign_part(sub: Path, part: "Kind | Callable[[Path], list[str]] | None") -> list[str]:
+    if part is None:
+        return _files(sub)
+    if isinstance(part, Kind):
+        man = _json(sub / MANIFEST)
+        entries = man.get("entries") if isinstance(man, dict) and man.get("written_by") == "gqakit" else None
+        if isinstance(man, dict) and man.get("kind") == part.name and isinstance(entries, list) and all(
+                isinstance(e, str) for e in entries):
+            return _foreign(sub, entries, part)
+        if man is None and part.legacy is not None and part.legacy(sub):
+            return _foreign(sub, list(part.entries), part) if part.entries else []
+        return _files(sub)
+    return part(sub)
+
+
+def _foreign(folder: Path, entries: list[str], kind: Kind) -> list[str]:
+    """What under FOLDER gqakit did not write: not a manifest entry, and under an entry
+    `name/` not vouched for by the kind's part of that name, at any depth."""
+    exact = {e for e in entries if not e.endswith("/")}
+    subs = {e.rstrip("/") for e in entries if e.endswith("/")}
+    part_foreign: dict[str, set[str]] = {}
+    out = []
+    for rel in _files(folder):
+        top = rel.split("/", 1)[0]
+        if rel == MANIFEST or rel in exact:
+            continue
+        sub = folder / top
+        if top in subs and "/" in rel and sub.is_dir() and not sub.is_symlink():
+            if top not in part_foreign:
+                part_foreign[top] = {f"{top}/{r}" for r in _foreign_part(sub, kind.parts.get(top))}
+            if rel not in part_foreign[top]:
+                continue
+        out.append(rel)
+    return out
+
+
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_RECORD = "trainer_state.json"  # a checkpoint's record: its step and the sha256 of its files
+_STEP = re.compile(r"step-\d+")
+_STEP_TEMP = re.compile(r"\.step-\d+(\.tmp|" + re.escape(TMP_MARK) + r".*)")
+# What accelerate's save_state writes, for checkpoints whose record lists no files.
+_SAVE_STATE = re.compile(r"(model|pytorch_model|optimizer|scheduler|sampler)(_\d+)?\.(safetensors|bin)|"
+                         r"(random_states|custom_checkpoint)_\d+\.pkl|scaler\.pt")
+_TB_EVENTS = re.compile(r"events\.out\.tfevents\..+")
+_TB_HPARAMS_DIR = re.compile(r"\d+(\.\d+)?")  # accelerate names it after time.time()
+
+
+def _foreign_checkpoints(folder: Path) -> list[str]:
+    """checkpoints/: `step-N` folders holding what their record lists, and the temporary
+    folder of a save cut short."""
+    out = []
+    for rel in _files(folder):
+        top, _, inner = rel.partition("/")
+        if _STEP_TEMP.fullmatch(top) and inner:
+            continue
+        if _STEP.fullmatch(top) and inner:
+            record = _json(folder / top / CHECKPOINT_RECORD)
+            listed = record.get("files") if isinstance(record, dict) else None
+            if inner == CHECKPOINT_RECORD or (inner in listed if isinstance(listed, dict)
+                                              else _SAVE_STATE.fullmatch(inner) is not None):
+                continue
+        out.append(rel)
+    return out
+
+
+def _foreign_tensorboard(folder: Path) -> list[str]:
+    """uptrain/: accelerate's tensorboard event files, and its hyper-parameter folders."""
+    out = []
+    for rel in _files(folder):
+        parts = rel.split("/")
+        if len(parts) == 1 and _TB_EVENTS.fullmatch(parts[0]):
+            continue
+        if len(parts) == 2 and _TB_HPARAMS_DIR.fullmatch(parts[0]) and (
+                parts[1] == "hparams.yml" or _TB_EVENTS.fullmatch(parts[1])):
+            continue
+        out.append(rel)
+    return out
+
+
+def _foreign_results(folder: Path) -> list[str]:
+    """A folder of eval results files (written by gqakit: `schema: gqakit.eval/1`)."""
+    return [rel for rel in _files(folder) if "/" in rel or _schema(folder / rel) != "gqakit.eval/1"]
+
+
+RUN_ENTRIES = ("gqakit_uptrain.yaml", "log.jsonl", f"{CHECKPOINTS}/", "model/", "uptrain/")
 
 
 def _legacy_run(p: Path) -> bool:
@@ -80,16 +186,19 @@ def _legacy_report(p: Path) -> bool:
 
 
 MODEL = Kind("model folder", legacy=lambda p: (p / "gqakit_convert.json").is_file())
-RUN = Kind("uptrain run", legacy=_legacy_run)
+RUN = Kind("uptrain run", legacy=_legacy_run, entries=RUN_ENTRIES,
+           parts={CHECKPOINTS: _foreign_checkpoints, "model": MODEL, "uptrain": _foreign_tensorboard})
 REPORT = Kind("compare report", legacy=_legacy_report)
 DEMO = Kind("demo folder", legacy=lambda p: (p / "converted" / "gqakit_convert.json").is_file()
-            and (p / "report").is_dir())
+            and (p / "report").is_dir(),
+            parts={"converted": MODEL, "mean": MODEL, "uptrain": RUN, "results": _foreign_results, "report": REPORT})
 RESULTS = Kind("results file", folder=False, file_ok=lambda p: _schema(p) == "gqakit.eval/1")
 KINDS = {k.name: k for k in (MODEL, RUN, REPORT, DEMO, RESULTS)}
 
 
 def write_manifest(folder: Path, kind: Kind, entries: Iterable[str] | None = None) -> None:
-    """Record that gqakit wrote FOLDER: its kind and every file in it (or `dir/` prefixes)."""
+    """Record that gqakit wrote FOLDER: its kind and every file in it, or `name/` for a
+    part whose content the kind checks (`Kind.parts`)."""
     import gqakit
 
     if entries is None:
@@ -97,20 +206,6 @@ def write_manifest(folder: Path, kind: Kind, entries: Iterable[str] | None = Non
     body = {"written_by": "gqakit", "gqakit": gqakit.__version__, "kind": kind.name,
             "entries": [e for e in entries if e != MANIFEST]}
     (folder / MANIFEST).write_text(json.dumps(body, indent=1) + "\n")
-
-
-def _foreign(folder: Path, entries: list[str]) -> list[str]:
-    """Files under FOLDER that the manifest's entries do not cover."""
-    exact = {e for e in entries if not e.endswith("/")}
-    prefixes = tuple(e for e in entries if e.endswith("/"))
-    out = []
-    for p in sorted(folder.rglob("*")):
-        if p.is_dir() and not p.is_symlink():
-            continue
-        rel = str(p.relative_to(folder))
-        if rel != MANIFEST and rel not in exact and not rel.startswith(prefixes):
-            out.append(rel)
-    return out
 
 
 def why_not_ours(out: Path, kind: Kind) -> str | None:
@@ -125,14 +220,15 @@ def why_not_ours(out: Path, kind: Kind) -> str | None:
             entries = man.get("entries")
             if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
                 return f"its manifest {MANIFEST} is damaged"
-            foreign = _foreign(out, entries)
-            if foreign:
-                return f"it holds {foreign[0]!r}, which gqakit did not write" + (
-                    f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else "")
-            return None
-        if kind.legacy is not None and kind.legacy(out):
-            return None
-        return f"it was not written by gqakit (no {MANIFEST})"
+            foreign = _foreign(out, entries, kind)
+        elif kind.legacy is not None and kind.legacy(out):
+            foreign = _foreign(out, list(kind.entries), kind) if kind.entries else []
+        else:
+            return f"it was not written by gqakit (no {MANIFEST})"
+        if foreign:
+            return f"it holds {foreign[0]!r}, which gqakit did not write" + (
+                f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else "")
+        return None
     if out.is_dir():
         return "it is a folder"
     if kind.file_ok is not None and kind.file_ok(out):
@@ -201,19 +297,32 @@ def check_output_path(out: Path, *, overwrite: bool, src: Path | None = None, in
 # ----------------------------------------------------------------------------- writing
 
 
-def describe_oserror(e: OSError, path: Path) -> str:
-    """One line for a failed write: disk full and quota named as such, with the path."""
+def _within(p: Path, roots: Iterable[Path]) -> bool:
+    """P is one of ROOTS, inside one, or a folder above one (made by `make_dirs`)."""
+    p = Path(os.path.abspath(p))
+    for r in roots:
+        r = Path(os.path.abspath(r))
+        if p == r or r in p.parents or p in r.parents:
+            return True
+    return False
+
+
+def describe_oserror(e: OSError, path: Path, writing: Iterable[Path] = ()) -> str:
+    """One line for a failed file operation while writing PATH (and its temporary folders
+    WRITING): disk full and quota named as such; a failure on a file outside them (a source
+    moved or deleted while gqakit ran) named as a read."""
     where = e.filename or path
     if e.errno == errno.ENOSPC:
         return f"no space left on the device (disk full or over quota?) while writing {where}"
     if e.errno == getattr(errno, "EDQUOT", -1):
         return f"disk quota exceeded while writing {where}"
+    reading = bool(e.filename) and not _within(Path(os.fsdecode(e.filename)), [Path(path), *writing])
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"permission denied while writing {where}"
+        return f"permission denied while {'reading' if reading else 'writing'} {where}"
+    if reading:
+        gone = " (moved or deleted while gqakit ran?)" if e.errno == errno.ENOENT else ""
+        return f"could not read {where}: {e.strerror or e}{gone}"
     return f"could not write {where}: {e.strerror or e}"
-
-
-_describe_oserror = describe_oserror  # the old private name
 
 
 def make_dirs(folder: Path) -> list[Path]:
@@ -299,7 +408,7 @@ def _removed_on_failure(tmp: Path, made: list[Path], out: Path) -> Iterator[None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [tmp])) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         remove_if_empty(made)
@@ -363,7 +472,7 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
         stamp.write_text(json.dumps({"fingerprint": fingerprint, "pid": os.getpid()}) + "\n")
     except OSError as e:
         remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [part])) from None
     except GqakitError:
         remove_if_empty(made)
         raise
@@ -374,13 +483,13 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
             shutil.rmtree(part, ignore_errors=True)
             remove_if_empty(made)
             if isinstance(e, OSError):
-                raise GqakitError(describe_oserror(e, out)) from None
+                raise GqakitError(describe_oserror(e, out, [part])) from None
             raise
         kept = f"finished layers are kept in {part}; re-run the same command to resume"
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"stopped; {kept}") from None
         if isinstance(e, (GqakitError, OSError)):
-            msg = describe_oserror(e, out) if isinstance(e, OSError) else str(e)
+            msg = describe_oserror(e, out, [part]) if isinstance(e, OSError) else str(e)
             raise GqakitError(f"{msg} ({kept})") from None
         raise
     try:
@@ -388,7 +497,7 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
         stamp.unlink()
         _publish(part, out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
     except OSError as e:
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [part])) from None
 
 
 def _alive(pid: int) -> bool:
@@ -415,7 +524,7 @@ def write_file_atomic(out: Path, text: str) -> Path:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [tmp])) from None
     return out
 
 

@@ -28,6 +28,7 @@ from gqakit.core.arch import max_positions
 from gqakit.core.loading import (UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, read_st_header,
                                  split_source)
 from gqakit.core.outdir import MODEL, RUN, check_not_an_input, check_output_path
+from gqakit.core.yamlfile import YamlError, read_yaml
 from gqakit.uptrain.config import UptrainConfig, load_config
 
 CKPT_DIR = "checkpoints"
@@ -178,15 +179,13 @@ def damaged_message(ckpt: Path, what: str, out: Path) -> str:
 
 
 def _saved_settings(out: Path) -> dict[str, Any]:
-    import yaml
-
     p = out / UPTRAIN_SETTINGS
     if not p.is_file():
         return {}
     try:
-        tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        raise GqakitError(f"--resume: {p} is damaged (not YAML); the run's settings cannot be compared") from None
+        tree = read_yaml(p)
+    except YamlError as e:
+        raise GqakitError(f"--resume: the run's settings cannot be compared: {e}") from None
     return tree if isinstance(tree, dict) else {}
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gqakit.core.errors import GqakitError, Interrupted
 from gqakit.core.loading import UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_tokenizer
 from gqakit.core.outdir import (MANIFEST, RUN, RUN_ENTRIES, check_output_path, describe_oserror, make_dirs,
-                                remove_if_empty, write_manifest)
+                                remove_if_empty, why_not_ours, write_manifest)
 from gqakit.uptrain.config import UptrainConfig, to_yaml
 from gqakit.uptrain.data import BlockOrder, build_blocks
 from gqakit.uptrain.losses import LOSS_TERMS, loss_card, loss_log, objective, token_losses
@@ -323,8 +323,9 @@ def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
     return _Loaded(tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher)
 
 
-def _prepare_run_folder(checked: Checked) -> None:
-    """Every check has passed: only now is the run folder replaced or created (main process)."""
+def _prepare_run_folder(checked: Checked) -> list[Path]:
+    """Every check has passed: only now is the run folder replaced or created (main
+    process). Returns the folders this made (removed again if the run fails early)."""
     cfg, src, out = checked.cfg, checked.src, checked.out
     if checked.mode == "overwrite":
         # check again right before deleting: the folder may have changed since preflight
@@ -340,6 +341,25 @@ def _prepare_run_folder(checked: Checked) -> None:
         (out / MANIFEST).unlink(missing_ok=True) if checked.mode != "resume" else None
         remove_if_empty(made)
         raise GqakitError(describe_oserror(e, out)) from None
+    return made
+
+
+def _discard_unfinished(accelerator: Any, checked: Checked, made: list[Path]) -> None:
+    """A new run that failed before its first checkpoint leaves nothing, so the corrected
+    run starts like the first. Only what the output rule says gqakit wrote is removed: a
+    run folder that has gained a file of the user's is left whole."""
+    out = checked.out
+    try:
+        accelerator.end_training()  # closes the tensorboard files
+    except Exception:  # the run is failing already; its own error is the one to report
+        pass
+    if checked.mode == "resume" or checkpoints(out) or (out / MODEL_DIR).exists():
+        return
+    if not out.is_dir() or why_not_ours(out, RUN) is not None:
+        return
+    for child in out.iterdir():
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    remove_if_empty(made)
 
 
 def _make_optimizer(model: Any, t: Any) -> torch.optim.Optimizer:
@@ -383,117 +403,121 @@ def _run(checked: Checked, quiet: bool) -> Path:
         raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step ({tokens_per_step} tokens)")
 
     # ---- every check has passed: only now is the run folder replaced or created
-    if is_main:
-        _prepare_run_folder(checked)
+    made = _prepare_run_folder(checked) if is_main else []
     accelerator.wait_for_everyone()
-
-    if t.compile:
-        model = torch.compile(model)
-    model, optimizer = accelerator.prepare(model, _make_optimizer(model, t))
-    model.train()
-
-    # ---- the plan, printed before the first step
-    warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * total_steps)
-    n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-    n_train = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
-    flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
-    peak = _peak_flops(accelerator.device)
-    dist = accelerator.distributed_type.value
-    say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, {hf_cfg.num_attention_heads} query / "
-        f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type}"
-        + (f" ({dist})" if dist != "NO" else "") + f", {precision}")
-    say(f"uptrain: {len(train_blocks)} training blocks of {t.seq_len} tokens; "
-        f"{tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x {world} proc x {t.seq_len}); "
-        f"{total_steps} steps = {total_steps * tokens_per_step:,} planned tokens ({order.epochs(total_steps):.2f} epochs)")
-    if use_tb:
-        accelerator.init_trackers("uptrain", config={f"{s}.{k}": v for s, sec in cfg.model_dump().items()
-                                                     if isinstance(sec, dict) for k, v in sec.items()
-                                                     if isinstance(v, (int, float, str, bool))})
-        say(f"uptrain: tensorboard logs in {out / 'uptrain'} (tensorboard --logdir {out})")
-
-    step, loss = 0, float("nan")
-    if checked.mode == "resume":
-        step, loss = _restore(checked, accelerator)
-        say(f"uptrain: resumed from {out / CKPT_DIR / f'step-{checked.resume_step}'} at step {step}")
-    log = RunLog(accelerator, out / LOG_FILE, checked.resume_step)
-
-    def evaluate_and_log() -> float:
-        """Held-out loss now, in log.jsonl."""
-        el = evaluate(accelerator, model, eval_blocks, cfg.eval.micro_batch or t.micro_batch)
-        log({"step": step, "tokens": step * tokens_per_step, "eval_loss": el, "eval_ppl": math.exp(el)})
-        return el
-
-    eval_loss = None
-    if eval_blocks is not None and step == 0:
-        eval_loss = evaluate_and_log()
-        say(f"uptrain: step 0 held-out perplexity {math.exp(eval_loss):.3f}")
-
-    bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
-    t0, tokens_since = time.perf_counter(), 0
-    data_state = {"files": [str(f) for f in checked.files], "sha256": data_sha}
-
-    def diverged(what: str) -> Diverged:
-        return Diverged(f"training diverged at step {step + 1}: {what}; stopped before it reached a checkpoint "
-                        f"({_last_good(out)}); lower train.lr?")
-
     try:
-        while step < total_steps:
-            lr = lr_at(step, cfg, total_steps, warmup)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            micro = [train_blocks[order.indices(step, a)].to(accelerator.device) for a in range(t.grad_accum)]
-            means, grad_norm = train_step(accelerator, model, optimizer, micro, teacher, cfg, diverged)
-            loss = means["ce"]
-            step += 1
-            tokens_since += tokens_per_step
-            bar.update(1)
+        if t.compile:
+            model = torch.compile(model)
+        model, optimizer = accelerator.prepare(model, _make_optimizer(model, t))
+        model.train()
 
-            if step % cfg.logging.every == 0 or step == total_steps:
-                dt = time.perf_counter() - t0
-                tps = tokens_since / dt
-                row = {"step": step, "tokens": step * tokens_per_step, **loss_log(means, cfg, teacher is not None),
-                       "lr": lr, "tok_per_s": round(tps, 1)}
-                if grad_norm is not None:
-                    row["grad_norm"] = float(grad_norm)
-                if peak:
-                    row["mfu"] = round(tps * flops_per_token / (peak * world), 4)
-                log(row)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", **({"mfu": f"{row['mfu']:.1%}"} if peak else {}))
-                t0, tokens_since = time.perf_counter(), 0
-            if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0 or step == total_steps):
-                eval_loss = evaluate_and_log()
-                bar.write(f"step {step}: held-out perplexity {math.exp(eval_loss):.3f}") if is_main and not quiet else None
-            if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == total_steps):
-                save_checkpoint(accelerator, out, step, {"step": step, "tokens": step * tokens_per_step, "loss": loss,
-                                                         "data": data_state},
-                                cfg.output.keep_last, model=model, optimizer=optimizer)
-    except KeyboardInterrupt:
+        # ---- the plan, printed before the first step
+        warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * total_steps)
+        n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
+        n_train = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
+        flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
+        peak = _peak_flops(accelerator.device)
+        dist = accelerator.distributed_type.value
+        say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, {hf_cfg.num_attention_heads} query / "
+            f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type}"
+            + (f" ({dist})" if dist != "NO" else "") + f", {precision}")
+        say(f"uptrain: {len(train_blocks)} training blocks of {t.seq_len} tokens; "
+            f"{tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x {world} proc x {t.seq_len}); "
+            f"{total_steps} steps = {total_steps * tokens_per_step:,} planned tokens ({order.epochs(total_steps):.2f} epochs)")
+        if use_tb:
+            accelerator.init_trackers("uptrain", config={f"{s}.{k}": v for s, sec in cfg.model_dump().items()
+                                                         if isinstance(sec, dict) for k, v in sec.items()
+                                                         if isinstance(v, (int, float, str, bool))})
+            say(f"uptrain: tensorboard logs in {out / 'uptrain'} (tensorboard --logdir {out})")
+
+        step, loss = 0, float("nan")
+        if checked.mode == "resume":
+            step, loss = _restore(checked, accelerator)
+            say(f"uptrain: resumed from {out / CKPT_DIR / f'step-{checked.resume_step}'} at step {step}")
+        log = RunLog(accelerator, out / LOG_FILE, checked.resume_step)
+
+        def evaluate_and_log() -> float:
+            """Held-out loss now, in log.jsonl."""
+            el = evaluate(accelerator, model, eval_blocks, cfg.eval.micro_batch or t.micro_batch)
+            log({"step": step, "tokens": step * tokens_per_step, "eval_loss": el, "eval_ppl": math.exp(el)})
+            return el
+
+        eval_loss = None
+        if eval_blocks is not None and step == 0:
+            eval_loss = evaluate_and_log()
+            say(f"uptrain: step 0 held-out perplexity {math.exp(eval_loss):.3f}")
+
+        bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
+        t0, tokens_since = time.perf_counter(), 0
+        data_state = {"files": [str(f) for f in checked.files], "sha256": data_sha}
+
+        def diverged(what: str) -> Diverged:
+            return Diverged(f"training diverged at step {step + 1}: {what}; stopped before it reached a checkpoint "
+                            f"({_last_good(out)}); lower train.lr?")
+
+        try:
+            while step < total_steps:
+                lr = lr_at(step, cfg, total_steps, warmup)
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                micro = [train_blocks[order.indices(step, a)].to(accelerator.device) for a in range(t.grad_accum)]
+                means, grad_norm = train_step(accelerator, model, optimizer, micro, teacher, cfg, diverged)
+                loss = means["ce"]
+                step += 1
+                tokens_since += tokens_per_step
+                bar.update(1)
+
+                if step % cfg.logging.every == 0 or step == total_steps:
+                    dt = time.perf_counter() - t0
+                    tps = tokens_since / dt
+                    row = {"step": step, "tokens": step * tokens_per_step, **loss_log(means, cfg, teacher is not None),
+                           "lr": lr, "tok_per_s": round(tps, 1)}
+                    if grad_norm is not None:
+                        row["grad_norm"] = float(grad_norm)
+                    if peak:
+                        row["mfu"] = round(tps * flops_per_token / (peak * world), 4)
+                    log(row)
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", **({"mfu": f"{row['mfu']:.1%}"} if peak else {}))
+                    t0, tokens_since = time.perf_counter(), 0
+                if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0 or step == total_steps):
+                    eval_loss = evaluate_and_log()
+                    bar.write(f"step {step}: held-out perplexity {math.exp(eval_loss):.3f}") if is_main and not quiet else None
+                if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == total_steps):
+                    save_checkpoint(accelerator, out, step, {"step": step, "tokens": step * tokens_per_step, "loss": loss,
+                                                             "data": data_state},
+                                    cfg.output.keep_last, model=model, optimizer=optimizer)
+        except KeyboardInterrupt:
+            bar.close()
+            last = checkpoints(out)
+            if last:
+                where = f"resume from {last[-1][1].name} with: {checked.resume_command()}"
+            else:
+                where = ("no checkpoint was saved yet, so nothing was kept (set output.save_every to keep one); "
+                         "start again")
+            raise Interrupted(f"uptrain stopped at step {step} of {total_steps}; {where}") from None
         bar.close()
-        last = checkpoints(out)
-        if last:
-            where = f"resume from {last[-1][1].name} with: {checked.resume_command()}"
-        else:
-            where = "no checkpoint was saved yet (set output.save_every to keep one); start again with --overwrite"
-        raise Interrupted(f"uptrain stopped at step {step} of {total_steps}; {where}") from None
-    bar.close()
 
-    if eval_blocks is not None and (not cfg.eval.every or eval_loss is None):
-        eval_loss = evaluate_and_log()
+        if eval_blocks is not None and (not cfg.eval.every or eval_loss is None):
+            eval_loss = evaluate_and_log()
 
-    # ---- export: gather the full state dict on every process (FSDP needs all of them)
-    state_dict = accelerator.get_state_dict(model)
-    final = out / MODEL_DIR
-    if is_main:
-        from gqakit.uptrain.export import export_model
+        # ---- export: gather the full state dict on every process (FSDP needs all of them)
+        state_dict = accelerator.get_state_dict(model)
+        final = out / MODEL_DIR
+        if is_main:
+            from gqakit.uptrain.export import export_model
 
-        facts = {"tokens": f"{step * tokens_per_step:,}", "optimizer steps": step,
-                 "tokens per step": f"{tokens_per_step:,}", "final train loss": f"{loss:.4f}",
-                 "held-out perplexity": f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a",
-                 **loss_card(cfg, teacher is not None), "processes": world, "precision": precision}
-        export_model(accelerator.unwrap_model(model), state_dict, tokenizer, src=src, out=final,
-                     settings=cfg.model_dump(mode="json"), facts=facts)
-        say(f"uptrain: final loss {loss:.4f}"
-            + (f", held-out perplexity {math.exp(eval_loss):.3f}" if eval_loss is not None else "") + f"; model in {final}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return final
+            facts = {"tokens": f"{step * tokens_per_step:,}", "optimizer steps": step,
+                     "tokens per step": f"{tokens_per_step:,}", "final train loss": f"{loss:.4f}",
+                     "held-out perplexity": f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a",
+                     **loss_card(cfg, teacher is not None), "processes": world, "precision": precision}
+            export_model(accelerator.unwrap_model(model), state_dict, tokenizer, src=src, out=final,
+                         settings=cfg.model_dump(mode="json"), facts=facts)
+            say(f"uptrain: final loss {loss:.4f}"
+                + (f", held-out perplexity {math.exp(eval_loss):.3f}" if eval_loss is not None else "") + f"; model in {final}")
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        return final
+    except BaseException:
+        if is_main:  # a new run that fails before its first checkpoint leaves nothing
+            _discard_unfinished(accelerator, checked, made)
+        raise

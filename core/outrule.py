@@ -133,7 +133,7 @@ def _foreign_checkpoints(folder: Path) -> list[str]:
     out = []
     for rel in _files(folder):
         top, _, inner = rel.partition("/")
-        if _STEP_TEMP.fullmatch(top) and inner:
+        if _STEP_TEMP.fullmatch(top) and rel != top:  # a folder, even an empty one
             continue
         if _STEP.fullmatch(top) and inner:
             record = read_json(folder / top / CHECKPOINT_RECORD)

@@ -146,8 +146,9 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
 
     from gqakit.convert import convert_checkpoint
     from gqakit.eval.report import write_report
-    from gqakit.eval.runner import run_eval
-    from gqakit.eval.speed import SpeedSettings, parse_ints
+    from gqakit.eval.perplexity import PerplexitySettings, Window
+    from gqakit.eval.runner import perplexity_of_file
+    from gqakit.eval.speed import SpeedSettings
     from gqakit.uptrain import run_uptrain
 
     t_start = time.time()
@@ -195,25 +196,26 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
     }
     uptrained = run_uptrain(cfg, overwrite=True)
 
-    settings = SpeedSettings(batches=parse_ints(b["batch"], "batch"), prompt_lens=parse_ints(b["prompt_len"], "len"),
+    settings = SpeedSettings(batches=b["batch"], prompt_lens=b["prompt_len"],
                              new_tokens=b["new_tokens"], reps=b["reps"], warmup=1,
                              prefill_once=b.get("prefill_once", False))
+    ppl_settings = PerplexitySettings(data=data, window=Window(context=b["context"]), max_chars=b["eval_chars"])
     results = []
     models = (("original", gguf), ("mean", mean), ("converted", converted), ("uptrained", uptrained))
     evals = {}
     for i, (name, path) in enumerate(models):
         say(f"4/5 eval {i + 1}/{len(models) + 1}: {name}, perplexity")
-        evals[name] = run_eval(path, data=str(data), ppl=True, speed=False, context=b["context"],
-                               max_chars=b["eval_chars"], progress=False,
-                               command=["gqakit", "eval", str(path), "--data", str(data), "--context", str(b["context"]),
-                                        "--max-chars", str(b["eval_chars"]), "--out", str(out / "results" / f"{name}.json")])
+        evals[name] = perplexity_of_file(
+            path, ppl_settings, command=["gqakit", "eval", str(path), "--data", str(data), "--context", str(b["context"]),
+                                         "--max-chars", str(b["eval_chars"]), "--out",
+                                         str(out / "results" / f"{name}.json")])
     # decode speed of the four models in one run, their steps alternating one by one: on a
     # machine whose memory speed drifts (this project's VM: 42-74 GB/s within minutes), separate
     # runs per model gave "speedups" of 0.77x for a model as fast as its neighbour
     say(f"4/5 eval {len(models) + 1}/{len(models) + 1}: decode speed, the four models alternating")
     from gqakit.core.device import resolve_device
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.results import write_results
+    from gqakit.eval.records import write_results
     from gqakit.eval.runner import resolve_dtype
     from gqakit.eval.speed import evaluate_speed_together
 

@@ -8,8 +8,8 @@ the conversion's own record (torch.cuda.max_memory_allocated). Calibration text 
 WikiText-2 valid from ../shared, tokenised with stories260K's tokenizer (ids < 512 of
 the 32,000-row embedding; the weights are random, so only the shapes matter).
 
-    .venv/bin/python bench/bench_calibrate_scale.py --layers 2,4 --tokens 8192       # CPU
-    python bench/bench_calibrate_scale.py --layers 32 --tokens 131072 --device cuda   # GPU
+    .venv/bin/python -m bench.bench_calibrate_scale --layers 2,4 --tokens 8192       # CPU
+    python -m bench.bench_calibrate_scale --layers 32 --tokens 131072 --device cuda   # GPU
 
 Appends one JSON line per run to bench/results/calibrate_scale.jsonl and prints a
 Markdown table for docs/benchmarks.md.
@@ -22,16 +22,11 @@ import json
 import os
 import platform
 import shutil
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from bench.common import RESULTS, SHARED, append_jsonl, folder_bytes, timed_convert, write_random_llama_checkpoint
 
-from bench_convert_io import build_checkpoint, du, timed_convert  # noqa: E402
-
-SHARED = Path(os.environ.get("GQAKIT_SHARED", HERE.parent.parent / "shared"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -49,7 +44,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=SHARED / "data" / "wikitext-2" / "valid.txt")
     ap.add_argument("--tokenizer-from", type=Path, default=SHARED / "models" / "stories260K")
     ap.add_argument("--refit-option", action="append", default=[], help="passed to convert, KEY=VALUE")
-    ap.add_argument("--results", type=Path, default=HERE / "results" / "calibrate_scale.jsonl")
+    ap.add_argument("--results", type=Path, default=RESULTS / "calibrate_scale.jsonl")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     args = ap.parse_args()
     if not args.data.is_file():
@@ -62,7 +57,8 @@ def main() -> None:
         if not (src / "config.json").is_file():
             print(f"building a {layers}-layer checkpoint ...", flush=True)
             shutil.rmtree(src, ignore_errors=True)
-            build_checkpoint(src, args.hidden, layers, args.heads, args.intermediate, args.vocab)
+            write_random_llama_checkpoint(src, {"hidden": args.hidden, "layers": layers, "heads": args.heads,
+                                                "intermediate": args.intermediate, "vocab": args.vocab})
             for name in TOKENIZER_FILES:
                 if (args.tokenizer_from / name).is_file():
                     shutil.copy2(args.tokenizer_from / name, src / name)
@@ -77,7 +73,7 @@ def main() -> None:
                    "G": args.g, "tokens": cal["tokens"], "device": args.device,
                    "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else
                    (platform.processor() or platform.machine()), "cores": os.cpu_count(),
-                   "source_bytes": du(src), "seconds": round(secs, 1), "calibration_seconds": cal["seconds"],
+                   "source_bytes": folder_bytes(src), "seconds": round(secs, 1), "calibration_seconds": cal["seconds"],
                    "peak_rss_anon_bytes": anon, "vmhwm_bytes": hwm,
                    "device_peak_bytes": cal["peak_memory_bytes"] if args.device.startswith("cuda") else None,
                    "streams_on": cal["streams_on"], "stream_bytes": cal["stream_bytes"],
@@ -85,8 +81,7 @@ def main() -> None:
                    "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M")}
             rows.append(row)
             args.results.parent.mkdir(parents=True, exist_ok=True)
-            with open(args.results, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.results, row)
             print(json.dumps(row), flush=True)
             if not args.keep:
                 shutil.rmtree(out, ignore_errors=True)

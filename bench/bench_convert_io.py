@@ -7,7 +7,7 @@ safetensors), then in one run times
   3. `cp -r` again (to bracket drift),
 and prints a Markdown row. Run:
 
-    .venv/bin/python bench/bench_convert_io.py --workdir /tmp/gqakit-bench
+    .venv/bin/python -m bench.bench_convert_io --workdir /tmp/gqakit-bench
 
 Sizes default to a 1.26B-parameter Llama (hidden 2048, 22 layers, 32 heads, MHA).
 """
@@ -21,45 +21,12 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-
-def build_checkpoint(folder: Path, hidden: int, layers: int, heads: int, inter: int, vocab: int) -> int:
-    """Write a random Llama checkpoint tensor by tensor (never the whole model in memory)."""
-    from transformers import LlamaConfig
-
-    from gqakit.convert.io import Planned, ShardWriter
-
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                      tie_word_embeddings=False, dtype="bfloat16")
-    cfg.architectures = ["LlamaForCausalLM"]
-    cfg.save_pretrained(folder)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (hidden, hidden),
-                       p + "self_attn.v_proj.weight": (hidden, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
-                       p + "post_attention_layernorm.weight": (hidden,)})
-    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
-    plan = [Planned(n, torch.bfloat16, s) for n, s in shapes.items()]
-    writer = ShardWriter(folder, plan, 2_000_000_000)
-    gen = torch.Generator().manual_seed(0)
-    for p in plan:
-        writer.write(p.name, (torch.randn(p.shape, generator=gen) * 0.02).to(torch.bfloat16))
-    writer.finish()
-    return sum(torch.Size(p.shape).numel() for p in plan)
-
-
-def du(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+from bench.common import baseline_python_rss, folder_bytes, timed_convert, write_random_llama_checkpoint
 
 
 def timed_cp(src: Path, dst: Path) -> float:
@@ -70,47 +37,11 @@ def timed_cp(src: Path, dst: Path) -> float:
     return time.perf_counter() - t
 
 
-def timed_convert(src: Path, out: Path, g: int, extra: tuple[str, ...] = ()) -> tuple[float, int, int]:
-    """Seconds, peak RssAnon (bytes, sampled) and VmHWM (bytes) of a convert subprocess."""
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "gqakit", "convert", str(src), str(out), "-g", str(g), "--method", "mean", "-q", *extra]
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd)
-    peak = {"anon": 0, "hwm": 0}
-
-    def sample() -> None:
-        while proc.poll() is None:
-            try:
-                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                    if line.startswith(("RssAnon:", "VmHWM:")):
-                        key = "anon" if line.startswith("RssAnon") else "hwm"
-                        peak[key] = max(peak[key], int(line.split()[1]) * 1024)
-            except (FileNotFoundError, ProcessLookupError):
-                break
-            time.sleep(0.01)
-
-    th = threading.Thread(target=sample)
-    th.start()
-    if proc.wait() != 0:
-        raise SystemExit("convert failed")
-    os.sync()
-    elapsed = time.perf_counter() - t
-    th.join()
-    return elapsed, peak["anon"], peak["hwm"]
-
-
 def import_seconds() -> float:
     """Wall time of a process that only starts Python and imports the convert stack."""
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import gqakit.convert.pipeline, gqakit.convert.methods"], check=True)
     return time.perf_counter() - t
-
-
-def baseline_python_rss() -> int:
-    """RssAnon of a process that only imports gqakit's convert stack (torch, transformers)."""
-    code = ("import gqakit.convert.pipeline, gqakit.convert.methods, pathlib;"
-            "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon')][0].split()[1])")
-    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) * 1024
 
 
 def main() -> None:
@@ -127,15 +58,16 @@ def main() -> None:
     src = args.workdir / "src"
     if not (src / "model.safetensors.index.json").exists() and not (src / "model.safetensors").exists():
         print("building synthetic checkpoint ...", flush=True)
-        n = build_checkpoint(src, args.hidden, args.layers, args.heads, args.intermediate, args.vocab)
+        n = write_random_llama_checkpoint(src, {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+                                                "intermediate": args.intermediate, "vocab": args.vocab})
     else:
         n = sum(torch.Size(v["shape"]).numel() for f in src.glob("*.safetensors")
                 for k, v in _header(f).items() if k != "__metadata__")
-    size = du(src)
+    size = folder_bytes(src)
     cp1 = timed_cp(src, args.workdir / "cp")
     conv, anon, hwm = timed_convert(src, args.workdir / "out", args.g)
     cp2 = timed_cp(src, args.workdir / "cp")
-    out_size = du(args.workdir / "out")
+    out_size = folder_bytes(args.workdir / "out")
     base = baseline_python_rss()
     startup = import_seconds()
     largest = max(v["shape"][0] * (v["shape"][1] if len(v["shape"]) > 1 else 1) * 2

@@ -8,14 +8,14 @@ tail past --filled masked, as in a static cache), grouped matmuls (`decode_atten
 against the fused kernel, for each KV-head count given; GB/s of filled K/V.
 Random normal values (never zeros). Medians of --reps.
 
-    .venv/bin/python bench/bench_cpu_kernels.py --threads 2 --out bench/results/cpu_kernels.json
+    .venv/bin/python -m bench.bench_cpu_kernels --threads 2 --out bench/results/cpu_kernels.json
 
 `--against FILE` also builds another version of the kernels' source (for example
-`git show REV:eval/cpu_kernels.cpp > /tmp/old.cpp`) and times its fused attention against
+`git show REV:eval/decode/cpu_kernels.cpp > /tmp/old.cpp`) and times its fused attention against
 the current one's, the two alternating call by call so that a noisy machine slows both
 alike (`--rows ""` skips the weights part):
 
-    .venv/bin/python bench/bench_cpu_kernels.py --threads 2 --rows "" --against /tmp/old.cpp --reps 15
+    .venv/bin/python -m bench.bench_cpu_kernels --threads 2 --rows "" --against /tmp/old.cpp --reps 15
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build_other(path: str):
 
     from torch.utils.cpp_extension import load
 
-    from gqakit.eval import cpu_kernels
+    from gqakit.eval.decode import kernels as cpu_kernels
 
     src = Path(path).read_bytes()
     d = cpu_kernels.build_dir().parent / ("against-" + hashlib.sha256(src).hexdigest()[:16])
@@ -89,8 +89,8 @@ def main() -> None:
 
     import torch
 
-    from gqakit.eval import cpu_kernels
-    from gqakit.eval.decode_fast import decode_attention
+    from gqakit.eval.decode import kernels as cpu_kernels
+    from gqakit.eval.decode.grouped import decode_attention
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -13,8 +13,8 @@ step must read: all weights once plus the filled KV cache). A decode step that i
 memory-bound and reaches the same fraction of bandwidth for both models gets the
 predicted speedup; a step bound by kernel launches or Python gets less.
 
-    .venv/bin/python bench/bench_decode.py                      # CPU-sized default
-    .venv/bin/python bench/bench_decode.py --hidden 4096 --layers 32 --heads 32 --kv-heads 8,1 \
+    .venv/bin/python -m bench.bench_decode                      # CPU-sized default
+    .venv/bin/python -m bench.bench_decode --hidden 4096 --layers 32 --heads 32 --kv-heads 8,1 \
         --intermediate 11008 --vocab 32000 --batch 1,16,64 --prompt-len 512,2048 \
         --device cuda --dtype bfloat16 --cuda-graphs
 
@@ -32,24 +32,9 @@ import sys
 import time
 from typing import Any
 
+from bench.common import random_llama
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def build(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, positions: int,
-          dtype, device, seed: int = 0):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
-                      max_position_embeddings=positions, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    # Initialised on the device itself: a 7B-shaped model initialised on the host first
-    # would take minutes of CPU time before the first measurement.
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    assert all(p.abs().sum() > 0 for p in model.parameters() if p.dim() > 1), "weights must not be zeros"
-    return model
 
 
 def model_name(heads: int, kv: int) -> str:
@@ -69,22 +54,20 @@ def comparisons(data: dict[str, Any]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"batch": r["batch"], "prompt_len": r["prompt_len"], "kv_heads": r["kv_heads"],
                                "mha_status": a["status"], "gqa_status": r["status"]}
         if a["status"] == "ok" and r["status"] == "ok":
+            from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
+
             ma, mg = a["decode_ms_per_token"]["median"], r["decode_ms_per_token"]["median"]
+            predicted = predict_speedup(StepCost.of(a), StepCost.of(r)).bytes
             row.update({
                 "mha_ms_per_token": ma, "gqa_ms_per_token": mg, "measured_speedup": ma / mg,
-                "predicted_speedup_bytes": a["bytes_per_step"]["total"] / r["bytes_per_step"]["total"],
-                "share_of_predicted": share(ma / mg, a["bytes_per_step"]["total"] / r["bytes_per_step"]["total"]),
+                "predicted_speedup_bytes": predicted,
+                "share_of_predicted": share(ma / mg, predicted),
                 "mha_kv_cache_bytes": a["kv_cache_bytes"], "gqa_kv_cache_bytes": r["kv_cache_bytes"],
                 "mha_roofline_fraction": a["roofline_fraction"], "gqa_roofline_fraction": r["roofline_fraction"],
                 "mha_memory_bound": a["memory_bound"], "gqa_memory_bound": r["memory_bound"],
             })
         out.append(row)
     return out
-
-
-def share(measured: float, predicted: float) -> float | None:
-    """(measured - 1) / (predicted - 1): the share of the predicted gain that showed up."""
-    return None if abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
 
 
 # gpt-fast's published decode figure (README, "Benchmarks": A100-80GB power-limited to 330 W,
@@ -163,39 +146,6 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def decode_fits(bench: Any, batch: int, length: int) -> bool:
-    """Whether a cache of `length` tokens and one decode step at its end fit: tried on CUDA, predicted elsewhere."""
-    import torch
-
-    if bench.device.type != "cuda":
-        return bench._fits_predicted(batch, 1, length)[0]
-    cache = None
-    try:
-        with torch.inference_mode():
-            cache = bench._cache(batch, length)
-            bench.rewind(cache, length - 1)
-            bench._decode(cache, torch.zeros((batch, 1), dtype=torch.long, device=bench.device), length - 1, 1)
-        return True
-    except torch.OutOfMemoryError:
-        return False
-    finally:
-        cache = None
-        torch.cuda.empty_cache()
-
-
-def max_batch(bench: Any, length: int, limit: int = 4096) -> dict[str, Any]:
-    """Largest batch with `decode_fits`: doubling, then bisection."""
-    lo, hi = 0, 1
-    while hi <= limit and decode_fits(bench, hi, length):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if decode_fits(bench, mid, length) else (lo, mid)
-    method = "allocation attempts" if bench.device.type == "cuda" else "predicted from available host memory"
-    return {"max_batch": lo, "at_limit": lo >= limit, "limit": limit, "method": method}
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=512)
@@ -228,8 +178,8 @@ def main() -> None:
 
     import torch
 
-    from gqakit.eval.results import run_info
-    from gqakit.eval.speed import DecodeBench, copy_bandwidth, matmul_flops, parse_ints
+    from gqakit.eval.provenance import run_info
+    from gqakit.eval.speed import DecodeBench, measure_roof, parse_ints
 
     dtype = getattr(torch, args.dtype)
     batches, lens = parse_ints(args.batch, "--batch"), parse_ints(args.prompt_len, "--prompt-len")
@@ -238,12 +188,13 @@ def main() -> None:
     models = {model_name(args.heads, kv): kv for kv in [args.heads, *kvs]}
     benches = {}
     for name, kv in models.items():
-        m = build(args.hidden, args.layers, args.heads, kv, args.intermediate, args.vocab, positions, dtype, args.device)
+        shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+                 "intermediate": args.intermediate, "vocab": args.vocab}
+        m = random_llama(shape, kv, device=args.device, dtype=dtype, positions=positions)
         benches[name] = DecodeBench(m, device=args.device, dtype=dtype, compile=args.compile,
                                     cuda_graphs=args.cuda_graphs and not args.eager, pack_weights=not args.eager,
                                     decode_kernel="sdpa" if args.eager else "matmul")
-    bw, fl = copy_bandwidth(args.device), matmul_flops(args.device, dtype)
-    roof = {"copy_bandwidth": bw, "matmul_flops": fl, "ridge_flops_per_byte": fl / bw}
+    roof = measure_roof(args.device, dtype)
     data: dict[str, Any] = {
         "args": vars(args), "roof": roof, "probes": {n: b.probe() for n, b in benches.items()},
         "params": {n: sum(x.numel() for x in b.model.parameters()) for n, b in benches.items()},
@@ -276,7 +227,9 @@ def main() -> None:
     if args.max_batch_at:
         data["max_batch"] = {}
         for name, bench in benches.items():
-            data["max_batch"][name] = max_batch(bench, args.max_batch_at + args.new_tokens)
+            # a cache of prompt + new tokens and one decode step at its end (no prefill)
+            found = bench.max_batch(args.max_batch_at, args.new_tokens, 4096, prefill=False).to_json()
+            data["max_batch"][name] = {k: found[k] for k in ("max_batch", "at_limit", "limit", "method")}
             save()
             print(f"{name:>20} max batch at {args.max_batch_at}: {data['max_batch'][name]['max_batch']}",
                   file=sys.stderr, flush=True)

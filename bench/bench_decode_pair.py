@@ -4,7 +4,7 @@ Loads two or more models (the first is the baseline; e.g. SmolLM2-135M and its 3
 head conversion) and times their decode steps with gqakit's decode benchmark
 (`gqakit.eval.speed.DecodeBench`) over a batch x prompt grid. At each grid point all
 models are set up first (cache, packed weights, warm-up, excluded from the timing), then
-their timed decode steps alternate one by one, A B B A A B ..., so load from other jobs on a shared
+their timed decode steps alternate one by one, A B B A A B ..., so load from other processes on the
 machine hits all alike; the copy bandwidth and matmul FLOP/s (the roofs) are measured
 again at each point, between the models' repetitions.
 
@@ -17,9 +17,9 @@ compute-bound), the one predicted with no overlap of memory and compute (bytes /
 predicted gain achieved, (measured - 1) /
 (predicted - 1).
 
-    .venv/bin/python bench/bench_decode_pair.py ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        /tmp/smol-g1 --names original,3to1 --batch 8 --prompt-len 1024 --out bench/results/decode_smollm2.json
-    .venv/bin/python bench/bench_decode_pair.py A B --batch 1,4,8,16 --prompt-len 256,1024 --eager   # plain steps
+    .venv/bin/python -m bench.bench_decode_pair ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        /tmp/smol-g1 --names original,3to1 --batch 8 --prompt-len 1024 --out /tmp/decode_pair.json
+    .venv/bin/python -m bench.bench_decode_pair A B --batch 1,4,8,16 --prompt-len 256,1024 --eager   # plain steps
 
 Writes JSON to `--out` after every point (a run stopped early keeps what it measured) and
 a Markdown table to `--md`.
@@ -67,32 +67,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def share(measured: float, predicted: float) -> float | None:
-    """(measured - 1) / (predicted - 1): the share of the predicted gain that showed up."""
-    return None if abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
-
-
 def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """Measured against predicted speedup of `other` over `base` at one point (both status ok)."""
+    from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
+
     mb, mo = base["decode_ms_per_token"]["median"], other["decode_ms_per_token"]["median"]
-    pb = base["bytes_per_step"]["total"] / other["bytes_per_step"]["total"]
-    rb, ro = base["roofline_ms"], other["roofline_ms"]
-    tb = max(rb["bytes"], rb["flops"] or 0)
-    to = max(ro["bytes"], ro["flops"] or 0)
+    pred = predict_speedup(StepCost.of(base), StepCost.of(other))
     measured = mb / mo
     paths = [(r["decode_mode"], r.get("decode_path", {}).get("layers")) for r in (base, other)]
-    bound = not (base["memory_bound"] and other["memory_bound"])
-    out = {"measured_speedup": measured, "predicted_speedup_bytes": pb, "predicted_speedup_roofline": tb / to,
-           "compute_bound": bound, "share_of_predicted": share(measured, pb),
-           "share_of_predicted_roofline": share(measured, tb / to),
+    out = {"measured_speedup": measured, "predicted_speedup_bytes": pred.bytes, "predicted_speedup_roofline": pred.roofline,
+           "compute_bound": pred.compute_bound, "share_of_predicted": share(measured, pred.bytes),
+           "share_of_predicted_roofline": share(measured, pred.roofline),
            # a ratio of two different code paths is not what GQA buys: said under the table
            "paths_differ": None if paths[0] == paths[1] else {"base": paths[0], "other": paths[1]}}
-    if rb["flops"] and ro["flops"]:
+    if pred.no_overlap is not None:
         # No overlap: each step reads its bytes at the copy bandwidth and *then* does its FLOPs at
         # the matmul roof. The roofline above assumes perfect overlap (the max of the two); near
         # the ridge point the truth lies between, and the sum is the pessimistic end.
+        rb, ro = base["roofline_ms"], other["roofline_ms"]
         sb, so = rb["bytes"] + rb["flops"], ro["bytes"] + ro["flops"]
-        out.update(predicted_speedup_no_overlap=sb / so, share_of_predicted_no_overlap=share(measured, sb / so),
+        out.update(predicted_speedup_no_overlap=pred.no_overlap, share_of_predicted_no_overlap=share(measured, pred.no_overlap),
                    step_over_no_overlap={"base": mb / sb, "other": mo / so})
     return out
 
@@ -104,7 +98,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"Device: {data['run']['device_name']}, {a['dtype']}, torch threads {data['threads']}, torch "
         f"{data['run']['torch']}, transformers {data['run']['transformers']}; load average "
         f"{data['loadavg_start'][0]:.1f} at the start, {data.get('loadavg_end', [float('nan')])[0]:.1f} at the end "
-        f"on {os.cpu_count()} cores (load above the thread count means other jobs shared them); decode: {a['new_tokens']} new tokens after a random prompt, "
+        f"on {os.cpu_count()} cores (load above the thread count means other processes shared them); decode: {a['new_tokens']} new tokens after a random prompt, "
         f"{a['warmup']} warm-up run(s) excluded, median of {a['reps']} x {a['new_tokens']} single steps, the models' "
         "steps alternating one by one; steps: "
         + ", ".join(sorted({r['decode_mode'] for r in data['rows'] if r['status'] == 'ok'})) + "; "
@@ -152,7 +146,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, parse_ints, run_points_alternating
 
     if args.threads:

@@ -1,14 +1,13 @@
-"""One buffer for all of a model's packed weights, or one per matrix? (issue 13)
+"""One buffer for all of a model's packed weights, or one per matrix?
 
-The fused CPU decode step (`eval/decode_layers.py`) streams every weight matrix once per
+The fused CPU decode step (`eval/decode/layers.py`) streams every weight matrix once per
 step. Packed into one 2 MiB-aligned buffer advised as huge pages ("arena", the default),
 the stream has no gaps and matrices under 2 MiB (a 1-KV-head model's stacked q/k/v, every
-o-proj of SmolLM2) sit on huge pages too; packed one buffer per matrix ("separate",
-session 10's layout), those small ones are on 4 KiB pages. This builds both for one model and
+o-proj of SmolLM2) sit on huge pages too; packed one buffer per matrix ("separate"), those small ones are on 4 KiB pages. This builds both for one model and
 times their steps alternating one by one on the same cache, at each batch x prompt point.
 
     G=~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    .venv/bin/python bench/bench_fused_arena.py $G /tmp/i13/smol-g1 --batch 1,8 --prompt-len 256,1024
+    .venv/bin/python -m bench.bench_fused_arena $G /tmp/smol-g1 --batch 1,8 --prompt-len 256,1024
 
 Appends one JSON line per model to --out (default bench/results/fused_arena.jsonl).
 """
@@ -16,12 +15,13 @@ Appends one JSON line per model to --out (default bench/results/fused_arena.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench.common import RESULTS, append_jsonl
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="256,1024")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per variant and point (after 4 warm-up)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/fused_arena.jsonl")
+    ap.add_argument("--out", default=str(RESULTS / "fused_arena.jsonl"))
     args = ap.parse_args()
     for m in args.models:
         if not Path(m).exists():
@@ -42,8 +42,8 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode_layers import FusedDecode, check
-    from gqakit.eval.results import run_info
+    from gqakit.eval.decode.layers import FusedDecode, check
+    from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, copy_bandwidth, parse_ints
 
     torch.set_num_threads(args.threads)
@@ -55,7 +55,7 @@ def main() -> None:
         steps = {"arena": FusedDecode(bench.model, bench.kernels, arena=True),
                  "separate": FusedDecode(bench.model, bench.kernels, arena=False)}
         for name, step in steps.items():
-            why = check(bench.model, step, bench._cache, bench.vocab, bench._cache_kw)
+            why = check(bench.model, step, bench.new_cache, bench.vocab, bench.cache_kw)
             if why:
                 sys.exit(f"bench_fused_arena: {name}: {why}")
         rows = []
@@ -63,8 +63,8 @@ def main() -> None:
             for b in batches:
                 times: dict[str, list[float]] = {k: [] for k in steps}
                 with torch.inference_mode():
-                    cache = bench._cache(b, p + 8)
-                    bench.model(input_ids=torch.randint(0, bench.vocab, (b, p)), **{bench._cache_kw: cache},
+                    cache = bench.new_cache(b, p + 8)
+                    bench.model(input_ids=torch.randint(0, bench.vocab, (b, p)), **{bench.cache_kw: cache},
                                 position_ids=torch.arange(p).unsqueeze(0), use_cache=True)
                     tok, pos = torch.randint(0, bench.vocab, (b, 1)), torch.full((1, 1), p)
                     for i in range(args.steps + 4):
@@ -84,8 +84,7 @@ def main() -> None:
                "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                "run": run_info(command=sys.argv, device="cpu", dtype=torch.float32).to_json()}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
+        append_jsonl(args.out, rec)
 
 
 if __name__ == "__main__":

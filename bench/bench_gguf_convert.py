@@ -9,7 +9,7 @@ Each in a subprocess, as a user runs it; peak RssAnon sampled every 10 ms (file-
 pages of the memory-mapped input are not counted), next to a process that only imports the
 stack. Also counts the tensors of OUT.gguf that are byte-identical to SRC's.
 
-    .venv/bin/python bench/bench_gguf_convert.py --rounds 2
+    .venv/bin/python -m bench.bench_gguf_convert --rounds 2
 
 Writes bench/results/gguf_convert.json.
 """
@@ -24,11 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_convert_io import baseline_python_rss, timed_convert  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-SMOLLM2 = Path("~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
+from bench.common import RESULTS, SMOLLM2, baseline_python_rss, timed_convert
 
 
 def main() -> None:
@@ -38,7 +34,7 @@ def main() -> None:
     ap.add_argument("--method", default="mean")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gqakit-gguf-bench"))
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gguf_convert.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gguf_convert.json")
     a = ap.parse_args()
     from gguf import GGUFReader
 
@@ -58,7 +54,7 @@ def main() -> None:
     base = baseline_python_rss()
     gib = 2 ** 30
     result = {"source": a.source.name, "source_bytes": a.source.stat().st_size, "out_bytes": out_file.stat().st_size,
-              "g": a.g, "method": a.method, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
+              "g": a.g, "method": a.method, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
               "tensors": len(out.tensors), "byte_identical_tensors": same, "imports_rss_anon": base,
               "runs": {k: [{"seconds": round(s, 2), "peak_rss_anon": an, "vm_hwm": hw} for s, an, hw in v]
                        for k, v in runs.items()}}

@@ -10,7 +10,7 @@ decode steps only, the prefill excluded by a perf reset before decoding). The KV
 size is llama.cpp's own too (`llama_state_get_size` grows with it; reported as the
 computed n_ctx x layers x KV heads x head_dim x 2 x 2 bytes for an F16 cache).
 
-    .venv/bin/python bench/bench_llamacpp_decode.py --context 4096 --decode 64 --rounds 2 --threads 1
+    .venv/bin/python -m bench.bench_llamacpp_decode --context 4096 --decode 64 --rounds 2 --threads 1
 
 Needs `pip install llama-cpp-python` (gqakit[llama]); writes bench/results/llamacpp_decode.json.
 """
@@ -26,10 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import RESULTS, SHARED, SMOLLM2
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-SMOLLM2 = Path("~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
-WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WIKI = SHARED / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 
 def measure(llama_cpp, path: Path, ids: list[int], decode: int, threads: int) -> dict:
@@ -73,10 +73,10 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
-                    help="llama.cpp threads; on a shared, loaded CPU, more threads than free cores make its "
+                    help="llama.cpp threads; on a loaded CPU, more threads than free cores make its "
                          "spinning thread pool far slower (measured here: 2.6 s per token with 2, 58 ms with 1)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gqakit-llamacpp-bench"))
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "llamacpp_decode.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "llamacpp_decode.json")
     a = ap.parse_args()
     import llama_cpp
 

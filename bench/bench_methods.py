@@ -1,7 +1,7 @@
 """Training-free conversion quality of every method, and the time each takes.
 
-    .venv/bin/python bench/bench_methods.py stories --g 2 1
-    .venv/bin/python bench/bench_methods.py smollm2 --g 1 --methods mean align align-scale align-refit
+    .venv/bin/python -m bench.bench_methods stories --g 2 1
+    .venv/bin/python -m bench.bench_methods smollm2 --g 1 --methods mean align align-scale align-refit
 
 Perplexity: gqakit.eval.perplexity (context 512, stride 512, BOS prepended), fp32.
 stories260K: ../shared/data/tinystories/valid-excerpt.txt; calibration sampled from the
@@ -21,34 +21,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import RESULTS, SHARED, SMOLLM2, append_jsonl, perplexity
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("GQAKIT_SHARED", REPO.parent / "shared"))
-SMOL = Path(os.environ.get("GQAKIT_SMOLLM2", Path.home() / ".cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 MODELS = {
     "stories": dict(src=SHARED / "models/stories260K", data=SHARED / "data/tinystories/valid-excerpt.txt",
                     max_chars=None, calib=None),
-    "smollm2": dict(src=SMOL, data=SHARED / "data/wikitext-2-raw/wiki.test.raw", max_chars=300_000,
+    "smollm2": dict(src=SMOLLM2, data=SHARED / "data/wikitext-2-raw/wiki.test.raw", max_chars=300_000,
                     calib=str(SHARED / "data/wikitext-2/valid.txt")),
 }
 COMBOS = [("mean", "contiguous"), ("first", "contiguous"), ("align", "contiguous"), ("align-scale", "contiguous"),
           ("align", "similarity"), ("align-scale", "similarity"), ("align-refit", "contiguous"),
           ("align-refit", "similarity")]
-
-
-def perplexity(path: Path, data: Path, max_chars: int | None, threads: int | None = None) -> float:
-    """Held-out perplexity on `threads` threads (default: $OMP_NUM_THREADS, else every core)."""
-    import torch
-
-    from gqakit.core.loading import load_causal_lm, load_tokenizer
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
-
-    torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
-    model = load_causal_lm(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
-    res = evaluate_perplexity(model, tok, read_text(str(data), max_chars=max_chars), context=512, progress=False)
-    return res.token_perplexity
 
 
 def main() -> None:
@@ -62,7 +47,7 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="JSON options for the method")
     ap.add_argument("--original", action="store_true", help="also measure the source model")
     ap.add_argument("--seed", type=int, default=0, help="the conversion's seed (reconstruction steps' batch order)")
-    ap.add_argument("--out", default=str(REPO / "bench/results/methods.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "methods.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.pipeline import convert_checkpoint
     from gqakit.core.device import PeakMemory
@@ -77,8 +62,7 @@ def main() -> None:
     if args.original:
         rows.append({"model": args.model, "method": "original", "ppl": perplexity(m["src"], m["data"], m["max_chars"])})
         print(json.dumps(rows[-1]), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rows[-1]) + "\n")
+        append_jsonl(args.out, rows[-1])
     for g in args.g:
         for method, grouping in combos:
             with tempfile.TemporaryDirectory() as tmp:
@@ -102,8 +86,7 @@ def main() -> None:
                 row["final_drift"] = (record["calibration"]["residual_drift"] or [None])[-1]
             rows.append(row)
             print(json.dumps(row), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Does a better training-free start stay ahead after training? Equal uptraining budget per start.
 
-    .venv/bin/python bench/bench_methods_uptrain.py --g 2 1 --tokens 100000
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_methods_uptrain.py stories --g 2 --methods align-refit \
+    .venv/bin/python -m bench.bench_methods_uptrain --g 2 1 --tokens 100000
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.bench_methods_uptrain stories --g 2 --methods align-refit \
         --grouping similarity --options '{"steps": 300, "lr": 0.03}' --tokens 100000
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_methods_uptrain.py smollm2 --g 1 \\
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.bench_methods_uptrain smollm2 --g 1 \\
         --methods mean align-refit align --tokens 49152 --ppl-before documented --workdir /tmp/smol-eq
 
 For each method: convert the model, uptrain it for the same number of tokens, then measure
@@ -37,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_methods import MODELS, REPO, perplexity  # noqa: E402
+from bench.bench_methods import MODELS
+from bench.common import REPO, RESULTS, append_jsonl, perplexity
 
 # Before-training perplexity already measured by bench_methods.py (bench/results/methods.jsonl,
 # full evaluation protocol, G=1, contiguous; align-refit with 8,192 WikiText-2 valid tokens).
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--grouping", default="contiguous")
     ap.add_argument("--calibration-tokens", type=int, default=None,
                     help="align-refit calibration tokens (default: 16384 stories, 8192 smollm2)")
-    ap.add_argument("--out", default=str(REPO / "bench/results/methods_uptrain.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "methods_uptrain.jsonl"))
     args = ap.parse_args()
     import torch
 
@@ -127,7 +127,7 @@ def main() -> None:
                     before, before_src = DOCUMENTED_BEFORE[key], "documented (bench/results/methods.jsonl)"
                 else:
                     t0 = time.perf_counter()
-                    before = perplexity(conv, m["data"], m["max_chars"], args.threads)
+                    before = perplexity(conv, m["data"], m["max_chars"], threads=args.threads)
                     before_src = f"measured ({time.perf_counter() - t0:.0f} s)"
                 run_dir = work / f"run-g{g}-{method}-{tokens}"
                 if run_dir.exists():
@@ -140,7 +140,7 @@ def main() -> None:
                 log = [json.loads(s) for s in (run_dir / "log.jsonl").read_text().splitlines() if s.strip()]
                 train_rows = [r for r in log if "loss" in r]
                 t0 = time.perf_counter()
-                after = perplexity(final, m["data"], m["max_chars"], args.threads)
+                after = perplexity(final, m["data"], m["max_chars"], threads=args.threads)
                 eval_secs = time.perf_counter() - t0
                 if args.workdir:  # keep the converted folder for reuse, not the 0.5 GB trained copy
                     shutil.rmtree(final, ignore_errors=True)
@@ -155,8 +155,7 @@ def main() -> None:
                         "config": recipe["config"], "overrides": overrides[2:], "threads": args.threads,
                         "device": device})
             print(json.dumps(row), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ peak host RSS (VmHWM, reset before the conversion) is recorded too. The calibrat
 text is standard-library docstrings, built in code (`../shared` is not on a GPU machine).
 
 Besides wall time and peak memory it records the conversion's own calibration record
-(tokens, where the streams lived, residual drift) and checks the issue's GPU memory
+(tokens, where the streams lived, residual drift) and checks the GPU memory
 target: peak allocated <= 2 x one decoder block (in the compute dtype) + the two streams.
 
-    python bench/gpu_convert.py --profile gpu --out OUT --work WORK
+    python -m bench.gpu_convert --profile gpu --out OUT --work WORK
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gpu_proof  # noqa: E402  (bench/gpu_proof.py: profiles and synthetic inputs)
-from gpu_proof import say, write_json  # noqa: E402
+from bench import gpu_proof  # profiles and synthetic inputs
+from bench.common import folder_bytes, say, write_json
 
 def _vmhwm_reset() -> None:
     try:
@@ -99,7 +96,7 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
            "host_rss_at_start": rss_start,
            "note": ("no GPU memory was allocated in this process: did the conversion run elsewhere?"
                     if cuda and device and device.startswith("cuda") and not peak_gpu else None),
-           "calibration_text_tokens": n_tok, "source": source, "output_bytes_on_disk": gpu_proof.folder_bytes(out),
+           "calibration_text_tokens": n_tok, "source": source, "output_bytes_on_disk": folder_bytes(out),
            "output_kv_heads": cfg["num_key_value_heads"],
            "calibration": {k: cal[k] for k in ("tokens", "seq_len", "batch", "device", "compute_dtype", "stream_dtype",
                                                "streams_on", "stream_bytes", "seconds", "peak_memory_bytes")},

@@ -4,10 +4,10 @@
 machine that has no internet and no `../shared`: everything is built here, in code.
 Each step is a separate process with its own time limit, run by the shell script:
 
-    python bench/gpu_proof.py decode  --profile gpu --out OUT --work WORK   # bench/bench_decode.py grid
-    python bench/gpu_proof.py uptrain --profile gpu --out OUT --work WORK   # `gqakit uptrain` tokens/s, MFU
-    python bench/gpu_convert.py       --profile gpu --out OUT --work WORK   # streamed align-refit convert
-    python bench/gpu_proof.py summary --profile gpu --out OUT               # OUT/gpu_proof.json + .md
+    python -m bench.gpu_proof decode  --profile gpu --out OUT --work WORK   # bench/bench_decode.py grid
+    python -m bench.gpu_proof uptrain --profile gpu --out OUT --work WORK   # `gqakit uptrain` tokens/s, MFU
+    python -m bench.gpu_convert       --profile gpu --out OUT --work WORK   # streamed align-refit convert
+    python -m bench.gpu_proof summary --profile gpu --out OUT               # OUT/gpu_proof.json + .md
 
 Profile `gpu` is sized for one H100 in about nine minutes in all; profile `dry` runs the
 same code paths with pico sizes on the CPU (the test suite runs it).
@@ -34,15 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import LLAMA2_7B, LLAMA_1B, folder_bytes, random_llama, say, write_json
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-HERE = Path(__file__).resolve().parent
-
-# Llama-2-7B: hidden 4096, 32 layers, 32 heads (MHA), MLP 11008, vocab 32000.
-LLAMA2_7B = {"hidden": 4096, "layers": 32, "heads": 32, "intermediate": 11008, "vocab": 32000}
-# TinyLlama-1.1B's shape: hidden 2048, 22 layers, 32 heads, MLP 5632, vocab 32000.
-LLAMA_1B = {"hidden": 2048, "layers": 22, "heads": 32, "intermediate": 5632, "vocab": 32000}
 PICO = {"hidden": 64, "layers": 2, "heads": 8, "intermediate": 128, "vocab": 512}
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -58,15 +54,15 @@ PROFILES: dict[str, dict[str, Any]] = {
         # step) long before HBM is: steps are replayed as CUDA graphs (captured per grid
         # point, checked against eager, eager again if capture fails); torch.compile would
         # recompile for every batch and cache length, minutes the budget does not have.
-        # MHA against GQA at 8 and 4 KV heads (issue 13); the largest batch that fits at
+        # MHA against GQA at 8 and 4 KV heads; the largest batch that fits at
         # 2,048 tokens is searched with the cache and one decode step (no prefill).
         "decode": {**LLAMA2_7B, "kv_heads": "8,4", "batch": "1,16,64", "prompt_len": "512,2048",
                    "new_tokens": 32, "reps": 3, "warmup": 1, "cuda_graphs": True, "max_batch_at": 2048},
         # The same models with the step compiled (`torch.compile(mode="reduce-overhead")`: inductor
         # fuses the norms, rotary and activation kernels, and the step replays as a CUDA graph, the
-        # gpt-fast recipe). Session 9's graphs of eager steps ran at 55% of copy bandwidth at batch 1:
+        # gpt-fast recipe). CUDA graphs of eager steps ran at 55% of copy bandwidth at batch 1 on an H100:
         # ~1,300 small kernels per step. Each grid point compiles once per model, so the grid is
-        # two points, MHA against 8 KV heads (issue 13's batch-1 bandwidth and speedup targets).
+        # two points, MHA against 8 KV heads (batch-1 bandwidth and speedup at batch 16).
         "decode-compiled": {**LLAMA2_7B, "kv_heads": "8", "batch": "1,16", "prompt_len": "2048",
                             "new_tokens": 32, "reps": 3, "warmup": 1, "compile": True},
         # 8,192 tokens per step keeps activations near 20 GiB next to 18 GiB of fp32
@@ -89,22 +85,11 @@ PROFILES: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------- small helpers
 
 
-def say(msg: str) -> None:
-    print(f"[gpu_proof {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def count(n: float | None) -> str:
     """1.10 B, 15.3 M or 115,008: parameter counts at any size."""
     if n is None:
         return "n/a"
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,.0f}"
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomically: a step killed by its time limit leaves the last complete version."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def run_cli(argv: list[str]) -> None:
@@ -118,14 +103,10 @@ def run_cli(argv: list[str]) -> None:
             raise RuntimeError(f"`gqakit {' '.join(argv[:1])}` exited with {e.code} (its message is above)") from None
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def run_facts(device: str) -> dict[str, Any]:
     import torch
 
-    from gqakit.eval.results import run_info
+    from gqakit.eval.provenance import run_info
 
     return run_info(command=sys.argv, device=device, dtype=torch.bfloat16).to_json()
 
@@ -193,18 +174,10 @@ def build_llama(folder: Path, shape: dict[str, Any], kv_heads: int, *, device: s
                 positions: int = 4096) -> dict[str, Any]:
     """Save a random Llama-shaped model (initialised on `device`) with `tok`; returns its facts."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     t0 = time.time()
-    cfg = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
-                      num_attention_heads=shape["heads"], num_key_value_heads=kv_heads,
-                      intermediate_size=shape["intermediate"], vocab_size=shape["vocab"],
-                      max_position_embeddings=positions, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    assert all(p.abs().sum() > 0 for p in model.parameters() if p.dim() > 1), "weights must not be zeros"
+    model = random_llama(shape, kv_heads, device=device, dtype=dtype, positions=positions,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -244,8 +217,7 @@ def decode_argv(p: dict[str, Any], out: Path, step: str = "decode") -> list[str]
 def step_decode(p: dict[str, Any], out: Path, work: Path, step: str = "decode") -> None:
     """bench/bench_decode.py with the profile's grid; it rewrites OUT/<step>.json after every point."""
     sys.argv = ["bench_decode.py", *decode_argv(p, out, step)]
-    sys.path.insert(0, str(HERE))
-    import bench_decode
+    from bench import bench_decode
 
     bench_decode.main()
 
@@ -434,8 +406,7 @@ def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str
     """Markdown lines for one step's results; fills `entry` (its part of gpu_proof.json)."""
     md: list[str] = []
     if step.startswith("decode") and data.get("rows") is not None:
-        sys.path.insert(0, str(HERE))
-        import bench_decode
+        from bench import bench_decode
 
         md += [bench_decode.markdown(data), ""]
         entry["comparisons"] = bench_decode.comparisons(data)

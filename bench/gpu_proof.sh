@@ -72,7 +72,7 @@ LOG=$OUTDIR/log.txt
 : > "$LOG"
 
 if [ "$PROFILE" = gpu ]; then
-  # convert (issue 9's measurement, the least predictable) runs first with the largest share;
+  # convert (the least predictable step) runs first with the largest share;
   # the later steps get what is left, at most their own limit.
   BUDGET=${GQAKIT_PROOF_BUDGET_S:-560}; LIMIT_CONVERT=380; LIMIT_DECODE=120; LIMIT_UPTRAIN=90; LIMIT_DECODE_COMPILED=540
 else
@@ -114,7 +114,7 @@ if [ -n "$MISSING" ] && compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
   MISSING=$(missing)
 fi
-[ -z "$MISSING" ] || say "still missing: $MISSING (steps that need them will fail; run bench/gpu_wheels.sh where PyPI is reachable and carry .whl/)"
+[ -z "$MISSING" ] || say "still missing: $MISSING (steps that need them will fail; run bench/gpu_wheels.sh where PyPI is reachable and bring .whl/ along)"
 
 say "profile $PROFILE, budget ${BUDGET}s, python $PY, commit $GQAKIT_PROOF_COMMIT, out $OUTDIR, work $WORK"
 if [ "$PROFILE" = gpu ]; then  # (each step's JSON records versions too; this is for the log)
@@ -152,18 +152,18 @@ run_step() {
 }
 
 COMMON=(--profile "$PROFILE" --out "$OUTDIR" --work "$WORK")
-run_step convert "$LIMIT_CONVERT" "$PY" bench/gpu_convert.py "${COMMON[@]}"
-run_step decode "$LIMIT_DECODE" "$PY" bench/gpu_proof.py decode "${COMMON[@]}"
-run_step uptrain "$LIMIT_UPTRAIN" "$PY" bench/gpu_proof.py uptrain "${COMMON[@]}"
-run_step decode-compiled "$LIMIT_DECODE_COMPILED" "$PY" bench/gpu_proof.py decode-compiled "${COMMON[@]}"
-# 4. recover: only with the SmolLM2 GGUF and ../shared's WikiText-2 at hand (issue 10; neither
-#    travels to a lent GPU machine), under its own limit, outside the budget above
+run_step convert "$LIMIT_CONVERT" "$PY" -m bench.gpu_convert "${COMMON[@]}"
+run_step decode "$LIMIT_DECODE" "$PY" -m bench.gpu_proof decode "${COMMON[@]}"
+run_step uptrain "$LIMIT_UPTRAIN" "$PY" -m bench.gpu_proof uptrain "${COMMON[@]}"
+run_step decode-compiled "$LIMIT_DECODE_COMPILED" "$PY" -m bench.gpu_proof decode-compiled "${COMMON[@]}"
+# 4. recover: only with the SmolLM2 GGUF and ../shared's WikiText-2 at hand
+#    (GQAKIT_SMOLLM2 and ../shared beside the checkout), under its own limit, outside the budget above
 if ! selected recover; then
   printf 'recover\t-2\t0\t0\n' >> "$OUTDIR/steps.tsv"
   say "step recover: skipped, not in GQAKIT_PROOF_STEPS"
 elif [ -n "${GQAKIT_SMOLLM2:-}" ] && [ -f "$GQAKIT_SMOLLM2" ]; then
   DEADLINE=$(( $(date +%s) + ${GQAKIT_RECOVER_LIMIT_S:-3600} ))
-  run_step recover "${GQAKIT_RECOVER_LIMIT_S:-3600}" "$PY" bench/gpu_recover.py --source "$GQAKIT_SMOLLM2" \
+  run_step recover "${GQAKIT_RECOVER_LIMIT_S:-3600}" "$PY" -m bench.gpu_recover --source "$GQAKIT_SMOLLM2" \
     --out "$OUTDIR" --work "$WORK/recover" ${GQAKIT_RECOVER_TOKENS:+--tokens $GQAKIT_RECOVER_TOKENS} \
     $([ "$PROFILE" = dry ] && echo --dry)
 else
@@ -174,7 +174,7 @@ fi
 
 # ---- summary: gpu_proof.json + gpu_proof.md from what the steps wrote
 say "summary after $(( $(date +%s) - START ))s"
-if "$PY" bench/gpu_proof.py summary --profile "$PROFILE" --out "$OUTDIR" 2>&1 | tee -a "$LOG"; then
+if "$PY" -m bench.gpu_proof summary --profile "$PROFILE" --out "$OUTDIR" 2>&1 | tee -a "$LOG"; then
   echo; cat "$OUTDIR/gpu_proof.md"
 else
   say "summary failed; step exit codes (name, exit, seconds, limit):"; cat "$OUTDIR/steps.tsv" >&2

@@ -1,9 +1,9 @@
 """SmolLM2-135M at 1 KV head, uptrained on a GPU from gqakit's best start until it is
-within 10% of the original's perplexity (issue 10's GPU measurement).
+within 10% of the original's perplexity.
 
-    python bench/gpu_recover.py --source ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python -m bench.gpu_recover --source ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --out OUT [--tokens 50000000] [--eval-every-tokens 1000000]
-    python bench/gpu_recover.py --dry --out OUT      # pico model on the CPU: the same code path (tests)
+    python -m bench.gpu_recover --dry --out OUT      # pico model on the CPU: the same code path (tests)
 
 1. the original's perplexity (gqakit.eval.perplexity: first 300,000 characters of
    WikiText-2 raw test, context 512, stride 512, BOS prepended: the method table's protocol);
@@ -19,15 +19,13 @@ per million tokens and the first point within 10% of the original; OUT/recover.p
 curves. The curve's perplexities are uptrain's held-out evaluation (packed 512-token
 blocks of the same text, no BOS), close to but not the protocol's; the start and final
 numbers are the protocol's. Needs the SmolLM2 GGUF (98 MB: `gqakit demo` caches it, or
-see ../shared/README.md) and ../shared's WikiText-2; neither travels to this project's
-lent GPU machines (64 MiB carry limit), so `bench/gpu_proof.sh` runs this step only when
-GQAKIT_SMOLLM2 names the GGUF.
+see ../shared/README.md) and ../shared's WikiText-2 beside the checkout, so
+`bench/gpu_proof.sh` runs this step only when GQAKIT_SMOLLM2 names the GGUF.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -37,32 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import SHARED, SMOLLM2, perplexity, say, write_json
+from bench.gpu_proof import PICO, build_llama, proof_text, run_cli, run_facts, run_uptrain, steady, tokenizer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from gpu_proof import (PICO, build_llama, proof_text, run_cli, run_facts, run_uptrain, say, steady,  # noqa: E402
-                       tokenizer, write_json)
-
-REPO = HERE.parent
-SMOL = Path.home() / ".cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL_CHARS = 300_000
-
-
-def perplexity(path: Path, text_file: Path, device: str) -> float:
-    import torch
-
-    from gqakit.core.loading import load_causal_lm, load_tokenizer
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
-
-    model = load_causal_lm(path, dtype=torch.float32).to(device)
-    res = evaluate_perplexity(model, load_tokenizer(path), read_text(str(text_file)), context=512,
-                              device=device, progress=False)
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return res.token_perplexity
 
 
 def within(curve: list[dict[str, Any]], target: float) -> int | None:
@@ -94,8 +73,8 @@ def plot(path: Path, res: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", type=Path, default=Path(os.environ.get("GQAKIT_SMOLLM2", SMOL)))
-    ap.add_argument("--shared", type=Path, default=Path(os.environ.get("GQAKIT_SHARED", REPO.parent / "shared")))
+    ap.add_argument("--source", type=Path, default=SMOLLM2)
+    ap.add_argument("--shared", type=Path, default=SHARED)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=None, help="scratch folder, kept (default: a new folder in OUT, removed at the end)")
     ap.add_argument("--tokens", type=int, default=50_000_000, help="uptraining budget")
@@ -152,7 +131,7 @@ def main() -> None:
 
     res["phase"] = "original"
     write_json(path, res)
-    res["ppl"] = {"original": perplexity(src, eval_file, dev)}
+    res["ppl"] = {"original": perplexity(src, eval_file, device=dev)}
     say(f"recover: original perplexity {res['ppl']['original']:.2f}")
 
     res["phase"] = "convert"
@@ -164,7 +143,7 @@ def main() -> None:
              "--refit-option", "lr=0.01", "--device", dev, "--overwrite", "-q"])
     res["convert"] = {"seconds": round(time.time() - t0, 1), "calibration_tokens": calib_tokens, "steps": steps,
                       "lr": 0.01}
-    res["ppl"]["start"] = perplexity(g1, eval_file, dev)
+    res["ppl"]["start"] = perplexity(g1, eval_file, device=dev)
     say(f"recover: converted in {res['convert']['seconds']} s, perplexity {res['ppl']['start']:.2f}")
 
     res["phase"] = "uptrain"
@@ -198,7 +177,7 @@ def main() -> None:
                              "tokens_per_step": tokens_per_step}
         write_json(path, res)
     final = run_dir / "model"
-    res["ppl"]["final"] = perplexity(final, eval_file, dev)
+    res["ppl"]["final"] = perplexity(final, eval_file, device=dev)
     target = 1.1 * res["ppl"]["original"]
     res["within_10_percent"] = {"target_ppl": target, "final_met": res["ppl"]["final"] <= target,
                                 "first_curve_tokens": within(res["ppl_curve"], target),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/ with the wheels bench/gpu_proof.sh needs on a GPU image that lacks them.
 #
-#   bash bench/gpu_wheels.sh          # here, where PyPI is reachable; then carry .whl/ along
+#   bash bench/gpu_wheels.sh          # here, where PyPI is reachable; then bring .whl/ along
 #
 # The GPU image (see docs/benchmarks.md) has torch, transformers, accelerate, click,
 # pyyaml, safetensors, tokenizers and tqdm, but not pydantic, which gqakit's config and

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-RES = Path(__file__).resolve().parent / "results"
+from bench.common import RESULTS
+
+RES = RESULTS
 
 
 def rows(name: str) -> list[dict]:
@@ -18,7 +19,7 @@ def main() -> None:
     last: dict[tuple, dict] = {}
     for r in rows("methods.jsonl"):
         # align-refit rows differ by their calibration budget: one line per budget
-        # ... and by their block-wise reconstruction steps (issue 10)
+        # ... and by their block-wise reconstruction steps
         steps = (r.get("options") or {}).get("steps") or None
         lr = (r.get("options") or {}).get("lr") if steps else None
         last[(r["model"], r.get("G"), r["method"], (r.get("grouping"), r.get("calibration_tokens"), steps, lr))] = r

@@ -6,7 +6,7 @@ run under the profiler. `--eager` profiles the plain transformers step (loaded w
 SDPA attention); the default is gqakit's fast path (packed weights from batch 2, grouped
 matmul decode attention).
 
-    .venv/bin/python bench/profile_decode.py ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    .venv/bin/python -m bench.profile_decode ~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --batch 8 --prompt-len 1024 --threads 1
 """
 
@@ -54,7 +54,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode_fast import packed_linears
+    from gqakit.eval.decode.packed import packed_linears
     from gqakit.eval.speed import DecodeBench
 
     if args.threads:
@@ -63,24 +63,25 @@ def main() -> None:
     bench = DecodeBench(model, device="cpu", dtype=torch.float32, pack_weights=not args.eager,
                         decode_kernel="sdpa" if args.eager else "matmul", compile=args.compile)
     b, p = args.batch, args.prompt_len
+    labels = contextlib.ExitStack()
     if bench.kernels is not None:
         # the compiled kernels are pybind functions, which the profiler does not see: label each call
-        from gqakit.eval import cpu_kernels
+        from gqakit.eval.decode import kernels as cpu_kernels
 
-        cpu_kernels._STATE["mod"] = bench.kernels = _Labelled(bench.kernels)
+        bench.kernels = labels.enter_context(cpu_kernels.substituted(_Labelled(bench.kernels)))
     pack = (packed_linears(model, b, kernels=bench.kernels) if bench.pack_weights and (b > 1 or bench.kernels is not None)
             else contextlib.nullcontext())
-    with torch.inference_mode(), pack:
-        cache = bench._cache(b, p + args.steps + 2)
+    with labels, torch.inference_mode(), pack:
+        cache = bench.new_cache(b, p + args.steps + 2)
         for layer in cache.layers:
             layer.keys.normal_()
             layer.values.normal_()
         bench.rewind(cache, p)
         tok = torch.zeros((b, 1), dtype=torch.long)
-        bench._decode(cache, tok, p, 2)  # warm-up
+        bench.decode(cache, tok, p, 2)  # warm-up
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             t0 = time.perf_counter()
-            bench._decode(cache, tok, p + 2, args.steps)
+            bench.decode(cache, tok, p + 2, args.steps)
             step = (time.perf_counter() - t0) / args.steps
     print(f"{args.model}: {bench.kv_heads}/{bench.heads} KV/query heads, batch {b}, prompt {p}, "
           f"{torch.get_num_threads()} threads, {'eager' if args.eager else bench.decode_mode}: "

@@ -4,8 +4,8 @@ Decode speed depends on shapes, not on weight values; this writes a folder that
 `load_causal_lm` and the benchmarks read (config + safetensors, fp32, random normal weights with
 sigma 0.02, norms at 1; never zeros), for shapes whose real checkpoints cannot be fetched here.
 
-    .venv/bin/python bench/random_model.py gpt2-124m /tmp/rand/gpt2
-    .venv/bin/python bench/random_model.py pythia-160m /tmp/rand/pythia
+    .venv/bin/python -m bench.random_model gpt2-124m /tmp/rand/gpt2
+    .venv/bin/python -m bench.random_model pythia-160m /tmp/rand/pythia
 
 OUT must not exist: nothing is ever written over.
 """

@@ -7,9 +7,9 @@ configs/stories260K-g2.yaml (the cached samples are shared). The whole token bud
 to that one layer, so its held-out perplexity is a floor for what the same budget can do
 when all layers are converted: their damages add up.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/uptrain_layer_probe.py --layer 2 --tokens 2000000
-    OMP_NUM_THREADS=1 .venv/bin/python bench/uptrain_layer_probe.py --layer 2 --tokens 2000000 --train all --lr 3e-3
-    OMP_NUM_THREADS=1 .venv/bin/python bench/uptrain_layer_probe.py --layer 2 --tokens 6000000
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.uptrain_layer_probe --layer 2 --tokens 2000000
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.uptrain_layer_probe --layer 2 --tokens 2000000 --train all --lr 3e-3
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.uptrain_layer_probe --layer 2 --tokens 6000000
 
 Perplexity: ../shared/data/tinystories/valid-excerpt.txt, gqakit.eval.perplexity (context
 512, stride 512, BOS prepended), fp32 on CPU. Schedule as the recipe: AdamW (0.9, 0.95),
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_methods import MODELS, REPO  # noqa: E402
+from bench.bench_methods import MODELS
+from bench.common import REPO, RESULTS, append_jsonl
 
 RECIPE = REPO / "configs" / "stories260K-g2.yaml"
 SEQ, MICRO, WARMUP, MIN_LR = 512, 2, 20, 0.05
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--train", choices=["attention", "all"], default="attention")
     ap.add_argument("--evals", type=int, default=4, help="held-out evaluations along the run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "bench/results/uptrain_layer_probe.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "uptrain_layer_probe.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.pipeline import convert_checkpoint
     from gqakit.core.loading import load_causal_lm, load_tokenizer
@@ -79,12 +79,12 @@ def main() -> None:
     model.model.layers[args.layer].self_attn.requires_grad_(True)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
 
     text = read_text(str(m["data"]))
 
     def perplexity(net) -> float:
-        return evaluate_perplexity(net, tok, text, context=SEQ, stride=SEQ, progress=False).token_perplexity
+        return evaluate_perplexity(net, tok, text, Window(context=SEQ, stride=SEQ), progress=False).token_perplexity
 
     def ppl() -> float:
         return perplexity(model)
@@ -121,8 +121,7 @@ def main() -> None:
            "final": curve[-1]["ppl"], "vs_original": round(curve[-1]["ppl"] / original - 1, 4), "curve": curve,
            "device": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s), torch {torch.__version__}, fp32"}
     print(json.dumps(row), flush=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ budgets (the recipe, and for comparison all-weights KL-only or LM-only runs), an
 perplexity on ../shared/data/tinystories/valid-excerpt.txt (context 512, stride 512,
 one BOS prepended; gqakit.eval.perplexity) next to the original's and the converted one's.
 
-    .venv/bin/python bench/uptrain_recovery.py --workdir /tmp/gqakit-recovery \
+    .venv/bin/python -m bench.uptrain_recovery --workdir /tmp/gqakit-recovery \
         --budgets 500000 2000000 --modes recipe kd
-    .venv/bin/python bench/uptrain_recovery.py --workdir /tmp/gqakit-recovery --table-only
+    .venv/bin/python -m bench.uptrain_recovery --workdir /tmp/gqakit-recovery --table-only
 
 Each run is a separate `gqakit uptrain` with its own warm-up and cosine schedule, so a
 budget's number is what a user gets by asking for that budget. Finished runs are reused.
@@ -28,20 +28,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+from bench.common import REPO, SHARED
+from bench.common import perplexity as _perplexity_of
+
 ORIGINAL = SHARED / "models" / "stories260K"
 EVAL = SHARED / "data" / "tinystories" / "valid-excerpt.txt"
 RECIPE = REPO / "configs" / "stories260K-g2.yaml"
 
 
 def perplexity(folder: Path) -> float:
-    from gqakit.core.loading import load_causal_lm, load_tokenizer
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
-
-    model, tok = load_causal_lm(folder), load_tokenizer(folder)
-    res = evaluate_perplexity(model, tok, read_text(str(EVAL)), context=512, stride=512, progress=False)
-    return res.token_perplexity
+    return _perplexity_of(folder, EVAL, context=512, stride=512)
 
 
 # recipe: the config as is (attention only, KL to the original's logits + residual-stream MSE);

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from gqakit.core import arch as archmod
+from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 
 
@@ -48,6 +49,7 @@ from gqakit.core.errors import GqakitError
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
+@trust.option(" (only align-refit loads SRC with transformers; other methods never run its code)")
 def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: str | None,
                 calibration_tokens: int, device: str, refit_options: tuple[str, ...], gguf_type: str | None,
                 dtype: str, max_shard_size: str,

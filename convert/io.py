@@ -1,9 +1,10 @@
 """Streaming checkpoint IO: read one tensor at a time, write safetensors without buffering.
 
-Reading: `open_source(folder)` opens single or sharded safetensors lazily (`safe_open`),
-or `pytorch_model*.bin` with `torch.load(weights_only=True, mmap=True)`; every check on
-the files (missing shard, a shard path escaping the folder, a truncated file, unsafe
-pickles) becomes a one-line `GqakitError`.
+Reading: `open_source(folder)` opens single or sharded safetensors lazily and reads each
+tensor with `pread` (a file cut while it is read is then a short read, not a SIGBUS), or
+`pytorch_model*.bin` with `torch.load(weights_only=True, mmap=True)`; every check on the
+files (missing shard, a shard path escaping the folder, a truncated file, unsafe pickles;
+`core/modelfiles.py`) becomes a one-line `GqakitError`.
 
 Writing: `ShardWriter` knows every output tensor's name, dtype and shape in advance (the
 conversion plan), so it writes each shard's safetensors header first and then streams
@@ -16,9 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import struct
-import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from torch import Tensor
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.loading import read_st_header
+from gqakit.core.modelfiles import index_map, load_bin, read_st_header
 
 ST_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -43,26 +42,8 @@ _ST_DTYPES.pop(None, None)
 _FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
-def _inside(folder: Path, rel: str) -> Path:
-    p = (folder / rel).resolve()
-    if folder.resolve() not in p.parents:
-        raise GqakitError(f"shard path {rel!r} in the index escapes {folder}; refusing to read it")
-    return p
-
-
 def _read_index(folder: Path, index_name: str) -> dict[str, Path]:
-    try:
-        index = json.loads((folder / index_name).read_text())
-        weight_map = index["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise GqakitError(f"{folder / index_name} is not a valid index: {e}") from None
-    files: dict[str, Path] = {}
-    for name, rel in weight_map.items():
-        path = _inside(folder, rel)
-        if not path.is_file():
-            raise GqakitError(f"index {index_name} names shard {rel!r}, which is missing from {folder}")
-        files[name] = path
-    return files
+    return index_map(folder, index_name)  # every shard inside the folder (core/modelfiles.py)
 
 
 class Source:
@@ -115,6 +96,9 @@ class SafetensorsSource(Source):
                         raise GqakitError(f"{path.name}: tensor {k} has unsupported dtype {header[k]['dtype']}")
                     self._meta[k] = (dt, tuple(header[k]["shape"]))
                     begin, end = header[k]["data_offsets"]
+                    if end - begin != torch.Size(header[k]["shape"]).numel() * torch.empty((), dtype=dt).element_size():
+                        raise GqakitError(f"cannot read {path.name}: truncated or corrupt safetensors file "
+                                          f"(tensor {k}: its byte range does not fit its dtype and shape)")
                     self._range[k] = (header["__data_start__"] + begin, end - begin)
                     self._order.append(k)
         missing = set(files_by_name) - set(self._meta)
@@ -128,30 +112,51 @@ class SafetensorsSource(Source):
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         return self._meta[name]
 
-    def get(self, name: str) -> Tensor:
-        from safetensors import SafetensorError
-
+    def _read(self, name: str, skip: int, length: int) -> bytearray:
+        """LENGTH bytes of tensor NAME from byte SKIP of its data, read with pread rather
+        than through a memory map: a file truncated while it is being read then gives a
+        short read, which is one line here, instead of a SIGBUS that kills the process."""
+        path = self._where[name]
+        start, _ = self._range[name]
+        buf = bytearray(length)
+        view, done = memoryview(buf), 0
         try:
-            return self._handles[self._where[name]].get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise GqakitError(f"cannot read tensor {name} from {self._where[name].name}: {e}") from None
+            with open(path, "rb", buffering=0) as f:
+                while done < length:
+                    n = os.preadv(f.fileno(), [view[done:]], start + skip + done)
+                    if n <= 0:
+                        break
+                    done += n
+            size = path.stat().st_size
+        except OSError as e:
+            raise GqakitError(f"cannot read tensor {name} from {path}: {e.strerror or e}") from None
+        if done < length:
+            raise GqakitError(f"cannot read tensor {name} from {path}: the file is now {size} bytes, shorter than "
+                              f"its header says; it was truncated or replaced while gqakit read it")
+        return buf
+
+    def _tensor(self, buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def get(self, name: str) -> Tensor:
+        dtype, shape = self._meta[name]
+        return self._tensor(self._read(name, 0, self._range[name][1]), dtype, shape)
 
     def rows(self, name: str, index: Tensor) -> Tensor:
         """Rows `index` of a 2-D tensor, read run by run of consecutive indices (an
         embedding's used rows, without reading the whole matrix)."""
-        from safetensors import SafetensorError
-
+        dtype, shape = self._meta[name]
+        row = self._range[name][1] // max(shape[0], 1)
         idx = index.tolist()
         parts, start = [], 0
-        try:
-            sl = self._handles[self._where[name]].get_slice(name)
-            for i in range(1, len(idx) + 1):
-                if i == len(idx) or idx[i] != idx[i - 1] + 1:
-                    parts.append(sl[idx[start]:idx[i - 1] + 1])
-                    start = i
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise GqakitError(f"cannot read tensor {name} from {self._where[name].name}: {e}") from None
-        return torch.cat(parts)
+        for i in range(1, len(idx) + 1):
+            if i == len(idx) or idx[i] != idx[i - 1] + 1:
+                a, b = idx[start], idx[i - 1] + 1
+                parts.append(self._tensor(self._read(name, a * row, (b - a) * row), dtype, (b - a, *shape[1:])))
+                start = i
+        return torch.cat(parts) if parts else torch.empty((0, *shape[1:]), dtype=dtype)
 
     def files(self) -> list[Path]:
         return list(self._handles)
@@ -161,7 +166,7 @@ class SafetensorsSource(Source):
         return (self._where[name], *self._range[name])
 
 
-_read_st_header = read_st_header  # lives in core.loading (no torch needed)
+_read_st_header = read_st_header  # lives in core.modelfiles (no torch needed)
 
 
 class DictSource(Source):
@@ -185,17 +190,7 @@ class DictSource(Source):
         return self._files
 
 
-def _load_bin(path: Path) -> dict[str, Tensor]:
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as e:
-        raise GqakitError(f"{path.name} needs unsafe unpickling (weights_only=True refused it: "
-                          f"{str(e).splitlines()[0][:160]}); convert it to safetensors first") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as e:
-        raise GqakitError(f"cannot read {path.name}: truncated or corrupt ({str(e).splitlines()[0][:160]})") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
-        raise GqakitError(f"{path.name} is not a state dict of tensors")
-    return sd
+_load_bin = load_bin  # weights_only=True: no pickle runs code (core/modelfiles.py)
 
 
 def open_source(folder: Path) -> Source:

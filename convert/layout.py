@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gqakit.core.arch import ArchSpec, Shape
+from gqakit.core.qkv_rows import join_grouped_qkv, split_grouped_qkv
 
 
 @dataclass
@@ -64,18 +65,13 @@ def _split_rows(t: Tensor, spec: ArchSpec, shape: Shape) -> tuple[Tensor, Tensor
     H, KV, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
     if spec.attention.layout == "fused_concat":
         return t[: H * D], t[H * D : (H + KV) * D], t[(H + KV) * D :]
-    r = H // KV  # grouped_qkv: (KV, r + 2, D, ...)
-    g = t.reshape(KV, r + 2, D, *t.shape[1:])
-    return (g[:, :r].reshape(H * D, *t.shape[1:]), g[:, r].reshape(KV * D, *t.shape[1:]),
-            g[:, r + 1].reshape(KV * D, *t.shape[1:]))
+    return split_grouped_qkv(t, H, KV, D)
 
 
 def _join_rows(q: Tensor, k: Tensor, v: Tensor, spec: ArchSpec, H: int, KV: int, D: int) -> Tensor:
     if spec.attention.layout == "fused_concat":
         return torch.cat([q, k, v], dim=0)
-    r, rest = H // KV, q.shape[1:]
-    parts = [q.reshape(KV, r, D, *rest), k.reshape(KV, 1, D, *rest), v.reshape(KV, 1, D, *rest)]
-    return torch.cat(parts, dim=1).reshape((H + 2 * KV) * D, *rest)
+    return join_grouped_qkv(q, k, v, H, KV, D)
 
 
 def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: int,

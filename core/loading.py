@@ -1,9 +1,10 @@
 """Load models and tokenizers from a local folder or a .gguf file, offline.
 
 Folders written by `gqakit convert` for families without stock GQA support carry a
-modeling file `gqakit_modeling_<family>.py` and an `auto_map` in config.json. Those are
-loaded with `trust_remote_code=True` automatically, because the code is gqakit's own;
-any other remote code needs the caller's explicit `trust_remote_code=True`.
+modeling file `gqakit_modeling_<family>.py` and an `auto_map` in config.json. Such a file
+runs without asking only when it is byte-identical to the one this version of gqakit
+ships; any other code from a model folder runs only with --trust-remote-code
+(`core/trust.py` decides, for every loader here).
 
 Every file is checked before transformers sees it (config.json, safetensors headers and
 sizes, GGUF structure), so a damaged model is one line naming the file, never a
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from gqakit.core import trust
 from gqakit.core.errors import GqakitError
+from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded, read_st_header  # noqa: F401 (re-exported)
 
 # Nothing in gqakit may reach the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 CONVERT_SETTINGS = "gqakit_convert.json"   # written by `gqakit convert`
 UPTRAIN_SETTINGS = "gqakit_uptrain.yaml"   # written by `gqakit uptrain`
-REMOTE_PREFIX = "gqakit_modeling_"
+REMOTE_PREFIX = trust.REMOTE_PREFIX
 ST_INDEX = "model.safetensors.index.json"
 
 # Sizes a config may leave out or set to null, but never to zero, a negative or a string.
@@ -63,53 +65,12 @@ def read_config_json(folder: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def read_st_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file, checked against the file's size.
-
-    Raises ValueError for a truncated or malformed file (OSError if unreadable)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError("file shorter than its header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError("header larger than the file")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (KeyError, TypeError, IndexError, ValueError):
-        raise ValueError("header lacks data_offsets") from None
-    if 8 + n + end > size:
-        raise ValueError(f"file is {size} bytes but its header needs {8 + n + end}")
-    header["__data_start__"] = 8 + n
-    return header
-
-
 def check_weights(folder: Path) -> None:
-    """Every safetensors file of FOLDER (and its index) is whole; else one line naming the file."""
+    """The weights of FOLDER are whole, inside it, and agree with its config.json; else one
+    line naming the file and the field (`core/modelfiles.py`)."""
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if (folder / ST_INDEX).is_file():
-        try:
-            index = json.loads((folder / ST_INDEX).read_bytes().decode("utf-8"))
-            shards = sorted(set(index["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise GqakitError(f"{folder / ST_INDEX} is not a valid index: {e}") from None
-        for rel in shards:
-            if not isinstance(rel, str) or not (folder / rel).is_file():
-                raise GqakitError(f"index {ST_INDEX} names shard {rel!r}, which is missing from {folder}")
-        files = [folder / rel for rel in shards]
-    for f in files:
-        try:
-            read_st_header(f)
-        except (OSError, ValueError) as e:
-            raise GqakitError(f"cannot read {f}: truncated or corrupt safetensors file ({e})") from None
+    config = read_config_json(folder) if (folder / "config.json").is_file() else {}
+    check_folder(folder, config)
 
 
 @lru_cache(maxsize=16)
@@ -119,10 +80,11 @@ def _check_gguf(path: str, size: int, mtime: int) -> None:
     except ImportError:  # a dependency of gqakit, but an environment can lack it (a GPU image did)
         raise GqakitError(f"cannot read {path}: reading GGUF needs the `gguf` package (pip install gguf)") from None
     try:
-        GGUFReader(path)
+        reader = GGUFReader(path)
     except Exception as e:  # gguf raises ValueError, struct.error, numpy errors, ... on damage
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise GqakitError(f"cannot read {path}: truncated or corrupt GGUF file ({first})") from None
+    check_gguf_metadata(reader, Path(path))
 
 
 def check_gguf(path: Path) -> None:
@@ -144,22 +106,26 @@ def split_source(path: str | Path) -> tuple[Path, str | None]:
     if not (p / "config.json").is_file():
         raise GqakitError(f"{p} has no config.json; is it a Hugging Face model folder?")
     read_config_json(p)
+    trust.check_folder(p)  # code that claims to be gqakit's and is not: refused before anything loads
     return p, None
 
 
 def is_gqakit_remote(folder: Path) -> bool:
-    """True when config.json's auto_map points only at gqakit's own modeling file."""
-    try:
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    if not isinstance(cfg, dict):
-        return False
-    amap = cfg.get("auto_map") or {}
-    if not isinstance(amap, dict):
-        return False
-    mods = {v.split(".")[0] for v in amap.values() if isinstance(v, str)}
-    return bool(mods) and all(m.startswith(REMOTE_PREFIX) and (Path(folder) / f"{m}.py").is_file() for m in mods)
+    """True when the model folder's `auto_map` names only gqakit's own modeling files,
+    byte-identical to the ones this version ships (they load without --trust-remote-code)."""
+    return trust.only_gqakit_code(trust.code_files(Path(folder)))
+
+
+def remote_code(folder: Path, gguf: str | None) -> bool:
+    """`trust_remote_code` for transformers: a GGUF file carries no code; a folder's code
+    runs when it is gqakit's own or the user allowed it (`core.trust.check_folder`)."""
+    return False if gguf else trust.check_folder(folder)
+
+
+def _refuse_code(folder: Path, e: BaseException) -> None:
+    """transformers said the folder needs its own code: one line naming the file and the flag."""
+    if trust.needs_code(e) and trust.code_files(folder):
+        raise trust.refusal(folder) from None
 
 
 def is_gqakit_output(folder: Path) -> bool:
@@ -177,10 +143,11 @@ def load_config(path: str | Path, *, trust_remote_code: bool | None = None) -> A
     folder, gguf = split_source(path)
     if gguf:
         check_gguf(folder / gguf)
-    trc = is_gqakit_remote(folder) if trust_remote_code is None else trust_remote_code
+    trc = remote_code(folder, gguf) if trust_remote_code is None else trust_remote_code
     try:
         return AutoConfig.from_pretrained(folder, gguf_file=gguf, trust_remote_code=trc)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        _refuse_code(folder, e)
         raise GqakitError(f"cannot read the model config of {path}: {_first_line(e)}") from None
 
 
@@ -211,16 +178,19 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
         check_gguf(folder / gguf)
     else:
         check_weights(folder)
-    trc = is_gqakit_remote(folder) if trust_remote_code is None else trust_remote_code
+    trc = remote_code(folder, gguf) if trust_remote_code is None else trust_remote_code
     from gqakit.core.quiet import gguf_bars_off
 
     try:
         with hf_bars(progress), gguf_bars_off() if gguf else nullcontext():
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc, **kwargs
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc,
+                output_loading_info=True, **kwargs
             )
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, SafetensorError) as e:
+        _refuse_code(folder, e)
         raise GqakitError(f"cannot load the model at {path}: {_first_line(e)}") from None
+    check_loaded(info, Path(path), type(model).__name__)
     return model.to(device).eval()
 
 
@@ -231,8 +201,9 @@ def load_tokenizer(path: str | Path) -> Any:
     if gguf:
         check_gguf(folder / gguf)
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf, trust_remote_code=remote_code(folder, gguf))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        _refuse_code(folder, e)
         raise GqakitError(f"cannot load the tokenizer of {path}: {_first_line(e)}") from None
 
 

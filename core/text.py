@@ -24,38 +24,66 @@ class EvalText:
         return {"path": self.source, "sha256": self.sha256, "chars": len(self.text), "max_chars": self.max_chars}
 
 
-def read_text(data: str, *, max_chars: int | None = None, text_field: str = "text") -> EvalText:
-    """A local text file, or a Hugging Face dataset `hf:NAME[:CONFIG][:SPLIT]` from the local cache.
+@dataclass(frozen=True)
+class TextSource:
+    """Where a text comes from, decided once from what the user typed: a local file, or a
+    Hugging Face dataset `hf:NAME[:CONFIG][:SPLIT]` read from the local datasets cache.
 
-    The sha256 is of the file's bytes for a file, and of the joined text for a dataset, so
-    `compare` can tell whether two results were measured on the same data.
-    """
-    if data.startswith("hf:"):
-        return _read_hf(data, max_chars=max_chars, text_field=text_field)
-    p = Path(data).expanduser()
-    if not p.is_file():
-        raise GqakitError(f"data file not found: {p}")
-    raw = p.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GqakitError(f"data file {p} is not UTF-8 text (byte {e.start})") from None
-    # Universal newlines, as Python's text mode reads files: a CRLF file and its LF copy
-    # must score the same (a stray "\r" is a rare byte-fallback token that costs a lot).
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    text = _clip(text, max_chars)
-    if not text.strip():
-        raise GqakitError(f"data file {p} is empty")
-    digest = hashlib.sha256(raw if max_chars is None else text.encode("utf-8")).hexdigest()
-    return EvalText(text=text, source=str(p.resolve()), sha256=digest, max_chars=max_chars)
+    `file` is the local file (None for a dataset): the path every "is OUT one of the
+    inputs?" check lists. `read` returns the text with its sha256 (EvalText)."""
+
+    spec: str
+
+    def __str__(self) -> str:
+        return self.spec
+
+    @property
+    def is_dataset(self) -> bool:
+        return self.spec.startswith("hf:")
+
+    @property
+    def file(self) -> Path | None:
+        return None if self.is_dataset else Path(self.spec).expanduser()
+
+    def check_exists(self, what: str = "data file") -> None:
+        """A local file that is not there: one line, before anything slow. A dataset is checked when read."""
+        if self.file is not None and not self.file.is_file():
+            raise GqakitError(f"{what} not found: {self.file}")
+
+    def read(self, *, max_chars: int | None = None, text_field: str = "text") -> EvalText:
+        """The text (its first `max_chars` characters), with the sha256 that records which text was used.
+
+        The sha256 is of the file's bytes for a whole file, and of the text used otherwise, so
+        `compare` can tell whether two results were measured on the same data. `max_chars` is
+        taken as given (eval's settings check it)."""
+        if self.file is None:
+            return _read_hf(self.spec, max_chars=max_chars, text_field=text_field)
+        self.check_exists()
+        p = self.file
+        raw = p.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GqakitError(f"data file {p} is not UTF-8 text (byte {e.start})") from None
+        # Universal newlines, as Python's text mode reads files: a CRLF file and its LF copy
+        # must score the same (a stray "\r" is a rare byte-fallback token that costs a lot).
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+        text = _clip(text, max_chars)
+        if not text.strip():
+            raise GqakitError(f"data file {p} is empty")
+        digest = hashlib.sha256(raw if max_chars is None else text.encode("utf-8")).hexdigest()
+        return EvalText(text=text, source=str(p.resolve()), sha256=digest, max_chars=max_chars)
+
+
+def read_text(data: str | TextSource, *, max_chars: int | None = None, text_field: str = "text") -> EvalText:
+    """A local text file, or a Hugging Face dataset `hf:NAME[:CONFIG][:SPLIT]` from the local cache
+    (TextSource.read)."""
+    src = data if isinstance(data, TextSource) else TextSource(str(data))
+    return src.read(max_chars=max_chars, text_field=text_field)
 
 
 def _clip(text: str, max_chars: int | None) -> str:
-    if max_chars is None:
-        return text
-    if max_chars < 1:
-        raise GqakitError(f"--max-chars must be a positive number of characters; got {max_chars}")
-    return text[:max_chars]
+    return text if max_chars is None else text[:max_chars]
 
 
 def _read_hf(spec: str, *, max_chars: int | None, text_field: str) -> EvalText:

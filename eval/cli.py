@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ def command_line() -> list[str]:
 @click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16, or auto (fp32 CPU, bf16 GPU).")
 @click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit results file.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
+@trust.option("; for the task files of --tasks-path, the Python modules their `!function` tags import and "
+              "their Jinja templates outside Jinja's sandbox")
 def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, new_tokens,
              reps, warmup, compile_, eager, prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot,
              limit, tasks_path, tasks_batch, device, dtype, overwrite, quiet) -> None:
@@ -96,8 +99,9 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./my-gqa --tasks hellaswag,arc_easy --num-fewshot 0 --out acc.json
       gqakit eval ./my-gqa --tasks gqakit_stories_mc --tasks-path examples/tasks --limit 20 --out acc.json
     """
+    from gqakit.eval.perplexity import PerplexitySettings, Window
     from gqakit.eval.runner import run_eval
-    from gqakit.eval.speed import SpeedSettings, parse_ints
+    from gqakit.eval.speed import SpeedSettings
 
     ppl = bool(data) if ppl is None else ppl
     task_settings = None
@@ -108,18 +112,20 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
                                      tasks_path=tasks_path, batch_size=tasks_batch)
     elif num_fewshot is not None or limit is not None or tasks_path is not None:
         raise GqakitError("--num-fewshot, --limit and --tasks-path go with --tasks NAMES")
-    settings = None
+    speed_settings = None
     if speed:
-        if new_tokens < 1 or reps < 1 or warmup < 0 or max_batch_limit < 1:
-            raise GqakitError("--new-tokens, --reps and --max-batch-limit must be at least 1, --warmup at least 0")
-        settings = SpeedSettings(batches=parse_ints(batches, "--batch"), prompt_lens=parse_ints(prompt_lens, "--prompt-len"),
-                                 new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
-                                 max_batch_search=max_batch_search, max_batch_limit=max_batch_limit,
-                                 eager=eager, prefill_once=prefill_once)
-    res = run_eval(model, data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars,
-                   text_field=text_field, speed_settings=settings, device=device, dtype=dtype, out=out,
-                   command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet,
-                   tasks=task_settings)
+        speed_settings = SpeedSettings(batches=batches, prompt_lens=prompt_lens,
+                                       new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
+                                       max_batch_search=max_batch_search, max_batch_limit=max_batch_limit,
+                                       eager=eager, prefill_once=prefill_once)
+    ppl_settings = None
+    if ppl:
+        if not data:
+            raise GqakitError("--ppl needs --data FILE (or hf:NAME[:CONFIG][:SPLIT])")
+        ppl_settings = PerplexitySettings(data=data, window=Window(context=context, stride=stride),
+                                          max_chars=max_chars, text_field=text_field)
+    res = run_eval(model, perplexity=ppl_settings, speed=speed_settings, tasks=task_settings, device=device,
+                   dtype=dtype, out=out, command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
     _print_summary(res, out)
 
 

@@ -20,10 +20,61 @@ import math
 import re
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from gqakit.core.errors import GqakitError
+from gqakit.core.text import EvalText, TextSource, read_text  # noqa: F401  (read_text re-exported)
 from gqakit.core.tokens import bos_id
-from gqakit.core.text import EvalText, read_text  # noqa: F401  (re-exported)
 from gqakit.eval.records import PerplexityResult
+
+
+class Window(BaseModel):
+    """The sliding window: `context` tokens, advancing by `stride` (None: by `context`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    context: int = 512
+    stride: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Window":
+        if self.context < 2:
+            raise GqakitError(f"--context must be at least 2 tokens (got {self.context})")
+        if self.stride is not None and not 1 <= self.stride <= self.context:
+            raise GqakitError(f"--stride must be between 1 and --context ({self.context}); got {self.stride}")
+        return self
+
+    @property
+    def stride_tokens(self) -> int:
+        return self.context if self.stride is None else self.stride
+
+
+class PerplexitySettings(BaseModel):
+    """What `gqakit eval --data` measures: which text (its first `max_chars` characters; the
+    `text_field` column of an hf: dataset), over which window. Checked when built."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: TextSource
+    window: Window = Field(default_factory=Window)
+    max_chars: int | None = None
+    text_field: str = "text"
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _source(cls, value: Any) -> Any:
+        return value if isinstance(value, TextSource) else TextSource(str(value))
+
+    @field_validator("max_chars")
+    @classmethod
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise GqakitError(f"--max-chars must be a positive number of characters; got {value}")
+        return value
+
+    def read(self) -> EvalText:
+        """The text to score (before the model loads: a bad file fails first)."""
+        return self.data.read(max_chars=self.max_chars, text_field=self.text_field)
 
 
 def tokenize_document(tokenizer: Any, text: str, bos_token_id: int | None) -> tuple[list[int], bool]:
@@ -94,15 +145,10 @@ def count_words(text: str) -> int:
     return len(re.split(r"\s+", text.strip())) if text.strip() else 0
 
 
-def evaluate_perplexity(model: Any, tokenizer: Any, doc: EvalText, *, context: int, stride: int | None = None,
-                        device: Any = "cpu", max_positions: int | None = None,
-                        progress: bool = True) -> PerplexityResult:
+def evaluate_perplexity(model: Any, tokenizer: Any, doc: EvalText, window: Window, *, device: Any = "cpu",
+                        max_positions: int | None = None, progress: bool = True) -> PerplexityResult:
     """Token, word and byte perplexity and bits per byte of `doc` under `model`."""
-    stride = context if stride is None else stride  # 0 is an error below, not 'the default'
-    if context < 2:
-        raise GqakitError(f"--context must be at least 2 tokens (got {context})")
-    if stride < 1 or stride > context:
-        raise GqakitError(f"--stride must be between 1 and --context ({context}); got {stride}")
+    context, stride = window.context, window.stride_tokens
     if max_positions is not None and context > max_positions:
         raise GqakitError(f"--context {context} is larger than the model's {max_positions} positions")
     bos = bos_id(tokenizer, model.config)

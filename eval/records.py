@@ -1,30 +1,47 @@
-"""Typed eval results: what `gqakit eval` measures, and what `compare` and the plots read.
+"""The results file of `gqakit eval` (schema `gqakit.eval/1`): its typed blocks, and reading and writing it.
 
-One dataclass per block of the results file (schema `gqakit.eval/1`, see results.py):
-`EvalResult` holds `RunInfo`, `ModelInfo`, `PerplexityResult`, `SpeedResult` (its grid of
-`SpeedPoint`s and its `MaxBatch` rows) and `TasksResult` (`TaskRow`s of `TaskMetric`s).
-runner, speed and tasks build them; report, plots and the CLI summary read their
-attributes. The JSON is unchanged: `to_json` writes the keys in the order the fields are
-declared here (the order the writers always used), leaves out fields that were never
-set (`UNSET`: an out-of-memory grid point has no timings), and appends keys this module
-does not know (`extra`, from a newer or hand-edited file) so a file read and written
-again is the same file. `EvalResult.from_json` validates with results.py's pydantic
-models first, so a damaged file is a one-line error, not a crash mid-report.
+One JSON per evaluated model, split the way peft's method_comparison splits its results:
+`run` (how and where the numbers were made), `model` (what was measured), then one block
+per measurement (`perplexity`, `speed`, `tasks`: lm-evaluation-harness metrics with their
+stderr, task versions and harness version; the block carries its own `format` number).
 
-Leaf statistics (`{"median": .., "p90": ..}`), settings and provenance sub-blocks stay
-plain JSON values: they are printed, never computed with.
+One pydantic model per block: `EvalResult` holds `RunInfo`, `ModelInfo`, `PerplexityResult`,
+`SpeedResult` (its grid of `SpeedPoint`s and its `MaxBatch` rows) and `TasksResult`
+(`TaskRow`s of `TaskMetric`s). runner, speed and tasks build them; report, plots and the
+CLI summary read their attributes; `write_results` and `read_results` are the only way a
+results file is written or read. The JSON keeps its exact bytes:
+
+- keys are written in the order the fields are declared here (the order the writers always used);
+- a field that was never set is `UNSET` and is left out (an out-of-memory grid point has no
+  timings); `UNSET` is not null, and a null that was read is written back as null;
+- numbers keep the type they were read or built with (`128` stays `128`, not `128.0`), and
+  the small JSON objects the models do not unpack (`{"median": .., "p90": ..}`, the data's
+  `path` and `sha256`) keep their own key order;
+- keys this schema does not know (`extra`, from a newer or hand-edited file) are kept and
+  written after the known ones, so a file read and written again is the same file.
+
+A file is validated as it is read, so a damaged one (a perplexity that is a string, a
+model that is null) is one `GqakitError` naming the file and the key, not a crash halfway
+through a report. Unknown keys are allowed at every level: newer files stay readable.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      WrapValidator, model_validator)
+from typing_extensions import Required, TypedDict
+
+from gqakit.core.errors import GqakitError
+
+SCHEMA = "gqakit.eval/1"
 
 
-class _Unset:
-    """A key absent from the JSON (not the same as null)."""
+class Unset:
+    """The type of `UNSET`: a key absent from the JSON (not the same as null)."""
 
     def __repr__(self) -> str:
         return "UNSET"
@@ -32,8 +49,14 @@ class _Unset:
     def __bool__(self) -> bool:
         return False
 
+    def __copy__(self) -> "Unset":
+        return self
 
-UNSET: Any = _Unset()
+    def __deepcopy__(self, memo: Any) -> "Unset":
+        return self
+
+
+UNSET: Any = Unset()
 
 
 def opt(value: Any) -> Any:
@@ -41,92 +64,113 @@ def opt(value: Any) -> Any:
     return None if value is UNSET else value
 
 
-class Record:
-    """to_json / from_json by field order; nested records named in `_nested`."""
+T = TypeVar("T")
 
-    # field name -> (record class, "one" | "list" | "dict")
-    _nested: ClassVar[dict[str, tuple[type, str]]] = {}
+
+def _as_given(value: Any, handler: Any) -> Any:
+    handler(value)  # validated (or one error naming the key), then kept exactly as given
+    return value
+
+
+# A type checked as T, but the value kept as it was given: JSON numbers keep int or float,
+# and small JSON objects keep their key order and their unknown keys.
+AsGiven = Annotated[T, WrapValidator(_as_given)]
+Num = AsGiven[StrictFloat]  # 5 and 5.0 pass (and stay as they are), "5", true and null do not
+
+
+class _Open(TypedDict, total=False):
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+
+
+class Stat(_Open, total=False):
+    """{"median": .., "p90": ..} of a timing."""
+
+    median: Required[Num]
+
+
+class TextData(_Open, total=False):
+    """Which text a perplexity was measured on (core.text.EvalText.describe, plus `seen_in_training`)."""
+
+    path: Required[StrictStr]
+    sha256: Required[StrictStr]
+
+
+class TokenizerData(_Open, total=False):
+    name_or_path: StrictStr
+    vocab_size: StrictInt | None
+
+
+class AttentionData(_Open, total=False):
+    decode_path: StrictStr | None
+
+
+class HarnessData(_Open, total=False):
+    version: Required[StrictStr]
+
+
+class Record(BaseModel):
+    """A block of the results file: `to_json` / `from_json` by field order, unknown keys kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """Keys of the JSON this schema does not know, in their order."""
+        return self.model_extra or {}
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            if f.name == "extra":
-                continue
-            v = getattr(self, f.name)
-            if v is UNSET:
-                continue
-            kind = self._nested.get(f.name, (None, ""))[1]
-            if v is None or not kind:
-                out[f.name] = v
-            elif kind == "one":
-                out[f.name] = v.to_json()
-            elif kind == "list":
-                out[f.name] = [x.to_json() for x in v]
-            else:
-                out[f.name] = {k: x.to_json() for k, x in v.items()}
-        out.update(getattr(self, "extra", {}))
+        for name, f in type(self).model_fields.items():
+            value = getattr(self, name)
+            if value is not UNSET:
+                out[f.alias or name] = _plain(value)
+        out.update(self.extra)
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Any:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        kw: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        for k, v in data.items():
-            if k not in names or k == "extra":
-                extra[k] = v
-                continue
-            sub, kind = cls._nested.get(k, (None, ""))
-            if v is None or not kind:
-                kw[k] = v
-            elif kind == "one":
-                kw[k] = sub.from_json(v)
-            elif kind == "list":
-                kw[k] = [sub.from_json(x) for x in v]
-            else:
-                kw[k] = {n: sub.from_json(x) for n, x in v.items()}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name not in kw and f.name != "extra" and f.default is dataclasses.MISSING \
-                    and f.default_factory is dataclasses.MISSING:
-                kw[f.name] = UNSET
-        if "extra" in names:
-            kw["extra"] = extra
-        return cls(**kw)
+    def from_json(cls: type[T], data: dict[str, Any]) -> T:
+        return cls.model_validate(data)  # type: ignore[attr-defined,no-any-return]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 # ----------------------------------------------------------------------------- run and model
 
-@dataclass(kw_only=True)
 class RunInfo(Record):
     """How and where the numbers were made: command, versions, device, date, commit."""
 
-    command: str
-    date: str
-    gqakit: str
-    git: str | None = UNSET
-    torch: str
-    transformers: str
-    python: str = UNSET
-    device: str = UNSET
-    device_name: str
-    dtype: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    command: StrictStr
+    date: StrictStr
+    gqakit: StrictStr
+    git: StrictStr | None = UNSET
+    torch: StrictStr
+    transformers: StrictStr
+    python: StrictStr = UNSET
+    device: StrictStr = UNSET
+    device_name: StrictStr
+    dtype: StrictStr
 
 
-@dataclass(kw_only=True)
 class ModelInfo(Record):
     """Shape facts of the measured model, and the KV-cache bytes one token costs."""
 
-    path: str
-    model_type: str | None = UNSET
-    parameters: int
-    layers: int = UNSET
-    heads: int
-    kv_heads: int
-    head_dim: int = UNSET
-    max_positions: int | None = UNSET
-    kv_bytes_per_token: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    path: StrictStr
+    model_type: StrictStr | None = UNSET
+    parameters: StrictInt
+    layers: StrictInt = UNSET
+    heads: StrictInt
+    kv_heads: StrictInt
+    head_dim: StrictInt = UNSET
+    max_positions: StrictInt | None = UNSET
+    kv_bytes_per_token: Num
 
     @property
     def name(self) -> str:
@@ -135,61 +179,65 @@ class ModelInfo(Record):
 
 # ----------------------------------------------------------------------------- perplexity
 
-@dataclass(kw_only=True)
 class PerplexityResult(Record):
-    context: int
-    stride: int
-    step: int = UNSET       # tokens each window advances: min(stride, context - 1), see window_plan
-    tokens: int             # tokens scored (document tokens; the leading BOS is context only)
-    windows: int = UNSET
-    nll_sum: float = UNSET  # total negative log-likelihood in nats
-    words: int = UNSET
-    bytes: int = UNSET
-    token_perplexity: float
-    word_perplexity: float
-    byte_perplexity: float = UNSET
-    bits_per_byte: float
-    bos_prepended: bool = UNSET
-    tokenizer: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)  # path, sha256, chars, seen_in_training ...
-    extra: dict[str, Any] = field(default_factory=dict)
+    context: StrictInt
+    stride: StrictInt
+    step: StrictInt = UNSET      # tokens each window advances: min(stride, context - 1), see window_plan
+    tokens: StrictInt            # tokens scored (document tokens; the leading BOS is context only)
+    windows: StrictInt = UNSET
+    nll_sum: Num = UNSET         # total negative log-likelihood in nats
+    words: StrictInt = UNSET
+    bytes: StrictInt = UNSET
+    token_perplexity: Num
+    word_perplexity: Num
+    byte_perplexity: Num = UNSET
+    bits_per_byte: Num
+    bos_prepended: StrictBool = UNSET
+    tokenizer: AsGiven[TokenizerData]
+    data: AsGiven[TextData]      # path, sha256, chars, max_chars, seen_in_training
 
 
 # ----------------------------------------------------------------------------- speed
 
-@dataclass(kw_only=True)
 class SpeedPoint(Record):
     """One (batch, prompt length) decode measurement; status "oom" carries only a reason."""
 
-    batch: int
-    prompt_len: int
-    new_tokens: int = UNSET
-    status: str
-    reason: str = UNSET
-    decode_mode: str = UNSET
+    batch: StrictInt
+    prompt_len: StrictInt
+    new_tokens: StrictInt = UNSET
+    status: StrictStr
+    reason: StrictStr = UNSET
+    decode_mode: StrictStr = UNSET
     decode_path: dict[str, Any] = UNSET
-    decode_samples: int = UNSET
-    decode_sample: str = UNSET
-    prefill_ms: dict[str, float] = UNSET            # {"median", "p90"}
-    prefill_samples: int = UNSET
-    decode_ms_per_token: dict[str, float] = UNSET   # {"median", "p90"}
-    tokens_per_s: dict[str, float] = UNSET          # {"median", "p90_of_step_time"}
-    warmup_s: float = UNSET
-    compile_s: float | None = UNSET
-    reps: int = UNSET
-    packed_weight_bytes: int | None = UNSET
-    peak_memory_bytes: float | None = UNSET
-    peak_memory_kind: str = UNSET
-    kv_cache_bytes: float | None = UNSET
-    kv_cache_bytes_analytic: float = UNSET
-    bytes_per_step: dict[str, float] = UNSET        # {"weights", "kv", "total"}
-    flops_per_step: float = UNSET
-    roofline_ms: dict[str, float | None] = UNSET    # {"bytes", "flops"}
-    achieved_bandwidth_gbs: float = UNSET
-    roofline_fraction: float = UNSET
-    arithmetic_intensity: float = UNSET
-    memory_bound: bool = UNSET
-    extra: dict[str, Any] = field(default_factory=dict)
+    decode_samples: StrictInt = UNSET
+    decode_sample: StrictStr = UNSET
+    prefill_ms: AsGiven[Stat] | None = UNSET            # {"median", "p90"}
+    prefill_samples: StrictInt = UNSET
+    decode_ms_per_token: AsGiven[Stat] | None = UNSET   # {"median", "p90"}
+    tokens_per_s: AsGiven[Stat] | None = UNSET          # {"median", "p90_of_step_time"}
+    warmup_s: Num = UNSET
+    compile_s: Num | None = UNSET
+    reps: StrictInt = UNSET
+    packed_weight_bytes: StrictInt | None = UNSET
+    peak_memory_bytes: Num | None = UNSET
+    peak_memory_kind: StrictStr = UNSET
+    kv_cache_bytes: Num | None = UNSET
+    kv_cache_bytes_analytic: Num = UNSET
+    bytes_per_step: AsGiven[dict[str, Num]] = UNSET      # {"weights", "kv", "total"}
+    flops_per_step: Num = UNSET
+    roofline_ms: AsGiven[dict[str, Num | None]] = UNSET  # {"bytes", "flops"}
+    achieved_bandwidth_gbs: Num = UNSET
+    roofline_fraction: Num | None = UNSET
+    arithmetic_intensity: Num = UNSET
+    memory_bound: StrictBool | None = UNSET
+
+    @model_validator(mode="after")
+    def _ok_has_numbers(self) -> "SpeedPoint":
+        if self.status == "ok":
+            for k in ("tokens_per_s", "decode_ms_per_token", "prefill_ms", "roofline_fraction", "memory_bound"):
+                if opt(getattr(self, k)) is None:
+                    raise ValueError(f"grid point with status ok lacks {k}")
+        return self
 
     @property
     def ok(self) -> bool:
@@ -200,32 +248,27 @@ class SpeedPoint(Record):
         return self.batch, self.prompt_len
 
 
-@dataclass(kw_only=True)
 class MaxBatch(Record):
     """The largest batch that fits at one prompt length (`at_limit`: the search stopped at `limit`)."""
 
-    prompt_len: int
-    max_batch: int
-    at_limit: bool
-    limit: int = UNSET
-    method: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    prompt_len: StrictInt
+    max_batch: StrictInt
+    at_limit: StrictBool
+    limit: StrictInt = UNSET
+    method: StrictStr = ""
 
 
-@dataclass(kw_only=True)
 class SpeedResult(Record):
     """The decode benchmark: settings, device roofs, attention path, grid, max batch."""
 
-    _nested: ClassVar[dict[str, tuple[type, str]]] = {"grid": (SpeedPoint, "list"), "max_batch": (MaxBatch, "list")}
     settings: dict[str, Any] = UNSET
-    graph_error: str | None = UNSET
-    attention: dict[str, Any] = field(default_factory=dict)  # implementation, decode_path, ...
-    device_roof: dict[str, float] = UNSET
-    weight_bytes_per_step: int = UNSET
-    kv_bytes_per_token: float = UNSET
-    grid: list[SpeedPoint] = field(default_factory=list)
-    max_batch: list[MaxBatch] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    graph_error: StrictStr | None = UNSET
+    attention: AsGiven[AttentionData] = Field(default_factory=dict)  # implementation, decode_path, ...
+    device_roof: AsGiven[dict[str, Num]] = UNSET
+    weight_bytes_per_step: StrictInt = UNSET
+    kv_bytes_per_token: Num = UNSET
+    grid: list[SpeedPoint] = Field(default_factory=list)
+    max_batch: list[MaxBatch] = Field(default_factory=list)
 
     def points(self) -> dict[tuple[int, int], SpeedPoint]:
         return {g.key: g for g in self.grid}
@@ -233,27 +276,22 @@ class SpeedResult(Record):
 
 # ----------------------------------------------------------------------------- tasks
 
-@dataclass(kw_only=True)
 class TaskMetric(Record):
-    value: float
-    stderr: float | None = None
-    higher_is_better: bool | None = UNSET
-    extra: dict[str, Any] = field(default_factory=dict)
+    value: Num
+    stderr: Num | None = None
+    higher_is_better: StrictBool | None = UNSET
 
 
-@dataclass(kw_only=True)
 class TaskRow(Record):
     """One task (or group) of lm-evaluation-harness: its metrics and how they were made."""
 
-    _nested: ClassVar[dict[str, tuple[type, str]]] = {"metrics": (TaskMetric, "dict")}
     version: Any = UNSET
     metrics: dict[str, TaskMetric]
-    subtasks: list[str] = UNSET          # groups only
-    n_shot: int | None = UNSET
-    output_type: str | None = UNSET
-    samples: dict[str, Any] = UNSET      # {"original", "effective"}
-    dataset: dict[str, Any] = UNSET      # path, name, data_files [{path, sha256}]
-    extra: dict[str, Any] = field(default_factory=dict)
+    subtasks: list[StrictStr] = UNSET     # groups only
+    n_shot: StrictInt | None = UNSET
+    output_type: StrictStr | None = UNSET
+    samples: dict[str, Any] = UNSET       # {"original", "effective"}
+    dataset: dict[str, Any] = UNSET       # path, name, data_files [{path, sha256}]
 
     @property
     def examples(self) -> int | None:
@@ -264,17 +302,14 @@ class TaskRow(Record):
         return [f.get("sha256") for f in (self.dataset or {}).get("data_files", [])]
 
 
-@dataclass(kw_only=True)
 class TasksResult(Record):
     """The `tasks` block; `format` is its own version number (eval/tasks.py TASKS_FORMAT)."""
 
-    _nested: ClassVar[dict[str, tuple[type, str]]] = {"results": (TaskRow, "dict"), "groups": (TaskRow, "dict")}
-    format: int
-    harness: dict[str, Any]              # name, package, version
+    format: StrictInt
+    harness: AsGiven[HarnessData]         # name, package, version
     settings: dict[str, Any] = UNSET
     results: dict[str, TaskRow]
-    groups: dict[str, TaskRow] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    groups: dict[str, TaskRow] = Field(default_factory=dict)
 
     @property
     def harness_version(self) -> str:
@@ -287,29 +322,57 @@ class TasksResult(Record):
 
 # ----------------------------------------------------------------------------- the whole file
 
-@dataclass(kw_only=True)
 class EvalResult(Record):
     """One results file: one model, measured once."""
 
-    _nested: ClassVar[dict[str, tuple[type, str]]] = {
-        "run": (RunInfo, "one"), "model": (ModelInfo, "one"), "perplexity": (PerplexityResult, "one"),
-        "speed": (SpeedResult, "one"), "tasks": (TasksResult, "one")}
-    schema: str
+    schema_: StrictStr = Field(alias="schema")
     run: RunInfo
     model: ModelInfo
-    perplexity: PerplexityResult | None = UNSET
-    speed: SpeedResult | None = UNSET
-    tasks: TasksResult | None = UNSET
-    extra: dict[str, Any] = field(default_factory=dict)
+    perplexity: PerplexityResult = UNSET
+    speed: SpeedResult = UNSET
+    tasks: TasksResult = UNSET
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], path: str | Path = "<results>") -> "EvalResult":
-        """Validated (results.check_results: one GqakitError naming the key) before it is built."""
-        from gqakit.eval.results import check_results
+    def from_json(cls, data: dict[str, Any], path: str | Path = "<results>") -> "EvalResult":  # type: ignore[override]
+        """The file's blocks, or one GqakitError naming the file and the first bad key."""
+        for key in ("perplexity", "speed", "tasks"):
+            if key in data and data[key] is None:
+                raise GqakitError(f"{path} is not a valid gqakit results file: {key} is null")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = ".".join(str(x) for x in err["loc"])
+            got = repr(err.get("input"))
+            got = got if len(got) <= 60 else got[:57] + "..."
+            raise GqakitError(f"{path} is not a valid gqakit results file: {key}: {err['msg']} (got {got})") from None
 
-        check_results(data, Path(path))
-        return super().from_json(data)
+
+def write_results(results: EvalResult, out: Path) -> Path:
+    """Write atomically (temp file + rename) so a crash never leaves half a JSON."""
+    from gqakit.core.outdir import write_file_atomic
+
+    return write_file_atomic(Path(out), json.dumps(results.to_json(), indent=2, default=str) + "\n")
 
 
-__all__ = ["UNSET", "opt", "Record", "RunInfo", "ModelInfo", "PerplexityResult", "SpeedPoint", "MaxBatch", "SpeedResult",
-           "TaskMetric", "TaskRow", "TasksResult", "EvalResult"]
+def read_results(path: str | Path) -> EvalResult:
+    """Load a results file, or raise a one-line error saying why it is not one."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise GqakitError(f"results file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GqakitError(f"{p} is not a gqakit results file (not valid JSON: {str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise GqakitError(f"{p} is not a gqakit results file (schema {found!r}, expected {SCHEMA!r}); "
+                          "make one with `gqakit eval`")
+    if "model" not in data or "run" not in data:
+        raise GqakitError(f"{p} is a truncated gqakit results file (no 'model' or 'run' block)")
+    return EvalResult.from_json(data, p)
+
+
+__all__ = ["SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "PerplexityResult", "SpeedPoint",
+           "MaxBatch", "SpeedResult", "TaskMetric", "TaskRow", "TasksResult", "EvalResult", "write_results",
+           "read_results"]

@@ -15,19 +15,14 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
-from gqakit.eval.records import EvalResult, SpeedPoint, TaskRow, opt
-from gqakit.eval.results import SCHEMA, read_results
+from gqakit.eval.records import SCHEMA, EvalResult, SpeedPoint, TaskRow, opt, read_results
+from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
 
 REPORT_SCHEMA = "gqakit.compare/1"
 
 
 def _speed_points(res: EvalResult) -> dict[tuple[int, int], SpeedPoint]:
     return res.speed.points() if res.speed else {}
-
-
-def _share(measured: float, predicted: float | None) -> float | None:
-    """(measured - 1) / (predicted - 1): the share of the predicted gain that showed up."""
-    return None if predicted is None or abs(predicted - 1) < 1e-9 else (measured - 1) / (predicted - 1)
 
 
 def predicted_speedup(base: SpeedPoint, point: SpeedPoint, measured: float) -> dict[str, Any]:
@@ -39,17 +34,15 @@ def predicted_speedup(base: SpeedPoint, point: SpeedPoint, measured: float) -> d
     these numbers were recorded give nothing.
     """
     out: dict[str, Any] = {}
-    bb, bp = base.bytes_per_step, point.bytes_per_step
-    if not (bb and bp):
+    b, p = StepCost.of(base), StepCost.of(point)
+    if b is None or p is None:
         return out
-    out["predicted_speedup_bytes"] = bb["total"] / bp["total"]
-    out["share_of_predicted"] = _share(measured, out["predicted_speedup_bytes"])
-    rb, rp = base.roofline_ms, point.roofline_ms
-    compute_bound = not (base.memory_bound and point.memory_bound)
-    if compute_bound and rb and rp and rb.get("flops") and rp.get("flops"):
-        pred = max(rb["bytes"], rb["flops"]) / max(rp["bytes"], rp["flops"])
-        out["predicted_speedup_roofline"] = pred
-        out["share_of_predicted_roofline"] = _share(measured, pred)
+    pred = predict_speedup(b, p)
+    out["predicted_speedup_bytes"] = pred.bytes
+    out["share_of_predicted"] = share(measured, pred.bytes)
+    if pred.compute_bound and b.flops_ms and p.flops_ms and pred.roofline is not None:
+        out["predicted_speedup_roofline"] = pred.roofline
+        out["share_of_predicted_roofline"] = share(measured, pred.roofline)
     return out
 
 

@@ -10,7 +10,10 @@ block in the results file with each metric, its standard error, the task version
 the harness version.
 
 Local tasks are ordinary harness YAML files in a folder given by `--tasks-path`
-(`TaskManager(include_path=...)`); `examples/tasks/` has one over a jsonl file.
+(`TaskManager(include_path=...)`); `examples/tasks/` has one over a jsonl file. A task file
+with a `!function module.fn` tag makes the harness import `module.py` from beside it: such
+a folder is refused before anything runs unless --trust-remote-code was given
+(`core.trust.check_task_folder`), and the tasks' Jinja templates render in Jinja's sandbox.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 
 if TYPE_CHECKING:
@@ -41,8 +46,11 @@ BOOTSTRAP_ITERS = 100000
 LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
 
 
-@dataclass
-class TaskSettings:
+class TaskSettings(BaseModel):
+    """What `gqakit eval --tasks` runs: the task names and the harness's options. Checked when built."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
     tasks: list[str]
     num_fewshot: int | None = None
     limit: int | None = None
@@ -50,10 +58,20 @@ class TaskSettings:
     batch_size: int = 1
     bootstrap_iters: int = BOOTSTRAP_ITERS
     # filled by check_tasks: the harness's TaskManager (scanning the YAML index takes seconds)
-    manager: Any = field(default=None, repr=False, compare=False)
+    manager: Any = Field(default=None, repr=False, exclude=True)
     # filled by load_tasks: the built tasks (their datasets read), for simple_evaluate
-    loaded: list[Any] | None = field(default=None, repr=False, compare=False)
-    local_index: bool = field(default=False, repr=False, compare=False)  # manager indexes --tasks-path only
+    loaded: list[Any] | None = Field(default=None, repr=False, exclude=True)
+    local_index: bool = Field(default=False, repr=False, exclude=True)  # manager indexes --tasks-path only
+
+    @model_validator(mode="after")
+    def _check(self) -> "TaskSettings":
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise GqakitError(f"--num-fewshot must be 0 or more; got {self.num_fewshot}")
+        if self.limit is not None and self.limit < 1:
+            raise GqakitError(f"--limit must be a positive number of examples per task; got {self.limit}")
+        if self.batch_size < 1:
+            raise GqakitError(f"--tasks-batch must be at least 1; got {self.batch_size}")
+        return self
 
 
 def parse_tasks(value: str) -> list[str]:
@@ -142,13 +160,8 @@ def harness_logs(quiet: bool) -> Iterator[None]:
 
 def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
     """Every check that needs no model: harness present, options sane, tasks known, local
-    task data present. Returns (and keeps in settings.manager) the harness's TaskManager."""
-    if settings.num_fewshot is not None and settings.num_fewshot < 0:
-        raise GqakitError(f"--num-fewshot must be 0 or more; got {settings.num_fewshot}")
-    if settings.limit is not None and settings.limit < 1:
-        raise GqakitError(f"--limit must be a positive number of examples per task; got {settings.limit}")
-    if settings.batch_size < 1:
-        raise GqakitError(f"--tasks-batch must be at least 1; got {settings.batch_size}")
+    task data present. Returns (and keeps in settings.manager) the harness's TaskManager.
+    The numbers were checked when the settings were built."""
     if settings.tasks_path is not None:
         p = Path(settings.tasks_path).expanduser()
         if not p.exists():
@@ -157,6 +170,7 @@ def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
             raise GqakitError(f"--tasks-path must be a folder of task YAML files; {p} is not a folder")
         if not any(p.rglob("*.yaml")) and not any(p.rglob("*.yml")):
             raise GqakitError(f"--tasks-path {p} holds no .yaml task definitions")
+        trust.check_task_folder(p)
     harness()
     include = str(Path(settings.tasks_path).expanduser().resolve()) if settings.tasks_path else None
     tm = None
@@ -228,7 +242,7 @@ def load_tasks(settings: TaskSettings, *, quiet: bool = False) -> list[Any]:
     from lm_eval.api.group import Group
 
     tm = settings.manager or check_tasks(settings, quiet=quiet)
-    with harness_logs(quiet), offline_datasets():
+    with harness_logs(quiet), offline_datasets(), sandboxed_templates():
         try:
             loaded = tm.load(list(settings.tasks))
         except Exception as e:
@@ -324,6 +338,28 @@ def _task_bars(progress: bool) -> Iterator[None]:
 
 
 @contextmanager
+def sandboxed_templates() -> Iterator[None]:
+    """Task templates (`doc_to_text`, ... in Jinja) render in Jinja's sandbox unless the verb
+    was given --trust-remote-code: a plain Jinja template can reach Python (a function's
+    `__globals__`) and run code, with no `!function` in sight."""
+    if trust.allowed():
+        yield
+        return
+    import lm_eval.utils as harness_utils
+    from jinja2.sandbox import SandboxedEnvironment
+
+    old = harness_utils.env
+    env = SandboxedEnvironment(loader=old.loader, undefined=old.undefined,
+                               keep_trailing_newline=old.keep_trailing_newline)
+    env.filters.update(old.filters)
+    harness_utils.env = env
+    try:
+        yield
+    finally:
+        harness_utils.env = old
+
+
+@contextmanager
 def _no_harness_provenance() -> Iterator[None]:
     """simple_evaluate records `git describe` of the current directory (printing git's
     "fatal: not a git repository" on stderr outside one) and runs `pip list` for its
@@ -346,7 +382,7 @@ def run_tasks(model: Any, tokenizer: Any, settings: TaskSettings, *, progress: b
     tm = settings.manager or check_tasks(settings, quiet=quiet)
     tasks = settings.loaded or load_tasks(settings, quiet=quiet)
     settings.loaded = None  # simple_evaluate sets their few-shot count: one run per build
-    with harness_logs(quiet), offline_datasets(), _task_bars(progress), _no_harness_provenance():
+    with harness_logs(quiet), offline_datasets(), sandboxed_templates(), _task_bars(progress), _no_harness_provenance():
         lm = _gqakit_lm(progress)(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
         try:
             out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=settings.num_fewshot,
@@ -363,6 +399,9 @@ def _explain(e: Exception, settings: TaskSettings) -> GqakitError:
     """The harness's failure as one line; a dataset that is not local while offline says so."""
     text = f"{type(e).__name__}: {_first_line(e)}"
     names = ", ".join(settings.tasks)
+    if type(e).__name__ == "SecurityError":  # jinja2.sandbox: a template reached for Python internals
+        return GqakitError(f"task {names}: a template of its task file reaches into Python ({text}); gqakit renders "
+                           f"task templates in Jinja's sandbox unless {trust.FLAG} is given")
     offline_words = ("offline", "couldn't reach", "connection", "not found on the hub", "doesn't exist on the hub",
                      "no (more) internet", "cannot find the requested files in the local cache",
                      "couldn't find", "localentrynotfound")

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from gqakit.core.loading import load_causal_lm
-from gqakit.eval import cpu_kernels
-from gqakit.eval.attention import set_decode_kernel
-from gqakit.eval.decode_fast import decode_attention, fused_applies, packed_linears
-from gqakit.eval.decode_layers import build_fused_decode
+from gqakit.eval.decode import kernels as cpu_kernels
+from gqakit.eval.decode.attention import set_decode_kernel
+from gqakit.eval.decode.grouped import decode_attention, fused_applies
+from gqakit.eval.decode.packed import packed_linears
+from gqakit.eval.decode.layers import build_fused_decode
 from gqakit.eval.speed import DecodeBench
 from reference_attention import reference_attention
 from tiny_models import FAMILIES
@@ -109,13 +110,13 @@ def test_kernel_step_decodes_the_plain_tokens(kernels, tiny_model):
         prompt = torch.randint(0, fast.vocab, (batch, 10))
         tokens = []
         for bench in (fast, plain):
-            set_decode_kernel(bench.decode_kernel)
+            set_decode_kernel(bench.model, bench.decode_kernel)
             packed = packed_linears(model, batch, kernels=bench.kernels) if bench.kernels else contextlib.nullcontext()
             with torch.inference_mode(), packed:
-                cache = bench._cache(batch, 10 + 8)
-                _, tok = bench._prefill(cache, prompt)
+                cache = bench.new_cache(batch, 10 + 8)
+                _, tok = bench.prefill(cache, prompt)
                 out: list = []
-                bench._decode(cache, tok, 10, 8, tokens=out)
+                bench.decode(cache, tok, 10, 8, tokens=out)
             tokens.append(torch.cat(out, 1))
         assert torch.equal(tokens[0], tokens[1])
 
@@ -124,13 +125,13 @@ def test_without_the_kernels_the_fallback_runs_and_says_why(tiny_model, monkeypa
     """No compiler, no ninja, or GQAKIT_NO_CPU_KERNELS: oneDNN weights and the matmul attention,
     and the attention probe records why (what a machine without a C++ toolchain gets)."""
     monkeypatch.setenv("GQAKIT_NO_CPU_KERNELS", "1")
-    monkeypatch.setattr(cpu_kernels, "_STATE", {"tried": False, "mod": None, "why": None})
-    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
-    bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    assert bench.kernels is None and bench.decode_kernel == "matmul" and bench.decode_mode == "eager"
-    assert "GQAKIT_NO_CPU_KERNELS" in bench.probe()["kernel_note"]
-    roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
-    pt = bench.run_point(2, 8, 3, 1, 0, roof)
+    with cpu_kernels.loaded_afresh():
+        model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+        bench = DecodeBench(model, device="cpu", dtype=torch.float32)
+        assert bench.kernels is None and bench.decode_kernel == "matmul" and bench.decode_mode == "eager"
+        assert "GQAKIT_NO_CPU_KERNELS" in bench.probe()["kernel_note"]
+        roof = {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10.0}
+        pt = bench.run_point(2, 8, 3, 1, 0, roof)
     assert pt.status == "ok" and pt.decode_path["attention_kernel"] == "matmul"
     assert pt.decode_path["weights"] in ("packed once (oneDNN)", "as loaded")
 
@@ -156,25 +157,25 @@ def test_fused_decode_layers_decode_the_plain_tokens_or_say_why_not(kernels, tin
             elif name.endswith("bias"):
                 p.normal_(0, 0.05)
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     if family not in FUSED_FAMILIES:
         assert step is None and why
         return
     assert step is not None, why
-    set_decode_kernel("sdpa")  # the reference: transformers' step with SDPA, loaded weights
+    set_decode_kernel(model, "sdpa")  # the reference: transformers' step with SDPA, loaded weights
     for batch in (1, 3):
         prompt = torch.randint(0, bench.vocab, (batch, 10))
         runs = []
         for fn in (step, None):
             with torch.inference_mode():
-                cache = bench._cache(batch, 10 + 8)
-                _, tok = bench._prefill(cache, prompt)
+                cache = bench.new_cache(batch, 10 + 8)
+                _, tok = bench.prefill(cache, prompt)
                 out = []
                 for i in range(8):
                     out.append(tok)
                     pos = torch.full((1, 1), 10 + i)
                     f = fn or (lambda **a: model(**a, use_cache=True))
-                    tok = f(input_ids=tok, **{bench._cache_kw: cache}, position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
+                    tok = f(input_ids=tok, **{bench.cache_kw: cache}, position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
             runs.append((torch.cat(out, 1), cache))
         assert torch.equal(runs[0][0], runs[1][0])
         for a, b in zip(runs[0][1].layers, runs[1][1].layers):
@@ -191,7 +192,7 @@ def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp
     value); gqakit's grouped GPT-2 (c_attn: queries, then G keys, then G values) and OPT; and
     StableLM's parallel residual; each checked against the model's own step for several prompts."""
     from gqakit.convert import convert_checkpoint
-    from gqakit.eval.decode_layers import check
+    from gqakit.eval.decode.layers import check
 
     if variant.startswith("sequential"):
         path = tiny_model("gpt_neox", use_parallel_residual=False, rotary_pct=1.0)
@@ -209,18 +210,18 @@ def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp
             elif name.endswith("bias"):  # q/k/v, dense and MLP biases: not the zeros they start as
                 p.normal_(0, 0.05)
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     assert step is not None, why
     assert step.parallel is variant.startswith(("converted", "stablelm"))  # NeoX's stock config: parallel
     assert variant.startswith("sequential") or model.config.num_key_value_heads == 2
-    assert all(check(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=s) is None for s in range(4))
+    assert all(check(model, step, bench.new_cache, bench.vocab, bench.cache_kw, seed=s) is None for s in range(4))
 
 
 def test_opt_350m_layout_keeps_the_per_op_path(kernels, tiny_model):
     """OPT-350M normalises after each block (do_layer_norm_before=False): not fused, and said why."""
     model = load_causal_lm(tiny_model("opt", do_layer_norm_before=False))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     assert step is None and "opt-350m" in why
 
 
@@ -246,7 +247,7 @@ def test_a_fused_step_missing_a_family_feature_is_not_used(kernels, tiny_model, 
     """Each family's own part of the fused layer matters: the step is used as built, and refused
     with that part left out (Qwen3's per-head q norm, OLMo's clamp of q/k/v, Pythia's parallel
     residual, GPT-2's learned positions, OPT's offset of 2 into its position table)."""
-    from gqakit.eval import decode_layers
+    from gqakit.eval.decode import layers as decode_layers
 
     family, overrides, breaks = BROKEN[case]
     model = load_causal_lm(tiny_model(family, **overrides))
@@ -255,7 +256,7 @@ def test_a_fused_step_missing_a_family_feature_is_not_used(kernels, tiny_model, 
             if "norm" in name and p.dim() == 1:
                 p.uniform_(0.5, 1.5)
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     assert step is not None, why
     if family == "olmo":
         assert step.clip_qkv == pytest.approx(0.05)
@@ -266,13 +267,13 @@ def test_a_fused_step_missing_a_family_feature_is_not_used(kernels, tiny_model, 
         breaks(self, m)
 
     monkeypatch.setattr(decode_layers.FusedDecode, "__init__", broken)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     assert step is None and why
 
 
 def _wrapped_step(monkeypatch, after):
     """FusedDecode with `after(out, cache, slot)` run after each step (to perturb or break it)."""
-    from gqakit.eval import decode_layers
+    from gqakit.eval.decode import layers as decode_layers
 
     real = decode_layers.FusedDecode.__call__
 
@@ -299,7 +300,7 @@ def test_the_check_allows_fp32_rounding(kernels, tiny_model, monkeypatch):
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     _wrapped_step(monkeypatch, jitter)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     assert why is None and step is not None
 
 
@@ -315,20 +316,19 @@ def test_a_fused_step_writing_another_slot_is_not_used(kernels, tiny_model, monk
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     _wrapped_step(monkeypatch, shift)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     assert step is None and "another cache slot" in why and "layer 0" in why
 
 
 @pytest.mark.slow
 def test_the_check_passes_smollm2_at_one_kv_head(kernels, tmp_path):
-    """The real case: SmolLM2-135M (30 layers) mean-pooled to 1 KV head, 30 prompts. The element-wise
-    check this replaced refused about one prompt in five (`bench/fused_check_errors.py`: 12 of 60
-    with 2 threads), and the speed benchmark then ran the slower per-op path for that model
-    only (docs/benchmarks.md, session 11)."""
+    """The real case: SmolLM2-135M (30 layers) mean-pooled to 1 KV head, 30 prompts. An element-wise
+    check would refuse about one prompt in five (`bench/fused_check_errors.py`), and the speed
+    benchmark would then run the slower per-op path for that model only."""
     from pathlib import Path
 
     from gqakit.convert import convert_checkpoint
-    from gqakit.eval.decode_layers import FusedDecode, check
+    from gqakit.eval.decode.layers import FusedDecode, check
 
     src = Path("~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
     if not src.is_file():
@@ -336,7 +336,7 @@ def test_the_check_passes_smollm2_at_one_kv_head(kernels, tmp_path):
     model = load_causal_lm(convert_checkpoint(src, tmp_path / "g1", 1, progress=False))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     step = FusedDecode(model, kernels)
-    assert [check(model, step, bench._cache, bench.vocab, bench._cache_kw, seed=s) for s in range(30)] == [None] * 30
+    assert [check(model, step, bench.new_cache, bench.vocab, bench.cache_kw, seed=s) for s in range(30)] == [None] * 30
 
 
 def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
@@ -357,7 +357,7 @@ def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
 
 def test_a_fused_step_that_disagrees_is_not_used(kernels, tiny_model, monkeypatch):
     """The check before use: a fused step whose logits differ (here: a wrong norm epsilon) is refused."""
-    from gqakit.eval import decode_layers
+    from gqakit.eval.decode import layers as decode_layers
 
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
@@ -369,5 +369,5 @@ def test_a_fused_step_that_disagrees_is_not_used(kernels, tiny_model, monkeypatc
             e.eps1 = 10.0
 
     monkeypatch.setattr(decode_layers.FusedDecode, "__init__", broken)
-    step, why = build_fused_decode(model, kernels, bench._cache, bench.vocab, bench._cache_kw)
+    step, why = build_fused_decode(model, kernels, bench.new_cache, bench.vocab, bench.cache_kw)
     assert step is None and "other logits" in why

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from gqakit.core.loading import load_causal_lm
-from gqakit.eval import cpu_kernels
-from gqakit.eval.attention import set_decode_kernel
-from gqakit.eval.decode_fast import can_pack, decode_attention, packed_linears
+from gqakit.eval.decode import kernels as cpu_kernels
+from gqakit.eval.decode.attention import set_decode_kernel
+from gqakit.eval.decode.grouped import decode_attention
+from gqakit.eval.decode.packed import can_pack, packed_linears
 from gqakit.eval.speed import DecodeBench
 from reference_attention import reference_attention
 
@@ -67,17 +68,17 @@ def test_rewound_cache_decodes_like_a_fresh_prefill(tiny_model):
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     prompt = torch.randint(0, bench.vocab, (2, 12))
     with torch.inference_mode():
-        cache = bench._cache(2, 12 + 6)
-        _, tok = bench._prefill(cache, prompt)
+        cache = bench.new_cache(2, 12 + 6)
+        _, tok = bench.prefill(cache, prompt)
         first: list = []
-        bench._decode(cache, tok, 12, 6, tokens=first)
+        bench.decode(cache, tok, 12, 6, tokens=first)
         bench.rewind(cache, 12)
         again: list = []
-        bench._decode(cache, tok, 12, 6, tokens=again)
+        bench.decode(cache, tok, 12, 6, tokens=again)
         cache.reset()
-        _, tok2 = bench._prefill(cache, prompt)
+        _, tok2 = bench.prefill(cache, prompt)
         fresh: list = []
-        bench._decode(cache, tok2, 12, 6, tokens=fresh)
+        bench.decode(cache, tok2, 12, 6, tokens=fresh)
     assert torch.equal(torch.cat(first, 1), torch.cat(fresh, 1)) and torch.equal(torch.cat(again, 1), torch.cat(fresh, 1))
 
 
@@ -115,7 +116,7 @@ def test_single_steps_alternate_between_two_models(tiny_model):
             b.begin_rep(st)
         for _ in range(3):
             for b, st in zip(benches, states):
-                assert b.decode_step(st) > 0
+                assert b.timed_step(st) > 0
     pts = [b.close_point(st, roof) for b, st in zip(benches, states)]  # closed in the order opened
     assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()  # nothing left switched on
     for pt in pts:
@@ -147,72 +148,14 @@ def test_compiled_cpu_step_decodes_the_eager_tokens(tiny_model):
             prompt = torch.randint(0, eager.vocab, (b, p))
             toks = []
             for bench in (eager, comp):
-                set_decode_kernel(bench.decode_kernel)
+                set_decode_kernel(bench.model, bench.decode_kernel)
                 packed = packed_linears(model, b, kernels=bench.kernels) if bench.kernels else contextlib.nullcontext()
                 with torch.inference_mode(), packed:
-                    cache = bench._cache(b, p + 5)
-                    _, tok = bench._prefill(cache, prompt)
+                    cache = bench.new_cache(b, p + 5)
+                    _, tok = bench.prefill(cache, prompt)
                     out: list = []
-                    bench._decode(cache, tok, p, 4, tokens=out)
+                    bench.decode(cache, tok, p, 4, tokens=out)
                 toks.append(torch.cat(out, 1))
             assert torch.equal(toks[0], toks[1])
             pt = comp.run_point(b, p, 3, 2, 1, roof, prefill_once=True)
             assert pt.status == "ok" and pt.compile_s is not None and pt.compile_s >= 0
-
-
-def test_pair_bench_refuses_to_write_over_a_model(tiny_model):
-    """bench_decode_pair.py checks --out / --md against the models before anything runs."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    model = tiny_model("llama", num_key_value_heads=2)
-    target = Path(model) / "config.json"
-    before = target.read_bytes()
-    repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(repo / "bench" / "bench_decode_pair.py"), str(model), str(model),
-                        "--names", "a,b", "--out", str(target)], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "write the results elsewhere" in r.stderr
-    assert target.read_bytes() == before
-
-
-def test_pair_bench_says_when_the_models_ran_different_paths(tiny_model, tmp_path):
-    """A speedup between two code paths (here: fused layers for Llama, per-op for Gemma 2) is flagged
-    under the table: in session 10 a check that refused the conversion's fused step by mistake
-    made such a ratio read as a memory problem."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from gqakit.eval import cpu_kernels
-
-    if cpu_kernels.load() is None:
-        pytest.skip(f"CPU kernels not built here: {cpu_kernels.why_unavailable()}")
-    a, b = tiny_model("llama", num_key_value_heads=2), tiny_model("gemma2")
-    repo = Path(__file__).resolve().parents[1]
-    out, md = tmp_path / "pair.json", tmp_path / "pair.md"
-    r = subprocess.run([sys.executable, str(repo / "bench" / "bench_decode_pair.py"), str(a), str(b), "--names", "a,b",
-                        "--batch", "1", "--prompt-len", "8", "--new-tokens", "2", "--reps", "1", "--threads", "1",
-                        "--out", str(out), "--md", str(md)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    row = [x for x in json.loads(out.read_text())["rows"] if x["model"] == "b"][0]
-    assert row["comparison"]["paths_differ"]["base"][1].startswith("fused")
-    assert row["comparison"]["paths_differ"]["other"][1].startswith("per-op")
-    assert "b and a ran different decode paths" in md.read_text()
-
-
-def test_random_model_never_writes_over_a_folder(tmp_path):
-    """bench/random_model.py refuses an OUT that exists, before building anything."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = tmp_path / "m"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(repo / "bench" / "random_model.py"), "gpt2-124m", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "exists" in r.stderr
-    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gqakit.cli import main
-from gqakit.eval.results import SCHEMA
+from gqakit.eval.records import SCHEMA
 
 TEXT = " ".join(f"w{i % 13} x{i % 7}y z" for i in range(120))
 SPEED = ["--speed", "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "3", "--reps", "2", "--warmup", "1"]
@@ -154,3 +154,41 @@ def test_eval_bad_inputs(tiny_model, tmp_path, capsys):
 def test_help_has_examples(capsys):
     for verb in ("eval", "compare"):
         assert "Examples:" in ok([verb, "--help"], capsys)
+
+
+def test_flag_defaults_are_the_settings_defaults():
+    """The eval flags' defaults are the settings models' defaults: one default per setting."""
+    from gqakit.eval.cli import eval_cmd
+    from gqakit.eval.perplexity import PerplexitySettings, Window
+    from gqakit.eval.tasks import TaskSettings
+
+    flags = {p.name: p.default for p in eval_cmd.params}
+    pairs = [("context", Window, "context"), ("stride", Window, "stride"),
+             ("max_chars", PerplexitySettings, "max_chars"), ("text_field", PerplexitySettings, "text_field"),
+             ("num_fewshot", TaskSettings, "num_fewshot"), ("limit", TaskSettings, "limit"),
+             ("tasks_path", TaskSettings, "tasks_path"), ("tasks_batch", TaskSettings, "batch_size")]
+    for flag, model, field in pairs:
+        assert flags[flag] == model.model_fields[field].default, flag
+
+
+def test_settings_are_checked_when_built(tmp_path):
+    """Window, PerplexitySettings and TaskSettings refuse bad values in one line, and unknown keys."""
+    from pydantic import ValidationError
+
+    from gqakit.core.errors import GqakitError
+    from gqakit.eval.perplexity import PerplexitySettings, Window
+    from gqakit.eval.tasks import TaskSettings
+
+    for kw, msg in [({"context": 1}, "--context"), ({"context": 8, "stride": 9}, "--stride"),
+                    ({"stride": 0}, "--stride")]:
+        with pytest.raises(GqakitError, match=msg):
+            Window(**kw)
+    with pytest.raises(GqakitError, match="--max-chars"):
+        PerplexitySettings(data=tmp_path / "d.txt", max_chars=0)
+    with pytest.raises(GqakitError, match="--tasks-batch"):
+        TaskSettings(tasks=["t"], batch_size=0)
+    with pytest.raises(ValidationError, match="conext"):
+        Window(conext=16)
+    s = PerplexitySettings(data="hf:wikitext:wikitext-2-raw-v1:test")
+    assert s.data.is_dataset and s.data.file is None and s.window.stride_tokens == 512
+    assert PerplexitySettings(data=tmp_path / "d.txt").data.file == tmp_path / "d.txt"

@@ -9,7 +9,7 @@ import torch
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import load_causal_lm, load_tokenizer
-from gqakit.eval.perplexity import count_words, evaluate_perplexity, read_text, tokenize_document, window_plan
+from gqakit.eval.perplexity import Window, count_words, evaluate_perplexity, read_text, tokenize_document, window_plan
 
 
 @pytest.mark.parametrize("n,context,stride", [(10, 4, 4), (10, 4, 2), (100, 16, 5), (5, 8, 8), (17, 16, 1)])
@@ -63,7 +63,7 @@ def test_matches_reference_on_tiny_model(tiny_model, tmp_path):
     doc = read_text(str(tmp_path / "d.txt"))
     ids, _ = tokenize_document(tok, doc.text, None)
     for context, stride in [(32, 32), (32, 8)]:
-        res = evaluate_perplexity(model, tok, doc, context=context, stride=stride, progress=False)
+        res = evaluate_perplexity(model, tok, doc, Window(context=context, stride=stride), progress=False)
         ref, n = (_reference_nll(model, ids, context) if stride == context
                   else _reference_strided(model, ids, context, stride))
         assert res.tokens == n == len(ids) - 1
@@ -80,7 +80,7 @@ def test_stories260k_against_independent_implementation(shared):
     folder = shared / "models" / "stories260K"
     path = shared / "data" / "tinystories" / "valid-excerpt.txt"
     model, tok = load_causal_lm(folder), load_tokenizer(folder)
-    res = evaluate_perplexity(model, tok, read_text(str(path)), context=512, stride=512, progress=False)
+    res = evaluate_perplexity(model, tok, read_text(str(path)), Window(context=512, stride=512), progress=False)
     # Independent: sentencepiece tokenizer (not HF's), text-mode file read, BOS id 1 by hand.
     sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
     ids = [1] + sp.encode(path.read_text())
@@ -115,10 +115,10 @@ def test_bad_inputs(tiny_model, tmp_path):
     (tmp_path / "short.txt").write_text("a b c")
     doc = read_text(str(tmp_path / "short.txt"))
     with pytest.raises(GqakitError, match="shorter than one window"):
-        evaluate_perplexity(model, tok, doc, context=64, progress=False)
+        evaluate_perplexity(model, tok, doc, Window(context=64), progress=False)
     with pytest.raises(GqakitError, match="larger than the model"):
-        evaluate_perplexity(model, tok, doc, context=256, max_positions=128, progress=False)
+        evaluate_perplexity(model, tok, doc, Window(context=256), max_positions=128, progress=False)
     with pytest.raises(GqakitError, match="--stride"):
-        evaluate_perplexity(model, tok, doc, context=8, stride=9, progress=False)
+        evaluate_perplexity(model, tok, doc, Window(context=8, stride=9), progress=False)
     (tmp_path / "crlf.txt").write_bytes(b"ab cd\r\nef gh\r\n")
     assert read_text(str(tmp_path / "crlf.txt")).text == "ab cd\nef gh\n"

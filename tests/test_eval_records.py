@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import UNSET, EvalResult, SpeedPoint, TaskMetric
+from gqakit.eval.records import UNSET, EvalResult, SpeedPoint, TaskMetric, read_results
 from gqakit.eval.report import build_report, render_markdown
-from gqakit.eval.results import read_results
 
 GOLDEN = Path(__file__).parent / "data" / "eval_golden"
 FILES = ("mha.json", "gqa.json", "odd.json")

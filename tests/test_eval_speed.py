@@ -7,7 +7,7 @@ import torch
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import cache_kwarg, load_causal_lm
-from gqakit.eval.attention import gqa_sdpa_forward
+from gqakit.eval.decode.attention import gqa_sdpa_forward
 from gqakit.eval.speed import DecodeBench, SpeedSettings, evaluate_speed, parse_ints, percentile
 
 
@@ -67,13 +67,13 @@ def test_packed_decode_equals_repeated_kv():
 
 
 def test_oom_point_is_reported_not_raised(tiny_model, monkeypatch):
-    import gqakit.eval.speed as speed
+    import gqakit.eval.speed.bench as speed_bench
 
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)
     need_b2 = bench.predicted_bytes(2, 16, 4)
     # Pretend the host has room for batch 1 only: 80% of this is between the two needs.
-    monkeypatch.setattr(speed, "available_memory", lambda device: int(need_b2 / 0.8) - 1)
+    monkeypatch.setattr(speed_bench, "available_memory", lambda device: int(need_b2 / 0.8) - 1)
     res = evaluate_speed(model, SMALL, device="cpu", dtype=torch.float32, progress=False)
     assert [g.status for g in res.grid] == ["ok", "oom"]
     assert "predicted" in res.grid[1].reason
@@ -118,16 +118,16 @@ def test_cuda_graph_decode_replays_the_eager_steps(tiny_model):
     roof = {"copy_bandwidth": 1e12, "ridge_flops_per_byte": 100.0}
     for batch in (1, 3):
         point = bench.run_point(batch, 16, 8, 2, 1, roof)
-        assert bench.graph_error is None and bench._graph_checked
+        assert bench.graph_error is None and bench.graph_checked
         assert point.status == "ok" and point.decode_mode == "CUDA graph per step"
     with torch.inference_mode():
-        cache = bench._cache(2, 24)
-        graph = bench._capture(cache, 2)
+        cache = bench.new_cache(2, 24)
+        graph = bench.capture_graph(cache, 2)
         prompt = torch.randint(0, bench.vocab, (2, 16), device="cuda")
         eager, graphed = [], []
-        bench._generate(cache, prompt, 8, tokens=eager)
+        bench.generate(cache, prompt, 8, tokens=eager)
         cache.reset()
-        bench._generate(cache, prompt, 8, graph=graph, tokens=graphed)
+        bench.generate(cache, prompt, 8, graph=graph, tokens=graphed)
     assert torch.equal(torch.cat(eager, 1), torch.cat(graphed, 1))
 
 
@@ -171,12 +171,12 @@ def test_graph_replay_plumbing_matches_eager_steps(tiny_model, monkeypatch):
             cache.reset()
             return Graph(), tok, pos, logits
 
-        bench.cuda_graphs, bench._capture = True, capture
+        bench.cuda_graphs, bench.capture_graph = True, capture
         return bench
 
     bench = bench_with_stand_in(stale=False)
     point = bench.run_point(2, 8, 6, 1, 1, roof)
-    assert point.decode_mode == "CUDA graph per step" and bench._graph_checked and bench.graph_error is None
+    assert point.decode_mode == "CUDA graph per step" and bench.graph_checked and bench.graph_error is None
 
     bench = bench_with_stand_in(stale=True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the fallback syncs the (absent) GPU
@@ -205,7 +205,7 @@ def test_models_timed_together_alternate_and_say_so(tiny_model):
     from gqakit.eval.records import EvalResult
     from gqakit.eval.report import build_report, render_markdown
     from gqakit.eval.speed import evaluate_speed_together
-    from gqakit.eval.results import model_info, run_info
+    from gqakit.eval.provenance import model_info, run_info
 
     paths = {"mha": tiny_model("llama", num_key_value_heads=8), "gqa": tiny_model("llama", num_key_value_heads=2)}
     models = {n: load_causal_lm(p) for n, p in paths.items()}
@@ -218,7 +218,7 @@ def test_models_timed_together_alternate_and_say_so(tiny_model):
     assert got["gqa"].kv_bytes_per_token * 4 == got["mha"].kv_bytes_per_token
     results = []
     for n, p in paths.items():
-        r = EvalResult(schema=1, run=run_info(command=["test"], device="cpu", dtype=torch.float32),
+        r = EvalResult(schema="gqakit.eval/1", run=run_info(command=["test"], device="cpu", dtype=torch.float32),
                        model=model_info(models[n], p, 4))
         r.speed = got[n]
         results.append(r)
@@ -228,3 +228,29 @@ def test_models_timed_together_alternate_and_say_so(tiny_model):
     with pytest.raises(GqakitError, match="fast path only"):
         evaluate_speed_together(models, SpeedSettings(batches=(1,), prompt_lens=(16,), new_tokens=2, eager=True),
                                 device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_speed_flags_default_to_the_settings_defaults():
+    """`gqakit eval --speed` with no grid flags runs SpeedSettings() (one default per setting),
+    and the settings refuse bad values in one line naming the flag, and unknown keys."""
+    from pydantic import ValidationError
+
+    import click
+
+    from gqakit.eval.cli import eval_cmd
+
+    ctx = click.Context(eval_cmd)
+    flags = {p.name: p.get_default(ctx) for p in eval_cmd.params}
+    cli = SpeedSettings(batches=flags["batches"], prompt_lens=flags["prompt_lens"], new_tokens=flags["new_tokens"],
+                        reps=flags["reps"], warmup=flags["warmup"], max_batch_limit=flags["max_batch_limit"])
+    assert cli == SpeedSettings()
+    switches = {"compile_": "compile", "eager": "eager", "prefill_once": "prefill_once",
+                "max_batch_search": "max_batch_search"}
+    assert all(flags[f] is False and SpeedSettings.model_fields[k].default is False for f, k in switches.items())
+    assert SpeedSettings(batches="1, 8", prompt_lens=(16,)).batches == (1, 8)
+    for kw, msg in [({"batches": "1,x"}, "--batch must be comma-separated"), ({"prompt_lens": "0"}, "--prompt-len"),
+                    ({"reps": 0}, "--reps"), ({"warmup": -1}, "--warmup"), ({"max_batch_limit": 0}, "--max-batch-limit")]:
+        with pytest.raises(GqakitError, match=msg):
+            SpeedSettings(**kw)
+    with pytest.raises(ValidationError, match="new_token"):
+        SpeedSettings(new_token=4)

@@ -89,6 +89,7 @@ def assets(tmp_path_factory) -> Path:
 
     from gqakit.convert import convert_checkpoint
     from gqakit.eval.report import write_report
+    from gqakit.eval.perplexity import PerplexitySettings, Window
     from gqakit.eval.runner import run_eval
     from gqakit.uptrain import run_uptrain
 
@@ -105,7 +106,8 @@ def assets(tmp_path_factory) -> Path:
     run_uptrain(cfg, quiet=True)
     rep = root / "rep"
     for name, model in (("a", mha), ("b", g2)):
-        run_eval(model, data=str(data / "eval.txt"), context=16, out=rep / f"{name}.json", progress=False)
+        run_eval(model, perplexity=PerplexitySettings(data=data / "eval.txt", window=Window(context=16)),
+                 out=rep / f"{name}.json", progress=False)
     write_report([rep / "a.json", rep / "b.json"], root / "report", command=["test"])
     (root / "cache").symlink_to(cache)
     return root

@@ -58,3 +58,12 @@ def test_convert_has_no_import_cycle_between_methods_and_calibration():
     # grouping uses only the head math
     assert {n.rsplit(".", 1)[0] if n.count(".") > 1 else n for n in uses("grouping")} <= {"convert.align",
                                                                                           "convert.layout"}
+
+
+def test_decode_never_imports_speed():
+    """eval/decode (attention, packed weights, fused layers, kernels) is used by the speed
+    benchmark and knows nothing of it."""
+    bad = {str(p.relative_to(ROOT)): sorted(n for n in gqakit_imports(p) if n.startswith("eval.speed"))
+           for p in sorted((ROOT / "eval" / "decode").rglob("*.py"))}
+    assert not {k: v for k, v in bad.items() if v}
+    assert (ROOT / "eval" / "decode" / "layers.py").is_file()  # the rule looks where the package is

@@ -248,7 +248,7 @@ def test_refit_missing_calibration_file(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_stories260k_beats_mean_pooling(shared, tmp_path):
     """Real trained weights: the issue's targets (original ppl 5.54; mean pooling 136 at G=2)."""
-    from gqakit.eval.perplexity import evaluate_perplexity, read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
     from gqakit.core.loading import load_causal_lm, load_tokenizer
 
     src = shared / "models" / "stories260K"
@@ -257,7 +257,7 @@ def test_stories260k_beats_mean_pooling(shared, tmp_path):
     def ppl(method):
         out = convert_checkpoint(src, tmp_path / method, 2, method, calibration_tokens=8192,
                                  progress=False)
-        return evaluate_perplexity(load_causal_lm(out), load_tokenizer(out), doc, context=512,
+        return evaluate_perplexity(load_causal_lm(out), load_tokenizer(out), doc, Window(context=512),
                                    progress=False).token_perplexity
 
     assert ppl("align") < 15

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from gqakit.core import trust
+
 
 @click.command("uptrain", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config", type=click.Path(dir_okay=False))
@@ -13,6 +15,7 @@ import click
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in output.dir/checkpoints.")
 @click.option("--dry-run", is_flag=True, help="Validate the config, print it resolved, and stop.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars, plan or library warnings).")
+@trust.option(" (model.path and teacher.path). A config file cannot give this consent")
 def uptrain_cmd(config: str, overrides: tuple[str, ...], overwrite: bool, resume: bool, dry_run: bool, quiet: bool) -> None:
     """Continue pre-training a converted (GQA) model, driven by a YAML CONFIG.
 

@@ -148,6 +148,7 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
     if not is_gqakit_output(src):
         raise GqakitError(f"model.path: {src} is not a converted model (no gqakit_convert.json); run `gqakit convert` first")
     hf_cfg = read_config_json(src)
+    split_source(src)  # its code, if not gqakit's own, needs --trust-remote-code
     check_weights(src)
     max_pos = max_positions(hf_cfg)
     if max_pos is not None and t.seq_len > max_pos:

@@ -1,0 +1,91 @@
+"""Where a number comes from: the `run` and `model` blocks of a results file (eval/records.py).
+
+`run_info` records the command, the library versions, the device, the date and the commit;
+`model_info` the measured model's shape and the KV-cache bytes one token costs. Bench
+scripts record the same `run` block next to their own numbers.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gqakit.eval.records import ModelInfo, RunInfo
+
+
+def git_hash() -> str | None:
+    """The commit of the gqakit checkout, when it is one (a wheel install has none)."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device: Any) -> str:
+    """A human name for the device: the GPU model, or the CPU model and core count."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def run_info(*, command: list[str] | None, device: Any, dtype: Any) -> RunInfo:
+    """Everything needed to trace a number back: command, versions, device, date, commit."""
+    import torch
+    import transformers
+
+    import gqakit
+
+    return RunInfo(
+        command=" ".join(command if command is not None else sys.argv),
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        gqakit=gqakit.__version__,
+        git=git_hash(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        device=str(device),
+        device_name=device_name(device),
+        dtype=str(dtype).replace("torch.", ""),
+    )
+
+
+def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
+    """Shape facts of a loaded model, and the KV-cache bytes one token costs."""
+    from gqakit.core.arch import loaded_shape
+
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    s = loaded_shape(cfg)
+    return ModelInfo(
+        path=str(path),
+        model_type=getattr(cfg, "model_type", None),
+        parameters=sum(p.numel() for p in model.parameters()),
+        layers=s.num_layers,
+        heads=s.num_heads,
+        kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        max_positions=s.max_positions,
+        # K and V, every layer, every KV head: what each cached token costs.
+        kv_bytes_per_token=s.kv_bytes_per_token(dtype_bytes),
+    )

@@ -1,0 +1,27 @@
+"""Decode speed: prefill (time to first token) and per-token decode over a batch x prompt grid.
+
+- `settings`: `SpeedSettings`, validated once where they enter.
+- `roofline`: the device's roofs (copy bandwidth, matmul FLOP/s) and the speedup they
+  predict for one step over another (`predict_speedup`).
+- `steps`: the decode steps of one model on a static cache (`DecodeSteps`: `new_cache`,
+  `prefill`, `decode_step`, `capture_graph`, `rewind`).
+- `bench`, `point`: `DecodeBench` times grid points of one model; `OpenPoint` is a point's
+  state while open, and the max-batch search (`search_max_batch`).
+- `grid`: the grid runners, one model or several with their steps alternating.
+
+The decode step's fast parts (attention, packed weights, fused layers, the C++ kernels)
+are in `gqakit.eval.decode`.
+"""
+
+from gqakit.eval.speed.bench import DecodeBench, huge_page_bytes, search_max_batch
+from gqakit.eval.speed.grid import evaluate_speed, evaluate_speed_together, run_points_alternating, speed_result
+from gqakit.eval.speed.point import OpenPoint
+from gqakit.eval.speed.roofline import (Prediction, StepCost, copy_bandwidth, matmul_flops, measure_roof, median_roof,
+                                        percentile, predict_speedup, share)
+from gqakit.eval.speed.settings import SpeedSettings, parse_ints
+from gqakit.eval.speed.steps import CapturedStep, DecodeSteps
+
+__all__ = ["CapturedStep", "DecodeBench", "DecodeSteps", "OpenPoint", "Prediction", "SpeedSettings", "StepCost",
+           "copy_bandwidth", "evaluate_speed", "evaluate_speed_together", "huge_page_bytes", "matmul_flops",
+           "measure_roof", "median_roof", "parse_ints", "percentile", "predict_speedup", "run_points_alternating",
+           "search_max_batch", "share", "speed_result"]

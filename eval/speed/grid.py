@@ -1,0 +1,130 @@
+"""The decode benchmark over a batch x prompt grid: one model (`evaluate_speed`, what
+`gqakit eval --speed` runs) or several with their steps alternating (`evaluate_speed_together`,
+what `gqakit demo` runs)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from gqakit.core.errors import GqakitError
+from gqakit.eval.records import MaxBatch, SpeedPoint, SpeedResult
+from gqakit.eval.speed.bench import DecodeBench
+from gqakit.eval.speed.roofline import copy_bandwidth, matmul_flops, measure_roof, median_roof, roof as make_roof
+from gqakit.eval.speed.settings import SpeedSettings
+
+
+def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
+                   max_positions: int | None = None, progress: bool = True) -> SpeedResult:
+    """The whole decode benchmark: roofs, attention path, grid, and max batch per prompt length."""
+    import torch
+
+    settings.check_positions(max_positions)
+    if settings.compile and torch.device(device).type != "cuda":
+        tqdm.write("gqakit: note: --compile on the CPU needs a C++ compiler and compiles each model once per grid "
+                   "point (about a minute each on 2 cores); the compile time is reported apart")
+    # The fast path unless --eager: CUDA graphs on a GPU (checked token for token against the
+    # eager step, eager again if capture fails), weights packed once on the CPU, and the
+    # grouped matmul decode attention. --eager is the plain transformers step (SDPA).
+    fast = not settings.eager
+    if progress and fast and not settings.compile and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from gqakit.eval.decode import kernels as cpu_kernels
+
+        if not cpu_kernels.is_built() and not os.environ.get("GQAKIT_NO_CPU_KERNELS"):
+            tqdm.write("gqakit: compiling the CPU decode kernels once for this machine (about 30 s; cached)")
+    bench = DecodeBench(model, device=device, dtype=dtype, compile=settings.compile,
+                        cuda_graphs=fast and not settings.compile and torch.device(device).type == "cuda",
+                        pack_weights=fast, decode_kernel="matmul" if fast else "sdpa")
+    roof = measure_roof(device, dtype)
+    attention = bench.probe()
+    grid = []
+    points = [(b, p) for p in settings.prompt_lens for b in settings.batches]
+    for b, p in tqdm(points, desc="decode grid", unit="point", disable=not progress):
+        grid.append(bench.run_point(b, p, settings.new_tokens, settings.reps, settings.warmup, roof,
+                                    prefill_once=settings.prefill_once))
+    max_batch = []
+    if settings.max_batch_search:
+        for p in tqdm(settings.prompt_lens, desc="max batch", unit="len", disable=not progress):
+            max_batch.append(bench.max_batch(p, settings.new_tokens, settings.max_batch_limit))
+    return speed_result(bench, settings, attention, roof, grid, max_batch)
+
+
+def speed_result(bench: DecodeBench, settings: SpeedSettings, attention: dict[str, Any], roof: dict[str, float],
+                 grid: list[SpeedPoint], max_batch: list[MaxBatch], **extra_settings: Any) -> SpeedResult:
+    """The `speed` block of a results file for one model's grid."""
+    import torch
+
+    return SpeedResult(
+        settings={"batches": list(settings.batches), "prompt_lens": list(settings.prompt_lens),
+                  "new_tokens": settings.new_tokens, "reps": settings.reps, "warmup": settings.warmup,
+                  "compile": settings.compile, "eager": settings.eager, "prefill_once": settings.prefill_once,
+                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids", **extra_settings},
+        graph_error=bench.graph_error,
+        attention=attention,
+        device_roof={"copy_bandwidth_gbs": roof["copy_bandwidth"] / 1e9, "matmul_tflops": roof["matmul_flops"] / 1e12,
+                     "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},
+        weight_bytes_per_step=bench.weight_bytes,
+        kv_bytes_per_token=bench.kv_bytes_per_token,
+        grid=grid,
+        max_batch=max_batch,
+    )
+
+
+def run_points_alternating(benches: dict[str, DecodeBench], batch: int, prompt_len: int, new_tokens: int, reps: int,
+                           warmup: int, *, prefill_once: bool = True) -> tuple[dict[str, SpeedPoint], dict[str, float]]:
+    """One grid point of several models in one run: their decode steps alternate one by one
+    (A B C, C B A, ...), so that the machine's drift (on a VM, memory speed that changes within
+    minutes) hits every model alike and their ratios are measured, not inferred from separate
+    runs. The roofs are measured after each repetition; their medians are the point's roof.
+    Returns ({name: point}, roof)."""
+    points = {n: b.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once)
+              for n, b in benches.items()}
+    live = [n for n in benches if points[n].result is None]
+    first = next(iter(benches.values()))
+    roofs = []
+    try:
+        for r in range(reps):
+            order = live if r % 2 == 0 else live[::-1]
+            for n in order:
+                benches[n].begin_rep(points[n])
+            for i in range(new_tokens):
+                for n in (order if i % 2 == 0 else order[::-1]):
+                    benches[n].timed_step(points[n])
+            roofs.append(make_roof(copy_bandwidth(first.device), matmul_flops(first.device, first.dtype)))
+    except BaseException:
+        for n in live:
+            points[n].stack.close()
+        raise
+    roof = median_roof(roofs)
+    return {n: benches[n].close_point(points[n], roof) for n in benches}, roof
+
+
+def evaluate_speed_together(models: dict[str, Any], settings: SpeedSettings, *, device: Any, dtype: Any,
+                            max_positions: int | None = None, progress: bool = True) -> dict[str, SpeedResult]:
+    """`evaluate_speed` for several loaded models at once, their steps alternating at every grid
+    point (`run_points_alternating`): what `gqakit demo` uses, so that its report's speedups
+    are ratios measured in one run. The fast path only (no --compile, --eager or max batch)."""
+    import torch
+
+    settings.check_positions(max_positions)
+    if settings.compile or settings.eager or settings.max_batch_search:
+        raise GqakitError("timing models together supports the default fast path only")
+    cuda = torch.device(device).type == "cuda"
+    benches = {n: DecodeBench(m, device=device, dtype=dtype, cuda_graphs=cuda, pack_weights=True,
+                              decode_kernel="matmul") for n, m in models.items()}
+    attention = {n: b.probe() for n, b in benches.items()}
+    grids: dict[str, list[SpeedPoint]] = {n: [] for n in benches}
+    roofs = []
+    points = [(b, p) for p in settings.prompt_lens for b in settings.batches]
+    for b, p in tqdm(points, desc="decode grid (models alternating)", unit="point", disable=not progress):
+        got, roof = run_points_alternating(benches, b, p, settings.new_tokens, settings.reps, settings.warmup,
+                                           prefill_once=settings.prefill_once)
+        roofs.append(roof)
+        for n in benches:
+            grids[n].append(got[n])
+    roof = median_roof(roofs)
+    return {n: speed_result(benches[n], settings, attention[n], roof, grids[n], [],
+                            timed_with=list(models), timing="one run, the models' decode steps alternating one by one")
+            for n in benches}

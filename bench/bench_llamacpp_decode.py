@@ -82,7 +82,7 @@ def main() -> None:
 
     converted = a.converted
     if converted is None:
-        from gqakit.convert.gguf_out import convert_gguf
+        from gqakit.convert import convert_gguf
 
         converted = a.workdir / f"{a.source.stem}-g{a.g}-{a.method}.gguf"
         if not converted.is_file():

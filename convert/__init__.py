@@ -1,4 +1,4 @@
-"""gqakit.convert: MHA -> GQA conversion of Hugging Face checkpoints."""
+"""gqakit.convert: MHA -> GQA conversion of Hugging Face checkpoints and GGUF files."""
 
 from __future__ import annotations
 
@@ -12,4 +12,11 @@ def convert_checkpoint(*args: Any, **kwargs: Any) -> Any:
     return _convert(*args, **kwargs)
 
 
-__all__ = ["convert_checkpoint"]
+def convert_gguf(*args: Any, **kwargs: Any) -> Any:
+    """See `gqakit.convert.pipeline.convert_gguf` (imported lazily: torch is slow to import)."""
+    from gqakit.convert.pipeline import convert_gguf as _convert
+
+    return _convert(*args, **kwargs)
+
+
+__all__ = ["convert_checkpoint", "convert_gguf"]

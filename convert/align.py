@@ -137,15 +137,6 @@ def align_heads(h: AttnHeads, num_groups: int, *, rotary_style: str, rotary_dim:
     return AttnHeads(q=q, k=k, v=v, o=o, q_bias=qb, k_bias=kb, v_bias=vb)
 
 
-# ----------------------------------------------------------------------------- pooling
-
-def pool_mean(h: AttnHeads, num_groups: int) -> AttnHeads:
-    def mean(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.reshape(num_groups, -1, *t.shape[1:]).mean(dim=1)
-
-    return h.replace(k=mean(h.k), v=mean(h.v), k_bias=mean(h.k_bias), v_bias=mean(h.v_bias))
-
-
 def expand_kv(h: AttnHeads, num_kv_heads: int) -> AttnHeads:
     """Repeat pooled heads so there are `num_kv_heads` again (the same function, MHA-shaped)."""
     rep = num_kv_heads // h.num_kv_heads

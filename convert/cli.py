@@ -3,57 +3,56 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
+from gqakit.convert.settings import ConvertSettings, RefitOptions, refit_options_help
 from gqakit.core import arch as archmod
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 
 
-@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
+def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The conversion's click options, generated from `ConvertSettings`' fields (flag, type,
+    default and help come from the model; mergekit's `add_merge_options` is the model)."""
+    fields = [(name, f) for name, f in ConvertSettings.model_fields.items()
+              if isinstance(f.json_schema_extra, dict) and "cli" in f.json_schema_extra]
+    for name, f in reversed(fields):
+        cli = dict(f.json_schema_extra["cli"])  # type: ignore[index]
+        decls, choices = cli.pop("decls"), cli.pop("choices", None)
+        kw: dict[str, Any] = {"help": f.description, **cli}
+        if choices:
+            kw["type"] = click.Choice(list(choices))
+        if not cli.get("required"):
+            kw["default"] = f.default
+        fn = click.option(*decls, name, **kw)(fn)
+    return fn
+
+
+@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]}, epilog=refit_options_help())
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("-g", "--num-kv-heads", type=int, required=True, help="Target number of K/V heads G (must divide the current number).")
-@click.option("--method", default="align", show_default=True,  # = methods.DEFAULT_METHOD (tested)
-              help="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
-                   "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
-                   "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
-                   "text: --calibration-data, or text sampled from SRC itself; --refit-option steps=N adds block-wise "
-                   "reconstruction). Best quality: align-refit with steps.")
-@click.option("--grouping", default="contiguous", show_default=True,
-              help="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
-                   "similar heads; queries and o_proj columns are reordered to match).")
-@click.option("--calibration-data", default=None,
-              help="Text for methods that calibrate: a text file, or hf:NAME[:CONFIG][:SPLIT] from the local datasets "
-                   "cache (never your evaluation text). Without it, text is sampled from SRC, which needs the whole "
-                   "model in memory once.")
-@click.option("--calibration-tokens", type=int, default=65536, show_default=True,
-              help="Tokens of calibration text. Memory does not grow with the model's depth; time grows linearly.")
+@_settings_options
 @click.option("--device", default="auto", show_default=True,
               help="Where align-refit calibrates: auto (the first GPU when present), cpu, cuda or cuda:N. "
                    "One decoder block is on it at a time.")
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
-              help="align-refit setting, repeatable: seq_len, batch, q_ridge, o_ridge, skip_first, holdout, "
-                   "row_weight, target, dtype, stream_dtype, offload (auto|device|cpu|disk), checkpoint_seconds, "
-                   "steps (block-wise reconstruction: Adam steps per layer), lr, guard_spans, train (attention: the steps "
-                   "train q, k, v, o; block: every weight of the block, MLP and norms too; folder output only).")
+              help="align-refit setting, repeatable: " + ", ".join(RefitOptions.model_fields)
+                   + " (each described below).")
 @click.option("--gguf-type", default=None, metavar="TYPE",
               help="OUT.gguf only: the GGUF type of the tensors the conversion changes (e.g. F16, Q8_0, Q4_1) "
                    "[default: each tensor's source type when the gguf package can write it, else F16]. "
                    "Every other tensor keeps its exact bytes.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Output dtype; auto keeps each tensor's dtype.")
-@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 500MB.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for random methods.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 @trust.option(" (only align-refit loads SRC with transformers; other methods never run its code)")
-def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: str, calibration_data: str | None,
-                calibration_tokens: int, device: str, refit_options: tuple[str, ...], gguf_type: str | None,
-                dtype: str, max_shard_size: str,
-                seed: int, overwrite: bool, dry_run: bool, quiet: bool) -> None:
+@click.pass_context
+def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_options: tuple[str, ...],
+                gguf_type: str | None, overwrite: bool, dry_run: bool, quiet: bool, **fields: Any) -> None:
     """Convert the checkpoint SRC to grouped-query attention, written to OUT.
 
     SRC is a Hugging Face model folder (safetensors, sharded or not, or
@@ -82,70 +81,38 @@ def convert_cmd(src: Path, out: Path, num_kv_heads: int, method: str, grouping: 
 
     precheck_source(src)
     check_device(device)
-    options = _parse_options(refit_options)
-    if out.suffix.lower() == ".gguf":
-        return _convert_to_gguf(src, out, num_kv_heads, method, grouping, calibration_data, calibration_tokens,
-                                device, options, gguf_type, dtype, seed, overwrite, dry_run, quiet)
-    if gguf_type is not None:
+    refit = RefitOptions.from_cli(refit_options)  # the one place --refit-option is parsed
+    to_gguf = out.suffix.lower() == ".gguf"
+    if to_gguf:
+        given = lambda name: ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT  # noqa: E731
+        if fields["dtype"] != "auto":
+            raise GqakitError("--dtype applies to a model folder; for a .gguf OUT use --gguf-type")
+        if given("max_shard_size"):
+            raise GqakitError("--max-shard-size applies to a model folder; a .gguf OUT is one file")
+        fields["max_shard_size"] = None
+    elif gguf_type is not None:
         raise GqakitError("--gguf-type applies only to an OUT ending in .gguf")
-    from gqakit.convert.pipeline import Settings, check_settings, convert_checkpoint, make_plan, open_checkpoint
-
-    if dry_run:
-        from gqakit.core.device import resolve_device
-
-        settings = Settings(str(src), num_kv_heads, method, grouping, dtype, seed=seed,
-                            calibration_data=calibration_data, calibration_tokens=calibration_tokens, options=options)
-        if check_settings(settings):
-            resolve_device(device)
-        opened = open_checkpoint(src, progress=not quiet)
-        plan = make_plan(opened, settings)
-        s = plan.shape
-        click.echo(f"{plan.family}: {s.num_layers} layers, {s.num_heads} query heads, "
-                   f"{s.num_kv_heads} -> {num_kv_heads} KV heads, head_dim {s.head_dim}")
-        click.echo(f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
-                   f"{len(plan.tensors)} tensors; method {method}; nothing written (dry run)")
-        return
+    settings = ConvertSettings(source=src, refit=refit, **fields)
     from gqakit.core.quiet import quiet_libraries
 
-    with quiet_libraries(quiet):
-        path = convert_checkpoint(src, out, num_kv_heads, method, grouping=grouping, dtype=dtype, overwrite=overwrite,
-                                  max_shard_size=max_shard_size, seed=seed, calibration_data=calibration_data,
-                                  calibration_tokens=calibration_tokens, options=options, device=device,
-                                  progress=not quiet)
-    click.echo(f"wrote {path}")
+    if to_gguf:
+        from gqakit.convert.pipeline import convert_gguf_file
 
-
-def _convert_to_gguf(src: Path, out: Path, g: int, method: str, grouping: str, calibration_data: str | None,
-                     calibration_tokens: int, device: str, options: dict[str, object], gguf_type: str | None,
-                     dtype: str, seed: int, overwrite: bool, dry_run: bool, quiet: bool) -> None:
-    if dtype != "auto":
-        raise GqakitError("--dtype applies to a model folder; for a .gguf OUT use --gguf-type")
-    from gqakit.convert.gguf_out import convert_gguf
-    from gqakit.core.quiet import quiet_libraries
-
-    with quiet_libraries(quiet):
-        result = convert_gguf(src, out, g, method, grouping=grouping, gguf_type=gguf_type, overwrite=overwrite,
-                              seed=seed, calibration_data=calibration_data, calibration_tokens=calibration_tokens,
-                              options=options, device=device, progress=not quiet, dry_run=dry_run)
-    if dry_run:
-        for line in result:
+        with quiet_libraries(quiet):
+            result = convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
+                                       progress=not quiet, dry_run=dry_run)
+        for line in (result if dry_run else [f"wrote {result}"]):
             click.echo(line)
-    else:
-        click.echo(f"wrote {result}")
+        return
+    from gqakit.convert.pipeline import convert_folder, dry_run_lines
 
-
-def _parse_options(items: tuple[str, ...]) -> dict[str, object]:
-    """KEY=VALUE pairs; values are read as JSON where they parse (numbers), else kept as text."""
-    out: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise GqakitError(f"--refit-option expects KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
+    if dry_run:
+        for line in dry_run_lines(settings, device=device, progress=not quiet):
+            click.echo(line)
+        return
+    with quiet_libraries(quiet):
+        path = convert_folder(settings, out, overwrite=overwrite, device=device, progress=not quiet)
+    click.echo(f"wrote {path}")
 
 
 def precheck_source(src: Path) -> None:
@@ -186,7 +153,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
     if batch < 1 or (context is not None and context < 1) or dtype_bytes < 1:
         raise GqakitError("--batch, --context and --dtype-bytes must be positive")
     precheck_source(src)
-    from gqakit.convert.pipeline import Settings, make_plan, open_checkpoint
+    from gqakit.convert.plan import make_plan
+    from gqakit.convert.source import open_checkpoint
 
     opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
@@ -194,7 +162,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
     ctx = context or s.max_positions or 2048
     rows = []
     for g in [d for d in range(s.num_kv_heads, 0, -1) if s.num_kv_heads % d == 0]:
-        plan = make_plan(opened, Settings(str(src), g))
+        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g))
         per_tok = s.kv_bytes_per_token(dtype_bytes, g)
         rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
                      "kv_cache_bytes": per_tok * batch * ctx,
@@ -202,7 +170,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
     info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
             "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
-            "parameters": make_plan(opened, Settings(str(src), s.num_kv_heads)).source_params,
+            "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads)).source_params,
             "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "options": rows}
     if as_json:
         click.echo(json.dumps(info, indent=2))

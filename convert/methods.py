@@ -12,7 +12,8 @@ on data), whether it needs calibration data, and whether it touches only K and V
                         (--calibration-data, or text sampled from the source model)
 
 A method that needs data has no per-layer function: the pipeline runs the calibration
-stage (`calibrate.RefitStage`) for it, one decoder block at a time. Every method first
+stage (`calibration.CalibrationStage`, with the method's fit from `calibration.fits.FITS`) for it,
+one decoder block at a time. Every method first
 reorders heads into `ctx.groups` (a grouping, `grouping.py`), which preserves the function.
 To add a method: write `fn(heads, ctx) -> heads` and add one `MethodSpec` line here.
 """
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 
 from gqakit.convert import align as A
 from gqakit.convert.layout import AttnHeads
-from gqakit.convert.pooling import Method, PoolContext, first_method, mean_method, random_method, regroup
+from gqakit.convert.pooling import (Method, PoolContext, first_method, mean_method, pool_contiguous, random_method,
+                                    regroup)
 from gqakit.core.errors import GqakitError
 
 
@@ -35,14 +37,14 @@ def align_transform(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
 
 def align_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
     """RoPE-aware alignment (Q/K per-frequency rotations, V/O orthogonal), then mean pooling."""
-    return A.pool_mean(align_transform(h, ctx), ctx.num_kv_heads)
+    return pool_contiguous(align_transform(h, ctx), ctx.num_kv_heads, "mean")
 
 
 def align_scale_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
     """align, then restore each query head's logit scale and phase and each value's scale
     by least squares on the weights (no data)."""
     al = align_transform(h, ctx)
-    pooled = A.pool_mean(al, ctx.num_kv_heads)
+    pooled = pool_contiguous(al, ctx.num_kv_heads, "mean")
     pooled = A.refit_queries(al, pooled, rotary_style=ctx.rotary_style, rotary_dim=ctx.rotary_dim, ridge=0.0)
     return A.refit_outputs_local(al, pooled, ridge=0.0)
 
@@ -67,12 +69,6 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("align-scale", align_scale_method, needs_data=False, kv_only=False),
     MethodSpec("align-refit", None, needs_data=True, kv_only=False),
 )}
-
-
-# The default method, chosen from the numbers (docs/benchmarks.md, README "Methods"): of the
-# methods that need nothing but the checkpoint and take seconds, `align` beats the paper's
-# `mean` on every model measured, before and after equal-budget uptraining.
-DEFAULT_METHOD = "align"
 
 
 def method_spec(name: str) -> MethodSpec:

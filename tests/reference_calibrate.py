@@ -3,7 +3,7 @@ as the reference that tests compare the streamed implementation against.
 
 It loads the whole model, runs one forward pass with hooks that keep every layer's inputs,
 residual streams and attention outputs for all calibration tokens at once, then refits the
-layers in order. `convert/calibrate.py` computes the same fits one decoder block at a time.
+layers in order. `convert/calibration/` computes the same fits one decoder block at a time.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from gqakit.core import arch as archmod
-from gqakit.convert.align import align_heads, expand_kv, pool_mean, refit_o_proj, refit_queries
+from gqakit.convert.align import align_heads, expand_kv, refit_o_proj, refit_queries
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.grouping import GROUPINGS
-from gqakit.convert.pooling import regroup
+from gqakit.convert.pooling import pool_contiguous, regroup
 
 
 class _Stop(Exception):
@@ -154,7 +154,7 @@ def reference_refit(opened: Any, plan: Any, settings: Any, batches: list[Tensor]
         groups = group_fn(heads, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
         h = regroup(heads, groups)
         al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
-        pooled = pool_mean(al, G)
+        pooled = pool_contiguous(al, G, "mean")
         if float(opts["q_ridge"]) >= 0:
             pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
                                    s_ab=s_on, s_bb=s_nn, ridge=float(opts["q_ridge"]))

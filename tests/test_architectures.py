@@ -97,6 +97,7 @@ def test_align_converts_equal_heads_exactly(tiny_model, tmp_path, family, method
 
 def test_cli_default_method_is_the_registry_default():
     from gqakit.convert.cli import convert_cmd
-    from gqakit.convert.methods import DEFAULT_METHOD, METHODS
+    from gqakit.convert.methods import METHODS
+    from gqakit.convert.settings import DEFAULT_METHOD
     default = next(p.default for p in convert_cmd.params if p.name == "method")
     assert default == DEFAULT_METHOD and not METHODS[default].needs_data

@@ -9,8 +9,11 @@ import weakref
 import pytest
 import torch
 
-from gqakit.convert.calibrate import RefitStage, calibration_sequences, refit_options
-from gqakit.convert.pipeline import Settings, convert_checkpoint, make_plan, open_checkpoint
+from gqakit.convert.calibration import CalibrationStage, calibration_sequences
+from gqakit.convert.pipeline import convert_checkpoint
+from gqakit.convert.plan import make_plan
+from gqakit.convert.source import open_checkpoint
+from gqakit.convert.settings import ConvertSettings, RefitOptions
 from gqakit.core.errors import GqakitError, Interrupted
 from reference_calibrate import reference_refit
 
@@ -18,19 +21,19 @@ from reference_calibrate import reference_refit
 def _streamed(src, settings, **kw):
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
-    stage = RefitStage(opened, plan, settings, device="cpu", progress=False, **kw)
+    stage = CalibrationStage(opened, plan, settings, device="cpu", progress=False, **kw)
     return dict(stage.layers()), stage.summary, opened, plan
 
 
 def _reference(src, settings):
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
-    opts = refit_options(settings.options)
+    opts = settings.refit
     seqs, _ = calibration_sequences(opened, settings.calibration_data, settings.calibration_tokens,
-                                    opts["seq_len"], settings.seed, sample_batch=opts["sample_batch"],
+                                    opts.seq_len, settings.seed, sample_batch=opts.sample_batch,
                                     progress=False, source_params=plan.source_params)
-    batches = list(seqs.split(4 if opts["batch"] == "auto" else opts["batch"]))  # the CPU's auto batch
-    return reference_refit(opened, plan, settings, batches, opts)
+    batches = list(seqs.split(4 if opts.batch == "auto" else opts.batch))  # the CPU's auto batch
+    return reference_refit(opened, plan, settings, batches, opts.model_dump())
 
 
 def _assert_same_heads(got, ref, rtol=1e-7, atol=1e-9):
@@ -62,8 +65,8 @@ CASES = [  # rotate-half, biases, fused transposed QKV, fused interleaved + part
 @pytest.mark.parametrize("family, overrides, g, opts", CASES, ids=[c[0] for c in CASES])
 def test_streamed_matches_in_memory_reference(tiny_model, one_thread, family, overrides, g, opts):
     src = tiny_model(family, **overrides)
-    settings = Settings(str(src), g, "align-refit", calibration_tokens=640,
-                        options={"seq_len": 32, "batch": 4, **opts})
+    settings = ConvertSettings(source=src, num_kv_heads=g, method="align-refit", calibration_tokens=640,
+                               refit={"seq_len": 32, "batch": 4, **opts})
     got, summary, _, plan = _streamed(src, settings)
     ref = _reference(src, settings)
     _assert_same_heads(got, ref["layers"])
@@ -77,8 +80,9 @@ def test_streamed_matches_in_memory_reference_on_stories260k(shared, one_thread)
     """Real trained weights, both calibration sources: text sampled from the model, and a file."""
     src = shared / "models" / "stories260K"
     for data in (None, str(shared / "data" / "tinystories" / "valid-excerpt.txt")):
-        settings = Settings(str(src), 2, "align-refit", calibration_data=data, calibration_tokens=2048,
-                            options={"seq_len": 128})
+        settings = ConvertSettings(source=src, num_kv_heads=2, method="align-refit",
+                                   calibration_data=data, calibration_tokens=2048,
+                                   refit={"seq_len": 128})
         got, _, _, _ = _streamed(src, settings)
         _assert_same_heads(got, _reference(src, settings)["layers"])
 
@@ -113,8 +117,9 @@ def test_never_more_than_one_block_materialised(tiny_model, tmp_path, monkeypatc
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)
     data = tmp_path / "calib.txt"
     data.write_text("abc def ghi jkl mno pqr stu vwx yz " * 200)
-    settings = Settings(str(src), 1, "align-refit", calibration_data=str(data), calibration_tokens=512,
-                        options={"seq_len": 32})
+    settings = ConvertSettings(source=src, num_kv_heads=1, method="align-refit",
+                               calibration_data=str(data), calibration_tokens=512,
+                               refit={"seq_len": 32})
     watch = _BlockWatch(monkeypatch, LlamaDecoderLayer)
     try:
         _streamed(src, settings)
@@ -132,14 +137,15 @@ def test_offload_modes_and_stream_dtype_give_the_same_answer(tiny_model, tmp_pat
     base = {"seq_len": 32, "batch": 4}
     runs = {}
     for off in ("cpu", "disk"):
-        settings = Settings(str(src), 2, "align-refit", calibration_tokens=256, options={**base, "offload": off})
+        settings = ConvertSettings(source=src, num_kv_heads=2, method="align-refit",
+                                   calibration_tokens=256, refit={**base, "offload": off})
         runs[off], summary, _, _ = _streamed(src, settings, scratch=tmp_path / off)
         assert summary["streams_on"] == off
     _assert_same_heads(runs["disk"], runs["cpu"], rtol=0, atol=0)
     assert (tmp_path / "disk" / "calibration-streams" / "orig.bin").is_file()
     # a 16-bit storage dtype for the streams changes the answer a little, not a lot
-    settings = Settings(str(src), 2, "align-refit", calibration_tokens=256,
-                        options={**base, "stream_dtype": "bfloat16"})
+    settings = ConvertSettings(source=src, num_kv_heads=2, method="align-refit", calibration_tokens=256,
+                               refit={**base, "stream_dtype": "bfloat16"})
     low, summary, _, _ = _streamed(src, settings)
     assert summary["stream_dtype"] == "bfloat16"
     for L in low:
@@ -160,7 +166,7 @@ def test_offload_modes_and_stream_dtype_give_the_same_answer(tiny_model, tmp_pat
 ])
 def test_refit_options_are_validated(opts, needle):
     with pytest.raises(GqakitError, match=needle):
-        refit_options(opts)
+        RefitOptions.parse(opts)
 
 
 def test_bad_options_fail_before_anything_is_written(tiny_model, tmp_path):
@@ -219,7 +225,7 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
     bit-identical to an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from gqakit.convert import calibrate
+    from gqakit.convert.calibration.skeleton import Skeleton
     from gqakit.core.outdir import partial_dir
 
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)
@@ -228,7 +234,7 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
     whole = convert_checkpoint(src, tmp_path / "whole", 1, "align-refit", **kw)
 
     loaded = []
-    real = calibrate.Skeleton.load_block
+    real = Skeleton.load_block
     kill = {"at": 2}
 
     def load_block(self, L):
@@ -238,7 +244,7 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
             raise KeyboardInterrupt
         return real(self, L)
 
-    monkeypatch.setattr(calibrate.Skeleton, "load_block", load_block)
+    monkeypatch.setattr(Skeleton, "load_block", load_block)
     out = tmp_path / "out"
     with pytest.raises(Interrupted, match="re-run the same command to resume"):  # Ctrl-C, once a layer is kept
         convert_checkpoint(src, out, 1, "align-refit", **kw)
@@ -304,9 +310,9 @@ def test_calibration_from_a_local_datasets_source(tiny_model, tmp_path, monkeypa
 
 
 def test_sampling_that_cannot_fit_asks_for_calibration_data(tiny_model, tmp_path, monkeypatch):
-    from gqakit.convert import calibrate
+    from gqakit.convert.calibration import tokens
 
-    monkeypatch.setattr(calibrate, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(tokens, "available_memory", lambda device: 1000)
     src = tiny_model("llama", num_key_value_heads=4)
     with pytest.raises(GqakitError, match="needs the whole model in memory.*pass --calibration-data"):
         convert_checkpoint(src, tmp_path / "out", 2, "align-refit", options={"seq_len": 32}, progress=False)
@@ -319,10 +325,10 @@ def test_blockwise_reconstruction_lowers_the_drift(tiny_model, one_thread):
     residual drift is lower, and only attention tensors change."""
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
     base = {"seq_len": 32, "batch": 4, "holdout": 0.25}
-    settings = Settings(str(src), 1, "align-refit", calibration_tokens=1024, options=base)
+    settings = ConvertSettings(source=src, num_kv_heads=1, method="align-refit", calibration_tokens=1024, refit=base)
     closed, s0, _, _ = _streamed(src, settings)
-    settings = Settings(str(src), 1, "align-refit", calibration_tokens=1024,
-                        options={**base, "steps": 40, "lr": 1e-2, "guard_spans": 2})
+    settings = ConvertSettings(source=src, num_kv_heads=1, method="align-refit", calibration_tokens=1024,
+                               refit={**base, "steps": 40, "lr": 1e-2, "guard_spans": 2})
     trained, s1, _, plan = _streamed(src, settings)
     rec = s1["reconstruction"]
     assert [r["layer"] for r in rec] == list(range(plan.shape.num_layers))
@@ -336,11 +342,13 @@ def test_blockwise_reconstruction_lowers_the_drift(tiny_model, one_thread):
 
 def test_reconstruction_is_skipped_when_nothing_is_pooled(tiny_model, one_thread):
     src = tiny_model("llama", num_key_value_heads=4)
-    settings = Settings(str(src), 4, "align-refit", calibration_tokens=256, options={"seq_len": 32, "steps": 5})
+    settings = ConvertSettings(source=src, num_kv_heads=4, method="align-refit",
+                               calibration_tokens=256, refit={"seq_len": 32, "steps": 5})
     got, summary, opened, plan = _streamed(src, settings)
     assert "reconstruction" not in summary
-    plain, _, _, _ = _streamed(src, Settings(str(src), 4, "align-refit", calibration_tokens=256,
-                                             options={"seq_len": 32}))
+    plain, _, _, _ = _streamed(src, ConvertSettings(source=src, num_kv_heads=4, method="align-refit",
+                                                    calibration_tokens=256,
+                                                    refit={"seq_len": 32}))
     _assert_same_heads(got, plain, rtol=0, atol=0)
 
 
@@ -378,7 +386,7 @@ def test_block_training_writes_the_trained_mlp_and_norms(tiny_model, one_thread,
 
 
 def test_block_training_is_refused_for_gguf_output(tmp_path):
-    from gqakit.convert.gguf_out import convert_gguf
+    from gqakit.convert import convert_gguf
 
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF")
@@ -393,15 +401,65 @@ def test_block_training_is_refused_for_gguf_output(tmp_path):
     assert "train=block" not in str(err.value)
     assert not (tmp_path / "out.gguf").exists()
     with pytest.raises(GqakitError, match="align-refit option train='blocks'; choose from attention, block"):
-        refit_options({"train": "blocks"})
+        RefitOptions.parse({"train": "blocks"})
 
 
 def test_which_conversions_train_whole_blocks():
-    from gqakit.convert.calibrate import train_steps, trains_block
+    block = RefitOptions.parse({"steps": 5, "train": "block"})
+    assert block.train_steps(4, 2) == 5 and block.trains_block(4, 2)
+    assert block.train_steps(4, 4) == 0 and not block.trains_block(4, 4)  # exact: no steps
+    assert block.trains_block()  # head counts not known yet: the steps asked for
+    assert not RefitOptions.parse({"steps": 0, "train": "block"}).trains_block(4, 2)
+    assert not RefitOptions.parse({"steps": 5}).trains_block(4, 2)
 
-    block = refit_options({"steps": 5, "train": "block"})
-    assert train_steps(block, 4, 2) == 5 and trains_block(block, 4, 2)
-    assert train_steps(block, 4, 4) == 0 and not trains_block(block, 4, 4)  # exact: no steps
-    assert trains_block(block)  # head counts not known yet: the steps asked for
-    assert not trains_block(refit_options({"steps": 0, "train": "block"}), 4, 2)
-    assert not trains_block(refit_options({"steps": 5}), 4, 2)
+
+def test_a_new_calibrated_method_is_a_new_fit(tiny_model, one_thread):
+    """The stage drives any `Fit`: one that pools each group by its mean, without looking at
+    the data, yields exactly the `mean` method's heads. The stage advances the original
+    stream when the fit leaves it alone, to the same values as a fit that advances it."""
+    from gqakit.convert.calibration.block import BlockContext, Fitted
+    from gqakit.convert.layout import read_heads
+    from gqakit.convert.pipeline import per_layer_heads
+    from gqakit.convert.pooling import pool_contiguous
+
+    class MeanFit:
+        def __init__(self, advance: bool):
+            self.advance, self.seen = advance, []
+
+        def units(self, n_spans):
+            return n_spans if self.advance else 0
+
+        def fit(self, ctx: BlockContext) -> Fitted:
+            self.seen.append(ctx.layer)
+            if self.advance:  # the original block on the original stream, as align-refit's o_proj pass does
+                with torch.inference_mode():
+                    for sl in ctx.spans:
+                        ctx.advance_original(sl, ctx.block.run(sl, "orig"))
+            heads = read_heads(ctx.spec, ctx.shape, ctx.block.source_attention(), ctx.layer, dtype=torch.float64)
+            pooled = pool_contiguous(heads, ctx.num_kv_heads, "mean")
+            return Fitted(pooled, ctx.block.weights(pooled))
+
+        def record(self):
+            return {"fit": "mean"}
+
+        def describe(self, calibration):
+            return f"mean pooling, drift {calibration['residual_drift'][-1]:.3f}"
+
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
+    settings = ConvertSettings(source=src, num_kv_heads=2, method="align-refit", calibration_tokens=256,
+                               refit={"seq_len": 32})
+    opened = open_checkpoint(src)
+    plan = make_plan(opened, settings)
+    mean = dict(per_layer_heads(opened, plan, ConvertSettings(source=src, num_kv_heads=2, method="mean")))
+    drifts = []
+    for advance in (False, True):
+        fit = MeanFit(advance)
+        stage = CalibrationStage(opened, plan, settings, fit, device="cpu", progress=False)
+        got = dict(stage.layers())
+        assert fit.seen == [0, 1, 2] and stage.summary["fit"] == "mean"
+        assert stage.describe().startswith("mean pooling, drift")
+        for L in mean:
+            for part in ("k", "v"):
+                torch.testing.assert_close(getattr(got[L], part), getattr(mean[L], part).to(torch.float64))
+        drifts.append(stage.summary["residual_drift"])
+    assert len(drifts[0]) == 2 and all(d > 0 for d in drifts[0]) and drifts[0] == drifts[1]

@@ -25,8 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gqakit.cli import main
-from gqakit.convert import convert_checkpoint
-from gqakit.convert.gguf_out import convert_gguf
+from gqakit.convert import convert_checkpoint, convert_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -220,7 +219,7 @@ def test_write_error_midway_leaves_nothing(pico, tmp_path, capfd, monkeypatch, e
     from gqakit.convert import gguf_out
 
     src = pico("llama", QT.Q8_0)
-    real = gguf_out._Writer._encode
+    real = gguf_out.GGUFWriter.encode
     calls = {"n": 0}
 
     def failing(c, w):
@@ -229,7 +228,7 @@ def test_write_error_midway_leaves_nothing(pico, tmp_path, capfd, monkeypatch, e
             raise OSError(err, os.strerror(err))
         return real(c, w)
 
-    monkeypatch.setattr(gguf_out._Writer, "_encode", staticmethod(failing))
+    monkeypatch.setattr(gguf_out.GGUFWriter, "encode", staticmethod(failing))
     refused(tmp_path, ["convert", src, tmp_path / "sub" / "o.gguf", "-g", 2, "-q"], capfd, needle)
     assert calls["n"] == 3
 

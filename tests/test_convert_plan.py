@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from gqakit.convert.io import DictSource, plan_shards
-from gqakit.convert.pipeline import Opened, Settings, make_plan
+from gqakit.convert.plan import make_plan
+from gqakit.convert.source import Opened
+from gqakit.convert.settings import ConvertSettings
 
 
 def llama70b_mha_source(layers: int = 80, hidden: int = 8192, heads: int = 64, inter: int = 28672,
@@ -31,7 +33,7 @@ def llama70b_mha_source(layers: int = 80, hidden: int = 8192, heads: int = 64, i
 
 def test_plan_70b_shapes_on_meta():
     opened = llama70b_mha_source()
-    plan = make_plan(opened, Settings("llama-70b-mha", 8))
+    plan = make_plan(opened, ConvertSettings(source="llama-70b-mha", num_kv_heads=8))
     shapes = {p.name: p.shape for p in plan.tensors}
     assert shapes["model.layers.79.self_attn.k_proj.weight"] == (8 * 128, 8192)
     assert shapes["model.layers.79.self_attn.q_proj.weight"] == (8192, 8192)
@@ -46,10 +48,10 @@ def test_plan_70b_shapes_on_meta():
 
 
 def test_plan_steps_cover_the_source_once_in_file_order():
-    from gqakit.convert.pipeline import AttentionLayer, PassThrough
+    from gqakit.convert.plan import AttentionLayer, PassThrough
 
     opened = llama70b_mha_source()
-    plan = make_plan(opened, Settings("llama-70b-mha", 8, method="align"))
+    plan = make_plan(opened, ConvertSettings(source="llama-70b-mha", num_kv_heads=8, method="align"))
     names = opened.source.names()
     walked = [n for s in plan.steps for n in ((s.name,) if isinstance(s, PassThrough) else s.names)]
     assert sorted(walked) == sorted(names) and len(walked) == len(names)
@@ -59,7 +61,7 @@ def test_plan_steps_cover_the_source_once_in_file_order():
     assert [s.layer for s in plan.attention_layers()] == list(range(80))
     assert all(isinstance(s, AttentionLayer) and len(s.names) == 4 for s in plan.attention_layers())
     # mean touches only K and V: q and o are passed through as bytes
-    kv = make_plan(opened, Settings("llama-70b-mha", 8, method="mean"))
+    kv = make_plan(opened, ConvertSettings(source="llama-70b-mha", num_kv_heads=8, method="mean"))
     assert {n.rsplit(".", 2)[-2] for s in kv.attention_layers() for n in s.names} == {"k_proj", "v_proj"}
 
 

@@ -49,15 +49,74 @@ def test_stages_import_only_what_they_may(stage):
     assert not bad, f"{stage} may import only gqakit.{{{', '.join(sorted(ALLOWED[stage]))}}}: {bad}"
 
 
-def test_convert_has_no_import_cycle_between_methods_and_calibration():
-    def uses(module: str) -> set[str]:
-        return {n for n in gqakit_imports(ROOT / "convert" / f"{module}.py") if n.startswith("convert.")}
+def convert_imports(path: Path) -> set[str]:
+    """The `gqakit.convert` modules a file imports, TYPE_CHECKING and function-level imports
+    included, as dotted names under `convert.` (a name imported from a module counts as the module)."""
+    tree = ast.parse(path.read_text())
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for p in (ROOT / "convert").rglob("*.py")}
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name.removeprefix("gqakit.") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            module = node.module.removeprefix("gqakit.")
+            names = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in modules}
+    return out
 
-    assert not any(n.startswith("convert.calibrate") for n in uses("methods"))
-    assert not any(n.startswith(("convert.methods", "convert.pipeline")) for n in uses("calibrate"))
+
+def convert_graph() -> dict[str, set[str]]:
+    files = sorted((ROOT / "convert").rglob("*.py"))
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): convert_imports(p)
+            for p in files}
+
+
+def test_convert_has_no_import_cycle_counting_lazy_imports():
+    graph = convert_graph()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(node):] + [node])}")
+        if node in done:
+            return
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, path + [node])
+        done.add(node)
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_convert_layers():
+    graph = convert_graph()
+
+    def reach(module: str) -> set[str]:
+        seen, todo = set(), [module]
+        while todo:
+            for dep in graph.get(todo.pop(), ()):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+
+    # the math is pure: it imports only itself (and core), never IO, settings or stages
+    math = {"convert.layout", "convert.align", "convert.pooling", "convert.grouping", "convert.methods"}
+    for m in math:
+        assert graph[m] <= math, f"{m} imports {sorted(graph[m] - math)}"
     # grouping uses only the head math
-    assert {n.rsplit(".", 1)[0] if n.count(".") > 1 else n for n in uses("grouping")} <= {"convert.align",
-                                                                                          "convert.layout"}
+    assert graph["convert.grouping"] <= {"convert.align", "convert.layout"}
+    # the calibration package never reaches the pipeline (the pipeline runs the stage)
+    calibration = [m for m in graph if m.startswith("convert.calibration")]
+    assert len(calibration) > 3
+    for m in calibration:
+        assert "convert.pipeline" not in reach(m), m
+    assert not any(d.startswith("convert.calibration") for m in math for d in graph[m])
+    # the settings import no torch-heavy module at import time (the CLI checks before torch loads)
+    assert not {n.split(".")[0] for n in gqakit_imports(ROOT / "convert" / "settings.py")} - {"core", "convert"}
 
 
 def test_decode_never_imports_speed():

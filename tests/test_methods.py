@@ -14,7 +14,7 @@ from gqakit.core import arch as archmod
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.grouping import GROUPINGS, balanced_partition
 from gqakit.convert.methods import METHODS, align_transform
-from gqakit.convert.pooling import PoolContext, regroup
+from gqakit.convert.pooling import PoolContext, pool_contiguous, regroup
 from gqakit.convert.pipeline import convert_checkpoint
 
 F64 = torch.float64
@@ -128,7 +128,7 @@ def test_alignment_reduces_spread_and_scale_refit_fits():
     spread = lambda t: (t - t.mean(0)).pow(2).sum()  # noqa: E731
     assert spread(al.k) < spread(h.k)
     assert spread(al.v) < spread(h.v)
-    pooled = A.pool_mean(al, 1)
+    pooled = pool_contiguous(al, 1, "mean")
     fitted = A.refit_queries(al, pooled, rotary_style="rotate_half", rotary_dim=8, ridge=0.0)
     # logits q_i . k_j(i) (weights as inputs) are better reproduced after the fit
     r = h.num_heads // h.num_kv_heads

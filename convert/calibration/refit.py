@@ -1,0 +1,300 @@
+"""`align-refit`'s fit of one block, from the original stream x and the converted stream x':
+
+  1. moments E[x~ x~^T], E[x~ x~'^T], E[x~' x~'^T] of the attention inputs (normed, with
+     a constant 1 appended), accumulated in float64 batch by batch;
+  2. grouping (optional, by aligned-weight similarity in the input metric), then
+     RoPE-aware alignment in the metric of E[x x^T], then mean pooling;
+  3. query refit: per query head, the RoPE-commuting map (scaled 2x2 rotation per
+     frequency pair, full matrix on unrotated dims) that best reproduces its original
+     keys k_j(x) from the pooled keys k'(x'), by ridge least squares on those moments;
+  4. o_proj refit: ridge least squares of o_proj on the converted block's per-head
+     attention outputs, towards the original model's residual stream after this
+     attention (original attention output + original residual - converted residual), so
+     each layer also corrects the drift of the layers before it. Its normal equations
+     are accumulated batch by batch in float64, rows weighted by 1/|original residual|^2
+     (`row_weight`), so outsized "attention sink" rows do not dominate. The same pass
+     advances the original stream;
+  5. block-wise reconstruction (optional, `steps` > 0; BRECQ / AutoRound style): Adam
+     steps on the block's converted q, k, v, o (K/V shared per group, the rest of the
+     block frozen) minimising the relative squared error between the block's output on
+     the converted stream and the original block's output on the original stream,
+     seeded per layer, with a held-out guard that keeps the closed-form fit when the
+     steps do not help. With `train` = "block" the steps also train the rest of the
+     block (MLP and norms), which the writer then takes from the stage.
+
+The math itself is in `convert.align` and `convert.grouping`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gqakit.convert.align import align_heads, refit_o_proj_moments, refit_queries
+from gqakit.convert.calibration.block import BlockContext, Fitted, Grab
+from gqakit.convert.calibration.memory import trim
+from gqakit.convert.grouping import GROUPINGS
+from gqakit.convert.layout import AttnHeads, read_heads
+from gqakit.convert.pooling import pool_contiguous, regroup
+from gqakit.convert.settings import RefitOptions
+from gqakit.core.errors import GqakitError
+
+
+def _add_moment(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += [a 1]^T [b 1] in place, without building the augmented copies."""
+    D = a.shape[1]
+    acc[:D, :D].addmm_(a.T, b)
+    acc[:D, D] += a.sum(0)
+    acc[D, :D] += b.sum(0)
+    acc[D, D] += a.shape[0]
+
+
+def _clone_tree(x: Any) -> Any:
+    """Tensors in nested tuples / lists / dicts cloned (inference-mode tensors made usable by autograd)."""
+    if isinstance(x, Tensor):
+        return x.clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone_tree(i) for i in x)
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    return x
+
+
+class AlignRefit:
+    """The `align-refit` fit (see the module docstring); one instance per conversion."""
+
+    def __init__(self, opts: RefitOptions, *, grouping: str, seed: int, kv_from: int, kv_to: int, dtype: torch.dtype,
+                 device: str):
+        self.opts, self.grouping, self.seed, self.dtype, self.device = opts, grouping, seed, dtype, device
+        # block-wise reconstruction steps per layer; none at G = KV heads (the conversion is exact)
+        self.train_steps = opts.train_steps(kv_from, kv_to)
+        self.train_block = opts.trains_block(kv_from, kv_to)
+        self.recon: list[dict[str, Any]] = []
+
+    def units(self, n_spans: int) -> int:
+        return 2 * n_spans + self.train_steps
+
+    def fit(self, ctx: BlockContext) -> Fitted:
+        blk = ctx.block
+        whiten, s_on, s_nn = self._input_moments(ctx)
+        blk.free()  # the CPU fits do not need it: back to meta, read again after
+        pooled = self._fit_heads(ctx, whiten, s_on, s_nn)
+        del whiten, s_on, s_nn
+        trim()
+        blk.load()
+        pooled, converted = self._fit_o_proj(ctx, pooled)
+        rest: dict[str, Tensor] = {}
+        if self.train_steps:
+            pooled, converted = self._reconstruct(ctx, pooled)
+            if self.train_block:
+                rest = blk.trained_rest()
+        return Fitted(pooled, converted, rest)
+
+    def record(self) -> dict[str, Any]:
+        return {"reconstruction": self.recon} if self.train_steps else {}
+
+    @staticmethod
+    def describe(calibration: dict[str, Any]) -> str:
+        """What `align-refit` did, in one line for the model card (from its calibration record)."""
+        opts = calibration.get("options", {})
+        parts = ["RoPE-aware alignment of each group's heads in the metric of the layer's input activations, "
+                 "mean pooling"]
+        if float(opts.get("q_ridge", 0)) >= 0:
+            parts.append("query refit (per-frequency scaled rotations) by ridge least squares")
+        if float(opts.get("o_ridge", 0)) >= 0:
+            parts.append(f"o_proj ridge refit towards the original model's {opts.get('target', 'residual')} stream")
+        if calibration.get("reconstruction"):
+            what = "every weight of the block" if opts.get("train") == "block" else "q, k, v and o"
+            parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on {what} "
+                         f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's "
+                         f"output; each layer keeps whichever of the closed-form fit and the trained weights had the "
+                         f"lower guard loss")
+        return "; ".join(parts)
+
+    def _input_moments(self, ctx: BlockContext) -> tuple[Tensor, Tensor, Tensor]:
+        """1. float64 moments of the attention inputs [x 1] of both streams, batch by batch:
+        (Cholesky factor of E[x~ x~^T], E[x~ x~'^T], E[x~' x~'^T]), on the CPU."""
+        blk = ctx.block
+        D, f64 = ctx.hidden, torch.float64
+        s_oo = torch.zeros(D + 1, D + 1, dtype=f64, device=self.device)
+        s_on, s_nn = torch.zeros_like(s_oo), torch.zeros_like(s_oo)
+        n_rows = 0
+        g = Grab(blk.q_in, stop=True)
+        with torch.inference_mode():
+            try:
+                for sl in ctx.spans:
+                    keep = ctx.masks(sl)[0]
+                    blk.run(sl, "orig")
+                    xo = g.rows[keep].to(f64)
+                    blk.run(sl, "new")
+                    xn = g.rows[keep].to(f64)
+                    _add_moment(s_oo, xo, xo)
+                    _add_moment(s_on, xo, xn)
+                    _add_moment(s_nn, xn, xn)
+                    n_rows += xo.shape[0]
+                    del xo, xn
+                    ctx.tick(1)
+            finally:
+                g.remove()
+        if n_rows == 0:
+            raise GqakitError("no calibration rows left for the fits: lower skip_first or holdout, or pass "
+                              "more --calibration-tokens")
+        for m in (s_oo, s_on, s_nn):
+            m /= n_rows
+        s_oo, s_on, s_nn = s_oo.cpu(), s_on.cpu(), s_nn.cpu()
+        s_oo.diagonal().add_(1e-8 * float(torch.diagonal(s_oo).mean()))
+        return torch.linalg.cholesky(s_oo), s_on, s_nn
+
+    def _fit_heads(self, ctx: BlockContext, whiten: Tensor, s_on: Tensor, s_nn: Tensor) -> AttnHeads:
+        """2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64."""
+        spec, shape, G = ctx.spec, ctx.shape, ctx.num_kv_heads
+        src_t = ctx.block.source_attention()
+        heads = read_heads(spec, shape, src_t, ctx.layer, dtype=torch.float64)
+        h = regroup(heads, GROUPINGS[self.grouping](heads, G, rotary_style=spec.rotary.style,
+                                                     rotary_dim=shape.rotary_dim, whiten=whiten))
+        al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
+        del heads, h, src_t
+        pooled = pool_contiguous(al, G, "mean")
+        if float(self.opts.q_ridge) >= 0:
+            pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
+                                   s_ab=s_on, s_bb=s_nn, ridge=float(self.opts.q_ridge))
+        return pooled
+
+    def _fit_o_proj(self, ctx: BlockContext, pooled: AttnHeads) -> tuple[AttnHeads, dict[str, Tensor]]:
+        """4. o_proj's float64 normal equations on the converted block, towards the original
+        residual stream after attention; advances the original stream one block on the way.
+        Returns the final heads and their block weights."""
+        blk = ctx.block
+        D, f64, opts = ctx.hidden, torch.float64, self.opts
+        converted = blk.weights(pooled)
+        fit_o = float(opts.o_ridge) >= 0
+        H_D = pooled.o.shape[1] * pooled.o.shape[2]
+        zz = torch.zeros(H_D, H_D, dtype=f64, device=self.device) if fit_o else None
+        zt = torch.zeros(H_D, pooled.o.shape[0], dtype=f64, device=self.device) if fit_o else None
+        o_bias = blk.o_bias()
+        with torch.inference_mode():
+            for sl in ctx.spans:
+                keep = ctx.masks(sl)[0]
+                blk.use(blk.original)
+                ro = ctx.streams.get("orig", sl, self.dtype)
+                grab_out = Grab(blk.o_mod, output=True)
+                try:
+                    ro_next = blk.run(sl, ro)
+                finally:
+                    grab_out.remove()
+                if fit_o:
+                    out_o = grab_out.rows[keep].to(f64)
+                    ro_rows = ro.reshape(-1, D)[keep].to(f64)
+                    target = out_o
+                    if opts.target == "residual":
+                        rn_rows = ctx.streams.get("new", sl, self.dtype).reshape(-1, D)[keep].to(f64)
+                        target = target + (ro_rows - rn_rows)
+                    if opts.row_weight == "relative":
+                        post = ro_rows + out_o
+                        w = (1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)).sqrt().unsqueeze(1)
+                    else:
+                        w = torch.ones(out_o.shape[0], 1, dtype=f64, device=self.device)
+                    if o_bias is not None:
+                        target = target - o_bias
+                    blk.use(converted)
+                    g = Grab(blk.o_mod, stop=True)
+                    try:
+                        blk.run(sl, "new")
+                    finally:
+                        g.remove()
+                    z = g.rows[keep].to(f64) * w
+                    zz.addmm_(z.T, z)
+                    zt.addmm_(z.T, target * w)
+                    del z, target, w
+                ctx.advance_original(sl, ro_next)
+                ctx.tick(1)
+        if fit_o:
+            pooled = pooled.replace(o=refit_o_proj_moments(zz.cpu(), zt.cpu(), pooled.o, float(opts.o_ridge)))
+            converted = blk.weights(pooled)
+        return pooled, converted
+
+    def _reconstruct(self, ctx: BlockContext, pooled: AttnHeads) -> tuple[AttnHeads, dict[str, Tensor]]:
+        """4b. block-wise reconstruction (BRECQ / AutoRound style): `steps` Adam steps on the
+        converted block's attention weights (q, k, v, o and their biases; K/V shared by each
+        group, everything else in the block frozen), minimising the relative squared error
+        between the block's output on the converted stream and the original block's output
+        on the original stream (which `_fit_o_proj` has just advanced), one random span of
+        `batch` sequences per step. Each tensor's learning rate is `lr` times its RMS, decaying
+        linearly to 0 over the steps. The
+        steps are seeded by (seed, layer), so a resumed run takes the same ones. A guard
+        keeps the best of the closed-form start and the weights after each quarter of the
+        steps, by the loss on the last `guard_spans` spans' measured rows (the held-out
+        sequences when `holdout` > 0)."""
+        blk, opts, L = ctx.block, self.opts, ctx.layer
+        steps = int(opts.steps)
+        parts = [p for p in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias") if getattr(pooled, p) is not None]
+        params = {p: getattr(pooled, p).detach().to(device=self.device, dtype=self.dtype).clone().requires_grad_()
+                  for p in parts}
+        rest = blk.rest_names() if self.train_block else []
+        for r in rest:  # the block's other weights, by their name in the block ("mlp.up_proj.weight")
+            params[r] = blk.block.get_parameter(r).detach().to(self.dtype).clone().requires_grad_()
+        groups = [{"params": [t], "lr": float(opts.lr) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}
+                  for t in params.values()]
+        optim = torch.optim.Adam(groups)
+        # the learning rate decays linearly to zero over the steps (as AutoRound's does)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 - i / steps)
+        calls: dict[int, tuple] = {}
+
+        def call_of(B: int) -> tuple:
+            # the recorded block inputs were made under inference mode: clone them for autograd
+            if B not in calls:
+                args, kwargs, positional = blk.call(B)
+                calls[B] = (_clone_tree(args), _clone_tree(kwargs), positional)
+            return calls[B]
+
+        def loss_on(sl: slice, mask: Tensor, current: dict[str, Tensor]) -> Tensor:
+            heads = pooled.replace(**{p: current[p] for p in parts})
+            w = blk.attention_tensors(heads)
+            args, kwargs, positional = call_of(sl.stop - sl.start)
+            x = ctx.streams.get("new", sl, self.dtype)
+            if positional:
+                a, k = (x, *args), kwargs
+            else:
+                a, k = (), {**kwargs, "hidden_states": x}
+            weights = {blk.attn_rel[n]: t for n, t in w.items()} | {r: current[r] for r in rest}
+            out = torch.func.functional_call(blk.block, weights, a, k)
+            out = (out[0] if isinstance(out, tuple) else out).reshape(-1, ctx.hidden)[mask]
+            y = ctx.streams.get("orig", sl, self.dtype).reshape(-1, ctx.hidden)[mask]
+            return ((out - y).pow(2).sum(1) / y.pow(2).sum(1).clamp_min(1e-30)).mean()
+
+        fit = [sl for sl in ctx.spans if bool(ctx.masks(sl)[0].any())]
+        guard = [(sl, ctx.masks(sl)[1]) for sl in ctx.spans[-int(opts.guard_spans):]]
+        guard = [(sl, m) for sl, m in guard if bool(m.any())]
+
+        def guard_loss() -> float:
+            with torch.no_grad():
+                cur = {p: t.detach() for p, t in params.items()}
+                return sum(float(loss_on(sl, m, cur)) for sl, m in guard) / max(len(guard), 1)
+
+        best, best_at = guard_loss(), 0
+        best_params = {p: t.detach().clone() for p, t in params.items()}
+        gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + L)
+        check = max(1, steps // 4)
+        for step in range(1, steps + 1):
+            sl = fit[int(torch.randint(len(fit), (1,), generator=gen))]
+            with torch.enable_grad():
+                loss = loss_on(sl, ctx.masks(sl)[0], params)
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+            optim.step()
+            sched.step()
+            ctx.tick(1)
+            if step % check == 0 or step == steps:
+                g = guard_loss()
+                if g < best:
+                    best, best_at = g, step
+                    best_params = {p: t.detach().clone() for p, t in params.items()}
+                ctx.note(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
+        self.recon.append({"layer": L, "guard_best": best, "best_step": best_at})
+        del optim, sched, params, calls
+        for r in rest:  # the block keeps its trained weights for the converted stream and the writer
+            blk.block.get_parameter(r).data = best_params.pop(r)
+        pooled = pooled.replace(**{p: t.to(getattr(pooled, p).dtype).cpu() for p, t in best_params.items()})
+        return pooled, blk.weights(pooled)

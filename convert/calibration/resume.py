@@ -1,0 +1,48 @@
+"""What an interrupted calibration resumes from: the calibration tokens, both streams and a
+small state (layers done, drift so far, the names of the tensors the writer holds), saved
+under `RESUME_DIR/checkpoint` atomically: a kill during a save keeps the previous one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gqakit.convert.calibration.streams import Streams
+
+CHECKPOINT = "checkpoint"
+
+
+def load_checkpoint(resume_dir: Path | None) -> dict[str, Any] | None:
+    """The state an interrupted run saved under `resume_dir` (None when there is none)."""
+    if resume_dir is None or not (resume_dir / CHECKPOINT / "state.json").is_file():
+        return None
+    try:
+        return json.loads((resume_dir / CHECKPOINT / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load_tokens(resume_dir: Path) -> Tensor:
+    """The calibration tokens saved with the checkpoint."""
+    return torch.load(resume_dir / CHECKPOINT / "seqs.pt")
+
+
+def save_checkpoint(resume_dir: Path, seqs: Tensor, streams: Streams, state: dict[str, Any]) -> None:
+    """Save what a resumed run needs: a new folder, renamed over the old one."""
+    tmp, final = resume_dir / (CHECKPOINT + ".tmp"), resume_dir / CHECKPOINT
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(seqs, tmp / "seqs.pt")
+    streams.save(tmp)
+    (tmp / "state.json").write_text(json.dumps(state) + "\n")
+    old = resume_dir / (CHECKPOINT + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

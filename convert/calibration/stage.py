@@ -1,0 +1,244 @@
+"""The calibration stage: a calibrated conversion, streamed one decoder block at a time.
+
+Memory stays flat in the model's depth, the way GPTQ and llm-compressor's sequential
+onloading scale calibration to 70B models on one GPU:
+
+  - the model is built on the meta device (`skeleton.Skeleton`); only the modules outside
+    the decoder blocks are materialised, and the model's own forward computes the first
+    block's input together with each block's rotary embeddings and masks;
+  - two hidden-state streams for all calibration tokens, the original model's and the
+    converted-so-far model's, live on the device, in CPU memory or in files on disk
+    (`streams.Streams`, `offload`), in a storage dtype of their own (`stream_dtype`);
+  - block L is loaded from the checkpoint onto the device, handed to the fit (a `Fit`,
+    `block.py`: `refit.AlignRefit` for align-refit), advanced on both streams, its drift
+    measured, handed to the writer and freed before block L+1 is read;
+  - after a layer, at most every `checkpoint_seconds`, the streams, the calibration tokens
+    and the names of the tensors written so far are saved (`resume.py`), so that a killed
+    run resumes after its last checkpoint.
+
+The stage walks and caches; the fit fits. A second calibrated method is a new `Fit`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from gqakit.convert.calibration.block import Block, BlockContext, Fit
+from gqakit.convert.calibration.fits import fit_for
+from gqakit.convert.calibration.memory import trim
+from gqakit.convert.calibration.resume import CHECKPOINT, load_checkpoint, load_tokens, save_checkpoint
+from gqakit.convert.calibration.skeleton import Skeleton
+from gqakit.convert.calibration.streams import Streams, choose_offload
+from gqakit.convert.calibration.tokens import calibration_sequences
+from gqakit.convert.layout import AttnHeads
+from gqakit.convert.plan import Plan
+from gqakit.convert.settings import SMALL_MODEL, ConvertSettings
+from gqakit.convert.source import Opened
+from gqakit.core import arch as archmod
+from gqakit.core.device import PeakMemory
+
+
+def compute_dtype(opts_dtype: str, source_params: int, device: str) -> torch.dtype:
+    """The block compute dtype: `auto` is float64 for small models on the CPU, else float32."""
+    if opts_dtype == "auto":
+        return torch.float64 if source_params < SMALL_MODEL and device == "cpu" else torch.float32
+    return getattr(torch, opts_dtype)
+
+
+class CalibrationStage:
+    """A calibrated method, one block at a time: `layers()` yields (layer, converted heads) in order.
+
+    After the generator is exhausted, `summary` holds the calibration record: where the
+    text came from, tokens, per-layer residual drift, device, peak memory and time.
+    """
+
+    def __init__(self, opened: Opened, plan: Plan, settings: ConvertSettings, fit: Fit | None = None, *,
+                 device: str = "cpu", progress: bool = True, scratch: Path | None = None,
+                 resume_dir: Path | None = None, written: Callable[[], list[str]] | None = None):
+        """`fit`: the method's fit (default: the one `settings.method` names); `resume_dir`: where
+        checkpoints go (and are resumed from); `written`: the names of the tensors the writer
+        holds, recorded with each checkpoint."""
+        self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
+        self.progress, self.scratch = progress, scratch
+        self.resume_dir, self.written = resume_dir, written
+        self.opts = settings.refit
+        self.spec = archmod.registry()[plan.family]
+        self.dtype = compute_dtype(self.opts.dtype, plan.source_params, device)
+        # sequences per block forward: 4 on the CPU, 8 on a GPU (2,048 tokens: enough to keep
+        # it busy, while the float64 temporaries of the fits stay small next to the streams)
+        b = self.opts.batch
+        self.batch = int(b) if b != "auto" else (8 if str(device).startswith("cuda") else 4)
+        sd = self.opts.stream_dtype
+        self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
+        self.fit = fit if fit is not None else fit_for(settings, plan, dtype=self.dtype, device=device)
+        self.summary: dict[str, Any] = {}
+        self.skeleton: Skeleton | None = None
+        self.drift: list[float] = []
+        self.drift_first: list[float] = []
+        self._block_out: dict[int, dict[str, Tensor]] = {}  # other trained tensors, by layer
+
+    def layers(self) -> Iterator[tuple[int, AttnHeads]]:
+        t0 = time.perf_counter()
+        peak = PeakMemory(self.device)
+        peak.reset()
+        start = self._prepare()
+        L_n = self.plan.shape.num_layers
+        per_layer = self.fit.units(len(self.spans)) + len(self.spans)
+        self.bar = tqdm(total=L_n * per_layer, initial=start * per_layer, desc="calibrating",
+                        unit="batch", disable=not self.progress, dynamic_ncols=True)
+        last_checkpoint = time.perf_counter()
+        for L in range(start, L_n):
+            tl = time.perf_counter()
+            self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
+            ctx = self._context(L)
+            fitted = self.fit.fit(ctx)
+            if fitted.rest:
+                self._block_out[L] = fitted.rest
+            self._advance_original(ctx)
+            self._advance_converted(ctx, fitted.weights)
+            fitted.weights = {}  # the block's weights now: freed with it
+            ctx.block.free()
+            secs = time.perf_counter() - tl
+            self.bar.set_postfix_str(f"{self.tokens / secs:,.0f} tok/s"
+                                     + (f", drift {self.drift[-1]:.3f}" if self.drift else ""))
+            yield L, fitted.heads
+            if (self.resume_dir is not None and L + 1 < L_n
+                    and time.perf_counter() - last_checkpoint >= float(self.opts.checkpoint_seconds)):
+                state = {"layers_done": L + 1, "where": self.where, "drift": self.drift,
+                         "drift_first": self.drift_first, "written": self.written() if self.written else []}
+                save_checkpoint(self.resume_dir, self.seqs, self.streams, state)
+                last_checkpoint = time.perf_counter()
+        self.bar.close()
+        self.summary = {
+            "calibration": self.where, "calibration_sequences": self.seqs.shape[0], "seq_len": self.seqs.shape[1],
+            "tokens": self.tokens, "device": self.device, "compute_dtype": str(self.dtype).replace("torch.", ""),
+            "stream_dtype": str(self.stream_dtype).replace("torch.", ""), "streams_on": self.streams.where,
+            "stream_bytes": self.streams.nbytes, "batch": self.batch, "options": self.opts.model_dump(),
+            "residual_drift": self.drift, "residual_drift_first": self.drift_first,
+            "peak_memory_bytes": peak.peak(), "seconds": round(time.perf_counter() - t0, 3),
+            "resumed_at_layer": start if self.resumed else None,
+            **self.fit.record(),
+        }
+
+    def block_tensors(self, L: int) -> dict[str, Tensor]:
+        """The other trained tensors of layer L by source name (`train` = "block"), on the CPU;
+        each is handed over once, after layer L is yielded."""
+        return self._block_out.pop(L, {})
+
+    def describe(self) -> str:
+        """What the method did, in one line for the model card (once `layers()` is done)."""
+        return self.fit.describe(self.summary)
+
+    def _prepare(self) -> int:
+        """Calibration tokens, the skeleton, every block's extra inputs and the two streams
+        (from a checkpoint when resuming). Returns the first layer to fit."""
+        L_n = self.plan.shape.num_layers
+        state = load_checkpoint(self.resume_dir)
+        self.resumed = state is not None
+        if state is not None:
+            assert self.resume_dir is not None
+            self.seqs, self.where = load_tokens(self.resume_dir), state["where"]
+            start, self.drift, self.drift_first = state["layers_done"], state["drift"], state["drift_first"]
+        else:
+            self.seqs, self.where = calibration_sequences(
+                self.opened, self.settings.calibration_data, self.settings.calibration_tokens,
+                int(self.opts.seq_len), self.settings.seed, sample_batch=int(self.opts.sample_batch),
+                device=self.device, progress=self.progress, source_params=self.plan.source_params)
+            start, self.drift, self.drift_first = 0, [], []
+        n_seq, T = self.seqs.shape
+        self.tokens = n_seq * T
+        sk = self.skeleton = Skeleton(self.opened, self.spec, L_n, self.device, self.dtype)
+        remap = sk.load_outer(self.seqs)
+        self.spans = [slice(i, min(i + self.batch, n_seq)) for i in range(0, n_seq, self.batch)]
+        self.calls: dict[int, list] = {}
+        streams: Streams | None = None
+        for sl in self.spans:
+            if state is not None and (sl.stop - sl.start) in self.calls:
+                continue  # resuming: the streams come from the checkpoint, only the block inputs are needed
+            h = sk.block_inputs(remap[self.seqs[sl]], self.calls)
+            if streams is None:
+                self.hidden = h.shape[-1]
+                per_block = self.plan.source_params // max(L_n, 1) * self.dtype.itemsize
+                nbytes = 2 * n_seq * T * self.hidden * self.stream_dtype.itemsize
+                place = choose_offload(self.opts.offload, nbytes, per_block, self.device)
+                streams = Streams((n_seq, T, self.hidden), self.stream_dtype, place, self.device,
+                                  (self.scratch / "calibration-streams") if self.scratch else None)
+            if state is None:
+                streams.put("orig", sl, h)
+                streams.put("new", sl, h)
+        assert streams is not None
+        self.streams = streams
+        if state is not None:
+            assert self.resume_dir is not None
+            streams.load(self.resume_dir / CHECKPOINT)
+        return start
+
+    def _context(self, L: int) -> BlockContext:
+        """Block L loaded, with what a fit may use of it."""
+        assert self.skeleton is not None
+        block = Block(self.skeleton, self.spec, L, kv_heads=self.plan.shape.num_kv_heads, dtype=self.dtype,
+                      device=self.device, streams=self.streams, calls=self.calls)
+        return BlockContext(block, self.streams, self.spans, self._masks, self.spec, self.plan.shape,
+                            self.settings.num_kv_heads, self.hidden, tick=self.bar.update,
+                            note=self.bar.set_postfix_str)
+
+    def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:
+        """Rows of span `sl`: those that enter the fits, those the drift is measured on, and
+        the first positions of the measured sequences (see `holdout`, `skip_first`)."""
+        n_seq, T = self.seqs.shape
+        n_hold = min(n_seq - 1, int(round(float(self.opts.holdout) * n_seq)))
+        seq = torch.arange(sl.start, sl.stop, device=self.device).repeat_interleave(T)
+        p = torch.arange(T, device=self.device).repeat(sl.stop - sl.start)
+        held = seq >= n_seq - n_hold
+        skip = p >= int(self.opts.skip_first)
+        measure = (skip & held) if n_hold else skip
+        first = (p == 0) & held if n_hold else (p == 0)
+        return skip & ~held, measure, first
+
+    def _advance_original(self, ctx: BlockContext) -> None:
+        """The original stream advanced one block on every span the fit has not advanced."""
+        todo = [sl for sl in self.spans if sl.start not in ctx.advanced]
+        if not todo:
+            return
+        blk = ctx.block
+        assert blk.original is not None
+        current = {n: p.data for n, p in blk.block.named_parameters() if n in blk.attn_rel.values()}
+        blk.use(blk.original)
+        with torch.inference_mode():
+            for sl in todo:
+                ctx.advance_original(sl, blk.run(sl, "orig"))
+                self.bar.update(1)
+        blk.use({n: current[r] for n, r in blk.attn_rel.items()})
+
+    def _advance_converted(self, ctx: BlockContext, converted: dict[str, Tensor]) -> None:
+        """The converted stream advanced one block; its drift from the original one recorded."""
+        blk, D, f64 = ctx.block, self.hidden, torch.float64
+        last = blk.L + 1 == self.plan.shape.num_layers
+        blk.use(converted)
+        blk.original = None
+        trim()
+        err = torch.zeros(2, dtype=f64, device=self.device)
+        cnt = torch.zeros(2, dtype=f64, device=self.device)
+        with torch.inference_mode():
+            for sl in self.spans:
+                rn_next = blk.run(sl, "new")
+                self.streams.put("new", sl, rn_next)
+                if not last:
+                    _, measure, first = self._masks(sl)
+                    ro = self.streams.get("orig", sl, self.dtype).reshape(-1, D)
+                    rel = ((rn_next.reshape(-1, D) - ro).norm(dim=1).to(f64)
+                           / ro.norm(dim=1).to(f64).clamp_min(1e-30))
+                    err += torch.stack([rel[measure].sum(), rel[first].sum()])
+                    cnt += torch.stack([measure.sum(), first.sum()]).to(f64)
+                self.bar.update(1)
+        if not last:
+            e = (err / cnt.clamp_min(1)).tolist()
+            self.drift.append(e[0])
+            self.drift_first.append(e[1])

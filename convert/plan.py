@@ -1,0 +1,137 @@
+"""The plan of a conversion: every output tensor's name, dtype and shape, in file order,
+decided from the config and the tensor headers before anything is converted.
+
+    source tensors (file order) --make_plan--> Plan.steps: PassThrough(name) for a tensor
+    the method leaves as it is, AttentionLayer(layer, names) for the attention tensors of a
+    layer the method rewrites (one step, where its first tensor is) --> Plan.tensors
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from gqakit.convert.io import Planned
+from gqakit.convert.layout import layer_names, output_shapes
+from gqakit.convert.methods import method_spec
+from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.source import Opened
+from gqakit.core import arch as archmod
+from gqakit.core.errors import GqakitError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PassThrough:
+    """A source tensor the method leaves as it is (cast to the output dtype, if any)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One layer's attention tensors, rewritten together by the method."""
+
+    layer: int
+    names: tuple[str, ...]  # in the table's role order; only those the method rewrites
+
+
+Step = PassThrough | AttentionLayer
+
+
+@dataclass
+class Plan:
+    family: str
+    native_gqa: bool
+    shape: archmod.Shape
+    config: dict[str, Any]
+    steps: list[Step]        # the source in file order; each layer's attention once, where it first appears
+    tensors: list[Planned]   # the output tensors, step by step
+    source_params: int
+    output_params: int
+
+    @cached_property
+    def layer_of(self) -> dict[str, int]:
+        """Attention tensor name -> layer, for the tensors the method rewrites."""
+        return {n: s.layer for s in self.attention_layers() for n in s.names}
+
+    def pass_through(self) -> list[PassThrough]:
+        return [s for s in self.steps if isinstance(s, PassThrough)]
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        """In layer order (the order methods and the calibration stage yield them)."""
+        return sorted((s for s in self.steps if isinstance(s, AttentionLayer)), key=lambda s: s.layer)
+
+
+def validate_g(shape: archmod.Shape, g: int) -> None:
+    kv = shape.num_kv_heads
+    if g <= 0:
+        raise GqakitError(f"--num-kv-heads must be at least 1, got {g}")
+    if g > kv:
+        raise GqakitError(f"--num-kv-heads {g} is larger than the model's {kv} KV heads")
+    if kv % g:
+        valid = [d for d in range(1, kv + 1) if kv % d == 0]
+        raise GqakitError(f"--num-kv-heads {g} does not divide the model's {kv} KV heads; valid: {valid}")
+
+
+def make_plan(opened: Opened, settings: ConvertSettings) -> Plan:
+    spec = archmod.lookup(opened.config)
+    shape = archmod.shape_of(spec, opened.config)
+    validate_g(shape, settings.num_kv_heads)
+    out_dtype = DTYPES.get(settings.dtype)
+    src = opened.source
+    names = src.names()
+    metas = {n: src.meta(n) for n in names}
+    # methods that touch only K/V leave q and o to be copied through untouched
+    kv_only = (method_spec(settings.method).kv_only and settings.grouping == "contiguous"
+               and spec.attention.layout == "separate")
+    layer_of: dict[str, int] = {}
+    for layer in range(shape.num_layers):
+        roles = layer_names(spec, layer)
+        for role, name in roles.items():
+            if name in metas and (not kv_only or role[0] in "kv"):
+                layer_of[name] = layer
+            elif name not in metas and role.endswith("weight"):
+                where = ", ".join(p.name for p in src.files()) or "the source"
+                raise GqakitError(f"tensor {name} required by the {spec.family} layout but not present in {where}")
+    steps = list(_walk(spec, names, layer_of))
+    tensors: list[Planned] = []
+    for step in steps:
+        if isinstance(step, PassThrough):
+            dt = metas[step.name][0]
+            cast = out_dtype if (out_dtype is not None and dt.is_floating_point) else dt
+            tensors.append(Planned(step.name, cast, metas[step.name][1]))
+            continue
+        shapes = output_shapes(spec, shape, settings.num_kv_heads, step.layer, {n: metas[n][1] for n in step.names})
+        tensors += [Planned(n, out_dtype if out_dtype is not None else metas[n][0], shapes[n]) for n in step.names]
+    numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
+    return Plan(spec.family, spec.native_gqa, shape, opened.config, steps, tensors,
+                sum(numel(m[1]) for m in metas.values()), sum(numel(p.shape) for p in tensors))
+
+
+def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, int]) -> Iterator[Step]:
+    """The source tensors in file order, each layer's attention as one step where its first tensor is."""
+    seen: set[int] = set()
+    for name in names:
+        if name not in layer_of:
+            yield PassThrough(name)
+        elif layer_of[name] not in seen:
+            layer = layer_of[name]
+            seen.add(layer)
+            yield AttentionLayer(layer, tuple(n for n in layer_names(spec, layer).values() if n in layer_of))
+
+
+def trained_block_tensors(plan: Plan, settings: ConvertSettings) -> set[str]:
+    """The pass-through tensors the calibration stage rewrites (`--refit-option train=block`
+    with reconstruction steps: each converted block's MLP and norms), which the writer
+    takes from the stage rather than from the source."""
+    if not settings.staged or not settings.refit.trains_block(plan.shape.num_kv_heads, settings.num_kv_heads):
+        return set()
+    spec = archmod.registry()[plan.family]
+    prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers))
+    return {s.name for s in plan.pass_through() if s.name.startswith(prefixes)}

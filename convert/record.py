@@ -1,0 +1,129 @@
+"""What a conversion writes beside the weights: config.json, the model card (README.md),
+gqakit_convert.json (the settings and facts; the calibration record), the side files
+copied from the source, and the one-line drift summary of a calibrated conversion."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gqakit
+from gqakit.convert.methods import method_spec
+from gqakit.convert.plan import Plan
+from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.source import Opened
+from gqakit.core import arch as archmod
+from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
+from gqakit.core.modelcard import render_model_card
+
+# files copied verbatim from SRC: tokenizer and generation settings
+COPY_PATTERNS = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|"
+    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|chat_template\.(jinja|json)|generation_config\.json)$"
+)
+
+QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h‖ between the converted and the original "
+                  "model's hidden states on calibration text after each layer (0 = identical). It is the "
+                  "conversion's own quality signal: the larger the drift after the last layer, the further "
+                  "the perplexity before uptraining is from the original's (docs/benchmarks.md pairs them)")
+
+
+def output_config(plan: Plan, settings: ConvertSettings) -> dict[str, Any]:
+    cfg = dict(plan.config)
+    spec = archmod.registry()[plan.family]
+    if plan.native_gqa:
+        cfg[spec.config.num_kv_heads or "num_key_value_heads"] = settings.num_kv_heads
+    else:
+        from gqakit.convert.remote import remote_config_updates
+
+        cfg.update(remote_config_updates(plan.family, settings.num_kv_heads))
+    if settings.dtype != "auto":
+        cfg["dtype"] = settings.dtype
+        cfg.pop("torch_dtype", None)
+    if plan.native_gqa:
+        cfg.pop("auto_map", None)  # stock class: any source remote code does not apply
+    cfg.pop("_name_or_path", None)
+    return cfg
+
+
+def copy_side_files(opened: Opened, tmp: Path) -> list[str]:
+    copied = []
+    if opened.gguf:  # the tokenizer lives inside the GGUF file
+        from gqakit.core.loading import load_tokenizer
+
+        load_tokenizer(opened.folder / opened.gguf).save_pretrained(tmp)
+        return sorted(p.name for p in tmp.iterdir())
+    for p in sorted(opened.folder.iterdir()):
+        if p.is_file() and COPY_PATTERNS.match(p.name):
+            shutil.copy2(p, tmp / p.name)
+            copied.append(p.name)
+    return copied
+
+
+def drift_summary(cal: dict[str, Any]) -> str:
+    """One line on how far the converted model's residual stream drifted from the original's."""
+    d = cal.get("residual_drift") or []
+    if not d:
+        return f"calibrated on {cal['tokens']:,} tokens"
+    worst = max(range(len(d)), key=d.__getitem__)
+    return (f"calibrated on {cal['tokens']:,} tokens; residual drift after the last layer {d[-1]:.3f} "
+            f"(mean {sum(d) / len(d):.3f}, worst {d[worst]:.3f} after layer {worst}; 0 = identical to the original)")
+
+
+def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSettings, seconds: float,
+                    calibration: dict[str, Any] | None = None, described: str | None = None) -> None:
+    """Everything but the weights into the folder `tmp`. `calibration`: the calibration stage's
+    record; `described`: what the method did, in one line (default: its function's docstring)."""
+    cfg = output_config(plan, settings)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    copied = copy_side_files(opened, tmp)
+    if not plan.native_gqa:
+        from gqakit.convert.remote import modeling_file
+
+        f = modeling_file(plan.family)
+        assert f.name.startswith(REMOTE_PREFIX)
+        shutil.copy2(f, tmp / f.name)
+    s, G = plan.shape, settings.num_kv_heads
+    elem = _attention_itemsize(plan)
+    before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, G)
+    record = {"gqakit_version": gqakit.__version__, "settings": settings.record(), "family": plan.family,
+              "num_heads": s.num_heads, "num_kv_heads_before": s.num_kv_heads, "num_kv_heads": G,
+              "head_dim": s.head_dim, "num_layers": s.num_layers,
+              "parameters_before": plan.source_params, "parameters_after": plan.output_params,
+              "kv_cache_bytes_per_token_before": before, "kv_cache_bytes_per_token_after": after,
+              "seconds": round(seconds, 3), "copied_files": copied,
+              "loads_with": "AutoModelForCausalLM.from_pretrained(OUT)" if plan.native_gqa
+              else "AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)"}
+    if calibration:
+        record["calibration"] = calibration
+    (tmp / CONVERT_SETTINGS).write_text(json.dumps(record, indent=2) + "\n")
+    facts = {"source": f"`{settings.source}`", "family": plan.family, "method": settings.method,
+             "grouping": settings.grouping, "query heads": s.num_heads,
+             "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → {after:,} bytes "
+             f"({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
+             "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
+    if calibration:
+        facts["calibration"] = f"{calibration['calibration']} on {calibration['device']}"
+        facts["residual drift"] = drift_summary(calibration).split("; ", 1)[-1]
+        facts["expected quality"] = QUALITY_SIGNAL
+    if described is None:
+        doc = (getattr(method_spec(settings.method).fn, "__doc__", None) or "").strip().split("\n\n")[0]
+        described = " ".join(doc.split())
+    if described:
+        facts["method"] = f"{settings.method}: {described}"
+    summary = ("Grouped-query-attention conversion made with gqakit. Each group of K/V heads was pooled into "
+               "one head; quality usually drops until the model is uptrained (`gqakit uptrain`).")
+    (tmp / "README.md").write_text(render_model_card(
+        title=f"{Path(settings.source).name} → GQA ({G} KV heads)", base_model=settings.source,
+        summary=summary, facts=facts, settings=settings.record()))
+
+
+def _attention_itemsize(plan: Plan) -> int:
+    """Bytes per element of the output K/V projections: the KV cache's natural dtype."""
+    for p in plan.tensors:
+        if p.name in plan.layer_of:
+            return p.dtype.itemsize
+    return 4

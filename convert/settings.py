@@ -1,0 +1,336 @@
+"""What a conversion is asked to do: `ConvertSettings` and its `RefitOptions`, validated once.
+
+Every value is parsed and checked where it enters (the CLI or a Python call), and
+everything below receives these typed, frozen objects: no function re-parses a string it
+was handed. Every default lives here, once. The CLI's flags and `--help`, and the README's
+table of align-refit options, are generated from (or tested against) the fields below.
+
+This module imports neither torch nor the conversion math, so that the CLI checks its
+input before the heavy imports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import textwrap
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
+
+from gqakit.core.errors import GqakitError
+
+# The default method, chosen from the numbers (docs/benchmarks.md, README "Methods"): of the
+# methods that need nothing but the checkpoint and take seconds, `align` beats the paper's
+# `mean` on every model measured, before and after equal-budget uptraining.
+DEFAULT_METHOD = "align"
+# Calibration memory does not grow with the token count times the depth (one block and two
+# hidden-state streams at a time), so the default budget is set by time, not memory:
+# docs/benchmarks.md shows align-refit keeps improving well past 16k tokens.
+DEFAULT_CALIBRATION_TOKENS = 65536
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
+
+Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
+
+
+class RefitOptions(BaseModel):
+    """The settings of a calibrated conversion (`--refit-option KEY=VALUE`), with their defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    seq_len: StrictInt = Field(256, ge=2, description="tokens per calibration sequence (at most the model's context)")
+    batch: Literal["auto"] | StrictInt = Field(
+        "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU)")
+    sample_batch: StrictInt = Field(
+        64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
+    q_ridge: Number = Field(1e-2, description="ridge strength of the query refit, relative to the mean diagonal "
+                                             "of its normal matrix; < 0 skips that refit")
+    o_ridge: Number = Field(3e-2, description="ridge strength of the o_proj refit, relative to the mean diagonal "
+                                             "of its normal matrix; < 0 skips that refit")
+    target: Literal["residual", "local"] = Field(
+        "residual", description="what o_proj is refitted towards: the original model's residual stream after "
+                                "the attention (residual) or the original attention output (local)")
+    skip_first: StrictInt = Field(0, ge=0, description="leave the first n positions of every sequence out of the fits")
+    row_weight: Literal["relative", "none"] = Field(
+        "relative", description="o_proj rows weighted by 1/|original residual|^2, so that outsized rows do not "
+                                "dominate (relative), or all alike (none)")
+    holdout: Number = Field(0.0, ge=0, lt=1, description="fraction of the sequences kept out of the fits; the "
+                                                         "reported residual drift is then measured on them")
+    dtype: Literal["auto", "float32", "float64"] = Field(
+        "auto", description="block compute dtype: auto (float64 for models under 20M parameters on the CPU, "
+                            "else float32), float32 or float64")
+    stream_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto", description="storage dtype of the two hidden-state streams: auto (the compute dtype), float32, "
+                            "float64, bfloat16 or float16")
+    offload: Literal["auto", "device", "cpu", "disk"] = Field(
+        "auto", description="where the streams live: device, cpu (host memory), disk (files beside OUT) or auto "
+                            "(the device when they fit, else host memory, else disk)")
+    checkpoint_seconds: Number = Field(
+        120.0, ge=0, description="how often, at most, the streams and the finished layers are saved, so that a "
+                                 "killed run resumes")
+    steps: StrictInt = Field(0, ge=0, description="block-wise reconstruction: Adam steps per layer (0: closed-form "
+                                                  "fits only)")
+    lr: Number = Field(1e-2, gt=0, description="the steps' learning rate, relative to each tensor's RMS (decaying "
+                                               "linearly to 0)")
+    guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
+                                                        "closed-form fit when the steps do not help)")
+    train: Literal["attention", "block"] = Field(
+        "attention", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
+                                 "MLP and norms too (block; model-folder output only)")
+
+    _given: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_order(cls, data: Any, handler: Any) -> RefitOptions:
+        model = handler(data)
+        if isinstance(data, Mapping):
+            model._given = tuple(data)
+        return model
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | RefitOptions | None) -> RefitOptions:
+        """`options` validated; an unknown key or a bad value is a one-line `GqakitError`."""
+        if isinstance(options, RefitOptions):
+            return options
+        options = dict(options or {})
+        unknown = [k for k in options if k not in cls.model_fields]
+        if unknown:
+            raise GqakitError(f"unknown align-refit option(s) {', '.join(sorted(unknown))}; "
+                              f"known: {', '.join(cls.model_fields)}")
+        try:
+            return cls(**options)
+        except ValidationError as e:
+            key = str(e.errors()[0]["loc"][0])
+            raise GqakitError(_option_error(key, options[key])) from None
+
+    @classmethod
+    def from_cli(cls, items: Iterable[str]) -> RefitOptions:
+        """`--refit-option KEY=VALUE` items: values are read as JSON where they parse (numbers), else as text."""
+        out: dict[str, Any] = {}
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise GqakitError(f"--refit-option expects KEY=VALUE, got {item!r}")
+            try:
+                out[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key.strip()] = value
+        return cls.parse(out)
+
+    def given(self) -> dict[str, Any]:
+        """The options that were asked for, in the order they were given (the rest are defaults)."""
+        return {k: getattr(self, k) for k in self._given}
+
+    def train_steps(self, kv_from: int | None = None, kv_to: int | None = None) -> int:
+        """Block-wise reconstruction steps per layer: none when the conversion keeps every K/V head
+        (kv_to >= kv_from: it is exact); with the head counts unknown (None), the steps asked for."""
+        if kv_from is not None and kv_to is not None and kv_to >= kv_from:
+            return 0
+        return self.steps
+
+    def trains_block(self, kv_from: int | None = None, kv_to: int | None = None) -> bool:
+        """Whether the steps train every weight of each converted block (`train=block` with steps),
+        so that the writer takes the blocks' MLP and norms from the calibration stage."""
+        return self.train_steps(kv_from, kv_to) > 0 and self.train == "block"
+
+
+def _option_error(key: str, value: Any) -> str:
+    """The one line for a refused align-refit option, from the field's type and limits."""
+    field = RefitOptions.model_fields[key]
+    kinds = _base_types(field.annotation)
+    limits = {name: getattr(m, name) for m in field.metadata for name in ("gt", "ge", "lt") if hasattr(m, name)}
+    if float in kinds:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"align-refit option {key} must be a finite number, got {value!r}"
+        if "ge" in limits and "lt" in limits:
+            return f"align-refit option {key} must be in [{limits['ge']}, {limits['lt']}), got {value!r}"
+        op = ">" if "gt" in limits else ">="
+        return f"align-refit option {key} must be {op} {limits.get('gt', limits.get('ge'))}, got {value!r}"
+    if int in kinds:
+        return f"align-refit option {key} must be an integer >= {limits['ge']}, got {value!r}"
+    return f"align-refit option {key}={value!r}; choose from {', '.join(_choices(field))}"
+
+
+def _base_types(annotation: Any) -> set[Any]:
+    """The plain types inside an annotation (through unions and Annotated)."""
+    args = get_args(annotation)
+    if not args:
+        return {annotation}
+    return set().union(*(_base_types(a) for a in args if not isinstance(a, str)))
+
+
+def _choices(field: Any) -> list[str]:
+    """The strings a Literal field (or a Literal inside a union) accepts."""
+    return [c for a in (field.annotation, *get_args(field.annotation)) for c in get_args(a) if isinstance(c, str)]
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in '2GB', '500MB', '10KB' (powers of 1000) or an int."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text).upper())
+    if not m:
+        raise GqakitError(f"invalid size {text!r}; use e.g. 2GB or 500MB")
+    return int(float(m.group(1)) * 1000 ** " KMGT".index(m.group(2) or " "))
+
+
+def _cli(*decls: str, **kw: Any) -> dict[str, Any]:
+    """How a settings field appears on the command line (read by `convert.cli`)."""
+    return {"cli": {"decls": list(decls), **kw}}
+
+
+class ConvertSettings(BaseModel):
+    """Everything that determines a conversion; recorded in OUT (`record()`).
+
+    Built once, by the CLI or by `pipeline.convert_checkpoint` / `convert_gguf`, and handed
+    down as it is. The checks that need no model run here, in this order: method, grouping,
+    the align-refit options, calibration tokens and data, dtype, shard size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    source: str = Field(description="the source checkpoint: a model folder or a .gguf file")
+    num_kv_heads: int = Field(description="Target number of K/V heads G (must divide the current number).",
+                              json_schema_extra=_cli("-g", "--num-kv-heads", type=int, required=True))
+    method: str = Field(
+        DEFAULT_METHOD, json_schema_extra=_cli("--method", show_default=True),
+        description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
+                    "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
+                    "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
+                    "text: --calibration-data, or text sampled from SRC itself; --refit-option steps=N adds "
+                    "block-wise reconstruction). Best quality: align-refit with steps.")
+    grouping: str = Field(
+        "contiguous", json_schema_extra=_cli("--grouping", show_default=True),
+        description="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
+                    "similar heads; queries and o_proj columns are reordered to match).")
+    refit: RefitOptions = Field(default_factory=RefitOptions,
+                                description="settings of a method that calibrates (--refit-option KEY=VALUE)")
+    calibration_tokens: int = Field(
+        DEFAULT_CALIBRATION_TOKENS, json_schema_extra=_cli("--calibration-tokens", type=int, show_default=True),
+        description="Tokens of calibration text. Memory does not grow with the model's depth; time grows linearly.")
+    calibration_data: str | None = Field(
+        None, json_schema_extra=_cli("--calibration-data"),
+        description="Text for methods that calibrate: a text file, or hf:NAME[:CONFIG][:SPLIT] from the local "
+                    "datasets cache (never your evaluation text). Without it, text is sampled from SRC, which "
+                    "needs the whole model in memory once.")
+    dtype: str = Field("auto", json_schema_extra=_cli("--dtype", choices=("auto", *DTYPE_NAMES), show_default=True),
+                       description="Output dtype; auto keeps each tensor's dtype.")
+    max_shard_size: str | None = Field(
+        "2GB", json_schema_extra=_cli("--max-shard-size", show_default=True),
+        description="Largest output shard, e.g. 500MB.")
+    seed: int = Field(0, json_schema_extra=_cli("--seed", type=int, show_default=True),
+                      description="Seed for random methods.")
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _resolved(cls, v: Any) -> str:
+        return str(Path(v).expanduser().resolve())
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        from gqakit.convert.methods import method_spec  # the method table (imports the math)
+
+        method_spec(v)
+        return v
+
+    @field_validator("grouping")
+    @classmethod
+    def _known_grouping(cls, v: str) -> str:
+        from gqakit.convert.grouping import GROUPINGS
+
+        if v not in GROUPINGS:
+            raise GqakitError(f"unknown grouping {v!r}; choose from {', '.join(GROUPINGS)}")
+        return v
+
+    @field_validator("refit", mode="before")
+    @classmethod
+    def _refit_options(cls, v: Any, info: ValidationInfo) -> RefitOptions:
+        given = v.given() if isinstance(v, RefitOptions) else dict(v or {})
+        if given and not needs_data(info.data["method"]):
+            raise GqakitError(f"method {info.data['method']} takes no options (got {', '.join(given)})")
+        return RefitOptions.parse(v)
+
+    @field_validator("calibration_tokens")
+    @classmethod
+    def _tokens(cls, v: int, info: ValidationInfo) -> int:
+        if needs_data(info.data.get("method", "")) and v < 1:
+            raise GqakitError(f"--calibration-tokens must be at least 1, got {v}")
+        return v
+
+    @field_validator("calibration_data")
+    @classmethod
+    def _data(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v and needs_data(info.data.get("method", "")) and not v.startswith("hf:") \
+                and not Path(v).expanduser().is_file():
+            raise GqakitError(f"calibration data not found: {Path(v).expanduser()}")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v != "auto" and v not in DTYPE_NAMES:
+            raise GqakitError(f"unknown dtype {v!r}; choose auto, {', '.join(DTYPE_NAMES)}")
+        return v
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _shard_size(cls, v: Any) -> str | None:
+        if v is None:
+            return None
+        if parse_size(v) < 1:
+            raise GqakitError(f"--max-shard-size must be more than 0 bytes, got {v!r}")
+        return str(v)
+
+    @property
+    def staged(self) -> bool:
+        """True when the method calibrates on data: the calibration stage makes its layers."""
+        return needs_data(self.method)
+
+    @property
+    def max_shard_bytes(self) -> int:
+        assert self.max_shard_size is not None, "a GGUF output is one file"
+        return parse_size(self.max_shard_size)
+
+    @property
+    def calibration_file(self) -> Path | None:
+        """The calibration text as a file (an input no output may touch); None for hf: or none."""
+        d = self.calibration_data
+        return Path(d) if d and not d.startswith("hf:") else None
+
+    def record(self) -> dict[str, Any]:
+        """The settings as written to OUT (gqakit_convert.json, the card, GGUF metadata and the
+        resume fingerprint): the options as given, and "-" for a shard size that does not apply."""
+        return {"source": self.source, "num_kv_heads": self.num_kv_heads, "method": self.method,
+                "grouping": self.grouping, "dtype": self.dtype,
+                "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
+                "seed": self.seed, "calibration_data": self.calibration_data,
+                "calibration_tokens": self.calibration_tokens, "options": self.refit.given()}
+
+
+def needs_data(method: str) -> bool:
+    from gqakit.convert.methods import METHODS
+
+    return method in METHODS and METHODS[method].needs_data
+
+
+def refit_options_markdown() -> str:
+    """The README's table of align-refit options (`tests/test_convert_settings.py` keeps them equal)."""
+    rows = ["| option | default | what |", "|---|---|---|"]
+    for key, f in RefitOptions.model_fields.items():
+        rows.append(f"| `{key}` | `{f.default}` | {f.description.replace('|', '&#124;')} |")
+    return "\n".join(rows)
+
+
+def refit_options_help() -> str:
+    """The `--help` section listing every align-refit option with its default."""
+    lines = ["\b", "align-refit options (--refit-option KEY=VALUE, repeatable; KEY=default: what):"]
+    for key, f in RefitOptions.model_fields.items():
+        lines += textwrap.wrap(f"{key}={f.default}: {f.description}", width=78, initial_indent="  ",
+                               subsequent_indent="      ", break_on_hyphens=False, break_long_words=False)
+    return "\n".join(lines)

@@ -46,7 +46,7 @@ def _same_tokenizer(a: Any, b: Any) -> bool:
     return a.get_vocab() == b.get_vocab() and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
 
 
-def _peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -351,7 +351,7 @@ class UptrainRecipe:
         params = list(acc.unwrap_model(self.model).parameters())
         n_params, n_train = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
         self.flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
-        self.peak = _peak_flops(acc.device)
+        self.peak = peak_flops(acc.device)
         dist = acc.distributed_type.value
         self.say(f"uptrain: {self.checked.src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, "
                  f"{hf_cfg.num_attention_heads} query / {getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on "

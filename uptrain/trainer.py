@@ -33,6 +33,7 @@ from gqakit.uptrain.checkpoint import CKPT_DIR, Diverged, checkpoints, last_good
 from gqakit.uptrain.config import UptrainConfig, to_yaml
 from gqakit.uptrain.data import BlockOrder, build_blocks
 from gqakit.uptrain.losses import LOSS_TERMS, loss_card, loss_log, objective, token_losses
+from gqakit.uptrain.memory import DTYPES, freeze_to, set_trainable
 from gqakit.uptrain.preflight import Checked, preflight
 
 LOG_FILE = "log.jsonl"
@@ -201,7 +202,7 @@ class _Loaded(NamedTuple):
     teacher: Any | None
 
 
-def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
+def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _Loaded:
     """Model, tokenizer, teacher and data: everything is loaded and checked before the run
     folder is touched (an --overwrite deletes the old run only after this)."""
     from accelerate.utils import set_seed
@@ -229,14 +230,12 @@ def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
     model = load_causal_lm(src)  # fp32 master weights; autocast handles bf16
     model.config.use_cache = False
     if t.trainable:
-        import re
-
         # Conversion only touched attention: training just those weights keeps the rest
         # of the original network exact instead of letting it drift on limited data.
-        for name, p in model.named_parameters():
-            p.requires_grad_(any(re.search(pat, name) for pat in t.trainable))
+        set_trainable(model, t.trainable)
         if not any(p.requires_grad for p in model.parameters()):
             raise GqakitError(f"train.trainable: no parameter name matches {t.trainable}")
+        freeze_to(model, DTYPES[precision])  # frozen weights need no fp32 master copy
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     teacher = None
@@ -319,7 +318,7 @@ class UptrainRecipe:
         checked, t = self.checked, self.cfg.train
         self.accelerator, self.precision, self.use_tb = _make_accelerator(self.cfg, self.out)
         acc = self.accelerator
-        self.data = _load(checked, acc, self.quiet)
+        self.data = _load(checked, acc, self.precision, self.quiet)
         self.order = BlockOrder(len(self.data.train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
                                 world=acc.num_processes, rank=acc.process_index)
         self.tokens_per_step = self.order.global_batch * t.seq_len
@@ -344,6 +343,15 @@ class UptrainRecipe:
             self.step, self.loss = checked.resume_state["step"], checked.resume_state.get("loss", float("nan"))
             self.say(f"uptrain: resumed from {self.out / CKPT_DIR / f'step-{checked.resume_step}'} at step {self.step}")
         self.log = RunLog(acc, self.out / LOG_FILE, checked.resume_step)
+        if checked.mode != "resume":  # the predicted peak, first in the log (`gqakit uptrain --dry-run` prints it)
+            from gqakit.uptrain.plan import plan_for_run
+
+            row, line = plan_for_run(self.cfg, checked.src, self.data.hf_cfg, processes=acc.num_processes,
+                                     distributed=acc.distributed_type.value, device=acc.device.type,
+                                     precision=self.precision,
+                                     teacher_config=getattr(self.data.teacher, "config", None))
+            self.log(row)
+            self.say("uptrain: " + line)
 
     def _print_plan(self) -> None:
         """The plan, printed before the first step (and the tensorboard tracker started)."""

@@ -314,7 +314,13 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
             "flops_per_token_formula": "6 x parameters + 12 x layers x hidden x seq_len",
             "final_loss": train_rows[-1]["loss"] if train_rows else None,
             "peak_gpu_memory_allocated": int(torch.cuda.max_memory_allocated()) if dev.startswith("cuda") else None,
+            # the memory plan the run logged first (`gqakit uptrain --dry-run` prints the same figure)
+            "planned_peak_bytes": next((r["memory_plan"]["peak_bytes"] for r in res.get("log", [])
+                                        if r.get("memory_plan")), None),
         }
+        if r_ := res["result"]:
+            measured, planned = r_["peak_gpu_memory_allocated"], r_["planned_peak_bytes"]
+            r_["plan_error"] = round(planned / measured - 1, 4) if measured and planned else None
         write_json(path, res)
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(gqa, ignore_errors=True)
@@ -427,11 +433,14 @@ def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str
                f"({r['flops_per_token_formula']}) FLOP per token, as uptrain/trainer.py counts them, "
                f"/ the device's dense bf16 peak ({peak}).",
                "",
-               "| parameters | tokens/step | steps | tokens/s (median) | MFU (median) | peak GPU memory | uptrain wall s |",
-               "|---|---|---|---|---|---|---|",
+               "| parameters | tokens/step | steps | tokens/s (median) | MFU (median) | peak GPU memory | "
+               "memory plan (error) | uptrain wall s |",
+               "|---|---|---|---|---|---|---|---|",
                f"| {count(r['parameters'])} | {r['tokens_per_step']:,} | {u['steps']} | "
                f"{(r['tok_per_s_steady'] or 0):,.0f} | {mfu_txt} | "
-               f"{_gib(r.get('peak_gpu_memory_allocated'))} | {data.get('uptrain_s', 0):.0f} |", ""]
+               f"{_gib(r.get('peak_gpu_memory_allocated'))} | {_gib(r.get('planned_peak_bytes'))}"
+               + (f" ({r['plan_error']:+.1%})" if r.get("plan_error") is not None else "")
+               + f" | {data.get('uptrain_s', 0):.0f} |", ""]
     elif step == "convert":
         entry["result"] = data.get("result")
         md += _convert_md(data)

@@ -12,7 +12,8 @@ config.json; a 70B shape is counted in seconds.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,27 @@ class Counts:
         """Saved activations with gradient checkpointing: every block keeps its input, and
         one block at a time is recomputed in full during the backward pass."""
         return self.saved - sum(self.saved_blocks) + self.block_inputs + max(self.saved_blocks, default=0)
+
+
+@contextmanager
+def _unpacked() -> Iterator[None]:
+    """Training batches are whole blocks, never packed sequences with restarting positions.
+    transformers can only see that from the data; with fake tensors it cannot look, and
+    would build an explicit mask (and a costlier attention path) that the real run skips."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # an older transformers without the check
+        yield
+        return
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    old = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = old
 
 
 def _build(hf_config: Any, trust_remote_code: bool) -> Any:
@@ -120,7 +142,7 @@ def count_model(hf_config: Any, *, trainable: Sequence[str] | None, seq_len: int
         x = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         autocast = torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32)
         try:
-            with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with autocast, _unpacked(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 token_losses(model, x, teacher, temperature, hidden=hidden, layer=layer)
         finally:
             for h in handles:

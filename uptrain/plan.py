@@ -221,10 +221,10 @@ def suggestions(plan: Plan, memory: int, *, recount: Any = None, limit: int = 1)
         s_att = replace(base, trainable=tuple(ATTENTION))
         tries.append((["train.trainable=[self_attn]"], att, s_att, plan.target))
         tries += [(["train.trainable=[self_attn]", *o], att, v, t) for o, v, t in _variants(s_att, plan.target)]
-    if plan.target.sharding != "fsdp" and plan.target.device == "cuda":
+    if plan.target.device == "cuda":
         single = [([], counts, base, plan.target)] + tries
         for n in (2, 4, 8, 16, 32, 64):
-            if n > plan.target.processes:
+            if n > (plan.target.processes if plan.target.sharding == "fsdp" else 1):
                 fs = Target(n, "fsdp", "cuda")
                 tries += [([f"FSDP on {n} GPUs (configs/accelerate/fsdp.yaml, num_processes={n})", *o], c, v, fs)
                           for o, c, v, _ in single]

@@ -72,6 +72,8 @@ def test_uptrain_step_reads_tokens_per_second_from_the_log(dry_run):
     assert r["steps_logged"] == list(range(2, 7, 2))
     assert r["mfu_steady"] is None  # no peak FLOP/s for a CPU
     assert r["parameters"] < u["source_model"]["parameters"]  # converted to fewer KV heads
+    # the run's memory plan is read from its log, set against max_memory_allocated on a GPU
+    assert r["planned_peak_bytes"] > 0 and r["plan_error"] is None  # no GPU measurement in the dry run
 
 
 def test_convert_step_measures_the_streamed_conversion(dry_run):

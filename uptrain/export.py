@@ -26,10 +26,27 @@ from gqakit.core.outdir import atomic_output_dir
 CARRY = (CONVERT_SETTINGS, "README.md")
 
 
+def frozen_from_source(state_dict: dict[str, torch.Tensor], src: Path) -> dict[str, torch.Tensor]:
+    """Frozen weights trained in the compute dtype (the only tensors not in fp32) are written
+    as the source folder holds them, so a frozen weight leaves the run bit for bit unchanged."""
+    low = {k for k, v in state_dict.items() if v.is_floating_point() and v.dtype != torch.float32}
+    if not low:
+        return state_dict
+    from safetensors import safe_open
+
+    out = dict(state_dict)
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in low & set(h.keys()):
+                out[k] = h.get_tensor(k)
+    return out
+
+
 def export_model(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, *, src: Path, out: Path,
                  settings: dict[str, Any], facts: dict[str, Any]) -> Path:
     """Save `model` (with `state_dict`, gathered from all processes) to `out`; returns `out`."""
     src_cfg = json.loads((src / "config.json").read_text())
+    state_dict = frozen_from_source(state_dict, src)
     dtype = getattr(torch, str(src_cfg.get("dtype") or src_cfg.get("torch_dtype") or "float32"), torch.float32)
     if dtype in (torch.float16, torch.bfloat16):
         # Training keeps fp32 master weights; hand back the precision the input came in.

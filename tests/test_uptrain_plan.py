@@ -18,7 +18,6 @@ import yaml
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import load_config as load_hf_config
-from gqakit.uptrain import run_uptrain
 from gqakit.uptrain.losses import token_losses
 from gqakit.uptrain.plan import Settings, Target, compose, make_plan, parse_size
 
@@ -167,7 +166,12 @@ def test_the_run_logs_its_plan_first_and_keeps_frozen_weights_in_bf16(converted:
     out = tmp_path / "run"
     cfg = config(converted, out, precision="bf16", trainable=[r"self_attn\.(k|v)_proj"])
     cfg["output"]["save_every"] = 3
-    final = run_uptrain(cfg, quiet=True)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    # its own process: accelerate's precision is fixed once per process
+    r = subprocess.run([sys.executable, "-m", "gqakit", "uptrain", str(path), "-q"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    final = out / "model"
     first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
     plan = first["memory_plan"]
     assert first["step"] == 0 and plan["peak_bytes"] > 0 and plan["precision"] == "bf16"
@@ -187,3 +191,17 @@ def test_the_run_logs_its_plan_first_and_keeps_frozen_weights_in_bf16(converted:
     for k, v in src.items():
         if "mlp" in k or "norm" in k:
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def test_suggestions_name_the_cheapest_change_that_fits(converted: Path):
+    from dataclasses import replace
+
+    from gqakit.uptrain.plan import suggestions
+
+    plan = make_plan(load_hf_config(converted), Settings(64, 4, 1, False, None, "fp32"), Target(1, "none", "cpu"))
+    ckpt = compose(plan.counts, replace(plan.settings, checkpointing=True), plan.target, 4)
+    assert ckpt.peak < plan.peak
+    got = suggestions(plan, ckpt.peak)
+    assert got and got[0].startswith("train.gradient_checkpointing=true (peak")
+    half = compose(plan.counts, replace(plan.settings, micro_batch=2, grad_accum=2), plan.target, 4)
+    assert half.peak < plan.peak and half.parts["activations"] * 2 == plan.parts["activations"]

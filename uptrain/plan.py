@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ class Plan:
     parts: dict[str, int]          # bytes per process, in print order
     peak: int
     activations_other: int = 0     # activations with the other gradient_checkpointing setting
-    notes: list[str] = field(default_factory=list)
+    counts: Any = None             # the model count it was composed from (`memory.Counts`)
 
     def row(self) -> dict[str, Any]:
         """The plan as a log.jsonl row."""
@@ -185,7 +185,7 @@ def make_plan(hf_config: Any, settings: Settings, target: Target, *, teacher_con
                          temperature=te.get("temperature", 1.0), hidden=te.get("hidden_weight", 0) > 0,
                          layer=te.get("layer_weight", 0) > 0, trust_remote_code=trust_remote_code)
     plan = compose(counts, settings, target, settings.micro_batch)
-    plan.counts = counts  # type: ignore[attr-defined]  (kept for suggestions)
+    plan.counts = counts
     return plan
 
 
@@ -199,8 +199,8 @@ def _variants(s: Settings, target: Target) -> list[tuple[list[str], Settings, Ta
     out += [(o, v, target) for o, v in ckpt]
     mbs = []
     mb, ga = s.micro_batch, s.grad_accum
-    while mb > 1:
-        mb, ga = max(1, mb // 2), ga * 2 if mb % 2 == 0 else ga
+    while mb > 1 and mb % 2 == 0:  # halve the micro-batch, double the accumulation: the same global batch
+        mb, ga = mb // 2, ga * 2
         mbs.append((mb, ga))
     for mb, ga in mbs:
         o = [f"train.micro_batch={mb}", f"train.grad_accum={ga}"]
@@ -212,7 +212,7 @@ def _variants(s: Settings, target: Target) -> list[tuple[list[str], Settings, Ta
 
 def suggestions(plan: Plan, memory: int, *, recount: Any = None, limit: int = 1) -> list[str]:
     """The cheapest changes that bring the peak under `memory`, as text."""
-    counts = plan.counts  # type: ignore[attr-defined]
+    counts = plan.counts
     found: list[str] = []
     base = plan.settings
     tries: list[tuple[list[str], Any, Settings, Target]] = [(o, counts, v, t) for o, v, t in _variants(base, plan.target)]
@@ -308,7 +308,7 @@ def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_c
     def recount(patterns: list[str]) -> Any:
         s = replace(plan.settings, trainable=tuple(patterns))
         return make_plan(hf, s, target, teacher_config=teacher, teacher=cfg.teacher.model_dump(),
-                         trust_remote_code=trc).counts  # type: ignore[attr-defined]
+                         trust_remote_code=trc).counts
 
     fits_with = {label: suggestions(plan, mem, recount=recount) for label, mem in devices if plan.peak > mem}
     lines = describe(plan, Path(cfg.model.path).name, devices, fits_with)

@@ -99,10 +99,14 @@ def per_layer_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> La
         # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
         heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
+        del tensors  # memory is one layer's attention: nothing but the method's result outlives its step
         groups = group_fn(heads, settings.num_kv_heads, rotary_style=spec.rotary.style,
                           rotary_dim=plan.shape.rotary_dim)
         ctx = PoolContext(settings.num_kv_heads, groups, spec.rotary.style, plan.shape.rotary_dim, layer, gen)
-        yield layer, method_fn(heads, ctx)
+        new = method_fn(heads, ctx)
+        del heads, groups, ctx
+        yield layer, new
+        del new
 
 
 def converted_layers(opened: Opened, plan: Plan, settings: ConvertSettings, *, device: str = "cpu",
@@ -169,6 +173,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                     t = opened.source.get(name).to(planned_dtype[name])
                     writer.write(name, t)
                     bar.update(t.numel() * t.dtype.itemsize)
+                    del t  # before the next tensor is read: memory is one tensor
             # 2. the attention, layer by layer
             spec = archmod.registry()[plan.family]
             layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress,

@@ -62,7 +62,7 @@ def write_gguf(model, path: Path, arch: str = "llama", qtype: QT = QT.F32) -> Pa
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-    if getattr(c, "head_dim", None):
+    if getattr(c, "head_dim", None) and c.head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     tokens = ["<unk>", "<s>", "</s>"] + [chr(i) for i in range(33, 33 + c.vocab_size - 3)]

@@ -188,3 +188,37 @@ def test_resume_with_other_lora_settings_is_refused(mha: Path, tmp_path: Path):
     # unchanged settings continue to the larger budget
     run_uptrain(cfg(conv, out, tokens=16 * 2 * 12), resume=True, quiet=True)
     assert [r["step"] for r in rows(out) if "loss" in r] == list(range(1, 13))
+
+
+def test_lora_with_gradient_checkpointing_and_distillation(mha: Path, tmp_path: Path):
+    """Checkpointed layers still pass gradients to the adapters (the embeddings are frozen),
+    and the teacher-forced layer loss finds the decoder blocks inside peft's wrapper."""
+    conv = convert(mha, tmp_path / "g2")
+    a = run_uptrain(cfg(conv, tmp_path / "a", tokens=16 * 2 * 3), quiet=True)
+    b = run_uptrain(cfg(conv, tmp_path / "b", tokens=16 * 2 * 3, gradient_checkpointing=True), quiet=True)
+    la, lb = ([r["loss"] for r in rows(p.parent) if "loss" in r] for p in (a, b))
+    assert la == pytest.approx(lb, rel=1e-5) and la[-1] != la[0]
+    assert changed(conv, b).keys() == changed(conv, a).keys() != set()
+    c = cfg(conv, tmp_path / "layer", tokens=16 * 2 * 6)
+    c["teacher"] = {"path": str(mha), "kl_weight": 1.0, "lm_weight": 0.0, "hidden_weight": 1.0, "layer_weight": 1.0}
+    run_uptrain(c, quiet=True)
+    ls = [r["layer_mse"] for r in rows(tmp_path / "layer") if "layer_mse" in r]
+    assert len(ls) == 6 and all(v > 0 for v in ls)
+
+
+def test_bf16_compute_freezes_the_base_in_bf16(mha: Path, tmp_path: Path):
+    """precision=bf16: the frozen weights are held in bf16 (no fp32 copy), the adapters in
+    fp32; the export is fp32 with the frozen weights as their bf16 values."""
+    conv = convert(mha, tmp_path / "g2")
+    c = load_config(cfg(conv, tmp_path / "o", precision="bf16")).train
+    wrapped, _ = apply_lora(load_causal_lm(conv), c, conv, "bf16")
+    dtypes = {(".lora_" in n, p.dtype) for n, p in wrapped.named_parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    final = run_uptrain(cfg(conv, tmp_path / "run", precision="bf16", tokens=16 * 2 * 3), quiet=True)
+    assert json.loads((final / "config.json").read_text())["dtype"] == "float32"
+    before, after = load_causal_lm(conv).state_dict(), load_causal_lm(final).state_dict()
+    for k, v in before.items():
+        if ".k_proj." in k or ".v_proj." in k:
+            assert not torch.equal(after[k], v.bfloat16().float()), k
+        else:
+            assert torch.equal(after[k], v.bfloat16().float()), k

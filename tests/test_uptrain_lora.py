@@ -214,7 +214,10 @@ def test_bf16_compute_freezes_the_base_in_bf16(mha: Path, tmp_path: Path):
     wrapped, _ = apply_lora(load_causal_lm(conv), c, conv, "bf16")
     dtypes = {(".lora_" in n, p.dtype) for n, p in wrapped.named_parameters()}
     assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
-    final = run_uptrain(cfg(conv, tmp_path / "run", precision="bf16", tokens=16 * 2 * 3), quiet=True)
+    # its own process: accelerate keeps one mixed-precision setting per process
+    (tmp_path / "bf16.json").write_text(json.dumps(cfg(conv, tmp_path / "run", precision="bf16", tokens=16 * 2 * 3)))
+    subprocess.run([sys.executable, "-m", "gqakit", "uptrain", str(tmp_path / "bf16.json"), "-q"], check=True)
+    final = tmp_path / "run" / "model"
     assert json.loads((final / "config.json").read_text())["dtype"] == "float32"
     before, after = load_causal_lm(conv).state_dict(), load_causal_lm(final).state_dict()
     for k, v in before.items():
@@ -222,3 +225,10 @@ def test_bf16_compute_freezes_the_base_in_bf16(mha: Path, tmp_path: Path):
             assert not torch.equal(after[k], v.bfloat16().float()), k
         else:
             assert torch.equal(after[k], v.bfloat16().float()), k
+
+
+def test_without_peft_the_error_is_one_line(mha: Path, tmp_path: Path, monkeypatch):
+    conv = convert(mha, tmp_path / "g2")
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
+    with pytest.raises(GqakitError, match=r"^train.lora needs the peft package: pip install 'peft>=0.21'$"):
+        apply_lora(load_causal_lm(conv), load_config(cfg(conv, tmp_path / "o")).train, conv, "fp32")

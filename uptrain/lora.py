@@ -83,7 +83,7 @@ def apply_lora(model: Any, train: Any, src: Path, precision: str) -> tuple[Any, 
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise GqakitError("train.lora needs the peft package: pip install 'peft>=0.13'") from None
+        raise GqakitError("train.lora needs the peft package: pip install 'peft>=0.21'") from None
     conv1d = any(type(m).__name__ == "Conv1D" for n, m in model.named_modules() if any(_matches(n, t) for t in targets))
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(targets),
                         bias="none", fan_in_fan_out=conv1d)

@@ -35,6 +35,16 @@ DEFAULT_CALIBRATION_TOKENS = 65536
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
 
+# What align-refit's "auto" settings resolve to (`ConvertSettings.resolved`), from the
+# measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400 steps at
+# lr 0.01 on q, k, v, o; on stories260K, 4,500 steps at lr 0.007 on the whole block with
+# similarity grouping: each the best measured for its size.
+EFFORTS = ("fast", "best")
+MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
+REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
+BEST = {"small": {"steps": 4500, "lr": 0.007, "train": "block", "grouping": "similarity"},
+        "large": {"steps": 400, "lr": 0.01, "train": "attention", "grouping": "contiguous"}}
+
 Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
 
 
@@ -43,9 +53,11 @@ class RefitOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    seq_len: StrictInt = Field(256, ge=2, description="tokens per calibration sequence (at most the model's context)")
+    seq_len: Literal["auto"] | StrictInt = Field(
+        "auto", ge=2, description="tokens per calibration sequence (auto: the model's context, at most 512)")
     batch: Literal["auto"] | StrictInt = Field(
-        "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU)")
+        "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU, fewer for "
+                                  "sequences over 256 tokens: at most 1,024 and 2,048 tokens)")
     sample_batch: StrictInt = Field(
         64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
     q_ridge: Number = Field(1e-2, description="ridge strength of the query refit, relative to the mean diagonal "
@@ -73,15 +85,19 @@ class RefitOptions(BaseModel):
     checkpoint_seconds: Number = Field(
         120.0, ge=0, description="how often, at most, the streams and the finished layers are saved, so that a "
                                  "killed run resumes")
-    steps: StrictInt = Field(0, ge=0, description="block-wise reconstruction: Adam steps per layer (0: closed-form "
-                                                  "fits only)")
-    lr: Number = Field(1e-2, gt=0, description="the steps' learning rate, relative to each tensor's RMS (decaying "
-                                               "linearly to 0)")
+    steps: Literal["auto"] | StrictInt = Field(
+        "auto", ge=0, description="block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
+                                  "400, or 4500 for a model under 20M parameters, fewer in proportion below 65,536 "
+                                  "calibration tokens; 0 with --effort fast)")
+    lr: Literal["auto"] | Number = Field(
+        "auto", gt=0, description="the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
+                                  "auto: 0.01, or 0.007 for a model under 20M parameters)")
     guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
                                                         "closed-form fit when the steps do not help)")
-    train: Literal["attention", "block"] = Field(
-        "attention", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
-                                 "MLP and norms too (block; model-folder output only)")
+    train: Literal["auto", "attention", "block"] = Field(
+        "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
+                            "MLP and norms too (block; model-folder output only; auto: block for a model under "
+                            "20M parameters written to a folder, else attention)")
 
     _given: tuple[str, ...] = PrivateAttr(default=())
 
@@ -132,7 +148,7 @@ class RefitOptions(BaseModel):
         (kv_to >= kv_from: it is exact); with the head counts unknown (None), the steps asked for."""
         if kv_from is not None and kv_to is not None and kv_to >= kv_from:
             return 0
-        return self.steps
+        return 0 if self.steps == "auto" else self.steps
 
     def trains_block(self, kv_from: int | None = None, kv_to: int | None = None) -> bool:
         """Whether the steps train every weight of each converted block (`train=block` with steps),
@@ -205,9 +221,19 @@ class ConvertSettings(BaseModel):
                     "text: --calibration-data, or text sampled from SRC itself; --refit-option steps=N adds "
                     "block-wise reconstruction). Best quality: align-refit with steps.")
     grouping: str = Field(
-        "contiguous", json_schema_extra=_cli("--grouping", show_default=True),
+        "auto", json_schema_extra=_cli("--grouping", show_default=True),
         description="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
-                    "similar heads; queries and o_proj columns are reordered to match).")
+                    "similar heads; queries and o_proj columns are reordered to match); auto: similarity for "
+                    "align-refit on a model under 20M parameters, else contiguous.")
+    effort: Literal["fast", "best"] = Field(
+        "best", json_schema_extra=_cli("--effort", choices=EFFORTS, show_default=True),
+        description="align-refit only. best: block-wise reconstruction after the closed-form fits (the steps, lr "
+                    "and train that measured best for the model's size; measured on SmolLM2-135M 3->1 with 65,536 "
+                    "tokens on 2 shared CPU cores: perplexity 72-75 within about 45 min). fast: the closed-form "
+                    "fits only (steps=0; same model and machine: 248, most of the time in the fits' forward "
+                    "passes, about 2/3 of best's). A 7B model (estimate, not measured: time grows with layers x "
+                    "parameters per layer x tokens, and for best x steps) takes about 60x as long per layer: "
+                    "days on such a CPU, hours on one GPU.")
     refit: RefitOptions = Field(default_factory=RefitOptions,
                                 description="settings of a method that calibrates (--refit-option KEY=VALUE)")
     calibration_tokens: int = Field(
@@ -244,8 +270,8 @@ class ConvertSettings(BaseModel):
     def _known_grouping(cls, v: str) -> str:
         from gqakit.convert.grouping import GROUPINGS
 
-        if v not in GROUPINGS:
-            raise GqakitError(f"unknown grouping {v!r}; choose from {', '.join(GROUPINGS)}")
+        if v != "auto" and v not in GROUPINGS:
+            raise GqakitError(f"unknown grouping {v!r}; choose from auto, {', '.join(GROUPINGS)}")
         return v
 
     @field_validator("refit", mode="before")
@@ -287,6 +313,60 @@ class ConvertSettings(BaseModel):
             raise GqakitError(f"--max-shard-size must be more than 0 bytes, got {v!r}")
         return str(v)
 
+    _auto: dict[str, str] | None = PrivateAttr(default=None)  # set by `resolved`: what "auto" chose, and why
+
+    def resolved(self, *, source_params: int, max_positions: int | None, gguf_out: bool = False) -> ConvertSettings:
+        """The settings with every "auto" decided from the model's geometry (parameters and
+        context) and the output kind, once, at plan time; explicit values are kept as given.
+        `auto_reasons()` then says what was chosen and why. Resolving twice changes nothing."""
+        if self._auto is not None:
+            return self
+        reasons: dict[str, str] = {}
+        grouping, refit = self.grouping, self.refit
+        small = source_params < SMALL_MODEL
+        count = f"{source_params / 1e6:,.0f}M" if source_params >= 10**7 else f"{source_params:,}"
+        size = f"{count} parameters, {'under' if small else 'at least'} 20M"
+        best = BEST["small" if small else "large"]
+        if self.staged:
+            r: dict[str, Any] = {}
+            if grouping == "auto":
+                grouping = best["grouping"]
+                reasons["grouping"] = f"auto: {grouping} ({size})"
+            if refit.seq_len == "auto":
+                r["seq_len"] = min(MAX_SEQ_LEN, max_positions or MAX_SEQ_LEN)
+                reasons["seq_len"] = (f"auto: {r['seq_len']} (the model's context {max_positions}, at most "
+                                      f"{MAX_SEQ_LEN})" if max_positions else f"auto: {r['seq_len']}")
+            if refit.steps == "auto":
+                if self.effort == "fast":
+                    r["steps"] = 0
+                    reasons["steps"] = "auto: 0 (--effort fast: the closed-form fits only)"
+                else:
+                    share = min(1.0, self.calibration_tokens / REFERENCE_TOKENS)
+                    r["steps"] = max(1, round(best["steps"] * share))
+                    reasons["steps"] = f"auto: {r['steps']} (--effort best, {size}" + (
+                        f"; {best['steps']} scaled to {self.calibration_tokens:,} of {REFERENCE_TOKENS:,} "
+                        "calibration tokens)" if share < 1 else ")")
+            if refit.lr == "auto":
+                r["lr"] = best["lr"]
+                reasons["lr"] = f"auto: {r['lr']} ({size})"
+            if refit.train == "auto":
+                r["train"] = "attention" if gguf_out else best["train"]
+                reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)"
+                                                              if gguf_out else f"{size})")
+            if r:
+                given = refit._given
+                refit = refit.model_copy(update=r)
+                refit._given = given
+        elif grouping == "auto":
+            grouping = "contiguous"
+        out = self.model_copy(update={"grouping": grouping, "refit": refit})
+        out._auto = reasons
+        return out
+
+    def auto_reasons(self) -> dict[str, str]:
+        """What each "auto" setting resolved to, and why ({} before `resolved`)."""
+        return dict(self._auto or {})
+
     @property
     def staged(self) -> bool:
         """True when the method calibrates on data: the calibration stage makes its layers."""
@@ -310,7 +390,16 @@ class ConvertSettings(BaseModel):
                 "grouping": self.grouping, "dtype": self.dtype,
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
                 "seed": self.seed, "calibration_data": self.calibration_data,
-                "calibration_tokens": self.calibration_tokens, "options": self.refit.given()}
+                "calibration_tokens": self.calibration_tokens, "options": self.refit.given(),
+                **self._resolved_record()}
+
+    def _resolved_record(self) -> dict[str, Any]:
+        """For a resolved calibrating method: the effort, the values "auto" chose (after the given
+        options) and the reasons, so the record states every setting that shaped the result."""
+        if not self.staged or self._auto is None:
+            return {}
+        chosen = {k: getattr(self.refit, k) for k in self._auto if k in RefitOptions.model_fields}
+        return {"effort": self.effort, "options": {**self.refit.given(), **chosen}, "auto": dict(self._auto)}
 
 
 def needs_data(method: str) -> bool:

@@ -66,10 +66,10 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     \b
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
-      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity --calibration-data calib.txt
-      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --refit-option steps=400 --refit-option lr=0.01
-      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity \\
-          --calibration-tokens 65536 --refit-option steps=2000 --refit-option lr=0.01 --refit-option train=block
+      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt
+      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt --effort fast
+      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping contiguous \\
+          --refit-option steps=2000 --refit-option lr=0.01 --refit-option train=block
       gqakit convert ./llama-2-7b ./llama-2-7b-g8 -g 8 --method align-refit --device cuda \\
           --calibration-data hf:wikitext:wikitext-2-raw-v1:train --calibration-tokens 131072
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16

@@ -54,7 +54,7 @@ class RefitOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     seq_len: Literal["auto"] | StrictInt = Field(
-        "auto", ge=2, description="tokens per calibration sequence (auto: the model's context, at most 512)")
+        "auto", ge=2, description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
     batch: Literal["auto"] | StrictInt = Field(
         "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU, fewer for "
                                   "sequences over 256 tokens: at most 1,024 and 2,048 tokens)")
@@ -86,18 +86,21 @@ class RefitOptions(BaseModel):
         120.0, ge=0, description="how often, at most, the streams and the finished layers are saved, so that a "
                                  "killed run resumes")
     steps: Literal["auto"] | StrictInt = Field(
-        "auto", ge=0, description="block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
-                                  "400, or 4500 for a model under 20M parameters, fewer in proportion below 65,536 "
-                                  "calibration tokens; 0 with --effort fast)")
+        "auto", ge=0, description=f"block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
+                                  f"{BEST['large']['steps']}, or {BEST['small']['steps']} for a model under "
+                                  f"{SMALL_MODEL // 10**6}M parameters, fewer in proportion below "
+                                  f"{REFERENCE_TOKENS:,} calibration tokens; 0 with --effort fast)")
     lr: Literal["auto"] | Number = Field(
-        "auto", gt=0, description="the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
-                                  "auto: 0.01, or 0.007 for a model under 20M parameters)")
+        "auto", gt=0, description=f"the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
+                                  f"auto: {BEST['large']['lr']}, or {BEST['small']['lr']} for a model under "
+                                  f"{SMALL_MODEL // 10**6}M parameters)")
     guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
                                                         "closed-form fit when the steps do not help)")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
-                            "MLP and norms too (block; model-folder output only; auto: block for a model under "
-                            "20M parameters written to a folder, else attention)")
+                            f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "
+                            f"a model under {SMALL_MODEL // 10**6}M parameters written to a folder, else "
+                            f"{BEST['large']['train']})")
 
     _given: tuple[str, ...] = PrivateAttr(default=())
 
@@ -218,8 +221,9 @@ class ConvertSettings(BaseModel):
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
                     "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
                     "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
-                    "text: --calibration-data, or text sampled from SRC itself; --refit-option steps=N adds "
-                    "block-wise reconstruction). Best quality: align-refit with steps.")
+                    "text: --calibration-data, or text sampled from SRC itself; then block-wise reconstruction, "
+                    "see --effort). Best quality: align-refit, whose defaults are the best measured settings for "
+                    "the model's size.")
     grouping: str = Field(
         "auto", json_schema_extra=_cli("--grouping", show_default=True),
         description="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
@@ -413,6 +417,18 @@ def refit_options_markdown() -> str:
     rows = ["| option | default | what |", "|---|---|---|"]
     for key, f in RefitOptions.model_fields.items():
         rows.append(f"| `{key}` | `{f.default}` | {f.description.replace('|', '&#124;')} |")
+    return "\n".join(rows)
+
+
+def auto_settings_markdown() -> str:
+    """The README's table of what align-refit's "auto" settings resolve to (`ConvertSettings.resolved`;
+    `tests/test_convert_settings.py` keeps them equal)."""
+    rows = ["| model | `--grouping` | `seq_len` | `steps` at 65,536 tokens | `lr` | `train` |",
+            "|---|---|---|---|---|---|"]
+    for key, what in (("small", "under 20M parameters"), ("large", "20M parameters or more")):
+        b = BEST[key]
+        rows.append(f"| {what} | {b['grouping']} | the model's context, at most {MAX_SEQ_LEN} | {b['steps']:,} | "
+                    f"{b['lr']} | {b['train']} |")
     return "\n".join(rows)
 
 

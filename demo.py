@@ -208,8 +208,8 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
                                          "--max-chars", str(b["eval_chars"]), "--out",
                                          str(out / "results" / f"{name}.json")])
     # decode speed of the four models in one run, their steps alternating one by one: on a
-    # machine whose memory speed drifts (this project's VM: 42-74 GB/s within minutes), separate
-    # runs per model gave "speedups" of 0.77x for a model as fast as its neighbour
+    # machine whose memory speed drifts (a shared VM can swing between 42 and 74 GB/s within
+    # minutes), separate runs per model can show a model as 0.77x of an equally fast neighbour
     say(f"4/5 eval {len(models) + 1}/{len(models) + 1}: decode speed, the four models alternating")
     from gqakit.core.device import resolve_device
     from gqakit.core.loading import load_causal_lm

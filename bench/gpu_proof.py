@@ -301,9 +301,9 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
         run_uptrain(cfg, work / "uptrain.yaml", res)
     finally:
         train_rows = [r for r in res.get("log", []) if "tok_per_s" in r]
-        from gqakit.uptrain.trainer import _peak_flops
+        from gqakit.uptrain.trainer import peak_flops
 
-        peak = _peak_flops(torch.device(dev)) if dev.startswith("cuda") else None
+        peak = peak_flops(torch.device(dev)) if dev.startswith("cuda") else None
         res["result"] = {
             "parameters": meta_parameters(gqa) if (gqa / "config.json").is_file() else None,
             "tokens_per_step": tokens_per_step,

@@ -1,21 +1,12 @@
-"""Outputs: one rule for where gqakit may write, and atomic folders.
+"""Outputs written whole or not at all: temp folders swapped into place, atomic files.
 
-The rule, applied by every verb before it writes or deletes anything:
-  1. An output may never be, contain, or sit inside any input of the same command
-     (model, teacher, data files, eval file, results files, the config itself).
-  2. An existing output is replaced only with `--overwrite`, and only when gqakit wrote
-     it: a folder must carry gqakit's manifest (`.gqakit-output.json`, which lists every
-     file gqakit put there) and hold no other file; a results file must be a gqakit
-     results JSON. Anything else is refused, with or without `--overwrite`.
-  3. The caller deletes nothing until every other check of the command has passed.
-
-Folders are built under a hidden temporary name next to OUT and renamed into place only
-when complete. A crash, Ctrl-C or SIGKILL therefore never leaves a folder at OUT that
-looks finished; at worst a hidden `.OUT.gqakit-tmp-*` remains, and the next run removes
-it once the process that made it is gone. A failed run removes any parent folder it
-created, so nothing empty is left behind.
-
-This module imports nothing heavy: the checks run before torch is imported.
+Folders are built under a hidden temporary name next to OUT and swapped into place only
+when complete (`swap_in`, the one place that does it). A crash, Ctrl-C or SIGKILL
+therefore never leaves a folder at OUT that looks finished; at worst a hidden
+`.OUT.gqakit-tmp-*` remains, and the next run removes it once the process that made it is
+gone. A failed run removes any parent folder it created, so nothing empty is left behind.
+Before anything is written or replaced, the output rule (`core.outrule`) is applied;
+its names are importable from here too.
 """
 
 from __future__ import annotations
@@ -25,195 +16,42 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from gqakit.core.errors import GqakitError, Interrupted
-
-TMP_MARK = ".gqakit-tmp-"
-MANIFEST = ".gqakit-output.json"
-
-# (label, path): what an input is called in messages, and where it is.
-Inputs = Sequence[tuple[str, "str | Path | None"]]
+from gqakit.core.outrule import (  # noqa: F401  (the rule is importable from here too)
+    CHECKPOINT_RECORD, CHECKPOINTS, DEMO, GGUF_FILE, KINDS, MANIFEST, MODEL, REPORT, RESULTS, RUN, RUN_ENTRIES,
+    TMP_MARK, Inputs, Kind, check_not_an_input, check_output_path, read_json, why_not_ours, write_manifest)
 
 
-# ----------------------------------------------------------------------------- kinds of output
+def _within(p: Path, roots: Iterable[Path]) -> bool:
+    """P is one of ROOTS, inside one, or a folder above one (made by `make_dirs`)."""
+    p = Path(os.path.abspath(p))
+    for r in roots:
+        r = Path(os.path.abspath(r))
+        if p == r or r in p.parents or p in r.parents:
+            return True
+    return False
 
 
-def _json(path: Path) -> object:
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-
-
-def _schema(path: Path) -> str | None:
-    data = _json(path)
-    return data.get("schema") if isinstance(data, dict) else None
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One kind of output: a folder (with a manifest) or a single file."""
-
-    name: str                                   # in messages: "model folder", "uptrain run", ...
-    folder: bool = True
-    legacy: Callable[[Path], bool] | None = None  # recognises outputs written before manifests
-    file_ok: Callable[[Path], bool] | None = None  # file kinds: is this file one gqakit wrote?
-
-
-RUN_ENTRIES = ("gqakit_uptrain.yaml", "log.jsonl", "checkpoints/", "model/", "uptrain/")
-
-
-def _legacy_run(p: Path) -> bool:
-    tops = {e.rstrip("/") for e in RUN_ENTRIES}
-    return (p / "gqakit_uptrain.yaml").is_file() and not (p / "config.json").exists() and all(
-        c.name in tops for c in p.iterdir())
-
-
-def _legacy_report(p: Path) -> bool:
-    return _schema(p / "report.json") == "gqakit.compare/1" and all(
-        c.name in ("report.json", "report.md") or c.suffix == ".png" for c in p.iterdir())
-
-
-MODEL = Kind("model folder", legacy=lambda p: (p / "gqakit_convert.json").is_file())
-RUN = Kind("uptrain run", legacy=_legacy_run)
-REPORT = Kind("compare report", legacy=_legacy_report)
-DEMO = Kind("demo folder", legacy=lambda p: (p / "converted" / "gqakit_convert.json").is_file()
-            and (p / "report").is_dir())
-RESULTS = Kind("results file", folder=False, file_ok=lambda p: _schema(p) == "gqakit.eval/1")
-KINDS = {k.name: k for k in (MODEL, RUN, REPORT, DEMO, RESULTS)}
-
-
-def write_manifest(folder: Path, kind: Kind, entries: Iterable[str] | None = None) -> None:
-    """Record that gqakit wrote FOLDER: its kind and every file in it (or `dir/` prefixes)."""
-    import gqakit
-
-    if entries is None:
-        entries = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
-    body = {"written_by": "gqakit", "gqakit": gqakit.__version__, "kind": kind.name,
-            "entries": [e for e in entries if e != MANIFEST]}
-    (folder / MANIFEST).write_text(json.dumps(body, indent=1) + "\n")
-
-
-def _foreign(folder: Path, entries: list[str]) -> list[str]:
-    """Files under FOLDER that the manifest's entries do not cover."""
-    exact = {e for e in entries if not e.endswith("/")}
-    prefixes = tuple(e for e in entries if e.endswith("/"))
-    out = []
-    for p in sorted(folder.rglob("*")):
-        if p.is_dir() and not p.is_symlink():
-            continue
-        rel = str(p.relative_to(folder))
-        if rel != MANIFEST and rel not in exact and not rel.startswith(prefixes):
-            out.append(rel)
-    return out
-
-
-def why_not_ours(out: Path, kind: Kind) -> str | None:
-    """None when OUT is a `kind` output that gqakit wrote and may replace; else the reason."""
-    if kind.folder:
-        if not out.is_dir():
-            return f"it is a file, not a {kind.name}"
-        man = _json(out / MANIFEST)
-        if isinstance(man, dict) and man.get("written_by") == "gqakit":
-            if man.get("kind") != kind.name:
-                return f"it is a gqakit {man.get('kind')}, not a {kind.name}"
-            entries = man.get("entries")
-            if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-                return f"its manifest {MANIFEST} is damaged"
-            foreign = _foreign(out, entries)
-            if foreign:
-                return f"it holds {foreign[0]!r}, which gqakit did not write" + (
-                    f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else "")
-            return None
-        if kind.legacy is not None and kind.legacy(out):
-            return None
-        return f"it was not written by gqakit (no {MANIFEST})"
-    if out.is_dir():
-        return "it is a folder"
-    if kind.file_ok is not None and kind.file_ok(out):
-        return None
-    return f"it is not a gqakit {kind.name}"
-
-
-# ----------------------------------------------------------------------------- the rule
-
-
-def _resolve(p: str | Path) -> Path:
-    return Path(p).expanduser().resolve()
-
-
-def _is_inside(child: Path, parent: Path) -> bool:
-    try:
-        child.relative_to(parent)
-        return child != parent
-    except ValueError:
-        return False
-
-
-def _same(a: Path, b: Path) -> bool:
-    if a == b:
-        return True
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def check_not_an_input(out: Path, inputs: Inputs, flag: str = "output") -> Path:
-    """Rule 1: OUT is not, does not contain, and does not sit inside any input."""
-    out = _resolve(out)
-    for label, path in inputs:
-        if path is None:
-            continue
-        inp = _resolve(path)
-        if _same(out, inp):
-            raise GqakitError(f"{flag} {out} is the {label}; choose another path")
-        if _is_inside(out, inp):
-            raise GqakitError(f"{flag} {out} is inside the {label} {inp}; choose a path outside it")
-        if _is_inside(inp, out):
-            raise GqakitError(f"{flag} {out} contains the {label} {inp}; choose a path that does not")
-    return out
-
-
-def check_output_path(out: Path, *, overwrite: bool, src: Path | None = None, inputs: Inputs = (),
-                      kind: Kind = MODEL, flag: str = "output") -> Path:
-    """Rules 1 and 2, before any work is done; returns the resolved path. Deletes nothing."""
-    inputs = list(inputs) + ([("source", src)] if src is not None else [])
-    out = check_not_an_input(out, inputs, flag)
-    if not out.exists() and not out.is_symlink():
-        return out
-    if kind.folder and out.is_dir() and not any(out.iterdir()):
-        return out  # an empty folder is fine to fill
-    if not overwrite:
-        raise GqakitError(f"{flag} {out} already exists; pass --overwrite to replace it")
-    why = why_not_ours(out, kind)
-    if why:
-        raise GqakitError(f"{flag} {out} exists and {why}; --overwrite replaces only a {kind.name} "
-                          "that gqakit wrote: move it away or choose another path")
-    return out
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def describe_oserror(e: OSError, path: Path) -> str:
-    """One line for a failed write: disk full and quota named as such, with the path."""
+def describe_oserror(e: OSError, path: Path, writing: Iterable[Path] = ()) -> str:
+    """One line for a failed file operation while writing PATH (and its temporary folders
+    WRITING): disk full and quota named as such; a failure on a file outside them (a source
+    moved or deleted while gqakit ran) named as a read."""
     where = e.filename or path
     if e.errno == errno.ENOSPC:
         return f"no space left on the device (disk full or over quota?) while writing {where}"
     if e.errno == getattr(errno, "EDQUOT", -1):
         return f"disk quota exceeded while writing {where}"
+    reading = bool(e.filename) and not _within(Path(os.fsdecode(e.filename)), [Path(path), *writing])
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"permission denied while writing {where}"
+        return f"permission denied while {'reading' if reading else 'writing'} {where}"
+    if reading:
+        gone = " (moved or deleted while gqakit ran?)" if e.errno == errno.ENOENT else ""
+        return f"could not read {where}: {e.strerror or e}{gone}"
     return f"could not write {where}: {e.strerror or e}"
-
-
-_describe_oserror = describe_oserror  # the old private name
 
 
 def make_dirs(folder: Path) -> list[Path]:
@@ -259,19 +97,27 @@ def _remove_stale_temps(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def swap_in(tmp: Path, final: Path) -> None:
+    """Put the finished folder TMP at FINAL, on the same file system: a rename when FINAL is
+    free; otherwise FINAL is renamed aside, TMP takes its place and the old one is deleted.
+    At every moment FINAL is either the old folder or the new one, never a mix, and a
+    crash leaves at most a hidden `.FINAL.gqakit-tmp-*` beside it. The caller has checked
+    that FINAL may be replaced."""
+    if not (final.exists() or final.is_symlink()):
+        os.rename(tmp, final)
+        return
+    old = final.parent / f".{final.name}{TMP_MARK}{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _publish(tmp: Path, out: Path, *, overwrite: bool, inputs: Inputs, kind: Kind, flag: str) -> None:
-    """Write the manifest into the finished folder TMP and rename it to OUT (replacing an
+    """Write the manifest into the finished folder TMP and swap it in at OUT (replacing an
     earlier gqakit output there only after checking again: OUT may have appeared or
     changed while the work ran)."""
     write_manifest(tmp, kind)
-    out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
-    if out.exists():
-        old = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+    swap_in(tmp, check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag))
 
 
 def _fresh_temp(out: Path) -> tuple[Path, list[Path]]:
@@ -299,7 +145,7 @@ def _removed_on_failure(tmp: Path, made: list[Path], out: Path) -> Iterator[None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [tmp])) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         remove_if_empty(made)
@@ -328,7 +174,7 @@ RESUME_DIR = ".resume"  # inside the partial folder: a run that saved a checkpoi
 
 
 def partial_dir(out: Path) -> Path:
-    out = _resolve(out)
+    out = Path(out).expanduser().resolve()
     return out.parent / f".{out.name}{PARTIAL_MARK}"
 
 
@@ -350,7 +196,7 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
     try:
         made = make_dirs(out.parent)
         if part.exists():
-            info = _json(stamp)
+            info = read_json(stamp)
             if not isinstance(info, dict):
                 raise GqakitError(f"{part} exists and was not left by gqakit; move it away")
             if _alive(int(info.get("pid") or 0)):
@@ -363,7 +209,7 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
         stamp.write_text(json.dumps({"fingerprint": fingerprint, "pid": os.getpid()}) + "\n")
     except OSError as e:
         remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [part])) from None
     except GqakitError:
         remove_if_empty(made)
         raise
@@ -374,13 +220,13 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
             shutil.rmtree(part, ignore_errors=True)
             remove_if_empty(made)
             if isinstance(e, OSError):
-                raise GqakitError(describe_oserror(e, out)) from None
+                raise GqakitError(describe_oserror(e, out, [part])) from None
             raise
         kept = f"finished layers are kept in {part}; re-run the same command to resume"
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"stopped; {kept}") from None
         if isinstance(e, (GqakitError, OSError)):
-            msg = describe_oserror(e, out) if isinstance(e, OSError) else str(e)
+            msg = describe_oserror(e, out, [part]) if isinstance(e, OSError) else str(e)
             raise GqakitError(f"{msg} ({kept})") from None
         raise
     try:
@@ -388,7 +234,7 @@ def resumable_output_dir(out: Path, *, fingerprint: str, overwrite: bool = False
         stamp.unlink()
         _publish(part, out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
     except OSError as e:
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [part])) from None
 
 
 def _alive(pid: int) -> bool:
@@ -415,28 +261,8 @@ def write_file_atomic(out: Path, text: str) -> Path:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         remove_if_empty(made)
-        raise GqakitError(describe_oserror(e, out)) from None
+        raise GqakitError(describe_oserror(e, out, [tmp])) from None
     return out
-
-
-# ----------------------------------------------------------------------------- single-file outputs
-
-
-def _is_gqakit_gguf(path: Path) -> bool:
-    """A GGUF file that `gqakit convert` wrote (it carries `general.gqakit.version`)."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                return False
-        from gguf import GGUFReader
-
-        return "general.gqakit.version" in GGUFReader(path).fields
-    except Exception:  # a damaged file is not one gqakit may replace
-        return False
-
-
-GGUF_FILE = Kind("GGUF file", folder=False, file_ok=_is_gqakit_gguf)
-KINDS[GGUF_FILE.name] = GGUF_FILE
 
 
 @contextmanager

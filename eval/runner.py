@@ -180,7 +180,9 @@ def seen_in_training(model_path: str | Path, doc: EvalText) -> list[dict[str, st
     try:
         import yaml
 
-        up = yaml.safe_load((folder / "gqakit_uptrain.yaml").read_text()) if (folder / "gqakit_uptrain.yaml").is_file() else {}
+        from gqakit.core.yamlfile import read_yaml  # limits: a hostile file is skipped, not a hang
+
+        up = read_yaml(folder / "gqakit_uptrain.yaml") if (folder / "gqakit_uptrain.yaml").is_file() else {}
         pats = (((up or {}).get("settings") or {}).get("data") or {}).get("files") or []
         candidates += [(f, "uptrain data.files") for pat in pats if isinstance(pat, str)
                        for f in bounded_glob(pat)[0]]  # a folder's own record: no walk of the whole disk

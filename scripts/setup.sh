@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install gqakit into it, editable, with test extras.
-# torch is pinned to the CPU wheel these machines carry (TORCH_SPEC overrides it, e.g.
+# torch is pinned to a CPU build, torch==2.13.0 (TORCH_SPEC overrides it, e.g.
 # TORCH_SPEC=torch for a CUDA build); an already-installed torch >= 2.4 is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,6 +4,7 @@ the function-level ones, so a cycle cannot hide behind a lazy import."""
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,135 @@ def test_decode_never_imports_speed():
            for p in sorted((ROOT / "eval" / "decode").rglob("*.py"))}
     assert not {k: v for k, v in bad.items() if v}
     assert (ROOT / "eval" / "decode" / "layers.py").is_file()  # the rule looks where the package is
+
+
+# The whole product: every module, lazy and TYPE_CHECKING imports included.
+
+def product_modules() -> dict[str, Path]:
+    """Dotted module name (without `gqakit.`) -> file, for every product module."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in {"tests", "bench", "build", "examples"} or rel.parts[0].startswith(".") \
+                or "remote" in rel.parts:
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts) or "__init__"] = path
+    return out
+
+
+def _resolve_relative(module: str, node: ast.ImportFrom, is_pkg: bool) -> str:
+    base = module.split(".") if module != "__init__" else []
+    if not is_pkg:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@cache
+def imports_of(path: Path, module: str = "") -> frozenset[tuple[str, tuple[str, ...]]]:
+    """(dotted module without `gqakit.`, names imported from it) for every gqakit import in
+    the file, wherever it stands (top level, function, TYPE_CHECKING block)."""
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("gqakit."):
+                    out.add((a.name.removeprefix("gqakit."), ()))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                mod = _resolve_relative(module, node, path.name == "__init__.py")
+            elif node.module and (node.module == "gqakit" or node.module.startswith("gqakit.")):
+                mod = node.module.removeprefix("gqakit").removeprefix(".")
+            else:
+                continue
+            out.add((mod, tuple(a.name for a in node.names)))
+    return frozenset(out)
+
+
+def module_deps(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The product modules `module` imports (a `from pkg import sub` counts as pkg.sub)."""
+    deps = set()
+    for mod, names in imports_of(path, module):
+        for name in names:
+            full = f"{mod}.{name}" if mod else name
+            if full in modules:
+                deps.add(full)
+        if mod in modules:
+            deps.add(mod)
+    deps.discard(module)
+    return deps
+
+
+def test_no_import_cycle_counting_lazy_imports():
+    modules = product_modules()
+    graph = {m: module_deps(m, p, modules) for m, p in modules.items()}
+    # packages' __init__ re-exports are edges too, but a package importing its own submodule is not a cycle
+    for m in graph:
+        graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_imports_another_modules_private_names():
+    modules = product_modules()
+    bad = []
+    for module, path in modules.items():
+        for mod, names in imports_of(path, module):
+            bad += [f"{module}: from gqakit.{mod} import {n}" for n in names
+                    if n.startswith("_") and not n.startswith("__") and mod != module]
+    assert not bad, bad
+
+
+def test_bench_uses_only_public_names():
+    bad = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        for mod, names in imports_of(path):
+            bad += [f"bench/{path.relative_to(ROOT / 'bench')}: from gqakit.{mod} import {n}" for n in names
+                    if n.startswith("_") and not n.startswith("__")]
+        text = path.read_text()
+        assert "sys.path.insert" not in text and "sys.path.append" not in text, \
+            f"{path.name}: bench scripts run as `python -m bench.NAME`, without sys.path changes"
+    assert not bad, bad
+
+
+def test_tests_never_import_or_run_bench():
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path == Path(__file__).resolve():
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.name}: import {n}" for n in names if n == "bench" or n.startswith("bench.")]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and (node.value == "bench" or node.value.startswith(("bench/", "bench."))):
+                bad.append(f"{path.name}: {node.value!r}")
+    assert not bad, f"tests use bench/ (test a bench script beside it, in bench/): {bad}"
+
+
+def test_product_modules_stay_under_500_lines():
+    long = {m: n for m, p in product_modules().items() if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines (split by job): {long}"

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.yamlfile import load_yaml_text, read_yaml
 
 
 class _Section(BaseModel):
@@ -205,7 +206,7 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             raise GqakitError(f"override {item!r} is not of the form section.key=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = load_yaml_text(raw, f"override {key!r}") if raw != "" else None
         except yaml.YAMLError:
             value = raw
         # YAML 1.1 reads 2e6 as a string; accept scientific notation for numbers.
@@ -242,14 +243,7 @@ def read_tree(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     path = Path(config).expanduser()
     if not path.is_file():
         raise GqakitError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise GqakitError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise GqakitError(f"{path} is not valid YAML: not UTF-8 text (a binary or damaged file?)") from None
-    except yaml.YAMLError as e:
-        raise GqakitError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    tree = read_yaml(path)  # size and alias limits: a hostile file is one line, not a hang
     if not isinstance(tree, dict):
         raise GqakitError(f"{path} must hold a mapping of sections (model, data, train, ...)")
     return tree

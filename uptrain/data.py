@@ -23,7 +23,7 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ import torch
 from gqakit.core.errors import GqakitError
 from gqakit.core.tokens import SAMPLER_VERSION, bos_id, sample_tokens  # noqa: F401  (sample_tokens re-exported)
 from gqakit.uptrain.config import DataCfg, TeacherSamplesCfg
-from gqakit.uptrain.preflight import resolve_files  # noqa: F401  (re-exported)
+from gqakit.uptrain.preflight import resolve_data
 
 TEXT_SUFFIXES = {".txt", ".raw", ".md", ".text"}
 JSON_SUFFIXES = {".jsonl", ".json"}
@@ -276,15 +276,19 @@ def _split(seq: list[int], sep: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- build
 
 
-def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Path | None = None,
+def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, files: Sequence[Path] | None = None,
+                 eval_files: Sequence[Path] | None = None, teacher_path: Path | None = None,
                  main_first: Callable[[], Any] = nullcontext, is_main: bool = True,
                  progress: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(train blocks [N, S], eval blocks [M, S] or None), with the checks the issue asks for."""
+    """(train blocks [N, S], eval blocks [M, S] or None).
+
+    FILES and EVAL_FILES are `data.files` and `data.eval_file` as preflight resolved and
+    checked them (`preflight.resolve_data`, which runs here when they are not given)."""
+    if files is None or eval_files is None:
+        files, eval_files = resolve_data(cfg)
+    files, eval_files = list(files), list(eval_files)
     use_ds = have_datasets()
     cache = default_cache_dir(cfg)
-    eval_files: list[Path] = []
-    if cfg.eval_file:
-        eval_files = resolve_files([cfg.eval_file], "data.eval_file")
 
     def documents(files: list[Path] | None, texts: list[str] | None, sample_by: str, text_field: str, what: str) -> Any:
         """A `datasets.Dataset` of documents, or a plain list of them without `datasets`."""
@@ -305,10 +309,6 @@ def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, teacher_path: Pa
 
     with main_first():  # one process tokenizes and fills the cache, the others then read it
         if cfg.files:
-            files = resolve_files(cfg.files)
-            clash = set(files) & set(eval_files)
-            if clash:
-                raise GqakitError(f"data.eval_file: {clash.pop()} is also a training file; keep held-out text apart")
             docs = documents(files, None, cfg.sample_by, cfg.text_field, "data.files")
         elif cfg.texts is not None:
             if not any(t.strip() for t in cfg.texts):

@@ -14,10 +14,7 @@ all of that deletes an old run (`--overwrite`) and creates the run folder.
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import os
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +22,12 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.arch import max_positions
-from gqakit.core.loading import (UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, read_st_header,
-                                 split_source)
-from gqakit.core.outdir import MODEL, RUN, check_not_an_input, check_output_path
-from gqakit.uptrain.config import UptrainConfig, load_config
+from gqakit.core.loading import UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, split_source
+from gqakit.core.outrule import MODEL, RUN, check_not_an_input, check_output_path
+from gqakit.core.yamlfile import YamlError, read_yaml
+from gqakit.uptrain.checkpoint import CKPT_DIR, checkpoints, damage, damaged_message, file_sha256, read_state
+from gqakit.uptrain.config import DataCfg, UptrainConfig, load_config
 
-CKPT_DIR = "checkpoints"
-STATE_FILE = "trainer_state.json"
 # Settings that fix the data order and the meaning of a step: a resumed run must match them.
 RESUME_KEYS = ("seq_len", "micro_batch", "grad_accum", "seed")
 # Data settings that change the token stream: a resumed run must match them too.
@@ -79,114 +75,36 @@ def resolve_files(patterns: Sequence[str], what: str = "data.files") -> list[Pat
     return list(dict.fromkeys(files))
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _same_content(a: Path, b: Path) -> bool:
     return a.stat().st_size == b.stat().st_size and file_sha256(a) == file_sha256(b)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def checkpoints(out: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of the run's checkpoints, oldest first (a folder needs its state file)."""
-    found = []
-    for p in (out / CKPT_DIR).glob("step-*"):
-        if (p / STATE_FILE).is_file() and p.name[5:].isdigit():
-            found.append((int(p.name[5:]), p))
-    return sorted(found)
-
-
-def checkpoint_files(ckpt: Path) -> dict[str, str]:
-    """sha256 of every file of a checkpoint but its state file (recorded in the state file)."""
-    return {str(p.relative_to(ckpt)): file_sha256(p) for p in sorted(ckpt.rglob("*"))
-            if p.is_file() and p.name != STATE_FILE}
-
-
-def read_state(ckpt: Path) -> dict[str, Any]:
-    """trainer_state.json of a checkpoint; ValueError says what is wrong with it."""
-    try:
-        state = json.loads((ckpt / STATE_FILE).read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{STATE_FILE}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
-        raise ValueError(f"{STATE_FILE}: no integer 'step'")
-    if state["step"] != int(ckpt.name[5:]):
-        raise ValueError(f"{STATE_FILE}: step {state['step']} does not match the folder name")
-    return state
-
-
-def damage(ckpt: Path) -> str | None:
-    """None when the checkpoint is whole, else 'FILE: what is wrong'.
-
-    Checkpoints written by this version record the sha256 of each file; older ones are
-    checked for structure (safetensors header and size, the zip CRCs of torch files).
-    """
-    try:
-        state = read_state(ckpt)
-    except ValueError as e:
-        return str(e)
-    recorded = state.get("files")
-    if isinstance(recorded, dict):
-        for rel, digest in recorded.items():
-            p = ckpt / rel
-            if not p.is_file():
-                return f"{rel}: missing"
-            if file_sha256(p) != digest:
-                return f"{rel}: its content differs from what was saved (damaged or changed)"
-        return None
-    for p in sorted(ckpt.rglob("*")):
-        if not p.is_file() or p.name == STATE_FILE:
-            continue
-        rel = str(p.relative_to(ckpt))
-        try:
-            if p.suffix == ".safetensors":
-                read_st_header(p)
-            elif p.suffix in (".bin", ".pkl", ".pt"):
-                with zipfile.ZipFile(p) as z:
-                    bad = z.testzip()
-                if bad is not None:
-                    return f"{rel}: member {bad} is corrupt"
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-            return f"{rel}: truncated or corrupt ({str(e).splitlines()[0][:120]})"
-    return None
-
-
-def intact_before(out: Path, step: int) -> Path | None:
-    """The newest checkpoint older than STEP that is whole."""
-    for s, p in reversed(checkpoints(out)):
-        if s < step and damage(p) is None:
-            return p
-    return None
-
-
-def damaged_message(ckpt: Path, what: str, out: Path) -> str:
-    step = int(ckpt.name[5:])
-    good = intact_before(out, step)
-    hint = (f"{good.name} is intact: move {ckpt} away and run --resume again to continue from it"
-            if good is not None else "no earlier checkpoint is intact: start again with --overwrite")
-    return f"--resume: checkpoint {ckpt.name} is damaged ({what}); {hint}"
+def resolve_data(d: DataCfg) -> tuple[list[Path], list[Path]]:
+    """The training files and the eval file that `data` names, resolved once: every glob
+    matches a non-empty file, and held-out text is neither a training file nor a copy of one."""
+    files = resolve_files(d.files) if d.files else []
+    eval_files = resolve_files([d.eval_file], "data.eval_file") if d.eval_file else []
+    for ef in eval_files:
+        for tf in files:
+            if ef == tf:
+                raise GqakitError(f"data.eval_file: {ef} is also a training file; keep held-out text apart")
+            if _same_content(ef, tf):
+                raise GqakitError(f"data.eval_file: {ef} has the same content as the training file {tf}; "
+                                  "keep held-out text apart")
+    return files, eval_files
 
 
 # ----------------------------------------------------------------------------- the checks
 
 
 def _saved_settings(out: Path) -> dict[str, Any]:
-    import yaml
-
     p = out / UPTRAIN_SETTINGS
     if not p.is_file():
         return {}
     try:
-        tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        raise GqakitError(f"--resume: {p} is damaged (not YAML); the run's settings cannot be compared") from None
+        tree = read_yaml(p)
+    except YamlError as e:
+        raise GqakitError(f"--resume: the run's settings cannot be compared: {e}") from None
     return tree if isinstance(tree, dict) else {}
 
 
@@ -246,15 +164,7 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
             check_weights(teacher)
 
     # ---- data
-    files = resolve_files(d.files) if d.files else []
-    eval_files = resolve_files([d.eval_file], "data.eval_file") if d.eval_file else []
-    for ef in eval_files:
-        for tf in files:
-            if ef == tf:
-                raise GqakitError(f"data.eval_file: {ef} is also a training file; keep held-out text apart")
-            if _same_content(ef, tf):
-                raise GqakitError(f"data.eval_file: {ef} has the same content as the training file {tf}; "
-                                  "keep held-out text apart")
+    files, eval_files = resolve_data(d)
 
     # ---- the run folder: never an input, never around one
     out = Path(cfg.output.dir).expanduser().resolve()

@@ -1,10 +1,11 @@
 """The uptraining loop: one readable pass over optimizer steps on 🤗 accelerate.
 
-Read top to bottom: `run_uptrain` checks the inputs (`preflight`), then `_run` is the
-recipe: set up (`_make_accelerator`, `_load`, `_prepare_run_folder`, `_make_optimizer`,
-`_restore` when resuming), `train_step` until the token budget is spent, evaluating and
-checkpointing on the way, and finally export an HF folder. The loss terms live in
-`losses.py`.
+Read top to bottom: `run_uptrain` checks the inputs (`preflight`), then `UptrainRecipe`
+runs in three steps, as a torchtune recipe does: `setup` (load and check, then open the
+run folder, prepare, restore when resuming), `train` (`train_step` until the token
+budget is spent, evaluating, logging and checkpointing on the way) and `save` (export an
+HF folder). The loss terms live in `losses.py`, checkpoints and the NaN checks in
+`checkpoint.py`.
 
 The same code runs on CPU (tests), one GPU, or many processes through
 `accelerate launch` (DDP or FSDP chosen by the accelerate config, not by this file).
@@ -15,10 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,13 +27,13 @@ import torch.nn.functional as F
 
 from gqakit.core.errors import GqakitError, Interrupted
 from gqakit.core.loading import UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_tokenizer
-from gqakit.core.outdir import (MANIFEST, RUN, RUN_ENTRIES, check_output_path, describe_oserror, make_dirs,
-                                remove_if_empty, write_manifest)
+from gqakit.core.outdir import describe_oserror, make_dirs, remove_if_empty
+from gqakit.core.outrule import MANIFEST, RUN, RUN_ENTRIES, check_output_path, why_not_ours, write_manifest
+from gqakit.uptrain.checkpoint import CKPT_DIR, Diverged, checkpoints, last_good, nonfinite, restore, save_checkpoint
 from gqakit.uptrain.config import UptrainConfig, to_yaml
 from gqakit.uptrain.data import BlockOrder, build_blocks
 from gqakit.uptrain.losses import LOSS_TERMS, loss_card, loss_log, objective, token_losses
-from gqakit.uptrain.preflight import (CKPT_DIR, RESUME_KEYS, STATE_FILE, Checked, checkpoint_files,  # noqa: F401
-                                      checkpoints, damaged_message, preflight)
+from gqakit.uptrain.preflight import Checked, preflight
 
 LOG_FILE = "log.jsonl"
 MODEL_DIR = "model"
@@ -46,7 +46,7 @@ def _same_tokenizer(a: Any, b: Any) -> bool:
     return a.get_vocab() == b.get_vocab() and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
 
 
-def _peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -125,7 +125,7 @@ def train_step(accelerator: Any, model: Any, optimizer: Any, micro: list[torch.T
         raise diverged("the gradient norm is NaN/inf")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if _nonfinite(accelerator, (p for p in model.parameters() if p.requires_grad)):
+    if nonfinite(accelerator, (p for p in model.parameters() if p.requires_grad)):
         raise diverged("the update made weights NaN/inf")
     return means, grad_norm
 
@@ -155,80 +155,6 @@ class RunLog:
                 f.write(json.dumps(row) + "\n")
         if self.acc.trackers:
             self.acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, step=row["step"])
-
-
-class Diverged(GqakitError):
-    """Training produced NaN/inf: stopped before the bad values reach a checkpoint."""
-
-
-def _nonfinite(accelerator: Any, tensors: Iterable[torch.Tensor]) -> bool:
-    """True when any tensor on any process holds NaN or inf."""
-    dev = accelerator.device
-    # (optimizer state mixes devices: AdamW keeps its step counters on the CPU)
-    # (FSDP2 shards are DTensors: each process checks its local shard, the reduce sums up)
-    local = [x.to_local() if hasattr(x, "to_local") else x for x in tensors]
-    flags = [torch.isfinite(x).all().to(dev) for x in local if x.is_floating_point() and x.numel()]
-    bad = (~torch.stack(flags).all()).float() if flags else torch.zeros((), device=dev)
-    return bool(accelerator.reduce(bad.to(accelerator.device).reshape(1), "sum").item() > 0)
-
-
-def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
-    for st in optimizer.state.values():
-        for v in st.values():
-            if torch.is_tensor(v):
-                yield v
-
-
-def _last_good(out: Path) -> str:
-    last = checkpoints(out)
-    return f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was saved yet"
-
-
-def _write_failed(e: BaseException, path: Path) -> GqakitError:
-    if isinstance(e, OSError):
-        return GqakitError(describe_oserror(e, path))
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return GqakitError(f"could not write {path} (disk full or over quota?): {first}")
-
-
-def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any], keep_last: int,
-                    model: Any = None, optimizer: Any = None) -> None:
-    """accelerate.save_state into a temp folder, renamed when complete (SIGKILL-safe).
-
-    Never writes non-finite values: the weights and the optimizer state are checked first.
-    The sha256 of every file goes into trainer_state.json, so `--resume` can tell a damaged
-    checkpoint from a whole one. A failed write (disk full, quota) removes the temp folder
-    and becomes one line naming the path.
-    """
-    final = out / CKPT_DIR / f"step-{step}"
-    tmp = out / CKPT_DIR / f".step-{step}.tmp"
-    if model is not None and _nonfinite(accelerator, [*model.parameters(), *_optimizer_tensors(optimizer)]):
-        raise Diverged(f"the state at step {step} holds NaN/inf values; not saved; {_last_good(out)}; lower train.lr?")
-    failed: BaseException | None = None
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp))
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        failed = e
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process and failed is None:
-        try:
-            state = {**state, "files": checkpoint_files(tmp)}
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        except OSError as e:
-            failed = e
-        else:
-            for _, old in checkpoints(out)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    if failed is not None:
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(failed, tmp)
-    accelerator.wait_for_everyone()
 
 
 def run_uptrain(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), *,
@@ -289,7 +215,8 @@ def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
             raise GqakitError(f"teacher.path: the tokenizer of {teacher_path} differs from the model's")
 
     set_seed(t.seed)
-    train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, teacher_path=teacher_path,
+    train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, files=checked.files,
+                                             eval_files=checked.eval_files, teacher_path=teacher_path,
                                              main_first=accelerator.main_process_first,
                                              is_main=accelerator.is_main_process, progress=not quiet)
     data_sha = hashlib.sha256(train_blocks.contiguous().numpy().data).hexdigest()  # no copy of the blocks
@@ -323,8 +250,9 @@ def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
     return _Loaded(tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher)
 
 
-def _prepare_run_folder(checked: Checked) -> None:
-    """Every check has passed: only now is the run folder replaced or created (main process)."""
+def _prepare_run_folder(checked: Checked) -> list[Path]:
+    """Every check has passed: only now is the run folder replaced or created (main
+    process). Returns the folders this made (removed again if the run fails early)."""
     cfg, src, out = checked.cfg, checked.src, checked.out
     if checked.mode == "overwrite":
         # check again right before deleting: the folder may have changed since preflight
@@ -340,6 +268,7 @@ def _prepare_run_folder(checked: Checked) -> None:
         (out / MANIFEST).unlink(missing_ok=True) if checked.mode != "resume" else None
         remove_if_empty(made)
         raise GqakitError(describe_oserror(e, out)) from None
+    return made
 
 
 def _make_optimizer(model: Any, t: Any) -> torch.optim.Optimizer:
@@ -350,150 +279,211 @@ def _make_optimizer(model: Any, t: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=False)
 
 
-def _restore(checked: Checked, accelerator: Any) -> tuple[int, float]:
-    """Weights, optimizer and RNG streams of the checkpoint a resumed run continues from;
-    its step and its last loss (the loss to report until a new step is taken)."""
-    ckpt = checked.out / CKPT_DIR / f"step-{checked.resume_step}"
-    try:
-        accelerator.load_state(str(ckpt))
-    except Exception as e:  # accelerate and torch raise many types for a file they cannot read
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise GqakitError(damaged_message(ckpt, f"it does not load: {first}", checked.out)) from None
-    return checked.resume_state["step"], checked.resume_state.get("loss", float("nan"))
-
-
 def _run(checked: Checked, quiet: bool) -> Path:
-    """The recipe: set up, train step by step (evaluating, logging and checkpointing on the
-    way), evaluate, export."""
-    from tqdm.auto import tqdm
+    """The recipe: set up, train, save. A new run that fails before its first checkpoint
+    leaves nothing behind."""
+    recipe = UptrainRecipe(checked, quiet)
+    try:
+        recipe.setup()
+        recipe.train()
+        return recipe.save()
+    except BaseException:
+        recipe.discard_if_unfinished()
+        raise
 
-    cfg, src, out = checked.cfg, checked.src, checked.out
-    t = cfg.train
-    accelerator, precision, use_tb = _make_accelerator(cfg, out)
-    say = accelerator.print if not quiet else (lambda *a, **k: None)
-    is_main = accelerator.is_main_process
-    tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher = _load(checked, accelerator, quiet)
 
-    world = accelerator.num_processes
-    order = BlockOrder(len(train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
-                       world=world, rank=accelerator.process_index)
-    tokens_per_step = order.global_batch * t.seq_len
-    total_steps = t.budget() // tokens_per_step
-    if total_steps < 1:
-        raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step ({tokens_per_step} tokens)")
+class UptrainRecipe:
+    """One run, in three steps (torchtune's recipe shape):
 
-    # ---- every check has passed: only now is the run folder replaced or created
-    if is_main:
-        _prepare_run_folder(checked)
-    accelerator.wait_for_everyone()
+    - `setup`: load and check the model, teacher and data, compute the step budget, and
+      only then replace or create the run folder; prepare model and optimizer, print the
+      plan, restore the checkpoint of a resumed run;
+    - `train`: optimizer steps until the token budget is spent, logging, evaluating and
+      checkpointing on the way;
+    - `save`: the final held-out loss and the exported model folder.
+    """
 
-    if t.compile:
-        model = torch.compile(model)
-    model, optimizer = accelerator.prepare(model, _make_optimizer(model, t))
-    model.train()
+    def __init__(self, checked: Checked, quiet: bool):
+        self.checked, self.quiet = checked, quiet
+        self.cfg, self.out = checked.cfg, checked.out
+        self.made: list[Path] | None = None  # set once the run folder exists
+        self.step, self.loss, self.eval_loss = 0, float("nan"), None
 
-    # ---- the plan, printed before the first step
-    warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * total_steps)
-    n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-    n_train = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
-    flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
-    peak = _peak_flops(accelerator.device)
-    dist = accelerator.distributed_type.value
-    say(f"uptrain: {src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, {hf_cfg.num_attention_heads} query / "
-        f"{getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on {world} x {accelerator.device.type}"
-        + (f" ({dist})" if dist != "NO" else "") + f", {precision}")
-    say(f"uptrain: {len(train_blocks)} training blocks of {t.seq_len} tokens; "
-        f"{tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x {world} proc x {t.seq_len}); "
-        f"{total_steps} steps = {total_steps * tokens_per_step:,} planned tokens ({order.epochs(total_steps):.2f} epochs)")
-    if use_tb:
-        accelerator.init_trackers("uptrain", config={f"{s}.{k}": v for s, sec in cfg.model_dump().items()
-                                                     if isinstance(sec, dict) for k, v in sec.items()
-                                                     if isinstance(v, (int, float, str, bool))})
-        say(f"uptrain: tensorboard logs in {out / 'uptrain'} (tensorboard --logdir {out})")
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            self.accelerator.print(msg)
 
-    step, loss = 0, float("nan")
-    if checked.mode == "resume":
-        step, loss = _restore(checked, accelerator)
-        say(f"uptrain: resumed from {out / CKPT_DIR / f'step-{checked.resume_step}'} at step {step}")
-    log = RunLog(accelerator, out / LOG_FILE, checked.resume_step)
+    # ------------------------------------------------------------------ setup
 
-    def evaluate_and_log() -> float:
+    def setup(self) -> None:
+        checked, t = self.checked, self.cfg.train
+        self.accelerator, self.precision, self.use_tb = _make_accelerator(self.cfg, self.out)
+        acc = self.accelerator
+        self.data = _load(checked, acc, self.quiet)
+        self.order = BlockOrder(len(self.data.train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
+                                world=acc.num_processes, rank=acc.process_index)
+        self.tokens_per_step = self.order.global_batch * t.seq_len
+        self.total_steps = t.budget() // self.tokens_per_step
+        if self.total_steps < 1:
+            raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step "
+                              f"({self.tokens_per_step} tokens)")
+
+        # ---- every check has passed: only now is the run folder replaced or created
+        self.made = _prepare_run_folder(checked) if acc.is_main_process else []
+        acc.wait_for_everyone()
+
+        model = self.data.model
+        if t.compile:
+            model = torch.compile(model)
+        self.model, self.optimizer = acc.prepare(model, _make_optimizer(model, t))
+        self.model.train()
+        self.warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * self.total_steps)
+        self._print_plan()
+        if checked.mode == "resume":
+            restore(acc, self.out, checked.resume_step)
+            self.step, self.loss = checked.resume_state["step"], checked.resume_state.get("loss", float("nan"))
+            self.say(f"uptrain: resumed from {self.out / CKPT_DIR / f'step-{checked.resume_step}'} at step {self.step}")
+        self.log = RunLog(acc, self.out / LOG_FILE, checked.resume_step)
+
+    def _print_plan(self) -> None:
+        """The plan, printed before the first step (and the tensorboard tracker started)."""
+        acc, t, hf_cfg, world = self.accelerator, self.cfg.train, self.data.hf_cfg, self.accelerator.num_processes
+        params = list(acc.unwrap_model(self.model).parameters())
+        n_params, n_train = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+        self.flops_per_token = 6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.hidden_size * t.seq_len
+        self.peak = peak_flops(acc.device)
+        dist = acc.distributed_type.value
+        self.say(f"uptrain: {self.checked.src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, "
+                 f"{hf_cfg.num_attention_heads} query / {getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on "
+                 f"{world} x {acc.device.type}" + (f" ({dist})" if dist != "NO" else "") + f", {self.precision}")
+        self.say(f"uptrain: {len(self.data.train_blocks)} training blocks of {t.seq_len} tokens; "
+                 f"{self.tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x "
+                 f"{world} proc x {t.seq_len}); {self.total_steps} steps = "
+                 f"{self.total_steps * self.tokens_per_step:,} planned tokens "
+                 f"({self.order.epochs(self.total_steps):.2f} epochs)")
+        if self.use_tb:
+            acc.init_trackers("uptrain", config={f"{s}.{k}": v for s, sec in self.cfg.model_dump().items()
+                                                 if isinstance(sec, dict) for k, v in sec.items()
+                                                 if isinstance(v, (int, float, str, bool))})
+            self.say(f"uptrain: tensorboard logs in {self.out / 'uptrain'} (tensorboard --logdir {self.out})")
+
+    # ------------------------------------------------------------------ train
+
+    def _evaluate_and_log(self) -> float:
         """Held-out loss now, in log.jsonl."""
-        el = evaluate(accelerator, model, eval_blocks, cfg.eval.micro_batch or t.micro_batch)
-        log({"step": step, "tokens": step * tokens_per_step, "eval_loss": el, "eval_ppl": math.exp(el)})
+        t = self.cfg.train
+        el = evaluate(self.accelerator, self.model, self.data.eval_blocks, self.cfg.eval.micro_batch or t.micro_batch)
+        self.log({"step": self.step, "tokens": self.step * self.tokens_per_step, "eval_loss": el,
+                  "eval_ppl": math.exp(el)})
         return el
 
-    eval_loss = None
-    if eval_blocks is not None and step == 0:
-        eval_loss = evaluate_and_log()
-        say(f"uptrain: step 0 held-out perplexity {math.exp(eval_loss):.3f}")
+    def _diverged(self, what: str) -> Diverged:
+        return Diverged(f"training diverged at step {self.step + 1}: {what}; stopped before it reached a checkpoint "
+                        f"({last_good(self.out)}); lower train.lr?")
 
-    bar = tqdm(total=total_steps, initial=step, desc="uptrain", unit="step", disable=not is_main or quiet, dynamic_ncols=True)
-    t0, tokens_since = time.perf_counter(), 0
-    data_state = {"files": [str(f) for f in checked.files], "sha256": data_sha}
+    def train(self) -> None:
+        from tqdm.auto import tqdm
 
-    def diverged(what: str) -> Diverged:
-        return Diverged(f"training diverged at step {step + 1}: {what}; stopped before it reached a checkpoint "
-                        f"({_last_good(out)}); lower train.lr?")
+        acc, cfg, t, out = self.accelerator, self.cfg, self.cfg.train, self.out
+        teacher, blocks, eval_blocks = self.data.teacher, self.data.train_blocks, self.data.eval_blocks
+        is_main, world = acc.is_main_process, acc.num_processes
+        if eval_blocks is not None and self.step == 0:
+            self.eval_loss = self._evaluate_and_log()
+            self.say(f"uptrain: step 0 held-out perplexity {math.exp(self.eval_loss):.3f}")
 
-    try:
-        while step < total_steps:
-            lr = lr_at(step, cfg, total_steps, warmup)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            micro = [train_blocks[order.indices(step, a)].to(accelerator.device) for a in range(t.grad_accum)]
-            means, grad_norm = train_step(accelerator, model, optimizer, micro, teacher, cfg, diverged)
-            loss = means["ce"]
-            step += 1
-            tokens_since += tokens_per_step
-            bar.update(1)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="uptrain", unit="step",
+                   disable=not is_main or self.quiet, dynamic_ncols=True)
+        t0, tokens_since = time.perf_counter(), 0
+        data_state = {"files": [str(f) for f in self.checked.files], "sha256": self.data.data_sha}
+        try:
+            while self.step < self.total_steps:
+                lr = lr_at(self.step, cfg, self.total_steps, self.warmup)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
+                micro = [blocks[self.order.indices(self.step, a)].to(acc.device) for a in range(t.grad_accum)]
+                means, grad_norm = train_step(acc, self.model, self.optimizer, micro, teacher, cfg, self._diverged)
+                self.loss = means["ce"]
+                self.step += 1
+                step = self.step
+                tokens_since += self.tokens_per_step
+                bar.update(1)
 
-            if step % cfg.logging.every == 0 or step == total_steps:
-                dt = time.perf_counter() - t0
-                tps = tokens_since / dt
-                row = {"step": step, "tokens": step * tokens_per_step, **loss_log(means, cfg, teacher is not None),
-                       "lr": lr, "tok_per_s": round(tps, 1)}
-                if grad_norm is not None:
-                    row["grad_norm"] = float(grad_norm)
-                if peak:
-                    row["mfu"] = round(tps * flops_per_token / (peak * world), 4)
-                log(row)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", **({"mfu": f"{row['mfu']:.1%}"} if peak else {}))
-                t0, tokens_since = time.perf_counter(), 0
-            if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0 or step == total_steps):
-                eval_loss = evaluate_and_log()
-                bar.write(f"step {step}: held-out perplexity {math.exp(eval_loss):.3f}") if is_main and not quiet else None
-            if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == total_steps):
-                save_checkpoint(accelerator, out, step, {"step": step, "tokens": step * tokens_per_step, "loss": loss,
-                                                         "data": data_state},
-                                cfg.output.keep_last, model=model, optimizer=optimizer)
-    except KeyboardInterrupt:
+                if step % cfg.logging.every == 0 or step == self.total_steps:
+                    tps = tokens_since / (time.perf_counter() - t0)
+                    row = {"step": step, "tokens": step * self.tokens_per_step,
+                           **loss_log(means, cfg, teacher is not None), "lr": lr, "tok_per_s": round(tps, 1)}
+                    if grad_norm is not None:
+                        row["grad_norm"] = float(grad_norm)
+                    if self.peak:
+                        row["mfu"] = round(tps * self.flops_per_token / (self.peak * world), 4)
+                    self.log(row)
+                    bar.set_postfix(loss=f"{self.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}",
+                                    **({"mfu": f"{row['mfu']:.1%}"} if self.peak else {}))
+                    t0, tokens_since = time.perf_counter(), 0
+                if eval_blocks is not None and cfg.eval.every and (step % cfg.eval.every == 0
+                                                                   or step == self.total_steps):
+                    self.eval_loss = self._evaluate_and_log()
+                    if is_main and not self.quiet:
+                        bar.write(f"step {step}: held-out perplexity {math.exp(self.eval_loss):.3f}")
+                if cfg.output.save_every and (step % cfg.output.save_every == 0 or step == self.total_steps):
+                    save_checkpoint(acc, out, step, {"step": step, "tokens": step * self.tokens_per_step,
+                                                     "loss": self.loss, "data": data_state},
+                                    cfg.output.keep_last, model=self.model, optimizer=self.optimizer)
+        except KeyboardInterrupt:
+            bar.close()
+            last = checkpoints(out)
+            if last:
+                where = f"resume from {last[-1][1].name} with: {self.checked.resume_command()}"
+            else:
+                where = ("no checkpoint was saved yet, so nothing was kept (set output.save_every to keep one); "
+                         "start again")
+            raise Interrupted(f"uptrain stopped at step {self.step} of {self.total_steps}; {where}") from None
         bar.close()
-        last = checkpoints(out)
-        if last:
-            where = f"resume from {last[-1][1].name} with: {checked.resume_command()}"
-        else:
-            where = "no checkpoint was saved yet (set output.save_every to keep one); start again with --overwrite"
-        raise Interrupted(f"uptrain stopped at step {step} of {total_steps}; {where}") from None
-    bar.close()
 
-    if eval_blocks is not None and (not cfg.eval.every or eval_loss is None):
-        eval_loss = evaluate_and_log()
+    # ------------------------------------------------------------------ save
 
-    # ---- export: gather the full state dict on every process (FSDP needs all of them)
-    state_dict = accelerator.get_state_dict(model)
-    final = out / MODEL_DIR
-    if is_main:
-        from gqakit.uptrain.export import export_model
+    def save(self) -> Path:
+        """The final held-out loss, then the model folder `output.dir/model`."""
+        acc, cfg, out, teacher = self.accelerator, self.cfg, self.out, self.data.teacher
+        if self.data.eval_blocks is not None and (not cfg.eval.every or self.eval_loss is None):
+            self.eval_loss = self._evaluate_and_log()
+        # gather the full state dict on every process (FSDP needs all of them)
+        state_dict = acc.get_state_dict(self.model)
+        final = out / MODEL_DIR
+        if acc.is_main_process:
+            from gqakit.uptrain.export import export_model
 
-        facts = {"tokens": f"{step * tokens_per_step:,}", "optimizer steps": step,
-                 "tokens per step": f"{tokens_per_step:,}", "final train loss": f"{loss:.4f}",
-                 "held-out perplexity": f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a",
-                 **loss_card(cfg, teacher is not None), "processes": world, "precision": precision}
-        export_model(accelerator.unwrap_model(model), state_dict, tokenizer, src=src, out=final,
-                     settings=cfg.model_dump(mode="json"), facts=facts)
-        say(f"uptrain: final loss {loss:.4f}"
-            + (f", held-out perplexity {math.exp(eval_loss):.3f}" if eval_loss is not None else "") + f"; model in {final}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return final
+            step, loss, eval_loss = self.step, self.loss, self.eval_loss
+            ppl = f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a"
+            facts = {"tokens": f"{step * self.tokens_per_step:,}", "optimizer steps": step,
+                     "tokens per step": f"{self.tokens_per_step:,}", "final train loss": f"{loss:.4f}",
+                     "held-out perplexity": ppl, **loss_card(cfg, teacher is not None),
+                     "processes": acc.num_processes, "precision": self.precision}
+            export_model(acc.unwrap_model(self.model), state_dict, self.data.tokenizer, src=self.checked.src,
+                         out=final, settings=cfg.model_dump(mode="json"), facts=facts)
+            self.say(f"uptrain: final loss {loss:.4f}" + (f", held-out perplexity {ppl}" if eval_loss is not None
+                                                          else "") + f"; model in {final}")
+        acc.wait_for_everyone()
+        acc.end_training()
+        return final
+
+    # ------------------------------------------------------------------ failure
+
+    def discard_if_unfinished(self) -> None:
+        """A new run that failed before its first checkpoint leaves nothing, so the corrected
+        run starts like the first. Only what the output rule says gqakit wrote is removed: a
+        run folder that has gained a file of the user's is left whole."""
+        if self.made is None or not self.accelerator.is_main_process:
+            return
+        out = self.out
+        try:
+            self.accelerator.end_training()  # closes the tensorboard files
+        except Exception:  # the run is failing already; its own error is the one to report
+            pass
+        if self.checked.mode == "resume" or checkpoints(out) or (out / MODEL_DIR).exists():
+            return
+        if not out.is_dir() or why_not_ours(out, RUN) is not None:
+            return
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        remove_if_empty(self.made)

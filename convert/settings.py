@@ -164,15 +164,16 @@ def _option_error(key: str, value: Any) -> str:
     field = RefitOptions.model_fields[key]
     kinds = _base_types(field.annotation)
     limits = {name: getattr(m, name) for m in field.metadata for name in ("gt", "ge", "lt") if hasattr(m, name)}
+    auto = " or auto" if "auto" in _choices(field) else ""
     if float in kinds:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"align-refit option {key} must be a finite number, got {value!r}"
+            return f"align-refit option {key} must be a finite number{auto}, got {value!r}"
         if "ge" in limits and "lt" in limits:
             return f"align-refit option {key} must be in [{limits['ge']}, {limits['lt']}), got {value!r}"
         op = ">" if "gt" in limits else ">="
-        return f"align-refit option {key} must be {op} {limits.get('gt', limits.get('ge'))}, got {value!r}"
+        return f"align-refit option {key} must be {op} {limits.get('gt', limits.get('ge'))}{auto}, got {value!r}"
     if int in kinds:
-        return f"align-refit option {key} must be an integer >= {limits['ge']}, got {value!r}"
+        return f"align-refit option {key} must be an integer >= {limits['ge']}{auto}, got {value!r}"
     return f"align-refit option {key}={value!r}; choose from {', '.join(_choices(field))}"
 
 

@@ -13,6 +13,7 @@ from gqakit.convert.settings import ConvertSettings, RefitOptions, refit_options
 from gqakit.core import arch as archmod
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
+from gqakit.core.files import format_bytes
 
 
 def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -128,14 +129,6 @@ def precheck_source(src: Path) -> None:
         check_weights(src)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 @click.command("inspect", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option("--batch", type=int, default=1, show_default=True, help="Batch size for the KV-cache size column.")
@@ -182,4 +175,4 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
     click.echo(f"  {'G':>4} {'q/kv':>5} {'bytes/token':>12} {'KV cache':>14} {'params removed':>15}")
     for r in rows:
         click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {r['kv_bytes_per_token']:>12,} "
-                   f"{_fmt_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
+                   f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")

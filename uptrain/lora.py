@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.arch import registry
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import CONVERT_SETTINGS
 
 # Conversion methods that change only K and V (convert.methods' `kv_only`; a test keeps the two in step).
@@ -90,8 +90,7 @@ def apply_lora(model: Any, train: Any, src: Path, precision: str) -> tuple[Any, 
     try:
         wrapped = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
     except (ValueError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise GqakitError(f"train.lora.targets: peft cannot put adapters there: {first}") from None
+        raise GqakitError(f"train.lora.targets: peft cannot put adapters there: {first_line(e, 200)}") from None
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != frozen_dtype:
             p.data = p.data.to(frozen_dtype)

@@ -199,9 +199,10 @@ class _Loaded(NamedTuple):
     data_sha: str
     model: Any
     teacher: Any | None
+    lora_targets: list[str] | None  # the adapted projections with train.lora, else None
 
 
-def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
+def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _Loaded:
     """Model, tokenizer, teacher and data: everything is loaded and checked before the run
     folder is touched (an --overwrite deletes the old run only after this)."""
     from accelerate.utils import set_seed
@@ -239,6 +240,11 @@ def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
             raise GqakitError(f"train.trainable: no parameter name matches {t.trainable}")
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    lora_targets = None
+    if t.lora is not None:  # adapters on the converted projections; the base frozen in the compute dtype
+        from gqakit.uptrain.lora import apply_lora
+
+        model, lora_targets = apply_lora(model, t, src, precision)
     teacher = None
     use_hidden, use_layer = cfg.teacher.hidden_weight > 0, cfg.teacher.layer_weight > 0
     if cfg.teacher.kl_weight > 0 or use_hidden or use_layer:
@@ -247,7 +253,7 @@ def _load(checked: Checked, accelerator: Any, quiet: bool) -> _Loaded:
                 hf_cfg.num_hidden_layers, hf_cfg.hidden_size):
             raise GqakitError(f"teacher.{'hidden' if use_hidden else 'layer'}_weight: the teacher's layers or hidden size differ from the model's")
         teacher.requires_grad_(False)
-    return _Loaded(tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher)
+    return _Loaded(tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher, lora_targets)
 
 
 def _prepare_run_folder(checked: Checked) -> list[Path]:
@@ -319,7 +325,7 @@ class UptrainRecipe:
         checked, t = self.checked, self.cfg.train
         self.accelerator, self.precision, self.use_tb = _make_accelerator(self.cfg, self.out)
         acc = self.accelerator
-        self.data = _load(checked, acc, self.quiet)
+        self.data = _load(checked, acc, self.precision, self.quiet)
         self.order = BlockOrder(len(self.data.train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
                                 world=acc.num_processes, rank=acc.process_index)
         self.tokens_per_step = self.order.global_batch * t.seq_len
@@ -453,13 +459,18 @@ class UptrainRecipe:
         if acc.is_main_process:
             from gqakit.uptrain.export import export_model
 
+            model, lora_card = acc.unwrap_model(self.model), {}
+            if cfg.train.lora is not None:  # the adapters merged: a plain model that loads without peft
+                from gqakit.uptrain.lora import merged_model
+
+                model, state_dict, lora_card = merged_model(model, state_dict, cfg.train.lora, self.data.lora_targets)
             step, loss, eval_loss = self.step, self.loss, self.eval_loss
             ppl = f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a"
             facts = {"tokens": f"{step * self.tokens_per_step:,}", "optimizer steps": step,
                      "tokens per step": f"{self.tokens_per_step:,}", "final train loss": f"{loss:.4f}",
                      "held-out perplexity": ppl, **loss_card(cfg, teacher is not None),
-                     "processes": acc.num_processes, "precision": self.precision}
-            export_model(acc.unwrap_model(self.model), state_dict, self.data.tokenizer, src=self.checked.src,
+                     "processes": acc.num_processes, "precision": self.precision, **lora_card}
+            export_model(model, state_dict, self.data.tokenizer, src=self.checked.src,
                          out=final, settings=cfg.model_dump(mode="json"), facts=facts)
             self.say(f"uptrain: final loss {loss:.4f}" + (f", held-out perplexity {ppl}" if eval_loss is not None
                                                           else "") + f"; model in {final}")

@@ -32,14 +32,16 @@ CACHE = Path("~/.cache/gqakit/smollm2").expanduser()
 DEMO_ENTRIES = ("eval-pydoc-topics.txt", "train-stdlib-docstrings.txt", "converted/", "mean/", "uptrain/", "results/",
                 "report/")
 
-# Budgets: CPU (2 cores, under 10 minutes) and GPU (a real, still short, run).
+# Budgets: CPU (2 cores, minutes) and GPU (a real, still short, run). The conversion runs with
+# `gqakit convert`'s defaults, scaled down only in calibration tokens (the reconstruction steps
+# scale with them: `convert.settings.ConvertSettings.resolved`).
 BUDGETS: dict[str, dict[str, Any]] = {
-    "cpu": {"eval_chars": 12_000, "context": 256, "train_tokens": 16_384, "calib_tokens": 2_048, "refit_steps": 0,
+    "cpu": {"eval_chars": 12_000, "context": 256, "train_tokens": 16_384, "calib_tokens": 2_048,
             "seq_len": 256, "micro_batch": 4,
             # batch 8 x 512: the KV cache is a quarter of the bytes a step reads (189 of 727 MB
             # for the original), and the step is memory-bound; prefill timed once per point
             "batch": "1,8", "prompt_len": "512", "new_tokens": 16, "reps": 3, "prefill_once": True},
-    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "calib_tokens": 32_768, "refit_steps": 400,
+    "gpu": {"eval_chars": 300_000, "context": 512, "train_tokens": 4_000_000, "calib_tokens": 65_536,
             "seq_len": 512, "micro_batch": 16,
             "batch": "1,8,32", "prompt_len": "128,1024", "new_tokens": 128, "reps": 5},
 }
@@ -120,7 +122,8 @@ def training_texts(limit_chars: int) -> list[str]:
               help="Small CPU budget (minutes) or a real GPU one; auto picks by device.")
 @click.option("--train-tokens", type=int, help="Override the uptraining token budget.")
 @click.option("--refit-steps", type=click.IntRange(min=0),
-              help="Override the budget's block-wise reconstruction steps per layer (calibrating methods).")
+              help="Block-wise reconstruction steps per layer (calibrating methods) [default: the conversion's "
+                   "own, scaled to the budget's calibration tokens].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
 def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refit_steps: int | None,
              overwrite: bool) -> None:
@@ -134,7 +137,7 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
       gqakit demo
       gqakit demo --out /tmp/demo --overwrite
       gqakit demo --budget gpu --train-tokens 20000000
-      gqakit demo --refit-steps 20          # block-wise reconstruction in the conversion
+      gqakit demo --refit-steps 0           # closed-form conversion only (faster)
     """
     from gqakit.core.outdir import DEMO, check_output_path, write_manifest
 
@@ -156,8 +159,6 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
     b = BUDGETS[("gpu" if gpu else "cpu") if budget == "auto" else budget]
     if train_tokens:
         b = {**b, "train_tokens": train_tokens}
-    if refit_steps is not None:
-        b = {**b, "refit_steps": refit_steps}
     if out.exists() and any(out.iterdir()):
         import shutil
 
@@ -175,11 +176,8 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
     say(f"2/5 convert: 3 -> 1 KV heads, method {method} (and the paper's mean pooling, for comparison)")
     from gqakit.convert.methods import METHODS
 
-    # the calibrating method takes the budget's block-wise reconstruction steps at lr 1e-2 (on
-    # SmolLM2 the same result for two seeds; 3e-2 was a lottery: docs/benchmarks.md); none on the
-    # CPU budget: with its 2,048 calibration tokens, 20 steps at 3e-2 made the conversion worse,
-    # 1,074 against 962, though the uptrained model better, 101.6 against 171.3
-    options = {"steps": b["refit_steps"], "lr": 1e-2} if METHODS[method].needs_data and b["refit_steps"] else None
+    # the conversion's defaults (`gqakit convert --help`), with fewer calibration tokens
+    options = {"steps": refit_steps} if METHODS[method].needs_data and refit_steps is not None else None
     converted = convert_checkpoint(gguf, out / "converted", num_kv_heads=1, method=method, progress=False,
                                    calibration_data=str(calib), calibration_tokens=b["calib_tokens"], options=options)
     mean = convert_checkpoint(gguf, out / "mean", num_kv_heads=1, method="mean", progress=False)

@@ -64,7 +64,8 @@ def main() -> None:
                     shutil.copy2(args.tokenizer_from / name, src / name)
         for tokens in [int(x) for x in args.tokens.split(",")]:
             out = args.workdir / f"out-{layers}L-{tokens}"
-            extra = ("--method", "align-refit", "--device", args.device, "--calibration-data", str(args.data),
+            extra = ("--method", "align-refit", "--effort", "fast", "--device", args.device, "--calibration-data",
+                     str(args.data),
                      "--calibration-tokens", str(tokens), *[f"--refit-option={o}" for o in args.refit_option])
             print(f"converting {layers} layers with {tokens:,} calibration tokens on {args.device} ...", flush=True)
             secs, anon, hwm = timed_convert(src, out, args.g, extra)

@@ -3,8 +3,8 @@
 For SmolLM2-135M-Instruct Q4_1 (3 KV heads, 30 layers) converted to G=1, in alternating
 order within one run:
   - `gqakit convert SRC.gguf OUT.gguf -g G` (memory-mapped, tensor by tensor);
-  - `gqakit convert SRC.gguf OUTDIR -g G` (the folder output of the same conversion, which
-    dequantises the whole model through transformers first).
+  - `gqakit convert SRC.gguf OUTDIR -g G` (the folder output of the same conversion, read
+    through the same memory-mapped reader, written as float32).
 Each in a subprocess, as a user runs it; peak RssAnon sampled every 10 ms (file-backed
 pages of the memory-mapped input are not counted), next to a process that only imports the
 stack. Also counts the tensors of OUT.gguf that are byte-identical to SRC's.

@@ -3,8 +3,11 @@
 Builds a random Llama-2-7B-shaped MHA checkpoint (hidden 4096, 32 layers, 32 heads, MLP
 11008, vocab 32000, bf16, about 12.6 GiB) on disk, then runs
 
-    gqakit convert SRC OUT -g 8 --method align-refit --device cuda \\
+    gqakit convert SRC OUT -g 8 --method align-refit --effort fast --device cuda \\
         --calibration-data TEXT --calibration-tokens 131072
+
+(`--effort fast`: the closed-form fits, whose memory and time this step measures; reconstruction
+steps on random weights would only add time.)
 
 in this process (through the CLI's own entry point), so that
 `torch.cuda.max_memory_allocated` after it is the conversion's peak GPU memory; the
@@ -61,7 +64,7 @@ def convert_once(p: dict[str, Any], work: Path, *, device: str | None,
     source = gpu_proof.build_llama(src, c, c["heads"], device=build_device, dtype=p["dtype"], tok=tok)
     say(f"convert: source {gpu_proof.count(source['parameters'])} params, {source['bytes_on_disk'] / 2**30:.2f} GiB, "
         f"built in {source['build_s']} s; calibration text {n_tok:,} tokens")
-    argv = ["convert", str(src), str(out), "-g", str(c["kv_heads"]), "--method", c["method"],
+    argv = ["convert", str(src), str(out), "-g", str(c["kv_heads"]), "--method", c["method"], "--effort", "fast",
             *(["--device", device] if device is not None else []),
             "--calibration-data", str(calib), "--calibration-tokens", str(c["calibration_tokens"]), "--overwrite",
             *([] if os.environ.get("GQAKIT_PROOF_PROGRESS") else ["-q"])]

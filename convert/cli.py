@@ -13,6 +13,7 @@ from gqakit.convert.settings import ConvertSettings, RefitOptions, refit_options
 from gqakit.core import arch as archmod
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
+from gqakit.core.files import format_bytes
 
 
 def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,10 +67,10 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     \b
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
-      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity --calibration-data calib.txt
-      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --refit-option steps=400 --refit-option lr=0.01
-      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping similarity \\
-          --calibration-tokens 65536 --refit-option steps=2000 --refit-option lr=0.01 --refit-option train=block
+      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt
+      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt --effort fast
+      gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping contiguous \\
+          --refit-option steps=2000 --refit-option lr=0.01 --refit-option train=block
       gqakit convert ./llama-2-7b ./llama-2-7b-g8 -g 8 --method align-refit --device cuda \\
           --calibration-data hf:wikitext:wikitext-2-raw-v1:train --calibration-tokens 131072
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
@@ -128,14 +129,6 @@ def precheck_source(src: Path) -> None:
         check_weights(src)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 @click.command("inspect", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option("--batch", type=int, default=1, show_default=True, help="Batch size for the KV-cache size column.")
@@ -182,4 +175,4 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
     click.echo(f"  {'G':>4} {'q/kv':>5} {'bytes/token':>12} {'KV cache':>14} {'params removed':>15}")
     for r in rows:
         click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {r['kv_bytes_per_token']:>12,} "
-                   f"{_fmt_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
+                   f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")

@@ -1,9 +1,23 @@
-"""GGUF in: a .gguf file as a conversion source, every tensor under its transformers name.
+"""GGUF in: a .gguf file as a conversion source, every tensor under its transformers name,
+dequantised one tensor at a time as it is written. Both outputs read GGUF through here:
+the model folder (`source.open_checkpoint`) and the GGUF file (`gguf_out`).
 
     SRC.gguf (memory-mapped by gguf.GGUFReader)
       --> GGUFSource: the tensors under transformers' names, each dequantised only when
-          asked for (q/k rows un-permuted, see below); the config comes from transformers'
-          GGUF metadata reader
+          asked for, in row chunks into one float32 array (q/k rows un-permuted, see
+          below); the config comes from transformers' GGUF metadata reader
+
+Which GGUF tensor is which transformers tensor:
+  - the architectures gqakit's GGUF writer knows (`GGUF_ARCHS`): gguf-py's own tensor-name
+    table applied to the state-dict names of the model built on the meta device, with
+    llama.cpp's q/k row permutation undone here;
+  - any other: transformers' GGUF loader's own name map (`get_gguf_hf_weights_map`) and
+    its per-tensor processor (a norm offset, a transpose, ...), when that processor turns
+    each GGUF tensor into one transformers tensor of the same name;
+  - else there is no map: `stream_gguf` says why, and the caller has transformers load
+    the whole model (`source.py`).
+The values are transformers' own: the same `gguf.quants.dequantize`, the same processing,
+float32 (`tests/test_convert_gguf.py` holds every output tensor to transformers' load).
 
 llama.cpp's `convert_hf_to_gguf.py` stores the rows of Llama q/k projections permuted for
 its interleaved ("NORM") RoPE: within each head, the two rotary halves are interleaved
@@ -15,6 +29,7 @@ G key heads, `gguf_out`), so both engines see the converted heads correctly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +37,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from gqakit.convert.io import Source
-from gqakit.convert.source import Opened
+from gqakit.convert.io import Opened, Source
 from gqakit.core.errors import GqakitError
 
 # GGUF architecture -> whether llama.cpp permutes its q/k rows (transformers' GGUF loader
 # un-permutes exactly these: LlamaTensorProcessor). Each entry is tested end to end.
 GGUF_ARCHS: dict[str, bool] = {"llama": True, "qwen2": False}
+
+# transformers' GGUF tensor processors that turn one GGUF tensor into one transformers
+# tensor of the same name (the others merge several tensors, e.g. MoE experts)
+PER_TENSOR_PROCESSORS = frozenset({"TensorProcessor", "LlamaTensorProcessor", "BloomTensorProcessor",
+                                   "MambaTensorProcessor", "NemotronTensorProcessor", "Gemma2TensorProcessor",
+                                   "Lfm2TensorProcessor"})
+
+CHUNK_BYTES = 16 << 20  # float32 output dequantised per call: bounds gguf-py's temporaries
 
 
 def permute_rows(w: np.ndarray, n_head: int, reverse: bool = False) -> np.ndarray:
@@ -39,15 +61,49 @@ def permute_rows(w: np.ndarray, n_head: int, reverse: bool = False) -> np.ndarra
     return w.reshape(n_head, 2, d2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-class GGUFSource(Source):
-    """The tensors of a GGUF file under their transformers names, dequantised on demand."""
+def numpy_shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in row-major (numpy, torch) order: GGUF lists dims innermost first."""
+    return tuple(int(x) for x in reversed(t.shape.tolist()))
 
-    def __init__(self, reader: Any, hf_names: dict[str, str], permute: dict[str, int], path: Path):
+
+def dequantize(t: Any, path: Path, rows: np.ndarray | None = None) -> np.ndarray:
+    """The float32 values of the GGUF tensor T (only ROWS of its first axis, if given), as
+    `gguf.quants.dequantize` computes them, into one new array: a few MiB at a time, so
+    memory is the result and not gguf-py's temporaries (which hold the whole tensor twice)."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    shape = numpy_shape(t)
+    data = t.data if rows is None else t.data[rows]
+    if rows is not None:
+        shape = (len(rows), *shape[1:])
+    flat = data.reshape(-1, data.shape[-1]) if len(shape) > 1 else data.reshape(1, -1)
+    out = np.empty((flat.shape[0], shape[-1]), dtype=np.float32)
+    n_rows = flat.shape[0]
+    step = max(1, CHUNK_BYTES // max(out.shape[1] * 4, 1))
+    try:
+        for a in range(0, n_rows, step):
+            out[a:a + step] = gguf_dequantize(flat[a:a + step], t.tensor_type)
+    except NotImplementedError:
+        raise GqakitError(f"{path.name}: tensor {t.name} is {t.tensor_type.name}, which the gguf package "
+                          "cannot dequantise") from None
+    return out.reshape(shape)
+
+
+class GGUFSource(Source):
+    """The tensors of a GGUF file under their transformers names, dequantised on demand.
+
+    `hf_names`: GGUF name -> transformers name; `shapes`: each transformers tensor's shape;
+    `order`: the transformers names, in the model's state-dict order; `permute`: GGUF name ->
+    heads to un-permute its rows with; `process`: transformers' processing of one tensor
+    (GGUF name, values) -> values, for architectures read through its name map."""
+
+    def __init__(self, reader: Any, path: Path, hf_names: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                 order: list[str], permute: dict[str, int],
+                 process: Callable[[str, np.ndarray], np.ndarray] | None = None):
         self.reader, self.path = reader, path
         self._t = {t.name: t for t in reader.tensors}
         self._gguf_of = {hf: g for g, hf in hf_names.items()}
-        self._order = [hf_names[t.name] for t in reader.tensors if t.name in hf_names]
-        self._permute = permute  # gguf name -> heads to un-permute its rows with
+        self._shapes, self._order, self._permute, self._process = shapes, order, permute, process
 
     def names(self) -> list[str]:
         return list(self._order)
@@ -60,23 +116,26 @@ class GGUFSource(Source):
         return self._t[self._gguf_of[name]]
 
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        t = self._t[self._gguf_of[name]]
-        return torch.float32, tuple(int(x) for x in reversed(t.shape.tolist()))
+        return torch.float32, self._shapes[name]
 
     def get(self, name: str) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         g = self._gguf_of[name]
-        t = self._t[g]
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise GqakitError(f"{self.path.name}: tensor {g} is {t.tensor_type.name}, which the gguf package "
-                              "cannot dequantise") from None
-        w = np.asarray(w, dtype=np.float32).reshape(self.meta(name)[1])
+        w = dequantize(self._t[g], self.path)  # a new array: never a view of the mapped file
         if g in self._permute:
             w = permute_rows(w, self._permute[g], reverse=True)
-        return torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: never a view of the mapped file
+        if self._process is not None:
+            w = np.ascontiguousarray(self._process(g, w), dtype=np.float32)
+        if tuple(w.shape) != self._shapes[name]:
+            raise GqakitError(f"{self.path.name}: tensor {g} has shape {tuple(w.shape)}, but the model needs "
+                              f"{self._shapes[name]} for {name}")
+        return torch.from_numpy(w)
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of a 2-D tensor, dequantising only those (an embedding's used rows)."""
+        g = self._gguf_of[name]
+        if g in self._permute or self._process is not None or len(self._shapes[name]) != 2:
+            return super().rows(name, index)
+        return torch.from_numpy(dequantize(self._t[g], self.path, rows=index.numpy()))
 
     def files(self) -> list[Path]:
         return [self.path]
@@ -110,6 +169,37 @@ def gguf_names(skeleton: Any, arch: str, present: set[str]) -> dict[str, str]:
     return out
 
 
+def transformers_names(path: Path, arch: str, skeleton: Any, present: set[str]) \
+        -> tuple[dict[str, str], Callable[[str, np.ndarray], np.ndarray]] | str:
+    """transformers' GGUF loader's name map (GGUF name -> transformers name, for the tensors
+    PRESENT) and its processing of one tensor; or why it cannot be read tensor by tensor."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map, load_gguf_checkpoint)
+    except ImportError:
+        return f"no tensor-name map for the {arch!r} GGUF architecture (this transformers has no GGUF loader)"
+    cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    if cls.__name__ not in PER_TENSOR_PROCESSORS:
+        return (f"the {arch!r} GGUF architecture is read by transformers' {cls.__name__}, which merges several "
+                "GGUF tensors into one")
+    try:
+        processor = cls(config=load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+        mapping = get_gguf_hf_weights_map(skeleton, processor)
+    except (NotImplementedError, ValueError, KeyError, TypeError, AttributeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return f"no tensor-name map for the {arch!r} GGUF architecture ({first})"
+    hf_names = {g: hf for g, hf in mapping.items() if g in present}
+
+    def process(g: str, w: np.ndarray) -> np.ndarray:
+        r = processor.process(weights=w, name=g, tensor_key_mapping=mapping, parsed_parameters={"tensors": {}})
+        if r.name != g:
+            raise GqakitError(f"{path.name}: transformers' {cls.__name__} renamed tensor {g}; "
+                              "this GGUF architecture cannot be read tensor by tensor")
+        return r.weights
+
+    return hf_names, process
+
+
 @dataclass
 class GGUFInput:
     reader: Any
@@ -118,39 +208,94 @@ class GGUFInput:
     opened: Opened  # with a GGUFSource
 
 
-def open_gguf_source(path: Path) -> GGUFInput:
-    """Memory-map PATH and describe it as the conversion pipeline expects; nothing is decoded."""
+@dataclass
+class NoStream:
+    """Why a GGUF file cannot be read tensor by tensor, and the bytes of its float32 tensors."""
+
+    reason: str
+    float32_bytes: int
+
+
+def read_gguf(path: Path) -> tuple[Any, str | None]:
+    """The memory-mapped reader of PATH (checked: structure and metadata) and its architecture."""
     from gguf import GGUFReader
 
-    from gqakit.core.loading import check_gguf, load_config
+    from gqakit.core.loading import check_gguf
 
     check_gguf(path)
     reader = GGUFReader(path)
+    arch_field = reader.fields.get("general.architecture")
+    return reader, field_value(arch_field) if arch_field is not None else None
+
+
+def float32_bytes(reader: Any) -> int:
+    return sum(int(np.prod(numpy_shape(t))) * 4 for t in reader.tensors)
+
+
+def open_gguf_source(path: Path) -> GGUFInput:
+    """Memory-map PATH for GGUF output (an architecture of `GGUF_ARCHS`); nothing is decoded."""
+    reader, arch = read_gguf(path)
     if reader.byte_order != "I":
         raise GqakitError(f"{path.name} is a big-endian GGUF file; gqakit writes little-endian GGUF only")
-    arch_field = reader.fields.get("general.architecture")
-    arch = field_value(arch_field) if arch_field is not None else None
     if arch not in GGUF_ARCHS:
         raise GqakitError(f"GGUF output does not support the {arch!r} GGUF architecture of {path.name} (supported: "
                           f"{', '.join(GGUF_ARCHS)}); write a model folder instead: gqakit convert {path.name} OUTDIR")
-    config = load_config(path)
+    got = _stream(path, reader, arch)
+    assert isinstance(got, GGUFInput)  # a GGUF_ARCHS file always has its map
+    return got
+
+
+def stream_gguf(path: Path) -> GGUFInput | NoStream:
+    """PATH memory-mapped for the folder output, every tensor under its transformers name,
+    nothing decoded; or, for an architecture with no name map, why not (`NoStream`)."""
+    reader, arch = read_gguf(path)
+    if reader.byte_order != "I":
+        return NoStream("a big-endian GGUF file is not read tensor by tensor", float32_bytes(reader))
+    return _stream(path, reader, arch)
+
+
+def _stream(path: Path, reader: Any, arch: Any) -> GGUFInput | NoStream:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from gqakit.core.loading import check_loaded, load_config
+
+    config = load_config(path)
     with init_empty_weights(include_buffers=False):
         skeleton = AutoModelForCausalLM.from_config(config)
-    hf_names = gguf_names(skeleton, arch, {t.name for t in reader.tensors})
-    cfg = config.to_dict()
-    cfg["architectures"] = [type(skeleton).__name__]
-    for k in ("_name_or_path", "quantization_config"):
-        cfg.pop(k, None)
-    cfg["dtype"] = "float32"
+    present = {t.name for t in reader.tensors}
     permute: dict[str, int] = {}
-    if GGUF_ARCHS[arch]:
-        for g in hf_names:
-            if ".attn_q." in g:
-                permute[g] = int(cfg["num_attention_heads"])
-            elif ".attn_k." in g:
-                permute[g] = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-    source = GGUFSource(reader, hf_names, permute, path)
-    return GGUFInput(reader, arch, GGUF_ARCHS[arch], Opened(path.parent, path.name, cfg, source))
+    process = None
+    if arch in GGUF_ARCHS:
+        hf_names = gguf_names(skeleton, arch, present)
+        if GGUF_ARCHS[arch]:
+            heads = int(config.num_attention_heads)
+            kv = int(getattr(config, "num_key_value_heads", None) or heads)
+            permute = {g: heads if ".attn_q." in g else kv for g in hf_names if ".attn_q." in g or ".attn_k." in g}
+    else:
+        got = transformers_names(path, arch, skeleton, present)
+        if isinstance(got, str):
+            return NoStream(got, float32_bytes(reader))
+        hf_names, process = got
+    cfg = config.to_dict()
+    if not cfg.get("architectures"):
+        cfg["architectures"] = [type(skeleton).__name__]
+    for k in ("_name_or_path", "_model_name_or_path", "quantization_config"):
+        cfg.pop(k, None)
+    cfg["dtype"] = "float32"  # the tensors are dequantised to float32, as transformers loads them
+    mapped = set(hf_names.values())
+    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    tied = bool(cfg.get("tie_word_embeddings"))
+    order = [k for k in shapes if k in mapped and not (tied and k == "lm_head.weight")]
+    missing = [k for k in shapes if k not in mapped and not (tied and k == "lm_head.weight")]
+    if missing and process is not None:
+        return NoStream(f"transformers' name map for the {arch!r} GGUF architecture leaves {missing[0]} without "
+                        "a GGUF tensor", float32_bytes(reader))
+    check_loaded({"missing_keys": missing}, path, type(skeleton).__name__)
+    source = GGUFSource(reader, path, hf_names, shapes, order, permute, process)
+    for hf in order:  # every shape before anything is written (transformers' processing keeps the size)
+        have = numpy_shape(source.gguf_tensor(hf))
+        if have != shapes[hf] if process is None else int(np.prod(have)) != int(np.prod(shapes[hf])):
+            raise GqakitError(f"{path.name}: tensor {source.gguf_name(hf)} has shape {have}, but the model "
+                              f"needs {shapes[hf]} for {hf}")
+    return GGUFInput(reader, arch, bool(GGUF_ARCHS.get(arch)), Opened(path.parent, path.name, cfg, source))

@@ -72,6 +72,16 @@ class Source:
         pass
 
 
+@dataclass
+class Opened:
+    """An opened source checkpoint: where its config and tokenizer come from, and its tensors."""
+
+    folder: Path          # where config/tokenizer files come from
+    gguf: str | None      # the .gguf file in `folder`, for a GGUF source
+    config: dict[str, Any]
+    source: Source
+
+
 class SafetensorsSource(Source):
     def __init__(self, files_by_name: dict[str, Path]):
         from safetensors import SafetensorError, safe_open

@@ -45,26 +45,29 @@ Layers = Iterator[tuple[int, AttnHeads]]
 
 
 def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, method: str = DEFAULT_METHOD, *,
-                       grouping: str = "contiguous", dtype: str = "auto", overwrite: bool = False,
+                       grouping: str = "auto", effort: str = "best", dtype: str = "auto", overwrite: bool = False,
                        max_shard_size: str | int = "2GB", seed: int = 0, calibration_data: str | None = None,
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, options: dict[str, Any] | None = None,
                        device: str = "auto", progress: bool = True) -> Path:
     """Convert SRC (HF folder or .gguf) to the model folder OUT with `num_kv_heads` K/V heads
     per layer: `convert_folder` with the settings built from these arguments."""
-    settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, dtype=dtype,
+    settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, effort=effort,
+                               dtype=dtype,
                                max_shard_size=max_shard_size, seed=seed, calibration_data=calibration_data,
                                calibration_tokens=calibration_tokens, refit=options or {})
     return convert_folder(settings, out, overwrite=overwrite, device=device, progress=progress)
 
 
 def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: str = DEFAULT_METHOD, *,
-                 grouping: str = "contiguous", gguf_type: str | None = None, overwrite: bool = False, seed: int = 0,
+                 grouping: str = "auto", effort: str = "best", gguf_type: str | None = None, overwrite: bool = False,
+                 seed: int = 0,
                  calibration_data: str | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
                  options: dict[str, Any] | None = None, device: str = "auto", progress: bool = True,
                  dry_run: bool = False) -> Path | list[str]:
     """Convert SRC.gguf to OUT.gguf with `num_kv_heads` KV heads: `convert_gguf_file` with the
     settings built from these arguments."""
-    settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, seed=seed,
+    settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, effort=effort,
+                               seed=seed,
                                calibration_data=calibration_data, calibration_tokens=calibration_tokens,
                                refit=options or {}, max_shard_size=None)
     return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
@@ -81,14 +84,22 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
     s = plan.shape
     return [f"{plan.family}: {s.num_layers} layers, {s.num_heads} query heads, "
             f"{s.num_kv_heads} -> {settings.num_kv_heads} KV heads, head_dim {s.head_dim}",
+            *auto_lines(plan.settings),
             f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]
+
+
+def auto_lines(settings: ConvertSettings) -> list[str]:
+    """One line on what the resolved settings' "auto" values are, or none."""
+    reasons = settings.auto_reasons()
+    return [f"{settings.method} settings: " + "; ".join(f"{k} {v}" for k, v in reasons.items())] if reasons else []
 
 
 # ----------------------------------------------------------------------------- where the layers come from
 
 def per_layer_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> Layers:
     """(layer, converted heads) in layer order, for methods that need only the layer's weights."""
+    settings = settings.resolved(source_params=plan.source_params, max_positions=plan.shape.max_positions)
     spec = archmod.registry()[plan.family]
     gen = torch.Generator().manual_seed(settings.seed)
     method_fn = method_spec(settings.method).fn
@@ -99,10 +110,14 @@ def per_layer_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> La
         # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
         heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
+        del tensors  # memory is one layer's attention: nothing but the method's result outlives its step
         groups = group_fn(heads, settings.num_kv_heads, rotary_style=spec.rotary.style,
                           rotary_dim=plan.shape.rotary_dim)
         ctx = PoolContext(settings.num_kv_heads, groups, spec.rotary.style, plan.shape.rotary_dim, layer, gen)
-        yield layer, method_fn(heads, ctx)
+        new = method_fn(heads, ctx)
+        del heads, groups, ctx
+        yield layer, new
+        del new
 
 
 def converted_layers(opened: Opened, plan: Plan, settings: ConvertSettings, *, device: str = "cpu",
@@ -139,6 +154,10 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     check_output_path(out, overwrite=overwrite, inputs=inputs)
     opened = open_checkpoint(src, progress=progress)
     plan = make_plan(opened, settings)
+    settings = plan.settings
+    if progress:
+        for line in auto_lines(settings):
+            tqdm.write(line, file=sys.stderr)
     t0 = time.perf_counter()
     if staged:  # long runs keep their work when killed, and resume from it
         folder = resumable_output_dir(out, fingerprint=_fingerprint(opened, plan, settings), overwrite=overwrite,
@@ -169,6 +188,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                     t = opened.source.get(name).to(planned_dtype[name])
                     writer.write(name, t)
                     bar.update(t.numel() * t.dtype.itemsize)
+                    del t  # before the next tensor is read: memory is one tensor
             # 2. the attention, layer by layer
             spec = archmod.registry()[plan.family]
             layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress,
@@ -234,7 +254,8 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
     if not (src.is_file() and src.suffix.lower() == ".gguf"):
         raise GqakitError(f"a .gguf OUT needs a .gguf SRC (got {src}); a model folder converts to a folder, "
                           "or to GGUF with llama.cpp's convert_hf_to_gguf.py")
-    if staged and settings.refit.trains_block():  # (the source's K/V head count is not read yet)
+    r = settings.refit  # (the source's K/V head count is not read yet; "auto" never trains blocks into GGUF)
+    if staged and r.train == "block" and (r.train_steps() > 0 or (r.steps == "auto" and settings.effort == "best")):
         raise GqakitError("--refit-option train=block rewrites every block's weights: convert to a model folder, "
                           "not to GGUF (a GGUF OUT keeps the unchanged tensors' quantised bytes)")
     wanted = parse_gguf_type(gguf_type)
@@ -243,18 +264,21 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
     check_output_path(out, overwrite=overwrite, inputs=inputs, kind=GGUF_FILE)
     inp = open_gguf_source(src)
     opened, reader = inp.opened, inp.reader
-    plan = make_plan(opened, settings)
+    plan = make_plan(opened, settings, gguf_out=True)
+    settings = plan.settings
     changed = changed_tensors(inp, plan, G, wanted)
     if dry_run:
         s = plan.shape
         kinds = sorted({f"{c.qtype.name}" for c in changed.values()})
         return [f"{plan.family} (GGUF {inp.arch}): {s.num_layers} layers, {s.num_heads} query heads, "
-                f"{s.num_kv_heads} -> {G} KV heads, head_dim {s.head_dim}",
+                f"{s.num_kv_heads} -> {G} KV heads, head_dim {s.head_dim}", *auto_lines(settings),
                 f"{len(reader.tensors)} tensors: {len(reader.tensors) - len(changed)} copied as they are, "
                 f"{len(changed)} re-encoded as {', '.join(kinds)}; method {settings.method}; nothing written (dry run)"]
 
     t0 = time.perf_counter()
     if progress:
+        for line in auto_lines(settings):
+            tqdm.write(line, file=sys.stderr)
         tqdm.write(f"{src.name} (GGUF {inp.arch}, memory-mapped): {len(reader.tensors) - len(changed)} tensors "
                    f"copied as they are, {len(changed)} converted", file=sys.stderr)
     with atomic_output_file(out, overwrite=overwrite, inputs=inputs, kind=GGUF_FILE) as (tmp, scratch):

@@ -54,6 +54,7 @@ class Plan:
     tensors: list[Planned]   # the output tensors, step by step
     source_params: int
     output_params: int
+    settings: ConvertSettings  # resolved: every "auto" decided from this model (`ConvertSettings.resolved`)
 
     @cached_property
     def layer_of(self) -> dict[str, int]:
@@ -79,7 +80,9 @@ def validate_g(shape: archmod.Shape, g: int) -> None:
         raise GqakitError(f"--num-kv-heads {g} does not divide the model's {kv} KV heads; valid: {valid}")
 
 
-def make_plan(opened: Opened, settings: ConvertSettings) -> Plan:
+def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:
+    """The plan, with the settings resolved for this model (`Plan.settings`): what "auto"
+    means depends on its parameters and context, and on the output kind (`gguf_out`)."""
     spec = archmod.lookup(opened.config)
     shape = archmod.shape_of(spec, opened.config)
     validate_g(shape, settings.num_kv_heads)
@@ -87,6 +90,10 @@ def make_plan(opened: Opened, settings: ConvertSettings) -> Plan:
     src = opened.source
     names = src.names()
     metas = {n: src.meta(n) for n in names}
+    numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
+    source_params = sum(numel(m[1]) for m in metas.values())
+    settings = settings.resolved(source_params=source_params, max_positions=archmod.max_positions(opened.config),
+                                 gguf_out=gguf_out)
     # methods that touch only K/V leave q and o to be copied through untouched
     kv_only = (method_spec(settings.method).kv_only and settings.grouping == "contiguous"
                and spec.attention.layout == "separate")
@@ -109,9 +116,8 @@ def make_plan(opened: Opened, settings: ConvertSettings) -> Plan:
             continue
         shapes = output_shapes(spec, shape, settings.num_kv_heads, step.layer, {n: metas[n][1] for n in step.names})
         tensors += [Planned(n, out_dtype if out_dtype is not None else metas[n][0], shapes[n]) for n in step.names]
-    numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
     return Plan(spec.family, spec.native_gqa, shape, opened.config, steps, tensors,
-                sum(numel(m[1]) for m in metas.values()), sum(numel(p.shape) for p in tensors))
+                source_params, sum(numel(p.shape) for p in tensors), settings)
 
 
 def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, int]) -> Iterator[Step]:

@@ -105,6 +105,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
              "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → {after:,} bytes "
              f"({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
+    if settings.auto_reasons():
+        facts["chosen for this model"] = "; ".join(f"{k} {v}" for k, v in settings.auto_reasons().items())
     if calibration:
         facts["calibration"] = f"{calibration['calibration']} on {calibration['device']}"
         facts["residual drift"] = drift_summary(calibration).split("; ", 1)[-1]

@@ -35,6 +35,16 @@ DEFAULT_CALIBRATION_TOKENS = 65536
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
 
+# What align-refit's "auto" settings resolve to (`ConvertSettings.resolved`), from the
+# measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400 steps at
+# lr 0.01 on q, k, v, o; on stories260K, 4,500 steps at lr 0.007 on the whole block with
+# similarity grouping: each the best measured for its size.
+EFFORTS = ("fast", "best")
+MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
+REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
+BEST = {"small": {"steps": 4500, "lr": 0.007, "train": "block", "grouping": "similarity"},
+        "large": {"steps": 400, "lr": 0.01, "train": "attention", "grouping": "contiguous"}}
+
 Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
 
 
@@ -43,9 +53,11 @@ class RefitOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    seq_len: StrictInt = Field(256, ge=2, description="tokens per calibration sequence (at most the model's context)")
+    seq_len: Literal["auto"] | StrictInt = Field(
+        "auto", ge=2, description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
     batch: Literal["auto"] | StrictInt = Field(
-        "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU)")
+        "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU, fewer for "
+                                  "sequences over 256 tokens: at most 1,024 and 2,048 tokens)")
     sample_batch: StrictInt = Field(
         64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
     q_ridge: Number = Field(1e-2, description="ridge strength of the query refit, relative to the mean diagonal "
@@ -73,15 +85,22 @@ class RefitOptions(BaseModel):
     checkpoint_seconds: Number = Field(
         120.0, ge=0, description="how often, at most, the streams and the finished layers are saved, so that a "
                                  "killed run resumes")
-    steps: StrictInt = Field(0, ge=0, description="block-wise reconstruction: Adam steps per layer (0: closed-form "
-                                                  "fits only)")
-    lr: Number = Field(1e-2, gt=0, description="the steps' learning rate, relative to each tensor's RMS (decaying "
-                                               "linearly to 0)")
+    steps: Literal["auto"] | StrictInt = Field(
+        "auto", ge=0, description=f"block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
+                                  f"{BEST['large']['steps']}, or {BEST['small']['steps']} for a model under "
+                                  f"{SMALL_MODEL // 10**6}M parameters, fewer in proportion below "
+                                  f"{REFERENCE_TOKENS:,} calibration tokens; 0 with --effort fast)")
+    lr: Literal["auto"] | Number = Field(
+        "auto", gt=0, description=f"the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
+                                  f"auto: {BEST['large']['lr']}, or {BEST['small']['lr']} for a model under "
+                                  f"{SMALL_MODEL // 10**6}M parameters)")
     guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
                                                         "closed-form fit when the steps do not help)")
-    train: Literal["attention", "block"] = Field(
-        "attention", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
-                                 "MLP and norms too (block; model-folder output only)")
+    train: Literal["auto", "attention", "block"] = Field(
+        "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
+                            f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "
+                            f"a model under {SMALL_MODEL // 10**6}M parameters written to a folder, else "
+                            f"{BEST['large']['train']})")
 
     _given: tuple[str, ...] = PrivateAttr(default=())
 
@@ -132,7 +151,7 @@ class RefitOptions(BaseModel):
         (kv_to >= kv_from: it is exact); with the head counts unknown (None), the steps asked for."""
         if kv_from is not None and kv_to is not None and kv_to >= kv_from:
             return 0
-        return self.steps
+        return 0 if self.steps == "auto" else self.steps
 
     def trains_block(self, kv_from: int | None = None, kv_to: int | None = None) -> bool:
         """Whether the steps train every weight of each converted block (`train=block` with steps),
@@ -145,15 +164,16 @@ def _option_error(key: str, value: Any) -> str:
     field = RefitOptions.model_fields[key]
     kinds = _base_types(field.annotation)
     limits = {name: getattr(m, name) for m in field.metadata for name in ("gt", "ge", "lt") if hasattr(m, name)}
+    auto = " or auto" if "auto" in _choices(field) else ""
     if float in kinds:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"align-refit option {key} must be a finite number, got {value!r}"
+            return f"align-refit option {key} must be a finite number{auto}, got {value!r}"
         if "ge" in limits and "lt" in limits:
             return f"align-refit option {key} must be in [{limits['ge']}, {limits['lt']}), got {value!r}"
         op = ">" if "gt" in limits else ">="
-        return f"align-refit option {key} must be {op} {limits.get('gt', limits.get('ge'))}, got {value!r}"
+        return f"align-refit option {key} must be {op} {limits.get('gt', limits.get('ge'))}{auto}, got {value!r}"
     if int in kinds:
-        return f"align-refit option {key} must be an integer >= {limits['ge']}, got {value!r}"
+        return f"align-refit option {key} must be an integer >= {limits['ge']}{auto}, got {value!r}"
     return f"align-refit option {key}={value!r}; choose from {', '.join(_choices(field))}"
 
 
@@ -202,12 +222,23 @@ class ConvertSettings(BaseModel):
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
                     "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
                     "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
-                    "text: --calibration-data, or text sampled from SRC itself; --refit-option steps=N adds "
-                    "block-wise reconstruction). Best quality: align-refit with steps.")
+                    "text: --calibration-data, or text sampled from SRC itself; then block-wise reconstruction, "
+                    "see --effort). Best quality: align-refit, whose defaults are the best measured settings for "
+                    "the model's size.")
     grouping: str = Field(
-        "contiguous", json_schema_extra=_cli("--grouping", show_default=True),
+        "auto", json_schema_extra=_cli("--grouping", show_default=True),
         description="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
-                    "similar heads; queries and o_proj columns are reordered to match).")
+                    "similar heads; queries and o_proj columns are reordered to match); auto: similarity for "
+                    "align-refit on a model under 20M parameters, else contiguous.")
+    effort: Literal["fast", "best"] = Field(
+        "best", json_schema_extra=_cli("--effort", choices=EFFORTS, show_default=True),
+        description="align-refit only. best: the closed-form fits, then block-wise reconstruction with the "
+                    "steps, lr and train measured best for the model's size. fast: the closed-form fits only "
+                    "(steps=0). Measured on SmolLM2-135M, 3->1 KV heads, 32,768 tokens, 2 CPU threads (AMD EPYC): "
+                    "best (400 steps) perplexity 72-75 in 1,534 s (122 s on an H100), fast 297 in 871 s; time "
+                    "grows with the tokens (both) and the steps (best). A 7B model (estimate, not measured: layers "
+                    "x parameters per layer is about 60x the 135M's) takes about 60x as long: about a day (best) "
+                    "or 15 hours (fast) on such a CPU, about 2 hours (best) on one H100.")
     refit: RefitOptions = Field(default_factory=RefitOptions,
                                 description="settings of a method that calibrates (--refit-option KEY=VALUE)")
     calibration_tokens: int = Field(
@@ -244,8 +275,8 @@ class ConvertSettings(BaseModel):
     def _known_grouping(cls, v: str) -> str:
         from gqakit.convert.grouping import GROUPINGS
 
-        if v not in GROUPINGS:
-            raise GqakitError(f"unknown grouping {v!r}; choose from {', '.join(GROUPINGS)}")
+        if v != "auto" and v not in GROUPINGS:
+            raise GqakitError(f"unknown grouping {v!r}; choose from auto, {', '.join(GROUPINGS)}")
         return v
 
     @field_validator("refit", mode="before")
@@ -287,6 +318,60 @@ class ConvertSettings(BaseModel):
             raise GqakitError(f"--max-shard-size must be more than 0 bytes, got {v!r}")
         return str(v)
 
+    _auto: dict[str, str] | None = PrivateAttr(default=None)  # set by `resolved`: what "auto" chose, and why
+
+    def resolved(self, *, source_params: int, max_positions: int | None, gguf_out: bool = False) -> ConvertSettings:
+        """The settings with every "auto" decided from the model's geometry (parameters and
+        context) and the output kind, once, at plan time; explicit values are kept as given.
+        `auto_reasons()` then says what was chosen and why. Resolving twice changes nothing."""
+        if self._auto is not None:
+            return self
+        reasons: dict[str, str] = {}
+        grouping, refit = self.grouping, self.refit
+        small = source_params < SMALL_MODEL
+        count = f"{source_params / 1e6:,.0f}M" if source_params >= 10**7 else f"{source_params:,}"
+        size = f"{count} parameters, {'under' if small else 'at least'} 20M"
+        best = BEST["small" if small else "large"]
+        if self.staged:
+            r: dict[str, Any] = {}
+            if grouping == "auto":
+                grouping = best["grouping"]
+                reasons["grouping"] = f"auto: {grouping} ({size})"
+            if refit.seq_len == "auto":
+                r["seq_len"] = min(MAX_SEQ_LEN, max_positions or MAX_SEQ_LEN)
+                reasons["seq_len"] = (f"auto: {r['seq_len']} (the model's context {max_positions}, at most "
+                                      f"{MAX_SEQ_LEN})" if max_positions else f"auto: {r['seq_len']}")
+            if refit.steps == "auto":
+                if self.effort == "fast":
+                    r["steps"] = 0
+                    reasons["steps"] = "auto: 0 (--effort fast: the closed-form fits only)"
+                else:
+                    share = min(1.0, self.calibration_tokens / REFERENCE_TOKENS)
+                    r["steps"] = max(1, round(best["steps"] * share))
+                    reasons["steps"] = f"auto: {r['steps']} (--effort best, {size}" + (
+                        f"; {best['steps']} scaled to {self.calibration_tokens:,} of {REFERENCE_TOKENS:,} "
+                        "calibration tokens)" if share < 1 else ")")
+            if refit.lr == "auto":
+                r["lr"] = best["lr"]
+                reasons["lr"] = f"auto: {r['lr']} ({size})"
+            if refit.train == "auto":
+                r["train"] = "attention" if gguf_out else best["train"]
+                reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)"
+                                                              if gguf_out else f"{size})")
+            if r:
+                given = refit._given
+                refit = refit.model_copy(update=r)
+                refit._given = given
+        elif grouping == "auto":
+            grouping = "contiguous"
+        out = self.model_copy(update={"grouping": grouping, "refit": refit})
+        out._auto = reasons
+        return out
+
+    def auto_reasons(self) -> dict[str, str]:
+        """What each "auto" setting resolved to, and why ({} before `resolved`)."""
+        return dict(self._auto or {})
+
     @property
     def staged(self) -> bool:
         """True when the method calibrates on data: the calibration stage makes its layers."""
@@ -310,7 +395,16 @@ class ConvertSettings(BaseModel):
                 "grouping": self.grouping, "dtype": self.dtype,
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
                 "seed": self.seed, "calibration_data": self.calibration_data,
-                "calibration_tokens": self.calibration_tokens, "options": self.refit.given()}
+                "calibration_tokens": self.calibration_tokens, "options": self.refit.given(),
+                **self._resolved_record()}
+
+    def _resolved_record(self) -> dict[str, Any]:
+        """For a resolved calibrating method: the effort, the values "auto" chose (after the given
+        options) and the reasons, so the record states every setting that shaped the result."""
+        if not self.staged or self._auto is None:
+            return {}
+        chosen = {k: getattr(self.refit, k) for k in self._auto if k in RefitOptions.model_fields}
+        return {"effort": self.effort, "options": {**self.refit.given(), **chosen}, "auto": dict(self._auto)}
 
 
 def needs_data(method: str) -> bool:
@@ -324,6 +418,18 @@ def refit_options_markdown() -> str:
     rows = ["| option | default | what |", "|---|---|---|"]
     for key, f in RefitOptions.model_fields.items():
         rows.append(f"| `{key}` | `{f.default}` | {f.description.replace('|', '&#124;')} |")
+    return "\n".join(rows)
+
+
+def auto_settings_markdown() -> str:
+    """The README's table of what align-refit's "auto" settings resolve to (`ConvertSettings.resolved`;
+    `tests/test_convert_settings.py` keeps them equal)."""
+    rows = ["| model | `--grouping` | `seq_len` | `steps` at 65,536 tokens | `lr` | `train` |",
+            "|---|---|---|---|---|---|"]
+    for key, what in (("small", "under 20M parameters"), ("large", "20M parameters or more")):
+        b = BEST[key]
+        rows.append(f"| {what} | {b['grouping']} | the model's context, at most {MAX_SEQ_LEN} | {b['steps']:,} | "
+                    f"{b['lr']} | {b['train']} |")
     return "\n".join(rows)
 
 

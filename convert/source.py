@@ -1,26 +1,23 @@
-"""Opening a source checkpoint: a Hugging Face model folder, or a .gguf file that
-transformers dequantises to float (the tensors then stream as usual)."""
+"""Opening a source checkpoint: a Hugging Face model folder, or a .gguf file.
+
+A .gguf file is memory-mapped and read one tensor at a time (`gguf_in.stream_gguf`), so
+its tensors stream like a folder's. Only an architecture with no tensor-name map (neither
+gqakit's nor transformers') has transformers dequantize the whole model into memory
+first; that is said in one line, with the memory it takes.
+"""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
-from gqakit.convert.io import DictSource, Source, open_source
+from gqakit.convert.io import DictSource, Opened, open_source
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import read_config_json
 
-
-@dataclass
-class Opened:
-    folder: Path          # where config/tokenizer files come from
-    gguf: str | None
-    config: dict[str, Any]
-    source: Source
+__all__ = ["Opened", "open_checkpoint", "source_path"]
 
 
 def open_checkpoint(src: str | Path, *, progress: bool = True) -> Opened:
@@ -41,13 +38,29 @@ def open_checkpoint(src: str | Path, *, progress: bool = True) -> Opened:
 
 
 def _open_gguf(path: Path, *, progress: bool = True) -> Opened:
-    """GGUF input: transformers dequantizes it to float; the tensors then stream as usual."""
-    from gqakit.core.loading import load_causal_lm
-
+    """GGUF input, memory-mapped and dequantised tensor by tensor; for an architecture with
+    no name map, transformers dequantises the whole model first."""
+    from gqakit.convert.gguf_in import NoStream, stream_gguf
     from gqakit.core.quiet import quiet_libraries
 
+    with quiet_libraries(not progress):
+        got = stream_gguf(path)
+    if not isinstance(got, NoStream):
+        if progress:
+            tqdm.write(f"reading {path.name} (GGUF {got.arch}, memory-mapped: one tensor dequantised at a time)",
+                       file=sys.stderr)
+        return got.opened
     if progress:
-        tqdm.write(f"reading {path.name} (GGUF, dequantized by transformers)", file=sys.stderr)
+        tqdm.write(f"{path.name}: {got.reason}; transformers dequantises the whole model into memory first "
+                   f"(about {got.float32_bytes / 2**30:.1f} GiB)", file=sys.stderr)
+    return _load_whole_gguf(path, progress=progress)
+
+
+def _load_whole_gguf(path: Path, *, progress: bool = True) -> Opened:
+    """transformers dequantises every tensor of PATH into memory; the tensors then stream as usual."""
+    from gqakit.core.loading import load_causal_lm
+    from gqakit.core.quiet import quiet_libraries
+
     with quiet_libraries(not progress):
         model = load_causal_lm(path)
     config = model.config.to_dict()

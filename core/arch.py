@@ -219,6 +219,8 @@ def decoder_blocks(model: Any) -> Any:
     """The model's ModuleList of decoder blocks, where its family's `block` says it is."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP / torch.compile wrappers
         model = getattr(model, "module", None) or model._orig_mod
+    if hasattr(model, "get_base_model"):  # a peft (LoRA) wrapper
+        model = model.get_base_model()
     spec = lookup(model.config.to_dict() | {"architectures": [type(model).__name__]})
     return model.get_submodule(spec.blocks)
 

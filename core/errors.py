@@ -9,6 +9,13 @@ exceptions.
 from __future__ import annotations
 
 
+def first_line(e: BaseException, limit: int | None = 300) -> str:
+    """The first line of an exception's message (its type's name when it has none), for
+    quoting a library's error in a one-line message."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line if limit is None else line[:limit]
+
+
 class GqakitError(Exception):
     """A failure caused by the user's input or environment, with a one-line message."""
 

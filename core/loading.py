@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core import trust
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded, read_st_header  # noqa: F401 (re-exported)
 
 # Nothing in gqakit may reach the Hugging Face Hub.
@@ -133,10 +133,6 @@ def is_gqakit_output(folder: Path) -> bool:
     return (folder / CONVERT_SETTINGS).is_file() or (folder / UPTRAIN_SETTINGS).is_file()
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-
-
 def load_config(path: str | Path, *, trust_remote_code: bool | None = None) -> Any:
     from transformers import AutoConfig
 
@@ -148,7 +144,7 @@ def load_config(path: str | Path, *, trust_remote_code: bool | None = None) -> A
         return AutoConfig.from_pretrained(folder, gguf_file=gguf, trust_remote_code=trc)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         _refuse_code(folder, e)
-        raise GqakitError(f"cannot read the model config of {path}: {_first_line(e)}") from None
+        raise GqakitError(f"cannot read the model config of {path}: {first_line(e)}") from None
 
 
 @contextmanager
@@ -189,7 +185,7 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
             )
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, SafetensorError) as e:
         _refuse_code(folder, e)
-        raise GqakitError(f"cannot load the model at {path}: {_first_line(e)}") from None
+        raise GqakitError(f"cannot load the model at {path}: {first_line(e)}") from None
     check_loaded(info, Path(path), type(model).__name__)
     return model.to(device).eval()
 
@@ -204,7 +200,7 @@ def load_tokenizer(path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf, trust_remote_code=remote_code(folder, gguf))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         _refuse_code(folder, e)
-        raise GqakitError(f"cannot load the tokenizer of {path}: {_first_line(e)}") from None
+        raise GqakitError(f"cannot load the tokenizer of {path}: {first_line(e)}") from None
 
 
 def cache_kwarg(model: Any) -> str:

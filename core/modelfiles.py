@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core import arch as archmod
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 
 ST_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -103,9 +103,9 @@ def load_bin(path: Path) -> dict[str, Any]:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         raise GqakitError(f"{path.name} needs unsafe unpickling (weights_only=True refused it: "
-                          f"{str(e).splitlines()[0][:160]}); convert it to safetensors first") from None
+                          f"{first_line(e, 160)}); convert it to safetensors first") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as e:
-        raise GqakitError(f"cannot read {path.name}: truncated or corrupt ({str(e).splitlines()[0][:160]})") from None
+        raise GqakitError(f"cannot read {path.name}: truncated or corrupt ({first_line(e, 160)})") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise GqakitError(f"{path.name} is not a state dict of tensors")
     return sd

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _read_hf(spec: str, *, max_chars: int | None, text_field: str) -> EvalText:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # datasets raises many types; offline misses are the usual one
         raise GqakitError(f"cannot load dataset {spec} (offline: it must be in the local cache): "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                          f"{first_line(e, None)}") from None
     if text_field not in ds.column_names:
         raise GqakitError(f"dataset {spec} has no column {text_field!r} (columns: {', '.join(ds.column_names)})")
     rows = [r for r in ds[text_field] if r]

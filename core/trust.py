@@ -24,7 +24,6 @@ heavy: the checks run before torch.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.files import file_sha256
 
 FLAG = "--trust-remote-code"
 REMOTE_PREFIX = "gqakit_modeling_"
@@ -82,24 +82,16 @@ def option(extra: str = "") -> Callable[[F], F]:
     return decorate
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @functools.lru_cache(maxsize=1)
 def shipped_hashes() -> frozenset[str]:
     """sha256 of every modeling file this version of gqakit ships."""
-    return frozenset(sha256(p) for p in SHIPPED_DIR.glob(f"{REMOTE_PREFIX}*.py"))
+    return frozenset(file_sha256(p) for p in SHIPPED_DIR.glob(f"{REMOTE_PREFIX}*.py"))
 
 
 def is_shipped(path: Path) -> bool:
     """PATH is a file byte-identical to one of gqakit's shipped modeling files."""
     try:
-        return Path(path).is_file() and sha256(Path(path)) in shipped_hashes()
+        return Path(path).is_file() and file_sha256(Path(path)) in shipped_hashes()
     except OSError:
         return False
 

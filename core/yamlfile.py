@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 
 MAX_BYTES = 8 << 20
 MAX_VALUES = 100_000  # scalars, lists and mappings, aliases counted at their expanded size
@@ -101,4 +101,4 @@ def read_yaml(path: str | Path) -> Any:
     except UnicodeDecodeError:
         raise YamlError(f"{path} is not valid YAML: not UTF-8 text (a binary or damaged file?)") from None
     except yaml.YAMLError as e:
-        raise YamlError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise YamlError(f"{path} is not valid YAML: {first_line(e, None)}") from None

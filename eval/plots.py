@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 from gqakit.eval.records import EvalResult, SpeedPoint
 
 MARKERS = "osD^v<>p*h"
@@ -130,7 +130,7 @@ def read_train_log(path: str | Path) -> list[dict[str, Any]]:
         else:
             rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     except (ValueError, OSError) as e:
-        raise GqakitError(f"cannot read training log {p}: {str(e).splitlines()[0]}") from None
+        raise GqakitError(f"cannot read training log {p}: {first_line(e, None)}") from None
     if not any("loss" in r or "eval_loss" in r for r in rows):
         raise GqakitError(f"training log {p} has no 'loss' or 'eval_loss' values")
     return rows

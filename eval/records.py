@@ -35,7 +35,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       WrapValidator, model_validator)
 from typing_extensions import Required, TypedDict
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 
 SCHEMA = "gqakit.eval/1"
 
@@ -363,7 +363,7 @@ def read_results(path: str | Path) -> EvalResult:
     try:
         data = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GqakitError(f"{p} is not a gqakit results file (not valid JSON: {str(e).splitlines()[0]})") from None
+        raise GqakitError(f"{p} is not a gqakit results file (not valid JSON: {first_line(e, None)})") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise GqakitError(f"{p} is not a gqakit results file (schema {found!r}, expected {SCHEMA!r}); "

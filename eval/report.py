@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.files import format_bytes
 from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
 from gqakit.eval.records import SCHEMA, EvalResult, SpeedPoint, TaskRow, opt, read_results
 from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
@@ -202,16 +203,6 @@ def _timed_together(results: list[EvalResult]) -> bool:
     return len(together) == len(results) and together[0] is not None and all(t == together[0] for t in together)
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _fmt_num(x: float | None, digits: int = 4) -> str:
     if x is None:
         return "n/a"
@@ -306,7 +297,8 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [f"**{r['name']}**", f"{r['parameters'] / 1e6:.2f} M" if r["parameters"] >= 1e5 else f"{r['parameters']:,}",
-                 f"{r['kv_heads']} / {r['heads']}", _fmt_bytes(r["kv_bytes_per_token"])]
+                 f"{r['kv_heads']} / {r['heads']}", format_bytes(r["kv_bytes_per_token"], digits=1, thousands=False,
+                                                                        largest="GiB")]
         if has_ppl:
             d = r.get("perplexity_delta_pct")
             cells += [_fmt_num(r.get("perplexity")), "—" if r["name"] == report["baseline"] or d is None else f"{d:+.1f}%",

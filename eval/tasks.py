@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
 import logging
 import os
 from collections.abc import Iterator
@@ -31,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gqakit.core import trust
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.files import file_sha256
 
 if TYPE_CHECKING:
     from gqakit.eval.records import TasksResult
@@ -183,7 +183,7 @@ def check_tasks(settings: TaskSettings, *, quiet: bool = False) -> Any:
             settings.local_index = tm is not None
             tm = tm or _task_manager(include, True, _fingerprint(include))
         except Exception as e:  # a broken YAML in --tasks-path: the harness raises yaml/ValueError/...
-            raise GqakitError(f"cannot read the task definitions in {settings.tasks_path}: {_first_line(e)}") from None
+            raise GqakitError(f"cannot read the task definitions in {settings.tasks_path}: {first_line(e)}") from None
     known = set(tm.all_tasks)
     for name in settings.tasks:
         if name in known:
@@ -298,10 +298,6 @@ def _data_files(cfg: dict[str, Any]) -> list[str]:
     return []
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-
-
 def _gqakit_lm(progress: bool) -> type:
     """HFLM with the request bars following gqakit's -q (nothing else changes)."""
     from lm_eval.models.huggingface import HFLM
@@ -397,7 +393,7 @@ def run_tasks(model: Any, tokenizer: Any, settings: TaskSettings, *, progress: b
 
 def _explain(e: Exception, settings: TaskSettings) -> GqakitError:
     """The harness's failure as one line; a dataset that is not local while offline says so."""
-    text = f"{type(e).__name__}: {_first_line(e)}"
+    text = f"{type(e).__name__}: {first_line(e)}"
     names = ", ".join(settings.tasks)
     if type(e).__name__ == "SecurityError":  # jinja2.sandbox: a template reached for Python internals
         return GqakitError(f"task {names}: a template of its task file reaches into Python ({text}); gqakit renders "
@@ -436,14 +432,6 @@ def _metrics(res: dict[str, Any], higher: dict[str, Any]) -> dict[str, dict[str,
     return metrics
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _dataset(cfg: dict[str, Any]) -> dict[str, Any]:
     info: dict[str, Any] = {"path": cfg.get("dataset_path"), "name": cfg.get("dataset_name")}
     if cfg.get("dataset_path") in LOCAL_BUILDERS:
@@ -451,7 +439,7 @@ def _dataset(cfg: dict[str, Any]) -> dict[str, Any]:
         for f in _data_files(cfg):
             p = Path(f).expanduser()
             files.append({"path": str(p.resolve()) if p.is_file() else f,
-                          "sha256": _sha256(p) if p.is_file() else None})
+                          "sha256": file_sha256(p) if p.is_file() else None})
         info["data_files"] = files
     return info
 

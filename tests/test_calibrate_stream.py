@@ -28,6 +28,7 @@ def _streamed(src, settings, **kw):
 def _reference(src, settings):
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
+    settings = plan.settings  # resolved for this model
     opts = settings.refit
     seqs, _ = calibration_sequences(opened, settings.calibration_data, settings.calibration_tokens,
                                     opts.seq_len, settings.seed, sample_batch=opts.sample_batch,
@@ -66,7 +67,7 @@ CASES = [  # rotate-half, biases, fused transposed QKV, fused interleaved + part
 def test_streamed_matches_in_memory_reference(tiny_model, one_thread, family, overrides, g, opts):
     src = tiny_model(family, **overrides)
     settings = ConvertSettings(source=src, num_kv_heads=g, method="align-refit", calibration_tokens=640,
-                               refit={"seq_len": 32, "batch": 4, **opts})
+                               grouping="contiguous", effort="fast", refit={"seq_len": 32, "batch": 4, **opts})
     got, summary, _, plan = _streamed(src, settings)
     ref = _reference(src, settings)
     _assert_same_heads(got, ref["layers"])
@@ -81,8 +82,8 @@ def test_streamed_matches_in_memory_reference_on_stories260k(shared, one_thread)
     src = shared / "models" / "stories260K"
     for data in (None, str(shared / "data" / "tinystories" / "valid-excerpt.txt")):
         settings = ConvertSettings(source=src, num_kv_heads=2, method="align-refit",
-                                   calibration_data=data, calibration_tokens=2048,
-                                   refit={"seq_len": 128})
+                                   calibration_data=data, calibration_tokens=2048, grouping="contiguous",
+                                   effort="fast", refit={"seq_len": 128})
         got, _, _, _ = _streamed(src, settings)
         _assert_same_heads(got, _reference(src, settings)["layers"])
 
@@ -118,8 +119,8 @@ def test_never_more_than_one_block_materialised(tiny_model, tmp_path, monkeypatc
     data = tmp_path / "calib.txt"
     data.write_text("abc def ghi jkl mno pqr stu vwx yz " * 200)
     settings = ConvertSettings(source=src, num_kv_heads=1, method="align-refit",
-                               calibration_data=str(data), calibration_tokens=512,
-                               refit={"seq_len": 32})
+                               calibration_data=str(data), calibration_tokens=512, effort="fast",
+                               grouping="contiguous", refit={"seq_len": 32})
     watch = _BlockWatch(monkeypatch, LlamaDecoderLayer)
     try:
         _streamed(src, settings)
@@ -325,10 +326,10 @@ def test_blockwise_reconstruction_lowers_the_drift(tiny_model, one_thread):
     residual drift is lower, and only attention tensors change."""
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
     base = {"seq_len": 32, "batch": 4, "holdout": 0.25}
-    settings = ConvertSettings(source=src, num_kv_heads=1, method="align-refit", calibration_tokens=1024, refit=base)
+    kw = dict(source=src, num_kv_heads=1, method="align-refit", calibration_tokens=1024, grouping="contiguous")
+    settings = ConvertSettings(**kw, effort="fast", refit=base)
     closed, s0, _, _ = _streamed(src, settings)
-    settings = ConvertSettings(source=src, num_kv_heads=1, method="align-refit", calibration_tokens=1024,
-                               refit={**base, "steps": 40, "lr": 1e-2, "guard_spans": 2})
+    settings = ConvertSettings(**kw, refit={**base, "steps": 40, "lr": 1e-2, "guard_spans": 2, "train": "attention"})
     trained, s1, _, plan = _streamed(src, settings)
     rec = s1["reconstruction"]
     assert [r["layer"] for r in rec] == list(range(plan.shape.num_layers))
@@ -361,10 +362,12 @@ def test_block_training_writes_the_trained_mlp_and_norms(tiny_model, one_thread,
 
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
     base = {"seq_len": 32, "batch": 4, "holdout": 0.25, "lr": 1e-2, "guard_spans": 2}
-    kw = dict(calibration_tokens=1024, progress=False)
+    kw = dict(calibration_tokens=1024, progress=False, grouping="contiguous")
     closed = convert_checkpoint(src, tmp_path / "closed", 1, "align-refit", options={"seq_len": 32, "batch": 4,
-                                                                                     "holdout": 0.25}, **kw)
-    attn = convert_checkpoint(src, tmp_path / "attn", 1, "align-refit", options={**base, "steps": 30}, **kw)
+                                                                                     "holdout": 0.25}, effort="fast",
+                                **kw)
+    attn = convert_checkpoint(src, tmp_path / "attn", 1, "align-refit",
+                              options={**base, "steps": 30, "train": "attention"}, **kw)
     block = convert_checkpoint(src, tmp_path / "block", 1, "align-refit",
                                options={**base, "steps": 30, "train": "block"}, **kw)
     orig = load_file(src / "model.safetensors")
@@ -400,7 +403,7 @@ def test_block_training_is_refused_for_gguf_output(tmp_path):
                      progress=False)
     assert "train=block" not in str(err.value)
     assert not (tmp_path / "out.gguf").exists()
-    with pytest.raises(GqakitError, match="align-refit option train='blocks'; choose from attention, block"):
+    with pytest.raises(GqakitError, match="align-refit option train='blocks'; choose from auto, attention, block"):
         RefitOptions.parse({"train": "blocks"})
 
 

@@ -145,9 +145,9 @@ def test_align_refit_runs_on_gguf_and_records_drift(pico, tmp_path):
     calib.write_text(" ".join(chr(33 + (i * 7) % 61) for i in range(3000)))
     opts = {"seq_len": 32}
     out = convert_gguf(src, tmp_path / "refit.gguf", 2, "align-refit", calibration_data=str(calib),
-                       calibration_tokens=512, options=opts, device="cpu", progress=False)
+                       calibration_tokens=512, options=opts, effort="fast", device="cpu", progress=False)
     folder = convert_checkpoint(src, tmp_path / "folder", 2, "align-refit", calibration_data=str(calib),
-                                calibration_tokens=512, options=opts, device="cpu", progress=False)
+                                calibration_tokens=512, options=opts, effort="fast", device="cpu", progress=False)
     torch.testing.assert_close(logits(load_gguf(out)), logits(AutoModelForCausalLM.from_pretrained(folder).eval()),
                                rtol=1e-4, atol=1e-4)
     drift = field(out, "general.gqakit.residual_drift")

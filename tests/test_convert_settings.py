@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -62,3 +63,97 @@ def test_options_are_recorded_as_given_and_resolved_in_one_order():
         ConvertSettings(source="m", num_kv_heads=1, method="mean", refit={"seq_len": 32})
     with pytest.raises(Exception):  # frozen: what was validated cannot change underneath
         s.refit.steps = 5  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- the automatic defaults
+
+def _readme_section(heading: str) -> str:
+    text = README.read_text()
+    start = text.index(f"### {heading}\n")
+    return text[start:text.index("\n### ", start + 1)]
+
+
+def test_auto_settings_follow_the_models_size_and_context():
+    s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit")
+    small = s.resolved(source_params=300_000, max_positions=256)
+    assert (small.grouping, small.refit.seq_len, small.refit.steps, small.refit.lr, small.refit.train) == \
+        ("similarity", 256, 4500, 0.007, "block")
+    large = s.resolved(source_params=135_000_000, max_positions=8192)
+    assert (large.grouping, large.refit.seq_len, large.refit.steps, large.refit.lr, large.refit.train) == \
+        ("contiguous", 512, 400, 0.01, "attention")
+    reasons = large.auto_reasons()
+    assert set(reasons) == {"grouping", "seq_len", "steps", "lr", "train"}
+    assert all(r.startswith("auto: ") for r in reasons.values()) and "135M parameters" in reasons["steps"]
+    assert large.resolved(source_params=1, max_positions=1) is large  # resolved once
+    assert s.auto_reasons() == {} and s.refit.steps == "auto"  # the settings asked for are untouched
+    # fewer calibration tokens, fewer steps; a GGUF OUT never trains whole blocks; --effort fast: no steps
+    few = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", calibration_tokens=2048)
+    assert few.resolved(source_params=135_000_000, max_positions=None).refit.steps == 12
+    assert s.resolved(source_params=300_000, max_positions=256, gguf_out=True).refit.train == "attention"
+    fast = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", effort="fast")
+    assert fast.resolved(source_params=300_000, max_positions=256).refit.steps == 0
+    assert "--effort fast" in fast.resolved(source_params=300_000, max_positions=256).auto_reasons()["steps"]
+    # other methods keep the paper's grouping and record nothing automatic
+    mean = ConvertSettings(source="m", num_kv_heads=1, method="mean").resolved(source_params=1000, max_positions=64)
+    assert mean.grouping == "contiguous" and mean.auto_reasons() == {} and "auto" not in mean.record()
+
+
+def test_explicit_settings_win_over_auto():
+    s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", grouping="contiguous", effort="fast",
+                        refit={"steps": 7, "lr": 0.02, "train": "attention", "seq_len": 64})
+    r = s.resolved(source_params=300_000, max_positions=256)
+    assert (r.grouping, r.refit.seq_len, r.refit.steps, r.refit.lr, r.refit.train) == \
+        ("contiguous", 64, 7, 0.02, "attention")
+    assert r.auto_reasons() == {} and r.record()["options"] == {"steps": 7, "lr": 0.02, "train": "attention",
+                                                                "seq_len": 64}
+
+
+def test_auto_settings_are_recorded_and_the_expected_time_is_shown(tiny_model, tmp_path, capsys):
+    from gqakit.cli import main
+
+    src = tiny_model("llama", num_key_value_heads=4)
+    args = ["convert", str(src), "OUT", "-g", "2", "--method", "align-refit", "--device", "cpu",
+            "--calibration-tokens", "256", "--refit-option", "steps=3"]
+    main([a if a != "OUT" else str(tmp_path / "out") for a in args])
+    err = capsys.readouterr().err
+    assert re.search(r"expected time: about \d+ s in all, \d+ s left \(\d+ s per layer, measured on the first; "
+                     r"1 of 2 layers to go\)", err), err
+    rec = json.loads((tmp_path / "out" / "gqakit_convert.json").read_text())["settings"]
+    assert rec["options"]["steps"] == 3 and "steps" not in rec["auto"]  # given: kept, no reason
+    assert rec["grouping"] == "similarity" and rec["options"]["seq_len"] == 128 and rec["options"]["lr"] == 0.007
+    assert rec["options"]["train"] == "block" and rec["effort"] == "best"
+    assert set(rec["auto"]) == {"grouping", "seq_len", "lr", "train"}
+    assert rec["auto"]["seq_len"] == "auto: 128 (the model's context 128, at most 512)"
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "chosen for this model" in card and "auto: similarity" in card
+    # -q: nothing on stderr, the expected time included
+    main([a if a != "OUT" else str(tmp_path / "quiet") for a in args] + ["-q"])
+    assert capsys.readouterr().err == ""
+
+
+def test_readme_recommended_command_is_the_defaults(tmp_path):
+    """README's "Conversion methods" recommends a command that sets nothing but the method and the
+    data: what it runs is what the defaults do, and the table of what they resolve to is the code's."""
+    import shlex
+
+    from gqakit.convert.cli import convert_cmd
+    from gqakit.convert.settings import BEST, auto_settings_markdown
+
+    section = _readme_section("Conversion methods")
+    assert auto_settings_markdown() in section, ("README.md's table of align-refit's automatic settings differs "
+                                                 "from convert/settings.py: paste auto_settings_markdown() into it")
+    cmd = re.search(r"```bash\n(gqakit convert [^\n]*--method align-refit[^\n]*)\n```", section).group(1)
+    args = [a if a != "G" else "1" for a in shlex.split(cmd)[2:]]  # -g G: the user's number
+    ctx = convert_cmd.make_context("convert", args)
+    params = {k: v for k, v in ctx.params.items() if k in ConvertSettings.model_fields}
+    asked = {k for k, v in params.items() if v != ConvertSettings.model_fields[k].default}
+    assert asked == {"num_kv_heads", "method", "calibration_data"} and ctx.params["refit_options"] == ()
+    data = tmp_path / "in-domain.txt"
+    data.write_text("text")
+    readme = ConvertSettings(source="m", **{**params, "num_kv_heads": 1, "calibration_data": str(data)})
+    default = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", calibration_data=str(data))
+    for params_count, size in ((135_000_000, "large"), (300_000, "small")):
+        got = readme.resolved(source_params=params_count, max_positions=2048)
+        assert got.record() == default.resolved(source_params=params_count, max_positions=2048).record()
+        assert (got.refit.steps, got.refit.lr, got.refit.train, got.grouping) == \
+            tuple(BEST[size][k] for k in ("steps", "lr", "train", "grouping"))

@@ -50,13 +50,17 @@ def env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("steps", [120, pytest.param(2000, marks=pytest.mark.slow)])
-def test_resume_after_sigkill_matches_one_go_run(converted: Path, tmp_path: Path, steps: int):
+@pytest.mark.parametrize("steps, train", [
+    (120, {}), pytest.param(2000, {}, marks=pytest.mark.slow),
+    # LoRA adapters (peft) with dropout: the adapters, their Adam state and the dropout RNG resume exactly
+    pytest.param(120, {"lora": {"r": 4, "dropout": 0.1}}, id="lora"),
+])
+def test_resume_after_sigkill_matches_one_go_run(converted: Path, tmp_path: Path, steps: int, train: dict):
     # Both runs are subprocesses with the same thread count, so float results are comparable.
-    go = write_cfg(tmp_path / "go.yaml", converted, tmp_path / "go", steps)
+    go = write_cfg(tmp_path / "go.yaml", converted, tmp_path / "go", steps, **train)
     subprocess.run([sys.executable, "-m", "gqakit", "uptrain", str(go), "-q"], check=True, env=env(), cwd=tmp_path)
 
-    cfg = write_cfg(tmp_path / "k.yaml", converted, tmp_path / "k", steps)
+    cfg = write_cfg(tmp_path / "k.yaml", converted, tmp_path / "k", steps, **train)
     proc = subprocess.Popen([sys.executable, "-m", "gqakit", "uptrain", str(cfg), "-q"], env=env(), cwd=tmp_path)
     ckpts = tmp_path / "k" / "checkpoints"
     deadline = time.time() + 300

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 HIDDEN, LAYERS, VOCAB = 32, 2, 64
@@ -110,3 +111,14 @@ def build(family: str, folder: Path, *, seed: int = 0, dtype: torch.dtype = torc
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return Path(folder)
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path):
+    """Factory: tiny_model("llama", num_key_value_heads=4) -> folder of a saved pico model."""
+    counter = iter(range(1000))
+
+    def make(family: str, **overrides) -> Path:
+        return build(family, tmp_path / f"{family}-{next(counter)}", **overrides)
+
+    return make

@@ -17,7 +17,6 @@ saving, restoring and the NaN checks import it when called.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import zipfile
@@ -25,7 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.files import file_sha256
 from gqakit.core.loading import read_st_header
 from gqakit.core.outdir import describe_oserror, swap_in
 from gqakit.core.outrule import CHECKPOINT_RECORD, CHECKPOINTS
@@ -39,14 +39,6 @@ class Diverged(GqakitError):
 
 
 # ----------------------------------------------------------------------------- reading and verifying
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checkpoints(out: Path) -> list[tuple[int, Path]]:
@@ -69,7 +61,7 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     try:
         state = json.loads((ckpt / STATE_FILE).read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{STATE_FILE}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+        raise ValueError(f"{STATE_FILE}: not valid JSON ({first_line(e, 120)})") from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
         raise ValueError(f"{STATE_FILE}: no integer 'step'")
     if state["step"] != int(ckpt.name[5:]):
@@ -109,7 +101,7 @@ def damage(ckpt: Path) -> str | None:
                 if bad is not None:
                     return f"{rel}: member {bad} is corrupt"
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-            return f"{rel}: truncated or corrupt ({str(e).splitlines()[0][:120]})"
+            return f"{rel}: truncated or corrupt ({first_line(e, 120)})"
     return None
 
 

@@ -86,6 +86,15 @@ class DataCfg(_Section):
         return self
 
 
+class LoraCfg(_Section):
+    r: int = Field(8, gt=0, description="rank of each adapter")
+    alpha: float = Field(16.0, gt=0.0, description="adapter scale is alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    targets: list[str] | None = Field(None, min_length=1, description=(
+        "module names (peft's rule: the name or its last dotted parts); null = the projections the "
+        "conversion changed: K and V, also Q and O for the align methods"))
+
+
 class TrainCfg(_Section):
     tokens: int | None = Field(None, gt=0, description="token budget; steps = tokens // tokens per optimizer step")
     alpha: float | None = Field(None, gt=0.0, le=1.0, description="fraction of pretrain_tokens (the paper: 0.05)")
@@ -107,6 +116,8 @@ class TrainCfg(_Section):
     compile: bool = False
     gradient_checkpointing: bool = False
     trainable: list[str] | None = Field(None, description="regexes of parameter names to train (others frozen); null = all")
+    lora: LoraCfg | None = Field(None, description=(
+        "train low-rank adapters (peft) instead of the weights; merged into the exported model"))
     cpu: bool = Field(False, description="force CPU even when a GPU is present")
 
     @model_validator(mode="after")
@@ -160,6 +171,8 @@ class UptrainConfig(_Section):
             # The teacher-forced pass swaps each layer's input in a hook; a checkpointed
             # layer re-runs its forward in the backward pass, after the hook is gone.
             raise ValueError("teacher.layer_weight: does not combine with train.gradient_checkpointing")
+        if self.train.lora is not None and self.train.trainable is not None:
+            raise ValueError("train.lora: does not combine with train.trainable (LoRA trains only its adapters)")
         if self.data.teacher_samples is not None and not te.path:
             raise ValueError("teacher.path: needed for data.teacher_samples")
         return self

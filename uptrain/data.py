@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.tokens import SAMPLER_VERSION, bos_id, sample_tokens  # noqa: F401  (sample_tokens re-exported)
 from gqakit.uptrain.config import DataCfg, TeacherSamplesCfg
 from gqakit.uptrain.preflight import resolve_data
@@ -126,7 +126,7 @@ def load_documents(files: list[Path], *, text_field: str, sample_by: str, cache_
         ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train",
                                    cache_dir=str(cache_dir / "datasets"), **kwargs)
     except Exception as e:  # datasets raises many types for unreadable files
-        raise GqakitError(f"{what}: cannot read {[f.name for f in files]}: {str(e).splitlines()[0]}") from None
+        raise GqakitError(f"{what}: cannot read {[f.name for f in files]}: {first_line(e, None)}") from None
     field = "text" if kind == "text" else text_field
     if field not in ds.column_names:
         raise GqakitError(f"data.text_field: {what} has no field {field!r} (fields: {ds.column_names})")
@@ -143,7 +143,7 @@ def hub_documents(cfg: DataCfg, cache_dir: Path) -> Any:
     try:
         ds = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config, split=cfg.hf_split, cache_dir=str(cache_dir / "datasets"))
     except Exception as e:
-        raise GqakitError(f"data.hf_dataset: cannot load {cfg.hf_dataset!r}: {str(e).splitlines()[0]}") from None
+        raise GqakitError(f"data.hf_dataset: cannot load {cfg.hf_dataset!r}: {first_line(e, None)}") from None
     if cfg.text_field not in ds.column_names:
         raise GqakitError(f"data.text_field: {cfg.hf_dataset} has no field {cfg.text_field!r} (fields: {ds.column_names})")
     return ds.rename_column(cfg.text_field, "text").select_columns(["text"]) if cfg.text_field != "text" else ds.select_columns(["text"])

@@ -20,17 +20,23 @@ from typing import Any
 import torch
 
 from gqakit.core.arch import decoder_blocks
+from gqakit.core.errors import GqakitError
 from gqakit.uptrain.losses import token_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def set_trainable(model: Any, patterns: Sequence[str] | None) -> None:
-    """Train the parameters whose names match one of `patterns` (regexes; None = all)."""
+def set_trainable(model: Any, patterns: Sequence[str] | None, precision: str | None = None) -> None:
+    """Train the parameters whose names match one of `patterns` (regexes; None = all). The
+    frozen ones go to the compute dtype of `precision`: they need no fp32 master copy."""
     if not patterns:
         return
     for name, p in model.named_parameters():
         p.requires_grad_(any(re.search(pat, name) for pat in patterns))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise GqakitError(f"train.trainable: no parameter name matches {list(patterns)}")
+    if precision is not None:
+        freeze_to(model, DTYPES[precision])
 
 
 def freeze_to(model: Any, dtype: torch.dtype) -> None:
@@ -101,9 +107,7 @@ def count_model(hf_config: Any, *, trainable: Sequence[str] | None, seq_len: int
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build(hf_config, trust_remote_code)
         model.train()
-        set_trainable(model, trainable)
-        if trainable:
-            freeze_to(model, compute)
+        set_trainable(model, trainable, precision)
         teacher = None
         if teacher_config is not None:
             teacher = _build(teacher_config, trust_remote_code).eval().requires_grad_(False)

@@ -343,3 +343,14 @@ def host_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 2**50
+
+
+def log_plan(recipe: Any) -> str:
+    """Write the plan of the run `recipe` (an `UptrainRecipe` after setup) as the first row
+    of its log; returns the plan's line of text."""
+    acc, data = recipe.accelerator, recipe.data
+    row, line = plan_for_run(recipe.cfg, recipe.checked.src, data.hf_cfg, processes=acc.num_processes,
+                             distributed=acc.distributed_type.value, device=acc.device.type,
+                             precision=recipe.precision, teacher_config=getattr(data.teacher, "config", None))
+    recipe.log(row)
+    return line

@@ -119,6 +119,9 @@ def _check_resume(cfg: UptrainConfig, out: Path) -> tuple[int, dict[str, Any]]:
         if k in old_train and old_train[k] != getattr(cfg.train, k):
             raise GqakitError(f"--resume: train.{k} was {old_train[k]} in this run, now {getattr(cfg.train, k)}; "
                               "the data order would differ")
+    new_lora = cfg.train.model_dump(mode="json")["lora"]
+    if "lora" in old_train and old_train["lora"] != new_lora:  # the checkpoint holds adapters of that shape
+        raise GqakitError(f"--resume: train.lora was {old_train['lora']} in this run, now {new_lora}")
     old_data = saved.get("data") if isinstance(saved.get("data"), dict) else {}
     new_data = cfg.data.model_dump(mode="json")
     for k in RESUME_DATA_KEYS:

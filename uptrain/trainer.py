@@ -33,7 +33,8 @@ from gqakit.uptrain.checkpoint import CKPT_DIR, Diverged, checkpoints, last_good
 from gqakit.uptrain.config import UptrainConfig, to_yaml
 from gqakit.uptrain.data import BlockOrder, build_blocks
 from gqakit.uptrain.losses import LOSS_TERMS, loss_card, loss_log, objective, token_losses
-from gqakit.uptrain.memory import DTYPES, freeze_to, set_trainable
+from gqakit.uptrain.memory import set_trainable
+from gqakit.uptrain.plan import log_plan
 from gqakit.uptrain.preflight import Checked, preflight
 
 LOG_FILE = "log.jsonl"
@@ -200,6 +201,7 @@ class _Loaded(NamedTuple):
     data_sha: str
     model: Any
     teacher: Any | None
+    lora_targets: list[str] | None  # the adapted projections with train.lora, else None
 
 
 def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _Loaded:
@@ -232,12 +234,14 @@ def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _L
     if t.trainable:
         # Conversion only touched attention: training just those weights keeps the rest
         # of the original network exact instead of letting it drift on limited data.
-        set_trainable(model, t.trainable)
-        if not any(p.requires_grad for p in model.parameters()):
-            raise GqakitError(f"train.trainable: no parameter name matches {t.trainable}")
-        freeze_to(model, DTYPES[precision])  # frozen weights need no fp32 master copy
+        set_trainable(model, t.trainable, precision)  # frozen weights in the compute dtype
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    lora_targets = None
+    if t.lora is not None:  # adapters on the converted projections; the base frozen in the compute dtype
+        from gqakit.uptrain.lora import apply_lora
+
+        model, lora_targets = apply_lora(model, t, src, precision)
     teacher = None
     use_hidden, use_layer = cfg.teacher.hidden_weight > 0, cfg.teacher.layer_weight > 0
     if cfg.teacher.kl_weight > 0 or use_hidden or use_layer:
@@ -246,7 +250,7 @@ def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _L
                 hf_cfg.num_hidden_layers, hf_cfg.hidden_size):
             raise GqakitError(f"teacher.{'hidden' if use_hidden else 'layer'}_weight: the teacher's layers or hidden size differ from the model's")
         teacher.requires_grad_(False)
-    return _Loaded(tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher)
+    return _Loaded(tokenizer, hf_cfg, train_blocks, eval_blocks, data_sha, model, teacher, lora_targets)
 
 
 def _prepare_run_folder(checked: Checked) -> list[Path]:
@@ -343,15 +347,8 @@ class UptrainRecipe:
             self.step, self.loss = checked.resume_state["step"], checked.resume_state.get("loss", float("nan"))
             self.say(f"uptrain: resumed from {self.out / CKPT_DIR / f'step-{checked.resume_step}'} at step {self.step}")
         self.log = RunLog(acc, self.out / LOG_FILE, checked.resume_step)
-        if checked.mode != "resume":  # the predicted peak, first in the log (`gqakit uptrain --dry-run` prints it)
-            from gqakit.uptrain.plan import plan_for_run
-
-            row, line = plan_for_run(self.cfg, checked.src, self.data.hf_cfg, processes=acc.num_processes,
-                                     distributed=acc.distributed_type.value, device=acc.device.type,
-                                     precision=self.precision,
-                                     teacher_config=getattr(self.data.teacher, "config", None))
-            self.log(row)
-            self.say("uptrain: " + line)
+        if checked.mode != "resume":  # the predicted peak, first in the log (`--dry-run` prints the same plan)
+            self.say("uptrain: " + log_plan(self))
 
     def _print_plan(self) -> None:
         """The plan, printed before the first step (and the tensorboard tracker started)."""
@@ -461,13 +458,18 @@ class UptrainRecipe:
         if acc.is_main_process:
             from gqakit.uptrain.export import export_model
 
+            model, lora_card = acc.unwrap_model(self.model), {}
+            if cfg.train.lora is not None:  # the adapters merged: a plain model that loads without peft
+                from gqakit.uptrain.lora import merged_model
+
+                model, state_dict, lora_card = merged_model(model, state_dict, cfg.train.lora, self.data.lora_targets)
             step, loss, eval_loss = self.step, self.loss, self.eval_loss
             ppl = f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a"
             facts = {"tokens": f"{step * self.tokens_per_step:,}", "optimizer steps": step,
                      "tokens per step": f"{self.tokens_per_step:,}", "final train loss": f"{loss:.4f}",
                      "held-out perplexity": ppl, **loss_card(cfg, teacher is not None),
-                     "processes": acc.num_processes, "precision": self.precision}
-            export_model(acc.unwrap_model(self.model), state_dict, self.data.tokenizer, src=self.checked.src,
+                     "processes": acc.num_processes, "precision": self.precision, **lora_card}
+            export_model(model, state_dict, self.data.tokenizer, src=self.checked.src,
                          out=final, settings=cfg.model_dump(mode="json"), facts=facts)
             self.say(f"uptrain: final loss {loss:.4f}" + (f", held-out perplexity {ppl}" if eval_loss is not None
                                                           else "") + f"; model in {final}")

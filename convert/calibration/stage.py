@@ -21,6 +21,7 @@ The stage walks and caches; the fit fits. A second calibrated method is a new `F
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +53,23 @@ def compute_dtype(opts_dtype: str, source_params: int, device: str) -> torch.dty
     return getattr(torch, opts_dtype)
 
 
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers: int) -> str:
+    """The progress line after the first layer: the expected time of the whole calibration, from
+    the time so far and the first layer's seconds times the layers still to do."""
+    total = elapsed + layer_seconds * layers_left
+    return (f"expected time: about {_duration(total)} in all, {_duration(layer_seconds * layers_left)} left "
+            f"({_duration(layer_seconds)} per layer, measured on the first; {layers_left} of {layers} layers to go)")
+
+
 class CalibrationStage:
     """A calibrated method, one block at a time: `layers()` yields (layer, converted heads) in order.
 
@@ -65,16 +83,21 @@ class CalibrationStage:
         """`fit`: the method's fit (default: the one `settings.method` names); `resume_dir`: where
         checkpoints go (and are resumed from); `written`: the names of the tensors the writer
         holds, recorded with each checkpoint."""
+        # resolved for this model (as the pipeline's plan already did; resolving twice changes nothing)
+        settings = settings.resolved(source_params=plan.source_params,
+                                     max_positions=archmod.max_positions(opened.config))
         self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
         self.progress, self.scratch = progress, scratch
         self.resume_dir, self.written = resume_dir, written
         self.opts = settings.refit
         self.spec = archmod.registry()[plan.family]
         self.dtype = compute_dtype(self.opts.dtype, plan.source_params, device)
-        # sequences per block forward: 4 on the CPU, 8 on a GPU (2,048 tokens: enough to keep
-        # it busy, while the float64 temporaries of the fits stay small next to the streams)
-        b = self.opts.batch
-        self.batch = int(b) if b != "auto" else (8 if str(device).startswith("cuda") else 4)
+        # sequences per block forward: 4 on the CPU, 8 on a GPU, at most 1,024 and 2,048 tokens
+        # (enough to keep it busy, while the float64 temporaries of the fits stay small next to
+        # the streams; each reconstruction step sees one such batch)
+        b, gpu = self.opts.batch, str(device).startswith("cuda")
+        seq_len = min(int(self.opts.seq_len), archmod.max_positions(opened.config) or int(self.opts.seq_len))
+        self.batch = int(b) if b != "auto" else max(1, min(8 if gpu else 4, (2048 if gpu else 1024) // seq_len))
         sd = self.opts.stream_dtype
         self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
         self.fit = fit if fit is not None else fit_for(settings, plan, dtype=self.dtype, device=device)
@@ -108,6 +131,8 @@ class CalibrationStage:
             secs = time.perf_counter() - tl
             self.bar.set_postfix_str(f"{self.tokens / secs:,.0f} tok/s"
                                      + (f", drift {self.drift[-1]:.3f}" if self.drift else ""))
+            if L == start and self.progress:  # measured, not guessed: this device, these settings
+                tqdm.write(expected_time(time.perf_counter() - t0, secs, L_n - L - 1, L_n), file=sys.stderr)
             yield L, fitted.heads
             if (self.resume_dir is not None and L + 1 < L_n
                     and time.perf_counter() - last_checkpoint >= float(self.opts.checkpoint_seconds)):

@@ -1,0 +1,145 @@
+"""LoRA uptraining through Hugging Face `peft`: low-rank adapters on the converted projections.
+
+With `train.lora` set, the converted model is wrapped by `peft` before training: every
+target projection gets a pair of low-rank matrices (rank `r`, scale `alpha / r`), only those
+are trained and only they reach the optimizer, and the rest of the network stays frozen in
+the compute dtype (bf16 on a GPU), so no fp32 master copy, gradient or Adam state is held
+for it. Checkpoints hold the wrapped model as it is, so resuming is as exact as without LoRA.
+
+At export the adapters are merged into their projections (`merged_state_dict`, in fp32 on
+the gathered state dict, so it works the same under DDP and FSDP): OUT is a plain GQA folder
+with the stock names, and it loads without peft.
+
+The default targets are the projections the conversion changed, read from the folder's
+`gqakit_convert.json`: K and V for the pooling methods, also Q and O for the others (the
+`align` methods rewrite them too). Names follow peft's rule: a target matches a module whose
+name is the target or ends with "." + target.
+
+This module imports neither torch nor peft at import time: the config check needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gqakit.core.arch import registry
+from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.loading import CONVERT_SETTINGS
+
+# Conversion methods that change only K and V (convert.methods' `kv_only`; a test keeps the two in step).
+KV_ONLY_METHODS = ("mean", "first", "random")
+PEFT_PREFIX = "base_model.model."  # where peft puts the wrapped model in its state dict
+ADAPTER_NAME = "default"
+
+
+def default_targets(src: Path) -> list[str]:
+    """The attention projections the conversion of SRC changed, as peft target names."""
+    try:
+        record = json.loads((Path(src) / CONVERT_SETTINGS).read_text())
+        family, method = record["family"], record["settings"]["method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise GqakitError(f"train.lora.targets: {Path(src) / CONVERT_SETTINGS} does not say the family and method; "
+                          "give train.lora.targets") from None
+    spec = registry().get(family)
+    if spec is None:
+        raise GqakitError(f"train.lora.targets: unknown family {family!r} in {CONVERT_SETTINGS}; "
+                          "give train.lora.targets")
+    att = spec.attention
+    parent = att.prefix.rstrip(".").split(".")[-1]  # "self_attn", "attn", ...
+    changed = [att.k, att.v] if att.layout == "separate" else [att.qkv]
+    if method not in KV_ONLY_METHODS:
+        changed = ([att.q] if att.layout == "separate" else []) + changed + [att.o]
+    return [f"{parent}.{name}" for name in changed]
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def check_targets(model: Any, targets: list[str]) -> None:
+    """Every target names at least one module of MODEL; else one line naming it."""
+    names = [n for n, _ in model.named_modules()]
+    for t in targets:
+        if not any(_matches(n, t) for n in names):
+            linear = [n for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")]
+            example = f" (its projections are named like {linear[0]!r})" if linear else ""
+            raise GqakitError(f"train.lora.targets: {t!r} matches no module of the model{example}")
+
+
+def apply_lora(model: Any, train: Any, src: Path, precision: str) -> tuple[Any, list[str]]:
+    """MODEL wrapped by peft with adapters on `train.lora.targets` (default: what the conversion
+    of SRC changed) and those targets; only the adapters are trainable, and the frozen weights
+    are cast to the compute dtype of PRECISION."""
+    import torch
+
+    lora = train.lora
+    targets = list(lora.targets or default_targets(src))
+    check_targets(model, targets)
+    frozen_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    if train.gradient_checkpointing:
+        model.enable_input_require_grads()  # the frozen embeddings would cut the checkpointed graph
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise GqakitError("train.lora needs the peft package: pip install 'peft>=0.21'") from None
+    conv1d = any(type(m).__name__ == "Conv1D" for n, m in model.named_modules() if any(_matches(n, t) for t in targets))
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(targets),
+                        bias="none", fan_in_fan_out=conv1d)
+    try:
+        wrapped = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+    except (ValueError, TypeError) as e:
+        raise GqakitError(f"train.lora.targets: peft cannot put adapters there: {first_line(e, 200)}") from None
+    for p in wrapped.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != frozen_dtype:
+            p.data = p.data.to(frozen_dtype)
+    return wrapped, targets
+
+
+def merged_state_dict(state_dict: dict[str, Any], lora: Any, fan_in_fan_out: bool = False) -> dict[str, Any]:
+    """The plain model's state dict from a peft one: W + (B @ A) * alpha / r for every adapted
+    projection, in fp32, under the stock names; every other floating tensor in fp32 too."""
+    scale = lora.alpha / lora.r
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if ".lora_" in key:
+            continue
+        name = key.removeprefix(PEFT_PREFIX)
+        if ".base_layer." in name:
+            stem = key.rsplit(".base_layer.", 1)[0]
+            name = name.replace(".base_layer.", ".")
+            value = value.float() if value.is_floating_point() else value
+            if key.endswith(".base_layer.weight") and f"{stem}.lora_A.{ADAPTER_NAME}.weight" in state_dict:
+                a = state_dict[f"{stem}.lora_A.{ADAPTER_NAME}.weight"].float()
+                b = state_dict[f"{stem}.lora_B.{ADAPTER_NAME}.weight"].float()
+                delta = (b @ a) * scale
+                value = value + (delta.T if fan_in_fan_out else delta)
+        elif value.is_floating_point():
+            value = value.float()
+        out[name] = value
+    return out
+
+
+def merged_model(wrapped: Any, state_dict: dict[str, Any], lora: Any,
+                 targets: list[str]) -> tuple[Any, dict[str, Any], dict[str, str]]:
+    """For export: the plain model (adapter modules removed), its merged fp32 state dict, and
+    the model card's line on the adapters."""
+    import torch
+
+    params = list(wrapped.parameters())
+    n_params, n_train = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    card = {"LoRA": describe(lora, targets, n_train, n_params)}
+    fan_in_fan_out = bool(getattr(wrapped.peft_config[ADAPTER_NAME], "fan_in_fan_out", False))
+    merged = merged_state_dict(state_dict, lora, fan_in_fan_out)
+    plain = wrapped.unload()
+    # The folder records the dtype of its model's parameters: make them the fp32 of the merged
+    # weights (on the host, where the model was loaded in fp32 before training).
+    plain.to(device="cpu", dtype=torch.float32)
+    return plain, merged, card
+
+
+def describe(lora: Any, targets: list[str], n_train: int, n_params: int) -> str:
+    """The model card's line: rank, scale and targets of the merged adapters."""
+    return (f"rank {lora.r}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on {', '.join(targets)} "
+            f"({n_train:,} of {n_params:,} parameters trained, {n_train / n_params:.2%}); merged into the weights")

@@ -23,6 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, St
                       ValidationInfo, field_validator, model_validator)
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.text import TextSource
 
 # The default method, chosen from the numbers (docs/benchmarks.md, README "Methods"): of the
 # methods that need nothing but the checkpoint and take seconds, `align` beats the paper's
@@ -297,9 +298,8 @@ class ConvertSettings(BaseModel):
     @field_validator("calibration_data")
     @classmethod
     def _data(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v and needs_data(info.data.get("method", "")) and not v.startswith("hf:") \
-                and not Path(v).expanduser().is_file():
-            raise GqakitError(f"calibration data not found: {Path(v).expanduser()}")
+        if v and needs_data(info.data.get("method", "")):
+            TextSource(v).check_exists("calibration data")
         return v
 
     @field_validator("dtype")
@@ -385,8 +385,7 @@ class ConvertSettings(BaseModel):
     @property
     def calibration_file(self) -> Path | None:
         """The calibration text as a file (an input no output may touch); None for hf: or none."""
-        d = self.calibration_data
-        return Path(d) if d and not d.startswith("hf:") else None
+        return TextSource(self.calibration_data).file if self.calibration_data else None
 
     def record(self) -> dict[str, Any]:
         """The settings as written to OUT (gqakit_convert.json, the card, GGUF metadata and the

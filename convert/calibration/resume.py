@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from gqakit.convert.calibration.streams import Streams
+from gqakit.core.outdir import swap_in
 
 CHECKPOINT = "checkpoint"
 
@@ -40,9 +41,4 @@ def save_checkpoint(resume_dir: Path, seqs: Tensor, streams: Streams, state: dic
     torch.save(seqs, tmp / "seqs.pt")
     streams.save(tmp)
     (tmp / "state.json").write_text(json.dumps(state) + "\n")
-    old = resume_dir / (CHECKPOINT + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(tmp, final)

@@ -1,8 +1,8 @@
 """The steps of `bench/gpu_proof.sh`: sizes, synthetic models and text, uptrain MFU, summary.
 
-`bench/gpu_proof.sh` runs every GPU measurement of the project in one call of a GPU
-machine that has no internet and no `../shared`: everything is built here, in code.
-Each step is a separate process with its own time limit, run by the shell script:
+`bench/gpu_proof.sh` runs every GPU measurement in one call, on a GPU machine without
+internet or `../shared` (everything is built here, in code); each step is a separate
+process with its own time limit:
 
     python -m bench.gpu_proof decode  --profile gpu --out OUT --work WORK   # bench/bench_decode.py grid
     python -m bench.gpu_proof uptrain --profile gpu --out OUT --work WORK   # `gqakit uptrain` tokens/s, MFU
@@ -10,16 +10,10 @@ Each step is a separate process with its own time limit, run by the shell script
     python -m bench.gpu_proof summary --profile gpu --out OUT               # OUT/gpu_proof.json + .md
 
 Profile `gpu` is sized for one H100 in about nine minutes in all; profile `dry` runs the
-same code paths with pico sizes on the CPU (the test suite runs it).
-
-Synthetic inputs:
-- text: docstrings of Python's standard library (as `gqakit demo` uses), read with
-  `ast` from the interpreter's own source files, and stdlib source itself when more is
-  needed; never random bytes, so token statistics look like text;
-- tokenizer: a byte-level BPE trained on that text in a few seconds (`tokenizers`);
-- models: Llama-shaped, transformers' own random initialisation (not zeros), built on
-  the device and saved with `save_pretrained`.
-Speed and memory do not depend on what the weights or the text say.
+same code paths with pico sizes on the CPU (the test suite runs it). Inputs are synthetic:
+text from the docstrings and source of Python's standard library (never random bytes), a
+byte-level BPE trained on it in seconds, and Llama-shaped models with transformers' own
+random initialisation (not zeros). Speed and memory do not depend on what they say.
 """
 
 from __future__ import annotations

@@ -76,9 +76,6 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
-# --------------------------------------------------------------------------- small helpers
-
-
 def count(n: float | None) -> str:
     """1.10 B, 15.3 M or 115,008: parameter counts at any size."""
     if n is None:
@@ -472,9 +469,6 @@ def _convert_md(data: dict[str, Any]) -> list[str]:
             f"{_gib(r.get('peak_gpu_memory_allocated'))} | {_gib(target)}"
             f"{'' if within is None else (' (met)' if within else ' (missed)')} | {_gib(r.get('peak_host_rss'))} | "
             f"{r['final_residual_drift']:.4f} |", ""] + ([f"Note: {r['note']}", ""] if r.get("note") else [])
-
-
-# --------------------------------------------------------------------------- entry point
 
 
 def main() -> None:

@@ -122,3 +122,84 @@ def tiny_model(tmp_path: Path):
         return build(family, tmp_path / f"{family}-{next(counter)}", **overrides)
 
     return make
+
+
+# ----------------------------------------------------------------------------- encoder-decoders
+
+SEQ2SEQ_VOCAB, SENTINELS = 64, 16
+
+
+def _seq2seq_configs() -> dict[str, Any]:
+    from transformers import BartConfig, MT5Config, T5Config
+
+    t5 = dict(vocab_size=SEQ2SEQ_VOCAB, d_model=HIDDEN, d_ff=64, num_layers=LAYERS, num_decoder_layers=LAYERS,
+              num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+              pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.0)
+    return {
+        # T5 1.0: ReLU MLP, head tied to the embedding (T5 then scales the decoder output by d_model**-0.5)
+        "t5": lambda **o: T5Config(**{**t5, "d_kv": 8, "feed_forward_proj": "relu", "tie_word_embeddings": True, **o}),
+        # T5 1.1 / Flan-T5: gated GELU, untied head; heads * d_kv (48) != d_model (32), as in t5-11b
+        "t5_v1_1": lambda **o: T5Config(**{**t5, "d_kv": 12, "feed_forward_proj": "gated-gelu",
+                                           "tie_word_embeddings": False, **o}),
+        "mt5": lambda **o: MT5Config(**{**t5, "d_kv": 8, "feed_forward_proj": "gated-gelu",
+                                        "tie_word_embeddings": False, **o}),
+        # BART: learned positions, biases, scaled queries
+        "bart": lambda **o: BartConfig(**{"vocab_size": SEQ2SEQ_VOCAB, "d_model": HIDDEN, "encoder_layers": LAYERS,
+                                          "decoder_layers": LAYERS, "encoder_attention_heads": 4,
+                                          "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
+                                          "decoder_ffn_dim": 64, "max_position_embeddings": 128,
+                                          "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2,
+                                          "decoder_start_token_id": 2, "forced_eos_token_id": 2,
+                                          "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+                                          **o}),
+    }
+
+
+SEQ2SEQ_KINDS = ("t5", "t5_v1_1", "mt5", "bart")  # t5_v1_1 is the `t5` family in its 1.1 layout
+
+
+def seq2seq_tokenizer(kind: str) -> Any:
+    """A character-level tokenizer of `SEQ2SEQ_VOCAB` symbols: lower-case letters, digits and
+    punctuation; T5-style kinds also have `SENTINELS` sentinel tokens <extra_id_0>... at the
+    top of the vocabulary (extra_id_0 is the last id, as in T5)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = list("abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;")
+    if kind == "bart":
+        special = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+        symbols = alphabet + [chr(c) for c in range(0x41, 0x41 + SEQ2SEQ_VOCAB - len(special) - len(alphabet))]
+        sentinels: list[str] = []
+    else:
+        special = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+        sentinels = [f"<extra_id_{i}>" for i in range(SENTINELS)]
+        symbols = alphabet + [chr(c) for c in range(0x41, 0x41 + SEQ2SEQ_VOCAB - len(special) - len(alphabet)
+                                                      - SENTINELS)]
+    vocab = {**special, **{c: i + len(special) for i, c in enumerate(symbols)}}
+    for i, s in enumerate(sentinels):
+        vocab[s] = SEQ2SEQ_VOCAB - 1 - i
+    assert len(vocab) == SEQ2SEQ_VOCAB
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    names = dict(unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    if kind == "bart":
+        names["bos_token"] = "<s>"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **names, additional_special_tokens=sentinels or None)
+
+
+def build_seq2seq(kind: str, folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                  **overrides: Any) -> Path:
+    """Save a randomly initialised pico encoder-decoder of `kind` (one of SEQ2SEQ_KINDS) and
+    its tokenizer to `folder`."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    cfg = _seq2seq_configs()[kind](**overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForSeq2SeqLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
+    model.save_pretrained(folder)
+    seq2seq_tokenizer(kind).save_pretrained(folder)
+    return Path(folder)

@@ -215,6 +215,57 @@ def loaded_shape(hf_config: Any) -> Shape:
                  max_positions(cfg.to_dict()))
 
 
+@dataclass(frozen=True)
+class Seq2SeqShape:
+    """The attention geometry of an encoder-decoder: the encoder's self-attention, and the
+    decoder's (its cross-attention has the decoder's query and KV heads)."""
+
+    encoder: Shape
+    decoder: Shape
+
+    def cache_bytes(self, bytes_per_elem: int, *, input_tokens: int, output_tokens: int,
+                    kv_heads: int | None = None) -> tuple[int, int]:
+        """(self-attention, cross-attention) cache bytes of one sequence: K and V of every
+        decoder layer, per output token and per input token (`kv_heads`: a conversion target)."""
+        per_token = self.decoder.kv_bytes_per_token(bytes_per_elem, kv_heads)
+        return per_token * output_tokens, per_token * input_tokens
+
+
+# config.json keys of an encoder-decoder's geometry: (T5 / mT5 names, BART names)
+_SEQ2SEQ_KEYS = {
+    "encoder_layers": ("num_layers", "encoder_layers"),
+    "decoder_layers": ("num_decoder_layers", "decoder_layers"),
+    "encoder_heads": ("num_heads", "encoder_attention_heads"),
+    "decoder_heads": ("num_heads", "decoder_attention_heads"),
+}
+
+
+def loaded_seq2seq_shape(hf_config: Any) -> Seq2SeqShape:
+    """The geometry of a loaded encoder-decoder's config (T5, mT5, BART and gqakit's GQA
+    versions of them: `num_key_value_heads` for the decoder's self- and cross-attention,
+    `encoder_num_key_value_heads` for the encoder)."""
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+
+    def first(name: str) -> int:
+        for key in _SEQ2SEQ_KEYS[name]:
+            if isinstance(cfg.get(key), int):
+                return int(cfg[key])
+        raise GqakitError(f"encoder-decoder config lacks {' or '.join(_SEQ2SEQ_KEYS[name])}")
+
+    hidden = int(cfg.get("d_model") or cfg.get("hidden_size"))
+    enc_heads, dec_heads = first("encoder_heads"), first("decoder_heads")
+    enc_layers = first("encoder_layers")
+    dec_layers = int(cfg.get("num_decoder_layers") or cfg.get("decoder_layers") or enc_layers)
+    positions = _positions(cfg, ("max_position_embeddings", "n_positions"))
+
+    def shape(layers: int, heads: int, kv: Any) -> Shape:
+        head_dim = int(cfg.get("d_kv") or hidden // heads)
+        return Shape(layers, heads, int(kv or heads), head_dim, hidden, 0, positions)
+
+    return Seq2SeqShape(shape(enc_layers, enc_heads, cfg.get("encoder_num_key_value_heads")),
+                        shape(dec_layers, dec_heads, cfg.get("num_key_value_heads")))
+
+
 def decoder_blocks(model: Any) -> Any:
     """The model's ModuleList of decoder blocks, where its family's `block` says it is."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP / torch.compile wrappers

@@ -305,3 +305,40 @@ def test_a_task_seq2seq_cannot_run_is_refused_before_loading(models, tmp_path, c
     line = one_line_error(*cli(["eval", models["t5"], "--tasks", "gqakit_test_mc,s2s_roll", "--tasks-path", folder,
                                 "--out", tmp_path / "t.json", "-q"], capsys)[::2])
     assert "task s2s_roll is a loglikelihood_rolling task" in line and "--data" in line
+
+
+# ----------------------------------------------------------------------------- a GQA encoder-decoder
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_gqa_model_perplexity_and_info(kind, models, files, tmp_path, capsys):
+    """A GQA folder (gqakit's shipped modeling file, decoder K/V pooled to 2 heads) loads without
+    --trust-remote-code; its perplexity equals the stock multi-head model's with the pooled heads
+    repeated back, and compare shows its heads and caches beside the original's."""
+    from test_remote_seq2seq import write_folder
+
+    import shutil
+
+    gqa = write_folder(models[kind], tmp_path / "gqa", kind, 2, 4)
+    ref = write_folder(models[kind], tmp_path / "ref", kind, 2, 4, as_stock=True)
+    for folder in (gqa, ref):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(models[kind] / f, folder / f)
+    args = (["--data", files / "d.txt", "--context", CONTEXT] if kind == "t5" else
+            ["--data", files / "p.jsonl", "--objective", "paired", "--context", 24])
+    outs = {}
+    for name, folder in (("mha", models[kind]), ("gqa", gqa), ("ref", ref)):
+        outs[name] = tmp_path / f"{name}.json"
+        code, _, err = cli(["eval", folder, *args, "--out", outs[name], "-q"], capsys)
+        assert code == 0, err
+    res = {n: read_results(p) for n, p in outs.items()}
+    g, r = res["gqa"], res["ref"]
+    assert g.model.model_type == f"gqakit_{kind}" and g.model.kv_heads == 2 and g.model.heads == 4
+    assert g.model.encoder.kv_heads == 4 and r.model.kv_heads == 4
+    assert g.model.kv_bytes_per_token == g.model.cross_kv_bytes_per_token == r.model.kv_bytes_per_token / 2
+    assert g.perplexity.tokens == r.perplexity.tokens
+    assert math.isclose(g.perplexity.nll_sum, r.perplexity.nll_sum, rel_tol=1e-5)
+    assert g.perplexity.nll_sum != res["mha"].perplexity.nll_sum  # pooling changed the model
+    code, _, err = cli(["compare", outs["mha"], outs["gqa"], "--out", tmp_path / "rep", "-q"], capsys)
+    assert code == 0, err
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| 2 / 4 |" in md and "gqa: encoder 4 / 4 KV heads, cross-attention cache 256 B per input token" in md

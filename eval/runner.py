@@ -92,6 +92,14 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
     from gqakit.core.loading import is_encoder_decoder
     from gqakit.core.quiet import quiet_libraries
 
+    doc, pairs = None, None
+    if perplexity is not None and perplexity.objective == "paired":
+        from gqakit.core.pairs import read_pairs
+
+        pairs = read_pairs(perplexity.data.spec, input_field=perplexity.input_field,
+                           target_field=perplexity.target_field)
+    elif perplexity is not None:
+        doc = perplexity.read()  # fail on bad data before loading
     encoder_decoder = is_encoder_decoder(model_path)
     objective = perplexity.objective_for(encoder_decoder, model_path) if perplexity is not None else None
     if tasks is not None:
@@ -102,12 +110,17 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
             load_tasks(tasks, quiet=quiet)  # their datasets read (offline) before the model loads
         if encoder_decoder:
             check_seq2seq_tasks(tasks)
-    doc, examples = None, None
+    examples = None
     if objective in ("span_corruption", "paired"):
-        with quiet_libraries(quiet):
-            doc, examples = prepare_seq2seq(model_path, perplexity, objective)
-    elif perplexity is not None:
-        doc = perplexity.read()  # fail on bad data before loading
+        from gqakit.core.loading import load_tokenizer
+        from gqakit.eval.perplexity_seq2seq import prepare_paired, prepare_span_corruption
+
+        with quiet_libraries(quiet):  # tokenized (and span-corrupted) before the model loads
+            tok = load_tokenizer(model_path)
+            if pairs is not None:
+                doc, examples = pairs.doc, prepare_paired(tok, pairs, perplexity)
+            else:
+                examples = prepare_span_corruption(tok, doc, perplexity, model_path)
     seen = seen_in_training(model_path, doc) if doc is not None else []
 
     with quiet_libraries(quiet):
@@ -143,27 +156,12 @@ def perplexity_of_file(model_path: str | Path, settings: PerplexitySettings, *, 
                     quiet=quiet)
 
 
-def prepare_seq2seq(model_path: str | Path, settings: PerplexitySettings, objective: str) -> tuple[EvalText, Examples]:
-    """An encoder-decoder's perplexity examples, made before the model loads (eval.perplexity_seq2seq):
-    the data read, tokenized and, for plain text, span-corrupted. Returns the data's text (for
-    `seen_in_training`) and the examples."""
-    from gqakit.core.loading import load_tokenizer
-    from gqakit.core.pairs import read_pairs
-    from gqakit.eval.perplexity_seq2seq import prepare_paired, prepare_span_corruption
-
-    if objective == "paired":
-        pairs = read_pairs(settings.data.spec, input_field=settings.input_field, target_field=settings.target_field)
-        return pairs.doc, prepare_paired(load_tokenizer(model_path), pairs, settings)
-    doc = settings.read()
-    return doc, prepare_span_corruption(load_tokenizer(model_path), doc, settings, model_path)
-
-
 def measure(model_path: str | Path, doc: EvalText | None, *, perplexity: PerplexitySettings | None = None,
             speed: SpeedSettings | None = None, tasks: TaskSettings | None = None, device: str | None = None,
             dtype: str | None = None, command: list[str] | None = None, progress: bool = True,
             quiet: bool = False, examples: Examples | None = None, encoder_decoder: bool | None = None) -> EvalResult:
     """Load the model once and run each measurement whose settings are given (inputs already checked).
-    An encoder-decoder's perplexity scores `examples` (prepare_seq2seq), a decoder's `doc`."""
+    An encoder-decoder's perplexity scores `examples` (eval.perplexity_seq2seq.prepare_*), a decoder's `doc`."""
     import torch
 
     from gqakit.core.loading import is_encoder_decoder, load_causal_lm, load_seq2seq_lm, load_tokenizer

@@ -4,8 +4,8 @@ Two sources of (input, target) examples:
 - `span_corruption`: held-out plain text, tokenized whole (no special tokens), cut into
   consecutive runs of `SpanCorruption.source_length(context)` tokens, and each run corrupted
   as T5 pre-trains (core.spans: the spans depend only on the seed, the run's index and its
-  length), so the encoder's input, EOS included, is `context` tokens long. A last run too
-  short for spans is left out.
+  length), so the encoder's input, EOS included, is `context` tokens long. The last, shorter
+  run is scored too (from 2 tokens).
 - `paired`: a JSONL file of input/target objects (core.pairs), each side tokenized as the
   model's tokenizer does for training (special tokens included); an input longer than
   `context` tokens is cut to it (and counted), a target never is.
@@ -144,7 +144,8 @@ def prepare_paired(tokenizer: Any, data: PairedData, settings: PerplexitySetting
 
 def score(model: Any, ex: Examples, *, device: Any = "cpu", max_positions: int | None = None,
           progress: bool = True) -> PerplexityResult:
-    """Perplexity of the examples' target tokens under `model`."""
+    """Perplexity of the examples' target tokens under `model`. `max_positions`: a limit of learned
+    position embeddings (BART's), which inputs and targets must not pass; None for relative ones (T5's)."""
     import torch
     from tqdm.auto import tqdm
 

@@ -176,7 +176,10 @@ def measure(model_path: str | Path, doc: EvalText | None, *, perplexity: Perplex
     if perplexity is not None and examples is not None:
         from gqakit.eval.perplexity_seq2seq import score
 
-        results.perplexity = score(model, examples, device=dev, max_positions=info.max_positions, progress=progress)
+        # learned positions (BART) limit the lengths; T5's relative ones (its n_positions is nominal) do not
+        learned = hasattr(model.get_encoder(), "embed_positions")
+        results.perplexity = score(model, examples, device=dev, max_positions=info.max_positions if learned else None,
+                                   progress=progress)
     elif perplexity is not None and doc is not None:
         from gqakit.eval.perplexity import evaluate_perplexity
 

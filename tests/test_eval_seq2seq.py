@@ -234,6 +234,8 @@ def test_one_line_errors(models, files, tiny_model, tmp_path, capsys):
         ([models["t5"], "--data", files / "d.txt", "--context", 2], "too short for a span-corrupted example"),
         ([models["t5"], "--data", "hf:x", "--objective", "paired"], "not a dataset"),
         ([models["t5"], "--objective", "paired"], "--objective goes with --data"),
+        ([models["bart"], "--data", files / "p.jsonl", "--objective", "paired", "--context", 200, "-q"],
+         "larger than the model's 128 positions"),  # BART's learned positions (-q: after the loading bars)
         ([models["t5"], "--data", files / "p.jsonl", "--objective", "paired", "--input-field", "target"],
          "two different names"),
     ]
@@ -241,6 +243,12 @@ def test_one_line_errors(models, files, tiny_model, tmp_path, capsys):
         line = one_line_error(*cli(["eval", *args, "--out", out], capsys)[::2])
         assert msg in line, line
     assert not out.exists()
+
+
+def test_t5_positions_are_relative(files, tmp_path):
+    """T5's n_positions is nominal (relative position buckets): inputs may be longer."""
+    folder = build_seq2seq("t5", tmp_path / "t5", n_positions=16)
+    assert ppl(folder, files / "d.txt").perplexity.context == CONTEXT > 16
 
 
 def test_span_errors_come_before_the_model_loads(models, files, monkeypatch):

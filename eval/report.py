@@ -204,7 +204,7 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                     row["tasks"][task][metric] = {"value": m.value, "stderr": m.stderr,
                                                   "delta": None if b0 is None else m.value - b0.value}
         rows.append(row)
-    return {
+    report = {
         "schema": REPORT_SCHEMA,
         "made_by": {"command": " ".join(command if command is not None else sys.argv), "gqakit": gqakit.__version__,
                     "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
@@ -223,6 +223,13 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
         "speed_timed_together": _timed_together(results),
         "warnings": comparability_warnings(results, names) + task_warnings(results, names),
     }
+    by_kind: dict[str, Any] = {}
+    for r in results:
+        if r.perplexity:
+            by_kind.setdefault(r.perplexity.kind, perplexity_settings(r.perplexity))
+    if len(by_kind) > 1:  # perplexities of different objectives: how each kind was made
+        report["perplexity_settings_by_objective"] = by_kind
+    return report
 
 
 def _timed_together(results: list[EvalResult]) -> bool:
@@ -379,12 +386,13 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     out.append("")
     out.append("KV heads are shown as KV / query heads. Speedups (×) are decode tokens/s against the first row "
                "at the same batch (b) and prompt length (p); tokens/s is the median over repetitions.")
-    ps = report.get("perplexity_settings")
-    if ps and ps.get("objective") in (None, "causal_lm"):
-        out += ["", f"Perplexity: context {ps['context']}, stride {ps['stride']}, data `{ps['data']['path']}` "
-                f"(sha256 {ps['data']['sha256'][:12]}…), tokenizer `{ps['tokenizer']['name_or_path']}`."]
-    elif ps:
-        out += ["", seq2seq_perplexity_sentence(ps)]
+    by_kind = report.get("perplexity_settings_by_objective")  # perplexities of several objectives: each one
+    for ps in list(by_kind.values()) if by_kind else [p for p in [report.get("perplexity_settings")] if p]:
+        if ps.get("objective") in (None, "causal_lm"):
+            out += ["", f"Perplexity: context {ps['context']}, stride {ps['stride']}, data `{ps['data']['path']}` "
+                    f"(sha256 {ps['data']['sha256'][:12]}…), tokenizer `{ps['tokenizer']['name_or_path']}`."]
+        else:
+            out += ["", seq2seq_perplexity_sentence(ps)]
     out += encoder_decoder_sentence(rows)
     pred = prediction_table(report)
     if pred:

@@ -196,6 +196,8 @@ def test_results_and_compare_say_which_perplexity(models, files, tmp_path, capsy
         {"input": "input", "target": "target"}
     assert "perplexity (paired-data, span-corruption)" in md and "(span-corruption)" in md
     assert "Perplexity (paired data): of the target tokens given the input" in md
+    assert "Perplexity (span corruption): of the target tokens" in md and "seed 3)" in md  # each kind's settings
+    assert list(rep["perplexity_settings_by_objective"]) == ["paired", "span_corruption"]
     assert any("t5-span has span-corruption perplexity, t5-paired paired-data perplexity" in w
                for w in rep["warnings"])
     assert "cross-attention cache" in md and rows["t5-span"]["cross_kv_bytes_per_token"] == 512

@@ -163,7 +163,8 @@ def main() -> None:
                     if r.returncode != 0:
                         sys.exit(f"uptrain_memory: the {name} {mode} run failed:\n{r.stderr[-2000:]}")
                     row = json.loads(r.stdout.strip().splitlines()[-1])
-                    row.update(date=time.strftime("%Y-%m-%d"), machine=machine, command=" ".join(["python -m bench.uptrain_memory", *sys.argv[1:]]))
+                    row.update(date=time.strftime("%Y-%m-%d"), machine=machine,
+                               command=" ".join(["python -m bench.uptrain_memory", *sys.argv[1:]]))
                     append_jsonl(args.out, row)
                     print(f"| {name} | {row['params'] / 1e6:.2f}M | {mode} | {'yes' if ckpt else 'no'} | "
                           f"{row['predicted_bytes'] / 2**20:,.1f} MiB | {row['measured_bytes'] / 2**20:,.1f} MiB | "

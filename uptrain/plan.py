@@ -326,8 +326,9 @@ def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_c
     if getattr(hf, "is_encoder_decoder", False):
         return [f"memory plan: none; it covers decoder-only models, and {Path(cfg.model.path).name} is an "
                 f"encoder-decoder ({getattr(hf, 'model_type', '?')})"], True
-    plan = make_plan(hf, _settings(cfg, target.device, Path(cfg.model.path).expanduser()), target, teacher_config=teacher,
-                     teacher=cfg.teacher.model_dump(), trust_remote_code=trc)
+    settings = _settings(cfg, target.device, Path(cfg.model.path).expanduser())
+    plan = make_plan(hf, settings, target, teacher_config=teacher, teacher=cfg.teacher.model_dump(),
+                     trust_remote_code=trc)
 
     def recount(patterns: list[str]) -> Any:
         s = replace(plan.settings, trainable=tuple(patterns))
@@ -355,8 +356,9 @@ def plan_for_run(cfg: Any, src: Path, hf_config: Any, *, processes: int, distrib
         plan = make_plan(hf_config, s, Target(processes, sharding, device), teacher_config=teacher_config,
                          teacher=cfg.teacher.model_dump(), trust_remote_code=remote_code(Path(src), None))
     except Exception as e:  # noqa: BLE001 - the plan informs; it must not stop a run the loader accepted
+        why = first_line(e, 200) if isinstance(e, GqakitError) else type(e).__name__
         return {"step": 0, "memory_plan": None, "memory_plan_error": str(e).splitlines()[0][:200] if str(e) else
-                type(e).__name__}, f"memory plan: not available ({first_line(e, 200) if isinstance(e, GqakitError) else type(e).__name__})"
+                type(e).__name__}, f"memory plan: not available ({why})"
     parts = ", ".join(f"{k} {gib(v)}" for k, v in plan.parts.items() if v)
     return plan.row(), f"memory plan: peak {gib(plan.peak)} per process ({parts})"
 

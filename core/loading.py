@@ -163,8 +163,10 @@ def hf_bars(enabled: bool) -> Iterator[None]:
 
 
 def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
-                   trust_remote_code: bool | None = None, progress: bool = True, **kwargs: Any) -> Any:
-    """`AutoModelForCausalLM.from_pretrained` for a folder or a .gguf file, in eval mode."""
+                   trust_remote_code: bool | None = None, progress: bool = True, auto_class: Any = None,
+                   **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained` (or `auto_class.from_pretrained`) for a folder or
+    a .gguf file, in eval mode."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -179,7 +181,7 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
 
     try:
         with hf_bars(progress), gguf_bars_off() if gguf else nullcontext():
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = (auto_class or AutoModelForCausalLM).from_pretrained(
                 folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc,
                 output_loading_info=True, **kwargs
             )
@@ -188,6 +190,14 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
         raise GqakitError(f"cannot load the model at {path}: {first_line(e)}") from None
     check_loaded(info, Path(path), type(model).__name__)
     return model.to(device).eval()
+
+
+def load_seq2seq_lm(path: str | Path, **kwargs: Any) -> Any:
+    """`AutoModelForSeq2SeqLM.from_pretrained` for an encoder-decoder folder, in eval mode, with
+    the checks and trust rules of `load_causal_lm` (which takes the same arguments)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    return load_causal_lm(path, auto_class=AutoModelForSeq2SeqLM, **kwargs)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -356,12 +356,14 @@ class BlockOrder:
             self._perms = {epoch: torch.randperm(self.n, generator=g)}  # keep one epoch in memory
         return self._perms[epoch]
 
-    def indices(self, step: int, accum_index: int) -> list[int]:
+    def samples(self, step: int, accum_index: int) -> list[int]:
+        """The global sample indices this process reads at (step, accum_index)."""
         start = step * self.global_batch + (accum_index * self.world + self.rank) * self.micro
-        out = []
-        for i in range(start, start + self.micro):
-            out.append(int(self._perm(i // self.n)[i % self.n]))
-        return out
+        return list(range(start, start + self.micro))
+
+    def indices(self, step: int, accum_index: int) -> list[int]:
+        """The blocks of those samples."""
+        return [int(self._perm(i // self.n)[i % self.n]) for i in self.samples(step, accum_index)]
 
     def epochs(self, steps: int) -> float:
         return steps * self.global_batch / self.n

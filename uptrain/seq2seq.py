@@ -194,7 +194,8 @@ def build_examples(cfg: DataCfg, tokenizer: Any, model_config: Any, seq_len: int
         raise GqakitError(f"train.seq_len: {seq_len} gives {spans} noise spans per example, and the tokenizer has "
                           f"{len(sentinels)} sentinel tokens; use a shorter train.seq_len")
     raw, raw_held = build_blocks(cfg, tokenizer, source, files=files, eval_files=eval_files, main_first=main_first,
-                                 is_main=is_main, progress=progress)
+                                 is_main=is_main, progress=progress,
+                                 block=f"{source} tokens (a span-corrupted input of train.seq_len={seq_len})")
     train = SpanExamples(raw, corruption, sentinels, eos_id=eos, seed=seed, **ids)
     held = None if raw_held is None else SpanExamples(raw_held, corruption, sentinels, eos_id=eos, seed=EVAL_SEED,
                                                       **ids)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from click.testing import CliRunner
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import load_seq2seq_lm
@@ -171,13 +170,3 @@ def test_one_line_errors(t5: Path, tmp_path: Path, tiny_model):
     refused(cfg(t5, out, {"texts": ["the cat."]}), r"fewer than one block of \d+ tokens \(a span-corrupted input of "
             r"train.seq_len=24\)")
 
-
-def test_dry_run_prints_the_config_and_no_plan(t5: Path, tmp_path: Path):
-    from gqakit.cli import cli
-
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg(t5, tmp_path / "run")))
-    r = CliRunner().invoke(cli, ["uptrain", str(path), "--dry-run"])
-    assert r.exit_code == 0, r.output
-    assert "objective: auto" in r.output and "noise_density: 0.15" in r.output
-    assert "# memory plan: none; the plan counts decoder-only models" in r.output

@@ -77,11 +77,6 @@ def _dry_run(config: str, overrides: tuple[str, ...], device_memory: tuple[str, 
     if not (Path(cfg.model.path).expanduser() / "config.json").is_file():
         click.echo(f"# memory plan: none; model.path {cfg.model.path} has no config.json")
         return
-    from gqakit.core.loading import read_config_json
-
-    if read_config_json(Path(cfg.model.path).expanduser()).get("is_encoder_decoder"):
-        click.echo("# memory plan: none; the plan counts decoder-only models, and model.path is an encoder-decoder")
-        return
     from gqakit.uptrain.plan import plan_for_config
 
     lines, fits = plan_for_config(cfg, device_memory=device_memory, accelerate_config=accelerate_config)

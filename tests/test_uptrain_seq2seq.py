@@ -4,12 +4,15 @@ distillation, exact resume, LoRA, and the one-line errors."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+
+from safetensors.torch import load_file, save_file
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import load_seq2seq_lm
@@ -19,13 +22,36 @@ from tiny_models import build_seq2seq
 TEXT = "the cat sat on the mat. "
 TEXTS = [TEXT * (3 + i % 3) for i in range(40)]
 EVAL = [TEXT * 4] * 4
+HEADS = 4  # query heads of the pico encoder-decoders
 WORDS = ["cat", "dog", "sun", "hat", "box", "red", "map", "pen"]
 
 
 def student(kind: str, folder: Path, seed: int = 0) -> Path:
-    """A pico encoder-decoder as uptrain takes it: a model folder carrying convert's record."""
+    """A pico encoder-decoder (stock classes, multi-head) as uptrain takes it: a model folder
+    carrying convert's record."""
     build_seq2seq(kind, folder, seed=seed)
     (folder / "gqakit_convert.json").write_text(json.dumps({"family": kind, "settings": {"method": "mean"}}))
+    return folder
+
+
+def gqa_student(original: Path, folder: Path, g: int = 1) -> Path:
+    """ORIGINAL (a pico T5) with its decoder's self- and cross-attention K/V heads mean-pooled to
+    G, in gqakit's T5 modeling file: a GQA T5 as `gqakit convert -g G --method mean` writes it."""
+    import gqakit.convert.remote as remote
+
+    shutil.copytree(original, folder)
+    sd = load_file(str(folder / "model.safetensors"))
+    for key in [k for k in sd if re.match(r"decoder\..*(SelfAttention|EncDecAttention)\.[kv]\.weight$", k)]:
+        w = sd[key]
+        sd[key] = w.view(g, HEADS // g, -1, w.shape[1]).mean(1).flatten(0, 1).contiguous()
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update({"model_type": "gqakit_t5", "architectures": ["GqakitT5ForConditionalGeneration"],
+                   "auto_map": {"AutoConfig": "gqakit_modeling_t5.GqakitT5Config",
+                                "AutoModelForSeq2SeqLM": "gqakit_modeling_t5.GqakitT5ForConditionalGeneration"},
+                   "num_key_value_heads": g, "encoder_num_key_value_heads": None})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy(Path(remote.__file__).parent / "gqakit_modeling_t5.py", folder)
     return folder
 
 
@@ -58,8 +84,15 @@ def write_pairs(path: Path, n: int, offset: int = 0, drop: int | None = None) ->
 
 
 @pytest.fixture
-def t5(tmp_path: Path) -> Path:
-    return student("t5_v1_1", tmp_path / "t5")
+def mha(tmp_path: Path) -> Path:
+    """The original: a pico T5 1.1 (4 heads everywhere)."""
+    return student("t5_v1_1", tmp_path / "mha")
+
+
+@pytest.fixture
+def t5(mha: Path, tmp_path: Path) -> Path:
+    """The student: the original converted to G=1 (decoder self- and cross-attention)."""
+    return gqa_student(mha, tmp_path / "g1")
 
 
 def test_span_corruption_lowers_held_out_loss_and_exports(t5: Path, tmp_path: Path, one_thread):
@@ -75,7 +108,12 @@ def test_span_corruption_lowers_held_out_loss_and_exports(t5: Path, tmp_path: Pa
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert "held-out perplexity" in (final / "README.md").read_text()
     assert (final / "gqakit_convert.json").is_file() and (final / "gqakit_uptrain.yaml").is_file()
-    assert model.generate(torch.tensor([[5, 6, 7, 1]]), max_new_tokens=3).shape[0] == 1
+    # Still the GQA model: gqakit's modeling file travelled, and both caches hold G=1 heads.
+    assert (final / "gqakit_modeling_t5.py").is_file() and type(model).__name__ == "GqakitT5ForConditionalGeneration"
+    x = torch.tensor([[5, 6, 7, 1]])
+    cache = model(input_ids=x, decoder_input_ids=x[:, :2], use_cache=True).past_key_values
+    assert cache.self_attention_cache.layers[0].keys.shape[1] == cache.cross_attention_cache.layers[0].keys.shape[1] == 1
+    assert model.generate(x, max_new_tokens=3).shape[0] == 1
 
 
 def test_resume_after_an_interruption_is_bit_exact(t5: Path, tmp_path: Path, one_thread):
@@ -109,13 +147,12 @@ def test_paired_jsonl_for_a_model_without_sentinels(tmp_path: Path, one_thread):
     assert yaml.safe_load((out / "gqakit_uptrain.yaml").read_text())["data"]["objective"] == "paired"
 
 
-def test_kl_distillation_from_the_original_model(t5: Path, tmp_path: Path, one_thread):
-    teacher = student("t5_v1_1", tmp_path / "teacher", seed=1)
+def test_kl_distillation_from_the_original_model(mha: Path, t5: Path, tmp_path: Path, one_thread):
     c = cfg(t5, tmp_path / "run", steps=10)
-    c["teacher"] = {"path": str(teacher), "kl_weight": 1.0, "lm_weight": 0.0, "temperature": 2.0}
+    c["teacher"] = {"path": str(mha), "kl_weight": 1.0, "lm_weight": 0.0}  # pure distillation
     final = run_uptrain(c, quiet=True)
     kl = [r["kl"] for r in rows(tmp_path / "run") if "kl" in r]
-    assert len(kl) == 10 and kl[-1] < 0.7 * kl[0], kl
+    assert len(kl) == 10 and kl[0] > 1e-3 and kl[-1] < 0.3 * kl[0], kl  # the pooled heads learn the original's outputs
     assert "| teacher KL weight | 1.0 |" in (final / "README.md").read_text()
     # The student as its own teacher: nothing to distil.
     c = cfg(t5, tmp_path / "self", steps=1)

@@ -4,6 +4,7 @@ distillation, exact resume, LoRA, and the one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -207,3 +208,28 @@ def test_one_line_errors(t5: Path, tmp_path: Path, tiny_model):
     refused(cfg(t5, out, {"texts": ["the cat."]}), r"fewer than one block of \d+ tokens \(a span-corrupted input of "
             r"train.seq_len=24\)")
 
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_match_one(t5: Path, tmp_path: Path):
+    """Span corruption under 2 processes (torchrun + gloo) draws the spans of 1 process: the
+    spans follow the global sample index, not the process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    for name, accum in (("one", 2), ("two", 1)):
+        c = cfg(t5, tmp_path / name, steps=6, micro_batch=2, grad_accum=accum)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(c))
+    subprocess.run([sys.executable, "-m", "gqakit", "uptrain", "one.yaml", "-q"], check=True, env=env, cwd=tmp_path)
+    subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                    "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "gqakit", "uptrain", "two.yaml", "-q"],
+                   check=True, env=env, cwd=tmp_path, timeout=600)
+    a, b = rows(tmp_path / "one"), rows(tmp_path / "two")
+    def losses(log: list[dict]) -> torch.Tensor:
+        return torch.tensor([[r.get("loss", math.nan), r.get("eval_loss", math.nan)] for r in log if "tokens" in r])
+
+    assert len(losses(a)) == 8  # held-out loss at step 0, 6 steps, held-out loss at the end
+    torch.testing.assert_close(losses(b), losses(a), rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -3,6 +3,9 @@
 `token_losses` computes every term as a sum over the predicted tokens; `LOSS_TERMS` says,
 for each, its weight in the `teacher` config section, its key in log.jsonl and its line
 on the model card, so `objective`, `loss_log` and `loss_card` cannot disagree.
+`seq2seq_losses` is the same for an encoder-decoder: the target tokens' CE and the KL of
+the decoder's logits (`batch_losses` picks by the micro-batch's kind), and `evaluate` the
+held-out loss of either.
 """
 
 from __future__ import annotations

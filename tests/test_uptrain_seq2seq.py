@@ -204,6 +204,7 @@ def test_one_line_errors(t5: Path, tmp_path: Path, tiny_model):
     c = cfg(t5, out)
     c["teacher"] = {"path": str(t5), "hidden_weight": 1.0}
     refused(c, "teacher.hidden_weight: not for an encoder-decoder")
+    refused(cfg(t5, out, lora={"r": 4}), r"train.lora.targets: name the projections for an encoder-decoder")
     refused(cfg(t5, out, {"texts": TEXTS}, seq_len=512), "train.seq_len: 512 gives .* noise spans .* 16 sentinel")
     refused(cfg(t5, out, {"texts": ["the cat."]}), r"fewer than one block of \d+ tokens \(a span-corrupted input of "
             r"train.seq_len=24\)")

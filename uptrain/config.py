@@ -67,6 +67,13 @@ class DataCfg(_Section):
         "paragraph", description="how a .txt file splits into documents")
     add_bos: bool = Field(False, description="prepend BOS to every document")
     add_eos: bool = Field(True, description="append EOS to every document, so EOS separates packed documents")
+    objective: Literal["auto", "causal_lm", "span_corruption", "paired"] = Field("auto", description=(
+        "auto: causal_lm for a decoder-only model; for an encoder-decoder, paired when data.files are JSON "
+        "lines whose first row has data.input_field and data.target_field, else span_corruption"))
+    noise_density: float = Field(0.15, gt=0.0, lt=1.0, description="span_corruption: share of tokens masked")
+    mean_span_length: float = Field(3.0, ge=1.0, description="span_corruption: mean length of a masked span")
+    input_field: str = Field("input", description="paired: the JSON field of the encoder's input text")
+    target_field: str = Field("target", description="paired: the JSON field of the decoder's target text")
     teacher_samples: TeacherSamplesCfg | None = None
     eval_file: str | None = Field(None, description="held-out text for perplexity; never a training file")
     eval_texts: list[str] | None = None

@@ -190,7 +190,7 @@ def tokenize_list(texts: list[str], tokenizer: Any, *, add_bos: bool, add_eos: b
     return [ids for i in range(0, len(texts), 1000) for ids in encode(texts[i:i + 1000])]
 
 
-def pack(tokenized: Any, seq_len: int, what: str) -> torch.Tensor:
+def pack(tokenized: Any, seq_len: int, what: str, block: str | None = None) -> torch.Tensor:
     """Concatenate all documents and cut them into [N, seq_len] blocks (the tail is dropped).
 
     `tokenized` is a tokenized `datasets.Dataset` or a list of token-id lists.
@@ -200,7 +200,7 @@ def pack(tokenized: Any, seq_len: int, what: str) -> torch.Tensor:
     flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     n = len(flat) // seq_len
     if n == 0:
-        raise GqakitError(f"{what}: only {len(flat)} tokens, fewer than one block of train.seq_len={seq_len}")
+        raise GqakitError(f"{what}: only {len(flat)} tokens, fewer than one block of {block or f'train.seq_len={seq_len}'}")
     return torch.from_numpy(flat[: n * seq_len].reshape(n, seq_len).copy())
 
 
@@ -279,7 +279,7 @@ def _split(seq: list[int], sep: int) -> list[list[int]]:
 def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, files: Sequence[Path] | None = None,
                  eval_files: Sequence[Path] | None = None, teacher_path: Path | None = None,
                  main_first: Callable[[], Any] = nullcontext, is_main: bool = True,
-                 progress: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 progress: bool = True, block: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(train blocks [N, S], eval blocks [M, S] or None).
 
     FILES and EVAL_FILES are `data.files` and `data.eval_file` as preflight resolved and
@@ -305,7 +305,7 @@ def build_blocks(cfg: DataCfg, tokenizer: Any, seq_len: int, *, files: Sequence[
     def blocks(docs: Any, num_proc: int | None, what: str) -> torch.Tensor:
         kw = {"add_bos": cfg.add_bos, "add_eos": cfg.add_eos}
         ids = tokenize(docs, tokenizer, num_proc=num_proc, **kw) if use_ds else tokenize_list(docs, tokenizer, **kw)
-        return pack(ids, seq_len, what)
+        return pack(ids, seq_len, what, block)
 
     with main_first():  # one process tokenizes and fills the cache, the others then read it
         if cfg.files:
@@ -356,12 +356,14 @@ class BlockOrder:
             self._perms = {epoch: torch.randperm(self.n, generator=g)}  # keep one epoch in memory
         return self._perms[epoch]
 
-    def indices(self, step: int, accum_index: int) -> list[int]:
+    def samples(self, step: int, accum_index: int) -> list[int]:
+        """The global sample indices this process reads at (step, accum_index)."""
         start = step * self.global_batch + (accum_index * self.world + self.rank) * self.micro
-        out = []
-        for i in range(start, start + self.micro):
-            out.append(int(self._perm(i // self.n)[i % self.n]))
-        return out
+        return list(range(start, start + self.micro))
+
+    def indices(self, step: int, accum_index: int) -> list[int]:
+        """The blocks of those samples."""
+        return [int(self._perm(i // self.n)[i % self.n]) for i in self.samples(step, accum_index)]
 
     def epochs(self, steps: int) -> float:
         return steps * self.global_batch / self.n

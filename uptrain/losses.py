@@ -3,10 +3,14 @@
 `token_losses` computes every term as a sum over the predicted tokens; `LOSS_TERMS` says,
 for each, its weight in the `teacher` config section, its key in log.jsonl and its line
 on the model card, so `objective`, `loss_log` and `loss_card` cannot disagree.
+`seq2seq_losses` is the same for an encoder-decoder: the target tokens' CE and the KL of
+the decoder's logits (`batch_losses` picks by the micro-batch's kind), and `evaluate` the
+held-out loss of either.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 
 from gqakit.core.arch import decoder_blocks
 from gqakit.uptrain.config import UptrainConfig
+from gqakit.uptrain.seq2seq import IGNORE, Seq2SeqBatch
 
 
 class Losses(NamedTuple):
@@ -101,6 +106,14 @@ def _sq_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a[:, :-1].float() - b[:, :-1].float()).pow(2).mean(-1).sum()
 
 
+def kl_sum(logits: torch.Tensor, t_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) of the softened distributions, summed over positions."""
+    log_p_s = F.log_softmax(logits / temperature, dim=-1)
+    log_p_t = F.log_softmax(t_logits / temperature, dim=-1)
+    # T^2 keeps the gradient scale independent of the temperature (Hinton et al.).
+    return (log_p_t.exp() * (log_p_t - log_p_s)).sum() * temperature**2
+
+
 def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: float,
                  hidden: bool = False, layer: bool = False) -> Losses:
     """Sums over the predicted tokens of one micro-batch: next-token CE, KL(teacher||student),
@@ -129,10 +142,7 @@ def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: 
         with torch.no_grad(), recording:
             t_out = teacher(input_ids=x, output_hidden_states=hidden)
             t_logits = t_out.logits[:, :-1].float()
-        log_p_s = F.log_softmax(logits / temperature, dim=-1)
-        log_p_t = F.log_softmax(t_logits / temperature, dim=-1)
-        # T^2 keeps the gradient scale independent of the temperature (Hinton et al.).
-        kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum() * temperature**2
+        kl = kl_sum(logits, t_logits, temperature)
         if hidden:
             mse = sum((_sq_err(h_s, h_t) for h_s, h_t in zip(out.hidden_states[1:], t_out.hidden_states[1:])), zero)
         if layer:
@@ -141,3 +151,63 @@ def token_losses(model: Any, x: torch.Tensor, teacher: Any | None, temperature: 
                 model(input_ids=x)
             local = sum((_sq_err(o_s, o_t) for (_, o_s), (_, o_t) in zip(s_io, t_io)), zero)
     return Losses(ce, kl, mse, local, target.numel())
+
+
+def seq2seq_losses(model: Any, b: Seq2SeqBatch, teacher: Any | None, temperature: float) -> Losses:
+    """`token_losses` of an encoder-decoder: CE of the target tokens given the input, and
+    KL(teacher || student) of the decoder's logits at the same positions (sums)."""
+    logits = model(**b.inputs()).logits.float()
+    keep = b.labels != IGNORE
+    logits = logits[keep]
+    ce = F.cross_entropy(logits, b.labels[keep], reduction="sum")
+    zero = torch.zeros((), device=logits.device)
+    kl = zero
+    if teacher is not None:
+        with torch.no_grad():
+            t_logits = teacher(**b.inputs()).logits.float()[keep]
+        kl = kl_sum(logits, t_logits, temperature)
+    return Losses(ce, kl, zero, zero, int(keep.sum()))
+
+
+def batch_losses(model: Any, batch: torch.Tensor | Seq2SeqBatch, teacher: Any | None, cfg: UptrainConfig) -> Losses:
+    """The loss terms of one micro-batch: packed token blocks of a decoder, or an encoder-decoder's batch."""
+    te = cfg.teacher
+    if isinstance(batch, Seq2SeqBatch):
+        return seq2seq_losses(model, batch, teacher, te.temperature)
+    return token_losses(model, batch, teacher, te.temperature, hidden=te.hidden_weight > 0, layer=te.layer_weight > 0)
+
+
+def predicted_tokens(batch: torch.Tensor | Seq2SeqBatch) -> int:
+    """How many tokens of a micro-batch have a loss."""
+    return batch.predicted() if isinstance(batch, Seq2SeqBatch) else batch[:, 1:].numel()
+
+
+@torch.no_grad()
+def evaluate(accelerator: Any, model: Any, data: Any, micro: int) -> float:
+    """Held-out loss per predicted token, split across processes: over packed blocks (a
+    decoder's next tokens) or encoder-decoder examples (the target tokens)."""
+    model.eval()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    # Every process runs the same number of forwards (FSDP needs it); padding rows weigh 0.
+    per_rank = math.ceil(len(data) / world)
+    mine = list(range(rank * per_rank, min(len(data), (rank + 1) * per_rank)))
+    mine_padded = mine + [0] * (per_rank - len(mine))
+    nll = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    for i in range(0, per_rank, micro):
+        idx = mine_padded[i:i + micro]
+        real = sum(1 for j in range(i, i + len(idx)) if j < len(mine))
+        if isinstance(data, torch.Tensor):
+            x = data[idx].to(accelerator.device)
+            logits = model(input_ids=x).logits[:, :-1].float()
+            per_tok = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            nll[0] += per_tok[:real].sum().double()
+            nll[1] += per_tok[:real].numel()
+            continue
+        b = data.batch(idx, idx).to(accelerator.device)
+        logits = model(**b.inputs()).logits.float()
+        per_tok = F.cross_entropy(logits.transpose(1, 2), b.labels, reduction="none", ignore_index=IGNORE)
+        nll[0] += per_tok[:real].sum().double()
+        nll[1] += (b.labels[:real] != IGNORE).sum()
+    nll = accelerator.reduce(nll, "sum")
+    model.train()
+    return float(nll[0] / nll[1])

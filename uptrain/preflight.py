@@ -14,6 +14,7 @@ all of that deletes an old run (`--overwrite`) and creates the run folder.
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ from gqakit.uptrain.config import DataCfg, UptrainConfig, load_config
 RESUME_KEYS = ("seq_len", "micro_batch", "grad_accum", "seed")
 # Data settings that change the token stream: a resumed run must match them too.
 RESUME_DATA_KEYS = ("texts", "hf_dataset", "hf_config", "hf_split", "text_field", "sample_by", "add_bos", "add_eos",
-                    "teacher_samples")
+                    "teacher_samples", "objective", "noise_density", "mean_span_length", "input_field", "target_field")
+SEQ2SEQ_OBJECTIVES = ("span_corruption", "paired")
 
 
 @dataclass
@@ -92,6 +94,59 @@ def resolve_data(d: DataCfg) -> tuple[list[Path], list[Path]]:
                 raise GqakitError(f"data.eval_file: {ef} has the same content as the training file {tf}; "
                                   "keep held-out text apart")
     return files, eval_files
+
+
+def _first_row(files: list[Path]) -> Any:
+    """The first JSON row of the first JSON-lines file, or None."""
+    if not files or files[0].suffix.lower() not in (".jsonl", ".json"):
+        return None
+    try:
+        with files[0].open(encoding="utf-8") as f:
+            line = next((ln for ln in f if ln.strip()), "")
+        return json.loads(line)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def resolve_objective(cfg: UptrainConfig, encoder_decoder: bool, files: list[Path], src: Path,
+                      teacher: Path | None) -> str:
+    """`data.objective` with `auto` resolved for this model and data; every combination that
+    cannot train is one line (the tokenizer's sentinels are checked once it is loaded)."""
+    d, te = cfg.data, cfg.teacher
+    obj = d.objective
+    if obj == "auto" and not encoder_decoder:
+        obj = "causal_lm"
+    elif obj == "auto":
+        row = _first_row(files)
+        paired = isinstance(row, dict) and d.input_field in row and d.target_field in row
+        obj = "paired" if paired else "span_corruption"
+    if not encoder_decoder:
+        if obj != "causal_lm":
+            raise GqakitError(f"data.objective: {obj} trains encoder-decoders, and {src} is a decoder-only model "
+                              "(use causal_lm)")
+        return obj
+    if obj == "causal_lm":
+        raise GqakitError(f"data.objective: causal_lm trains decoder-only models, and {src} is an encoder-decoder "
+                          "(use span_corruption or paired)")
+    if d.teacher_samples is not None:
+        raise GqakitError("data.teacher_samples: not for an encoder-decoder; give data.files")
+    for key in ("hidden_weight", "layer_weight"):
+        if getattr(te, key) > 0:
+            raise GqakitError(f"teacher.{key}: not for an encoder-decoder; distil its logits with teacher.kl_weight")
+    if cfg.train.lora is not None and cfg.train.lora.targets is None:
+        raise GqakitError("train.lora.targets: name the projections for an encoder-decoder, e.g. [EncDecAttention.k, "
+                          "EncDecAttention.v] for T5's cross-attention, [encoder_attn.k_proj, encoder_attn.v_proj] for BART's")
+    if teacher is not None and not (teacher.is_dir() and read_config_json(teacher).get("is_encoder_decoder")):
+        raise GqakitError(f"teacher.path: {teacher} is not an encoder-decoder, and model.path is one")
+    if obj == "paired":
+        if not d.files:
+            raise GqakitError("data.objective: paired reads input/target rows from data.files (.jsonl)")
+        if d.eval_texts is not None:
+            raise GqakitError("data.eval_texts: paired data are held out in data.eval_file (.jsonl)")
+        for f in files:
+            if f.suffix.lower() not in (".jsonl", ".json"):
+                raise GqakitError(f"data.files: paired data are JSON lines (.jsonl), not {f.name}")
+    return obj
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -166,8 +221,12 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
         if teacher.is_dir():
             check_weights(teacher)
 
-    # ---- data
+    # ---- data, and the objective it is trained on
     files, eval_files = resolve_data(d)
+    d.objective = resolve_objective(cfg, bool(hf_cfg.get("is_encoder_decoder")), files, src, teacher)
+    for f in eval_files if d.objective == "paired" else []:
+        if f.suffix.lower() not in (".jsonl", ".json"):
+            raise GqakitError(f"data.eval_file: paired data are JSON lines (.jsonl), not {f.name}")
 
     # ---- the run folder: never an input, never around one
     out = Path(cfg.output.dir).expanduser().resolve()

@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from gqakit.core.errors import GqakitError, Interrupted
-from gqakit.core.loading import UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_tokenizer
+from gqakit.core.loading import (UPTRAIN_SETTINGS, load_causal_lm, load_config as load_hf_config, load_seq2seq_lm,
+                                 load_tokenizer)
 from gqakit.core.outdir import describe_oserror, make_dirs, remove_if_empty
 from gqakit.core.outrule import MANIFEST, RUN, RUN_ENTRIES, check_output_path, why_not_ours, write_manifest
 from gqakit.uptrain.checkpoint import CKPT_DIR, Diverged, checkpoints, last_good, nonfinite, restore, save_checkpoint
 from gqakit.uptrain.config import UptrainConfig, to_yaml
 from gqakit.uptrain.data import BlockOrder, build_blocks
-from gqakit.uptrain.losses import LOSS_TERMS, loss_card, loss_log, objective, token_losses
+from gqakit.uptrain.losses import LOSS_TERMS, batch_losses, evaluate, loss_card, loss_log, objective, predicted_tokens
 from gqakit.uptrain.memory import set_trainable
 from gqakit.uptrain.plan import log_plan
 from gqakit.uptrain.preflight import Checked, preflight
@@ -66,30 +66,7 @@ def lr_at(step: int, cfg: UptrainConfig, total: int, warmup: int) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-@torch.no_grad()
-def evaluate(accelerator: Any, model: Any, blocks: torch.Tensor, micro: int) -> float:
-    """Held-out loss per token over packed blocks, split across processes."""
-    model.eval()
-    world, rank = accelerator.num_processes, accelerator.process_index
-    # Every process runs the same number of forwards (FSDP needs it); padding rows weigh 0.
-    per_rank = math.ceil(len(blocks) / world)
-    mine = list(range(rank * per_rank, min(len(blocks), (rank + 1) * per_rank)))
-    mine_padded = mine + [0] * (per_rank - len(mine))
-    nll = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
-    for i in range(0, per_rank, micro):
-        idx = mine_padded[i:i + micro]
-        real = sum(1 for j in range(i, i + len(idx)) if j < len(mine))
-        x = blocks[idx].to(accelerator.device)
-        logits = model(input_ids=x).logits[:, :-1].float()
-        per_tok = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-        nll[0] += per_tok[:real].sum().double()
-        nll[1] += per_tok[:real].numel()
-    nll = accelerator.reduce(nll, "sum")
-    model.train()
-    return float(nll[0] / nll[1])
-
-
-def train_step(accelerator: Any, model: Any, optimizer: Any, micro: list[torch.Tensor], teacher: Any | None,
+def train_step(accelerator: Any, model: Any, optimizer: Any, micro: list[Any], teacher: Any | None,
                cfg: UptrainConfig, diverged: Callable[[str], Exception]) -> tuple[dict[str, float], Any]:
     """One optimizer step over the micro-batches `micro` of this process: a backward per
     micro-batch, then the optimizer step. Returns the step's per-token mean of each loss
@@ -101,16 +78,15 @@ def train_step(accelerator: Any, model: Any, optimizer: Any, micro: list[torch.T
     mean of per-micro-batch means).
     """
     t, dev = cfg.train, accelerator.device
-    n_tok = accelerator.reduce(torch.tensor(sum(x[:, 1:].numel() for x in micro), device=dev), "sum")
+    n_tok = accelerator.reduce(torch.tensor(sum(predicted_tokens(x) for x in micro), device=dev), "sum")
     # DDP/FSDP average gradients over processes and accelerator.backward divides by
     # grad_accum; multiplying by both undoes that averaging.
     scale = accelerator.num_processes * t.grad_accum / n_tok.item()
-    hidden, layer = cfg.teacher.hidden_weight > 0, cfg.teacher.layer_weight > 0
     sums = torch.zeros(len(LOSS_TERMS), device=dev, dtype=torch.float64)
     for x in micro:
         with accelerator.accumulate(model):  # gradients are synchronised at the step's last micro-batch
             with accelerator.autocast():
-                ls = token_losses(model, x, teacher, cfg.teacher.temperature, hidden=hidden, layer=layer)
+                ls = batch_losses(model, x, teacher, cfg)
                 obj = objective(ls, cfg)
             accelerator.backward(obj * scale)
         sums += torch.stack([getattr(ls, term.field).detach() for term in LOSS_TERMS]).double()
@@ -196,8 +172,8 @@ def _make_accelerator(cfg: UptrainConfig, out: Path) -> tuple[Any, str, bool]:
 class _Loaded(NamedTuple):
     tokenizer: Any
     hf_cfg: Any
-    train_blocks: torch.Tensor
-    eval_blocks: torch.Tensor | None
+    train_blocks: Any  # [N, seq_len] token blocks; an encoder-decoder's `seq2seq.SpanExamples` / `PairedExamples`
+    eval_blocks: Any | None
     data_sha: str
     model: Any
     teacher: Any | None
@@ -218,18 +194,25 @@ def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _L
             raise GqakitError(f"teacher.path: the tokenizer of {teacher_path} differs from the model's")
 
     set_seed(t.seed)
-    train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, files=checked.files,
-                                             eval_files=checked.eval_files, teacher_path=teacher_path,
-                                             main_first=accelerator.main_process_first,
-                                             is_main=accelerator.is_main_process, progress=not quiet)
-    data_sha = hashlib.sha256(train_blocks.contiguous().numpy().data).hexdigest()  # no copy of the blocks
+    where = {"files": checked.files, "eval_files": checked.eval_files, "main_first": accelerator.main_process_first,
+             "is_main": accelerator.is_main_process, "progress": not quiet}
+    seq2seq = cfg.data.objective != "causal_lm"  # preflight resolved "auto"
+    if seq2seq:  # span corruption or paired rows, for an encoder-decoder
+        from gqakit.uptrain.seq2seq import build_examples
+
+        train_blocks, eval_blocks = build_examples(cfg.data, tokenizer, hf_cfg, t.seq_len, t.seed, **where)
+        data_sha = train_blocks.fingerprint()
+    else:
+        train_blocks, eval_blocks = build_blocks(cfg.data, tokenizer, t.seq_len, teacher_path=teacher_path, **where)
+        data_sha = hashlib.sha256(train_blocks.contiguous().numpy().data).hexdigest()  # no copy of the blocks
+    load = load_seq2seq_lm if seq2seq else load_causal_lm
     if checked.mode == "resume":
         old = (checked.resume_state.get("data") or {}).get("sha256")
         if old is not None and old != data_sha:
             raise GqakitError("--resume: the training data differ from this run's (data.files or their content "
                               f"changed; token fingerprint {old[:12]} -> {data_sha[:12]}); the data order would "
                               "differ: restore the data, or start a new run")
-    model = load_causal_lm(src)  # fp32 master weights; autocast handles bf16
+    model = load(src)  # fp32 master weights; autocast handles bf16
     model.config.use_cache = False
     if t.trainable:
         # Conversion only touched attention: training just those weights keeps the rest
@@ -245,7 +228,7 @@ def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _L
     teacher = None
     use_hidden, use_layer = cfg.teacher.hidden_weight > 0, cfg.teacher.layer_weight > 0
     if cfg.teacher.kl_weight > 0 or use_hidden or use_layer:
-        teacher = load_causal_lm(teacher_path, device=accelerator.device)
+        teacher = load(teacher_path, device=accelerator.device)
         if (use_hidden or use_layer) and (teacher.config.num_hidden_layers, teacher.config.hidden_size) != (
                 hf_cfg.num_hidden_layers, hf_cfg.hidden_size):
             raise GqakitError(f"teacher.{'hidden' if use_hidden else 'layer'}_weight: the teacher's layers or hidden size differ from the model's")
@@ -361,7 +344,8 @@ class UptrainRecipe:
         self.say(f"uptrain: {self.checked.src.name} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, "
                  f"{hf_cfg.num_attention_heads} query / {getattr(hf_cfg, 'num_key_value_heads', '?')} KV heads) on "
                  f"{world} x {acc.device.type}" + (f" ({dist})" if dist != "NO" else "") + f", {self.precision}")
-        self.say(f"uptrain: {len(self.data.train_blocks)} training blocks of {t.seq_len} tokens; "
+        what = "blocks of" if self.cfg.data.objective == "causal_lm" else f"{self.cfg.data.objective} examples, input"
+        self.say(f"uptrain: {len(self.data.train_blocks)} training {what} {t.seq_len} tokens; "
                  f"{self.tokens_per_step:,} tokens per optimizer step ({t.micro_batch} x {t.grad_accum} accum x "
                  f"{world} proc x {t.seq_len}); {self.total_steps} steps = "
                  f"{self.total_steps * self.tokens_per_step:,} planned tokens "
@@ -382,6 +366,13 @@ class UptrainRecipe:
                   "eval_ppl": math.exp(el)})
         return el
 
+    def _micro_batch(self, accum_index: int) -> Any:
+        """This process's micro-batch `accum_index` of the current step, on its device."""
+        blocks, ids = self.data.train_blocks, self.order.indices(self.step, accum_index)
+        if isinstance(blocks, torch.Tensor):
+            return blocks[ids].to(self.accelerator.device)
+        return blocks.batch(ids, self.order.samples(self.step, accum_index)).to(self.accelerator.device)
+
     def _diverged(self, what: str) -> Diverged:
         return Diverged(f"training diverged at step {self.step + 1}: {what}; stopped before it reached a checkpoint "
                         f"({last_good(self.out)}); lower train.lr?")
@@ -390,7 +381,7 @@ class UptrainRecipe:
         from tqdm.auto import tqdm
 
         acc, cfg, t, out = self.accelerator, self.cfg, self.cfg.train, self.out
-        teacher, blocks, eval_blocks = self.data.teacher, self.data.train_blocks, self.data.eval_blocks
+        teacher, eval_blocks = self.data.teacher, self.data.eval_blocks
         is_main, world = acc.is_main_process, acc.num_processes
         if eval_blocks is not None and self.step == 0:
             self.eval_loss = self._evaluate_and_log()
@@ -405,7 +396,7 @@ class UptrainRecipe:
                 lr = lr_at(self.step, cfg, self.total_steps, self.warmup)
                 for g in self.optimizer.param_groups:
                     g["lr"] = lr
-                micro = [blocks[self.order.indices(self.step, a)].to(acc.device) for a in range(t.grad_accum)]
+                micro = [self._micro_batch(a) for a in range(t.grad_accum)]
                 means, grad_norm = train_step(acc, self.model, self.optimizer, micro, teacher, cfg, self._diverged)
                 self.loss = means["ce"]
                 self.step += 1

@@ -20,7 +20,6 @@ data for `--resume`.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.pairs import read_pairs as read_paired_file
 from gqakit.core.spans import SpanCorruption, sentinel_ids
 from gqakit.uptrain.config import DataCfg
 from gqakit.uptrain.data import build_blocks
@@ -116,27 +116,13 @@ class PairedExamples:
 
 
 def read_pairs(files: Sequence[Path], input_field: str, target_field: str, what: str) -> list[tuple[str, str]]:
-    """(input, target) texts of JSON-lines files; a row without either field, or not JSON,
-    is one line naming the file and the line number."""
-    rows: list[tuple[str, str]] = []
-    for f in files:
-        try:
-            text = Path(f).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise GqakitError(f"{what}: cannot read {f}: {e}") from None
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise GqakitError(f"{what}: {f} line {n} is not JSON (paired data are JSON lines)") from None
-            for key, field in (("input_field", input_field), ("target_field", target_field)):
-                if not isinstance(row, dict) or field not in row:
-                    raise GqakitError(f"{what}: {f} line {n} has no field {field!r} (data.{key})")
-                if not isinstance(row[field], str):
-                    raise GqakitError(f"{what}: {f} line {n}: field {field!r} is not a string")
-            rows.append((row[input_field], row[target_field]))
+    """(input, target) texts of JSON-lines files (`core.pairs`: a row without either field, or
+    not JSON, is one line naming the file and the line number)."""
+    try:
+        rows = [(p.input, p.target) for f in files
+                for p in read_paired_file(f, input_field=input_field, target_field=target_field).pairs]
+    except GqakitError as e:
+        raise GqakitError(f"{what}: {e}") from None
     if not rows:
         raise GqakitError(f"{what}: no input/target rows in {[str(f) for f in files]}")
     return rows

@@ -257,6 +257,12 @@ class ConvertSettings(BaseModel):
         description="Largest output shard, e.g. 500MB.")
     seed: int = Field(0, json_schema_extra=_cli("--seed", type=int, show_default=True),
                       description="Seed for random methods.")
+    group_encoder: bool = Field(
+        False, json_schema_extra=_cli("--group-encoder", is_flag=True),
+        description="Encoder-decoders only: group the encoder's self-attention too (same G). By default only the "
+                    "decoder's self- and cross-attention are grouped, as in the GQA paper, which keeps the encoder "
+                    "multi-head: it runs once per input, over all input tokens in parallel, so it is not bound by "
+                    "memory bandwidth and gains little from fewer KV heads.")
 
     @field_validator("source", mode="before")
     @classmethod
@@ -395,7 +401,7 @@ class ConvertSettings(BaseModel):
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
                 "seed": self.seed, "calibration_data": self.calibration_data,
                 "calibration_tokens": self.calibration_tokens, "options": self.refit.given(),
-                **self._resolved_record()}
+                **({"group_encoder": True} if self.group_encoder else {}), **self._resolved_record()}
 
     def _resolved_record(self) -> dict[str, Any]:
         """For a resolved calibrating method: the effort, the values "auto" chose (after the given

@@ -23,7 +23,7 @@ import torch
 from gqakit.convert.io import Planned
 from gqakit.convert.layout import SITES, layer_names, output_shapes
 from gqakit.convert.methods import method_spec
-from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
@@ -107,23 +107,6 @@ def validate_g(shape: archmod.Shape, g: int, whose: str = "the model's") -> None
     if kv % g:
         valid = [d for d in range(1, kv + 1) if kv % d == 0]
         raise GqakitError(f"--num-kv-heads {g} does not divide {whose} {kv} KV heads; valid: {valid}")
-
-
-def check_encoder_decoder(spec: archmod.ArchSpec, settings: ConvertSettings, *, gguf: bool) -> None:
-    """What a conversion of an encoder-decoder cannot do, each refused in one line (and
-    --group-encoder on a model without an encoder)."""
-    if not spec.is_encoder_decoder:
-        if settings.group_encoder:
-            raise GqakitError(f"--group-encoder applies to encoder-decoder models; a {spec.family} model has "
-                              "no encoder")
-        return
-    if method_spec(settings.method).needs_data:
-        raise GqakitError(f"method {settings.method} calibrates through the model, which is not implemented for "
-                          f"encoder-decoders ({spec.family}): it would run the encoder once and stream the "
-                          "decoder block by block with teacher-forced targets; use mean, first, random or align")
-    if gguf:
-        raise GqakitError(f"GGUF input and output are for decoder-only models; convert the {spec.family} "
-                          "encoder-decoder from its model folder to a model folder")
 
 
 def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:

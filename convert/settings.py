@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
+from gqakit.core.arch import ArchSpec
 from gqakit.core.errors import GqakitError
 from gqakit.core.text import TextSource
 
@@ -410,6 +411,23 @@ class ConvertSettings(BaseModel):
             return {}
         chosen = {k: getattr(self.refit, k) for k in self._auto if k in RefitOptions.model_fields}
         return {"effort": self.effort, "options": {**self.refit.given(), **chosen}, "auto": dict(self._auto)}
+
+
+def check_encoder_decoder(spec: ArchSpec, settings: ConvertSettings, *, gguf: bool) -> None:
+    """What a conversion of an encoder-decoder cannot do, each refused in one line (and
+    --group-encoder on a model without an encoder). Needs no torch: the CLI asks it first."""
+    if not spec.is_encoder_decoder:
+        if settings.group_encoder:
+            raise GqakitError(f"--group-encoder applies to encoder-decoder models; a {spec.family} model has "
+                              "no encoder")
+        return
+    if settings.staged:
+        raise GqakitError(f"method {settings.method} calibrates through the model, which is not implemented for "
+                          f"encoder-decoders ({spec.family}): it would run the encoder once and stream the "
+                          "decoder block by block with teacher-forced targets; use mean, first, random or align")
+    if gguf:
+        raise GqakitError(f"GGUF input and output are for decoder-only models; convert the {spec.family} "
+                          "encoder-decoder from its model folder to a model folder")
 
 
 def needs_data(method: str) -> bool:

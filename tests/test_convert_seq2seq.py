@@ -30,6 +30,9 @@ from tiny_models import SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, SEQ2SEQ_KINDS, build, 
 
 H = 4  # heads of every attention of the pico encoder-decoders
 PER_LAYER = [m for m, spec in METHODS.items() if not spec.needs_data]
+# `random` draws fresh K/V heads (the paper's ablation), so it keeps no function: its own test
+# checks what it writes
+PRESERVING = [m for m in PER_LAYER if m != "random"]
 CALIBRATED = [m for m, spec in METHODS.items() if spec.needs_data]
 GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=1)
 # K / V projections of each attention: (T5: SelfAttention / EncDecAttention .k/.v; BART: self_attn /
@@ -116,7 +119,7 @@ def stock(tmp_path: Path):
 # --- G = H: every method and grouping keeps the model ------------------------------------------
 
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
-@pytest.mark.parametrize("method", PER_LAYER)
+@pytest.mark.parametrize("method", PRESERVING)
 @pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_g_equals_h_is_exact(kind, method, grouping, stock, tmp_path, one_thread):
     src = stock(kind)
@@ -129,7 +132,7 @@ def test_g_equals_h_is_exact(kind, method, grouping, stock, tmp_path, one_thread
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", PER_LAYER)
+@pytest.mark.parametrize("method", PRESERVING)
 @pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_equal_heads_convert_exactly(kind, method, tmp_path, one_thread):
     """K/V heads equal within each pair in all three attentions: G = H/2 (encoder grouped too)
@@ -190,6 +193,27 @@ def test_mean_pools_neighbouring_heads(kind, g, group_encoder, stock, tmp_path):
     enc_k = [m for n, m in model.named_modules() if ENCODER.match(n) and n.endswith((".k", ".k_proj"))]
     assert enc_k and {m.out_features // (getattr(model.config, "d_kv", None) or model.config.d_model // H)
                       for m in enc_k} == {g if group_encoder else H}
+
+
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+def test_random_draws_fresh_heads_in_every_grouped_attention(kind, stock, tmp_path, one_thread):
+    src = stock(kind)
+    before = weights(src)
+    runs = [weights(convert(src, tmp_path / f"rnd{i}", 2, "random", seed=seed, group_encoder=True))
+            for i, seed in enumerate((1, 1, 2))]
+    assert runs[0].keys() == before.keys()
+    for name, t in before.items():
+        if not KV.search(name):
+            assert torch.equal(runs[0][name], t), name  # q, o and everything else untouched
+        elif name.endswith("bias"):
+            assert torch.equal(runs[0][name], torch.zeros(t.shape[0] // 2))
+        else:
+            assert runs[0][name].shape == (t.shape[0] // 2, t.shape[1])
+            assert not torch.allclose(runs[0][name], pool_by_hand(t, 2), atol=1e-3)
+            assert 0.5 < runs[0][name].std() / t.std() < 2
+        assert torch.equal(runs[0][name], runs[1][name])  # the seed decides
+    assert any(not torch.equal(runs[0][n], runs[2][n]) for n in before if KV.search(n))
+    assert generate(load(tmp_path / "rnd0")).sequences.shape == (2, 1 + GEN["max_new_tokens"])
 
 
 @pytest.mark.parametrize("group_encoder", [False, True])

@@ -256,6 +256,10 @@ def _check_stack(spec: archmod.ArchSpec, block_path: str, layers_key: str, shape
         # one layer's MLP or norm left out, or one layer with a tensor the others lack (the
         # family's `first_block_only` tensors aside)
         lacking = sorted(everything - set(per_layer[layer]) - (set(spec.first_block_only) if layer else set()))
+        extra = sorted(set(spec.first_block_only) & set(per_layer[layer])) if layer else []
+        if extra:
+            raise GqakitError(f"{files}: the layers hold different tensors: {per_layer[layer][extra[0]]} is a "
+                              f"tensor only {block_path.format(layer=0)} holds in a {spec.family} model")
         if lacking:
             other = next(i for i in sorted(per_layer) if lacking[0] in per_layer[i])
             raise GqakitError(f"{files}: the layers hold different tensors: {per_layer[other][lacking[0]]} has no "

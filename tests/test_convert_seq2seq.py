@@ -334,3 +334,28 @@ def test_inspect_lengths_apply_to_encoder_decoders(tmp_path, capsys):
     src = build("llama", tmp_path / "llama")
     code, err = run_cli(["inspect", src, "--input-len", "64"], capsys)
     assert code == 2 and len(err) == 1 and "--input-len and --output-len apply to encoder-decoders" in err[0]
+
+
+# --- the converted folder against its config (every verb checks a folder before it loads it) ----
+
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+def test_model_files_check_both_stacks(kind, stock, tmp_path):
+    from gqakit.core.loading import check_weights
+
+    src = stock(kind)
+    check_weights(src)  # stock: T5's relative position bias sits in block 0 of each stack only
+    out = convert(src, tmp_path / "out", 2, group_encoder=False)
+    check_weights(out)
+    cfg = json.loads((out / "config.json").read_text())
+    for key, value, where in (("num_key_value_heads", 4, "decoder"), ("encoder_num_key_value_heads", 2, "encoder")):
+        (out / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(GqakitError, match=rf"{key}={value}.* disagree with the weights: (model\.)?{where}\."):
+            check_weights(out)
+    (out / "config.json").write_text(json.dumps(cfg))
+    sd = weights(out)
+    bias = next(n for n in sd if "relative_attention_bias" in n or n.endswith("embed_positions.weight"))
+    if "relative_attention_bias" in bias:  # one block of a stack with a tensor the others lack
+        sd[bias.replace(".block.0.", ".block.1.")] = sd[bias].clone()
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(GqakitError, match="the layers hold different tensors"):
+            check_weights(out)

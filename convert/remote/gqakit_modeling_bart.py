@@ -47,9 +47,9 @@ def eager_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                                 value: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock BART eager attention on K/V repeated to the query heads (the cache keeps KV heads)."""
     n_rep = module.num_key_value_groups
-    return modeling_bart.eager_attention_forward(
-        module, query, key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1), *args, **kwargs
-    )
+    if n_rep > 1:  # with one KV head per query head, the stock tensors as they are
+        key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    return modeling_bart.eager_attention_forward(module, query, key, value, *args, **kwargs)
 
 
 class GqakitBartAttention(modeling_bart.BartAttention):

@@ -81,8 +81,9 @@ class GqaT5AttentionMixin:
     def eager_gqa(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         n_rep = self.num_key_value_groups
-        return type(self).stock_eager(module, query, key.repeat_interleave(n_rep, dim=1),
-                                      value.repeat_interleave(n_rep, dim=1), *args, **kwargs)
+        if n_rep > 1:  # with one KV head per query head, the stock tensors as they are
+            key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+        return type(self).stock_eager(module, query, key, value, *args, **kwargs)
 
     def forward(  # the stock forward, with the GQA eager function as the default
         self,

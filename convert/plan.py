@@ -8,7 +8,8 @@ decided from the config and the tensor headers before anything is converted.
 An encoder-decoder's plan rewrites, per decoder layer, the self-attention and the
 cross-attention, and, with `group_encoder`, each encoder layer's self-attention: each is
 one step, with its site ("self", "cross", "encoder"; see `layout`). The methods that need
-data (the calibration stage) and GGUF are refused for it here, before anything is written.
+data (the calibration stage) and GGUF are refused for it (`settings.check_encoder_decoder`),
+before anything is written.
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
     encoder_shape = archmod.encoder_shape_of(spec, opened.config) if spec.is_encoder_decoder else None
     validate_g(shape, settings.num_kv_heads, "the decoder's" if encoder_shape else "the model's")
     sites: tuple[str, ...] = ("self",)
+    shape_at = {"self": shape, "cross": shape}
     if encoder_shape is not None:
         sites = ("self", "cross", "encoder") if settings.group_encoder else ("self", "cross")
+        shape_at["encoder"] = encoder_shape
         if settings.group_encoder:
             validate_g(encoder_shape, settings.num_kv_heads, "the encoder's")
     out_dtype = DTYPES.get(settings.dtype)
@@ -135,7 +138,7 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
                and spec.attention.layout == "separate")
     layer_of: dict[str, tuple[int, str]] = {}
     for site in sites:
-        for layer in range(encoder_shape.num_layers if site == "encoder" else shape.num_layers):  # type: ignore[union-attr]
+        for layer in range(shape_at[site].num_layers):
             roles = layer_names(spec, layer, site)
             for role, name in roles.items():
                 if name in metas and (not kv_only or role[0] in "kv"):
@@ -151,8 +154,7 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
             cast = out_dtype if (out_dtype is not None and dt.is_floating_point) else dt
             tensors.append(Planned(step.name, cast, metas[step.name][1]))
             continue
-        site_shape = encoder_shape if step.site == "encoder" else shape
-        shapes = output_shapes(spec, site_shape, settings.num_kv_heads, step.layer,  # type: ignore[arg-type]
+        shapes = output_shapes(spec, shape_at[step.site], settings.num_kv_heads, step.layer,
                                {n: metas[n][1] for n in step.names}, site=step.site)
         tensors += [Planned(n, out_dtype if out_dtype is not None else metas[n][0], shapes[n]) for n in step.names]
     return Plan(spec.family, spec.native_gqa, shape, opened.config, steps, tensors,

@@ -45,6 +45,7 @@ class ConfigKeys(_Strict):
     num_layers: str
     num_heads: str
     num_kv_heads: str | None  # None: stock config has no such key (MHA only)
+    num_layers_fallback: str | None = None  # read when num_layers is absent (T5: decoder depth = encoder's)
     hidden_size: str
     head_dim: str | None      # None: always hidden_size // num_heads
     max_positions: list[str]  # the context length: the first of these keys that is set
@@ -334,6 +335,8 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
             raise GqakitError(f"{spec.family} with {key}={bad} is not supported ({spec.notes})")
     heads = need(keys.num_heads)
     hidden = need(keys.hidden_size)
+    if config.get(keys.num_layers) is None and keys.num_layers_fallback and config.get(keys.num_layers_fallback):
+        config = {**config, keys.num_layers: config[keys.num_layers_fallback]}
     kv = config.get(keys.num_kv_heads or "num_key_value_heads") or heads
     head_dim = (config.get(keys.head_dim) if keys.head_dim else None) or hidden // heads
     rot = 0

@@ -359,3 +359,19 @@ def test_model_files_check_both_stacks(kind, stock, tmp_path):
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(GqakitError, match="the layers hold different tensors"):
             check_weights(out)
+
+
+def test_t5_config_without_decoder_depth(stock, tmp_path):
+    """Early T5 configs (t5-small) state only num_layers: the decoder is as deep as the encoder."""
+    import shutil
+
+    src = shutil.copytree(stock("t5"), tmp_path / "old-t5")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["num_decoder_layers"]
+    (src / "config.json").write_text(json.dumps({**cfg, "num_layers": 2, "n_positions": 512}))
+    spec = arch.lookup(cfg)
+    assert arch.shape_of(spec, cfg).num_layers == arch.encoder_shape_of(spec, cfg).num_layers == 2
+    assert arch.shape_of(spec, {**cfg, "n_positions": 512}).max_positions == 512
+    out = convert(src, tmp_path / "out", 2)
+    assert forward(load(out)).shape == forward(load(src)).shape == (2, 5, 64)
+    assert json.loads((out / "gqakit_convert.json").read_text())["num_layers"] == 2

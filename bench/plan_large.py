@@ -1,8 +1,10 @@
 """The uptraining memory plan of Llama-2-7B- and 70B-shaped GQA models, built with fake tensors.
 
 The same plan `gqakit uptrain CONFIG --dry-run` prints, for shapes nobody here can load:
-all weights and attention only, with and without gradient checkpointing, on one 80 GB
-GPU and on eight with FSDP; bf16 autocast, AdamW. Nothing is downloaded or allocated.
+all weights, attention only, and LoRA (r 8 on K and V, the default after `mean`; and on Q,
+K, V and O, the default after the `align` methods), with and without gradient
+checkpointing, on one 80 GB GPU and on eight with FSDP; bf16 autocast, AdamW. Nothing is
+downloaded or allocated.
 
     python -m bench.plan_large                     # the Markdown table of docs/benchmarks.md
     python -m bench.plan_large --seq-len 4096 --micro-batch 1 --details
@@ -11,8 +13,10 @@ GPU and on eight with FSDP; bf16 autocast, AdamW. Nothing is downloaded or alloc
 from __future__ import annotations
 
 import argparse
+import re
 
-from gqakit.uptrain.plan import ATTENTION, Settings, Target, describe, gib, make_plan, parse_size, suggestions
+from gqakit.uptrain.plan import (ATTENTION, LoraPlan, Settings, Target, describe, gib, make_plan, parse_size,
+                                 suggestions)
 
 # The published shapes, converted to 8 KV heads (Llama-2-70B's own GQA; 7B: G = 8 too).
 SHAPES = {
@@ -21,6 +25,13 @@ SHAPES = {
     "Llama-2-70B (G=8)": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                               intermediate_size=28672, vocab_size=32000),
 }
+
+
+KV = ("self_attn.k_proj", "self_attn.v_proj")
+QKVO = ("self_attn.q_proj", *KV, "self_attn.o_proj")
+# what trains: (label, train.trainable, train.lora)
+MODES = [("all weights", None, None), ("attention", tuple(ATTENTION), None),
+         ("LoRA r 8, K V", None, LoraPlan(8, 16.0, 0.0, KV)), ("LoRA r 8, Q K V O", None, LoraPlan(8, 16.0, 0.0, QKVO))]
 
 
 def main() -> None:
@@ -35,23 +46,32 @@ def main() -> None:
     mem = parse_size(args.device_memory)
     targets = {f"1 x {args.device_memory}": Target(1, "none", "cuda"),
                f"8 x {args.device_memory}, FSDP": Target(8, "fsdp", "cuda")}
-    print(f"seq_len {args.seq_len} x micro_batch {args.micro_batch}, bf16 autocast, AdamW; peak per GPU "
-          f"(`python -m bench.plan_large`)\n")
-    print("| model | trained | GPUs | no checkpointing | gradient checkpointing | fits | or with |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"seq_len {args.seq_len} x micro_batch {args.micro_batch}, bf16 autocast, AdamW; peak per GPU without / "
+          f"with gradient checkpointing (`python -m bench.plan_large`)\n")
+    print("| model | trained | " + " | ".join(targets) + " | or with |")
+    print("|---|---|" + "---|" * len(targets) + "---|")
     for name, shape in SHAPES.items():
         cfg = LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
-        for what, trainable in (("all weights", None), ("attention", tuple(ATTENTION))):
+        for what, trainable, lora in MODES:
+            cells, hows, details = [], [], []
             for label, target in targets.items():
-                s = Settings(args.seq_len, args.micro_batch, 1, False, trainable, "bf16")
-                plan = make_plan(cfg, s, target)
-                ckpt = make_plan(cfg, Settings(args.seq_len, args.micro_batch, 1, True, trainable, "bf16"), target)
-                fits = "yes" if plan.peak <= mem else ("with checkpointing" if ckpt.peak <= mem else "no")
-                how = "" if ckpt.peak <= mem else "; ".join(suggestions(ckpt, mem))
-                print(f"| {name} | {what} ({plan.trained / 1e9:.2f} B) | {label} | {gib(plan.peak)} | "
-                      f"{gib(ckpt.peak)} | {fits} | {how} |", flush=True)
+                def plan(ckpt: bool):
+                    s = Settings(args.seq_len, args.micro_batch, 1, ckpt, trainable, "bf16", lora)
+                    return make_plan(cfg, s, target)
+
+                full, ckpt = plan(False), plan(True)
+                fits = "yes" if full.peak <= mem else ("with checkpointing" if ckpt.peak <= mem else "no")
+                cells.append(f"{gib(full.peak)} / {gib(ckpt.peak)}, {fits}")
+                if ckpt.peak > mem:
+                    hows += [f"{label.split(',')[0]}: {re.sub(r' [(]configs/[^)]*[)]', '', h)}"
+                             for h in suggestions(ckpt, mem)]
                 if args.details:
-                    print("\n```\n" + "\n".join(describe(plan, name, [(label, mem)], {})) + "\n```\n")
+                    details.append("\n".join(describe(full, name, [(label, mem)], {})))
+            n = f"{full.trained / 1e9:.2f} B" if full.trained >= 1e9 else f"{full.trained / 1e6:.1f} M"
+            print(f"| {name} | {what} ({n}) | " + " | ".join(cells) + f" | {'; '.join(hows)} |",
+                  flush=True)
+            for d in details:
+                print("\n```\n" + d + "\n```\n")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """The uptraining memory plan against the measured peak, on the CPU.
 
 For each model size (random Llamas built in code: pico, a middle one, SmolLM2-135M's
-shape), converted with `gqakit convert`, and each mode (all weights / attention only,
-with / without gradient checkpointing), one subprocess runs two optimizer steps of the
+shape), converted with `gqakit convert`, and each mode (all weights / attention only /
+LoRA r 8 on the default targets, with / without gradient checkpointing), one subprocess runs two optimizer steps of the
 uptrain recipe and reports its peak RSS (VmHWM) minus its RSS before the model was
 loaded (with glibc's mmap threshold fixed, see MALLOC); the prediction is the `memory_plan` row the run wrote first in log.jsonl (the
 figure `gqakit uptrain --dry-run` prints).
 
     python -m bench.uptrain_memory                       # every size and mode, a table on stdout
     python -m bench.uptrain_memory --sizes pico --out /tmp/m.jsonl
+    python -m bench.uptrain_memory --sizes mid,smollm2-135m --modes lora   # the LoRA rows only
 
 Rows go to bench/results/uptrain_memory.jsonl (appended) unless --out says otherwise.
 """
@@ -38,7 +39,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(hidden=576, layers=30, heads=9, kv=3, intermediate=1536, vocab=49152, tied=True,
                          seq_len=256, micro_batch=4),
 }
-MODES = {"all": None, "attention": ["self_attn"]}
+MODES = {"all": None, "attention": ["self_attn"], "lora": None}
+LORA = {"r": 8}  # train.lora of the "lora" mode: default targets (K and V after `mean`)
 # glibc's mmap threshold, fixed: a freed tensor goes back to the OS, so RSS follows the live
 # tensors (as torch's max_memory_allocated does on a GPU) instead of the heap's high-water mark.
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -77,7 +79,8 @@ def _config(model: Path, name: str, mode: str, ckpt: bool, run: Path) -> dict[st
     return {"model": {"path": str(model)}, "data": {"texts": [TEXT] * 8},
             "train": {"tokens": 2 * s["seq_len"] * s["micro_batch"], "seq_len": s["seq_len"],
                       "micro_batch": s["micro_batch"], "grad_accum": 1, "precision": "fp32", "cpu": True,
-                      "gradient_checkpointing": ckpt, "trainable": MODES[mode], "warmup_steps": 0},
+                      "gradient_checkpointing": ckpt, "trainable": MODES[mode], "warmup_steps": 0,
+                      **({"lora": LORA} if mode == "lora" else {})},
             "output": {"dir": str(run)}, "logging": {"every": 1, "tensorboard": False}}
 
 
@@ -128,6 +131,7 @@ def one(model: Path, name: str, mode: str, ckpt: bool, run: Path, warm: Path) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     ap.add_argument("--out", type=Path, default=RESULTS / "uptrain_memory.jsonl")
     ap.add_argument("--one", nargs=5, metavar=("MODEL", "SIZE", "MODE", "CKPT", "WARM"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -137,16 +141,20 @@ def main() -> None:
             print(json.dumps(one(Path(model), name, mode, ckpt == "1", Path(tmp) / "run", Path(warm))))
         return
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [s for s in sizes if s not in SIZES]
     if bad:
         sys.exit(f"uptrain_memory: unknown size {bad[0]!r}; choose from {', '.join(SIZES)}")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        sys.exit(f"uptrain_memory: unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
     machine = f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip()
     print("| size | params | mode | checkpointing | predicted | measured | error |\n|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         warm = build("pico", Path(tmp))
         for name in sizes:
             model = warm if name == "pico" else build(name, Path(tmp))
-            for mode in MODES:
+            for mode in modes:
                 for ckpt in (False, True):
                     say(f"{name} {mode} checkpointing={ckpt}")
                     r = subprocess.run([sys.executable, "-m", "bench.uptrain_memory", "--one", str(model), name, mode,
@@ -155,7 +163,8 @@ def main() -> None:
                     if r.returncode != 0:
                         sys.exit(f"uptrain_memory: the {name} {mode} run failed:\n{r.stderr[-2000:]}")
                     row = json.loads(r.stdout.strip().splitlines()[-1])
-                    row.update(date=time.strftime("%Y-%m-%d"), machine=machine, command="python -m bench.uptrain_memory")
+                    row.update(date=time.strftime("%Y-%m-%d"), machine=machine,
+                               command=" ".join(["python -m bench.uptrain_memory", *sys.argv[1:]]))
                     append_jsonl(args.out, row)
                     print(f"| {name} | {row['params'] / 1e6:.2f}M | {mode} | {'yes' if ckpt else 'no'} | "
                           f"{row['predicted_bytes'] / 2**20:,.1f} MiB | {row['measured_bytes'] / 2**20:,.1f} MiB | "

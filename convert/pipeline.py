@@ -221,6 +221,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                         raise GqakitError(f"the calibration stage trained {n}, which the plan copies from the source")
                     if n not in done:
                         writer.write(n, t.to(planned_dtype[n]))
+                new = t = None  # before the next layer is read: memory is one layer's attention
             writer.finish()
             bar.close()
         finally:

@@ -262,3 +262,24 @@ def test_stories260k_beats_mean_pooling(shared, tmp_path):
 
     assert ppl("align") < 15
     assert ppl("align-refit") < 10
+
+
+def test_a_layer_is_freed_before_the_next_layer_is_converted(tiny_model, tmp_path, monkeypatch):
+    """Memory is one layer's attention: when layer L+1 is converted, nothing holds layer L's
+    converted heads any more (they were written)."""
+    import dataclasses
+    import weakref
+
+    mean = METHODS["mean"]
+    previous: list = []
+
+    def watched(heads, ctx):
+        assert all(ref() is None for ref in previous), f"layer {ctx.layer - 1}'s converted heads are still held"
+        new = mean.fn(heads, ctx)
+        previous[:] = [weakref.ref(t) for t in (new.k, new.v)]
+        return new
+
+    monkeypatch.setitem(METHODS, "mean", dataclasses.replace(mean, fn=watched))
+    src = tiny_model("llama", num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=3)
+    convert_checkpoint(src, tmp_path / "out", 8, "mean", progress=False)
+    assert previous  # the method ran

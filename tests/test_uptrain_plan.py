@@ -205,3 +205,78 @@ def test_suggestions_name_the_cheapest_change_that_fits(converted: Path):
     assert got and got[0].startswith("train.gradient_checkpointing=true (peak")
     half = compose(plan.counts, replace(plan.settings, micro_batch=2, grad_accum=2), plan.target, 4)
     assert half.peak < plan.peak and half.parts["activations"] * 2 == plan.parts["activations"]
+
+
+def _lora_model(converted: Path, targets: list[str], r: int, dropout: float):
+    """The pico model wrapped as the trainer wraps it for train.lora (fp32: the CPU)."""
+    from types import SimpleNamespace
+
+    from gqakit.core.loading import load_causal_lm
+    from gqakit.uptrain.lora import wrap
+
+    model = load_causal_lm(converted).train()
+    model.config.use_cache = False
+    return wrap(model, SimpleNamespace(r=r, alpha=16.0, dropout=dropout), targets, "fp32")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_plan_counts_the_adapters_and_their_activations(converted: Path, dropout: float):
+    from gqakit.uptrain.plan import LoraPlan
+
+    targets = ["self_attn.k_proj", "self_attn.v_proj"]
+    hf = load_hf_config(converted)
+    r = 4
+    model = _lora_model(converted, targets, r, dropout)
+    seq, micro = 16, 3
+    torch.manual_seed(0)
+    saved = _real_saved_bytes(model, torch.randint(0, 60, (micro, seq)))
+    base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    hidden, layers = hf.hidden_size, hf.num_hidden_layers
+    kv_out = hf.num_key_value_heads * (hidden // hf.num_attention_heads)
+    adapters = layers * 2 * r * (hidden + kv_out)  # r x (in + out) per targeted projection
+
+    lora = LoraPlan(r, 16.0, dropout, tuple(targets))
+    plan = make_plan(hf, Settings(seq, micro, 1, False, None, "fp32", lora), Target(1, "none", "cpu"))
+    assert plan.trained == adapters and plan.params == base_params + adapters
+    assert plan.parts["gradients fp32"] == 4 * adapters
+    assert plan.parts["optimizer state (AdamW, 2 x fp32)"] == 8 * adapters
+    assert plan.parts["activations"] == saved
+    # on a GPU: the base frozen in bf16, the adapters' master weights fp32
+    gpu = make_plan(hf, Settings(seq, micro, 1, False, None, "bf16", lora), Target(1, "none", "cuda"))
+    assert gpu.parts["weights bfloat16"] == 2 * base_params and gpu.parts["weights float32"] == 4 * adapters
+    assert gpu.row()["memory_plan"]["lora"] == {"r": r, "targets": targets}
+    # no suggestion to train attention instead: it does not combine with LoRA
+    from gqakit.uptrain.plan import suggestions
+
+    assert not any("trainable" in s for s in suggestions(gpu, 1, recount=lambda p: pytest.fail("recounted")))
+
+
+def test_lora_dry_run_resolves_the_default_targets_and_the_run_logs_the_same_peak(converted: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    cfg = config(converted, out, lora={"r": 4})
+    r = dry_run(cfg, tmp_path, "--device-memory", "24GB")
+    assert r.returncode == 0, r.stderr
+    head = next(ln for ln in r.stdout.splitlines() if ln.startswith("# memory plan per process"))
+    assert "LoRA r 4 on self_attn.k_proj, self_attn.v_proj" in head, head  # mean pooling: K and V
+    peak = next(ln for ln in r.stdout.splitlines() if ln.strip("# ").startswith("peak"))
+    path = tmp_path / "c.yaml"
+    r = subprocess.run([sys.executable, "-m", "gqakit", "uptrain", str(path), "-q"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((out / "log.jsonl").read_text().splitlines()[0])["memory_plan"]
+    from gqakit.uptrain.plan import gib
+
+    assert gib(plan["peak_bytes"]) in peak and plan["lora"]["targets"] == ["self_attn.k_proj", "self_attn.v_proj"]
+    hf = load_hf_config(converted)
+    assert plan["trained"] == hf.num_hidden_layers * 2 * 4 * (hf.hidden_size + hf.num_key_value_heads * hf.head_dim)
+
+
+def test_dry_run_of_an_encoder_decoder_says_the_plan_is_for_decoder_only_models(tmp_path: Path):
+    from transformers import T5Config
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=64).save_pretrained(folder)
+    r = dry_run(config(folder, tmp_path / "run"), tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("# memory plan")]
+    assert lines == ["# memory plan: none; it covers decoder-only models, and t5 is an encoder-decoder (t5)"], r.stdout

@@ -72,13 +72,23 @@ def apply_lora(model: Any, train: Any, src: Path, precision: str) -> tuple[Any, 
     """MODEL wrapped by peft with adapters on `train.lora.targets` (default: what the conversion
     of SRC changed) and those targets; only the adapters are trainable, and the frozen weights
     are cast to the compute dtype of PRECISION."""
+    targets = resolve_targets(train.lora, src)
+    return wrap(model, train.lora, targets, precision, checkpointing=train.gradient_checkpointing), targets
+
+
+def resolve_targets(lora: Any, src: Path) -> list[str]:
+    """`train.lora.targets`, or by default the projections the conversion of SRC changed."""
+    return list(lora.targets or default_targets(src))
+
+
+def wrap(model: Any, lora: Any, targets: list[str], precision: str, *, checkpointing: bool = False) -> Any:
+    """MODEL wrapped by peft with LORA's adapters on TARGETS (checked first); the frozen weights
+    cast to the compute dtype of PRECISION. The memory plan counts the model wrapped by this."""
     import torch
 
-    lora = train.lora
-    targets = list(lora.targets or default_targets(src))
     check_targets(model, targets)
     frozen_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    if train.gradient_checkpointing:
+    if checkpointing:
         model.enable_input_require_grads()  # the frozen embeddings would cut the checkpointed graph
     try:
         from peft import LoraConfig, get_peft_model
@@ -94,7 +104,7 @@ def apply_lora(model: Any, train: Any, src: Path, precision: str) -> tuple[Any, 
     for p in wrapped.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != frozen_dtype:
             p.data = p.data.to(frozen_dtype)
-    return wrapped, targets
+    return wrapped
 
 
 def merged_state_dict(state_dict: dict[str, Any], lora: Any, fan_in_fan_out: bool = False) -> dict[str, Any]:

@@ -7,6 +7,10 @@ on a fake micro-batch. A saved-tensor hook records every tensor autograd keeps f
 backward pass, so the activation count is that of the real model code, attention kernel
 and loss included, for any architecture transformers can build. Nothing is read but
 config.json; a 70B shape is counted in seconds.
+
+With `train.lora` the model is wrapped by the trainer's own peft call (`lora.wrap`), so the
+adapters' parameters, their fp32 weights beside the frozen base in the compute dtype, and
+what their forward keeps (their inputs, dropout masks) are counted as the run has them.
 """
 
 from __future__ import annotations
@@ -89,6 +93,20 @@ def _unpacked() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = old
 
 
+@contextmanager
+def _modules_stay_put() -> Iterator[None]:
+    """peft moves each new adapter to its base layer's device and dtype with `Module.to`,
+    which cannot swap fake parameters. Every fake tensor here is already on the one fake
+    device, and the adapters are made in the base's dtype (fp32, as the trainer loads it):
+    the move changes nothing, so it is skipped while the model is wrapped."""
+    old = torch.nn.Module.to
+    torch.nn.Module.to = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = old  # type: ignore[method-assign]
+
+
 def _build(hf_config: Any, trust_remote_code: bool) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -99,15 +117,25 @@ def _build(hf_config: Any, trust_remote_code: bool) -> Any:
 
 def count_model(hf_config: Any, *, trainable: Sequence[str] | None, seq_len: int, micro_batch: int, precision: str,
                 teacher_config: Any | None = None, temperature: float = 1.0, hidden: bool = False,
-                layer: bool = False, trust_remote_code: bool = False) -> Counts:
-    """Count parameters, weight bytes and saved activations of one training micro-batch."""
+                layer: bool = False, trust_remote_code: bool = False, lora: Any = None,
+                lora_targets: Sequence[str] = ()) -> Counts:
+    """Count parameters, weight bytes and saved activations of one training micro-batch.
+    `lora` (r, alpha, dropout) with its resolved `lora_targets`: adapters, as the trainer adds them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise GqakitError(f"the memory plan covers decoder-only models; this is an encoder-decoder "
+                          f"({getattr(hf_config, 'model_type', '?')})")
     compute = DTYPES[precision]
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build(hf_config, trust_remote_code)
         model.train()
         set_trainable(model, trainable, precision)
+        if lora is not None:
+            from gqakit.uptrain.lora import wrap
+
+            with _modules_stay_put():
+                model = wrap(model, lora, list(lora_targets), precision)
         teacher = None
         if teacher_config is not None:
             teacher = _build(teacher_config, trust_remote_code).eval().requires_grad_(False)

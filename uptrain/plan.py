@@ -7,7 +7,9 @@ the real model code and loss keep for the backward pass.
 
 Per process, with P_t trained parameters (N processes under FSDP divide the model state):
 
-- weights: trained ones fp32 (the master copy), frozen ones in the compute dtype;
+- weights: trained ones fp32 (the master copy), frozen ones in the compute dtype; with
+  `train.lora` the trained ones are the adapters (r x (in + out) per target projection)
+  and every base weight is frozen;
 - gradients: fp32, of what trains (4 P_t bytes);
 - optimizer state: AdamW's two fp32 moments (8 P_t bytes);
 - optimizer step scratch: on a GPU torch's multi-tensor AdamW holds one more fp32 copy
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, first_line
 
 GIB = 2**30
 ATTENTION = ["self_attn"]   # the weights conversion changed: train.trainable for attention only
@@ -52,6 +54,16 @@ class Target:
 
 
 @dataclass(frozen=True)
+class LoraPlan:
+    """`train.lora` with its targets resolved (as `lora.resolve_targets` does for the run)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Settings:
     """The run settings the plan depends on (and that a suggestion may change)."""
 
@@ -61,6 +73,7 @@ class Settings:
     checkpointing: bool
     trainable: tuple[str, ...] | None
     precision: str                 # resolved: bf16, fp16 or fp32
+    lora: LoraPlan | None = None   # adapters instead of `trainable`
 
 
 @dataclass
@@ -81,7 +94,8 @@ class Plan:
             "peak_bytes": self.peak, "parts_bytes": dict(self.parts), "params": self.params, "trained": self.trained,
             "processes": self.target.processes, "sharding": self.target.sharding, "device": self.target.device,
             "seq_len": s.seq_len, "micro_batch": s.micro_batch, "gradient_checkpointing": s.checkpointing,
-            "precision": s.precision}}
+            "precision": s.precision,
+            **({"lora": {"r": s.lora.r, "targets": list(s.lora.targets)}} if s.lora else {})}}
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -183,7 +197,8 @@ def make_plan(hf_config: Any, settings: Settings, target: Target, *, teacher_con
     counts = count_model(hf_config, trainable=settings.trainable, seq_len=settings.seq_len,
                          micro_batch=settings.micro_batch, precision=settings.precision, teacher_config=teacher_config,
                          temperature=te.get("temperature", 1.0), hidden=te.get("hidden_weight", 0) > 0,
-                         layer=te.get("layer_weight", 0) > 0, trust_remote_code=trust_remote_code)
+                         layer=te.get("layer_weight", 0) > 0, trust_remote_code=trust_remote_code,
+                         lora=settings.lora, lora_targets=settings.lora.targets if settings.lora else ())
     plan = compose(counts, settings, target, settings.micro_batch)
     plan.counts = counts
     return plan
@@ -216,7 +231,7 @@ def suggestions(plan: Plan, memory: int, *, recount: Any = None, limit: int = 1)
     found: list[str] = []
     base = plan.settings
     tries: list[tuple[list[str], Any, Settings, Target]] = [(o, counts, v, t) for o, v, t in _variants(base, plan.target)]
-    if base.trainable is None and recount is not None:
+    if base.trainable is None and base.lora is None and recount is not None:
         att = recount(ATTENTION)
         s_att = replace(base, trainable=tuple(ATTENTION))
         tries.append((["train.trainable=[self_attn]"], att, s_att, plan.target))
@@ -243,8 +258,9 @@ def suggestions(plan: Plan, memory: int, *, recount: Any = None, limit: int = 1)
 def describe(plan: Plan, name: str, devices: Sequence[tuple[str, int]], fits_with: dict[str, list[str]]) -> list[str]:
     """The plan as lines of text."""
     s, t = plan.settings, plan.target
-    lines = [f"memory plan per process: {name} ({plan.params / 1e6:,.1f}M params, {plan.trained / 1e6:,.1f}M trained), "
-             f"seq_len {s.seq_len} x micro_batch {s.micro_batch}, {s.precision}, {t.describe()}"]
+    how = f" (LoRA r {s.lora.r} on {', '.join(s.lora.targets)})" if s.lora else ""
+    lines = [f"memory plan per process: {name} ({plan.params / 1e6:,.1f}M params, {plan.trained / 1e6:,.1f}M trained"
+             f"{how}), seq_len {s.seq_len} x micro_batch {s.micro_batch}, {s.precision}, {t.describe()}"]
     for k, v in plan.parts.items():
         extra = ""
         if k == "activations":
@@ -265,10 +281,15 @@ def describe(plan: Plan, name: str, devices: Sequence[tuple[str, int]], fits_wit
 # ----------------------------------------------------------------------------- entry points
 
 
-def _settings(cfg: Any, device: str) -> Settings:
+def _settings(cfg: Any, device: str, src: Path) -> Settings:
     t = cfg.train
+    lora = None
+    if t.lora is not None:
+        from gqakit.uptrain.lora import resolve_targets
+
+        lora = LoraPlan(t.lora.r, t.lora.alpha, t.lora.dropout, tuple(resolve_targets(t.lora, src)))
     return Settings(t.seq_len, t.micro_batch, t.grad_accum, t.gradient_checkpointing,
-                    tuple(t.trainable) if t.trainable else None, resolve_precision(t.precision, device))
+                    tuple(t.trainable) if t.trainable else None, resolve_precision(t.precision, device), lora)
 
 
 def _configs(cfg: Any) -> tuple[Any, Any, bool]:
@@ -302,8 +323,12 @@ def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_c
         devices = [(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)] if gpu \
             else [("host RAM", host_memory())]
     hf, teacher, trc = _configs(cfg)
-    plan = make_plan(hf, _settings(cfg, target.device), target, teacher_config=teacher,
-                     teacher=cfg.teacher.model_dump(), trust_remote_code=trc)
+    if getattr(hf, "is_encoder_decoder", False):
+        return [f"memory plan: none; it covers decoder-only models, and {Path(cfg.model.path).name} is an "
+                f"encoder-decoder ({getattr(hf, 'model_type', '?')})"], True
+    settings = _settings(cfg, target.device, Path(cfg.model.path).expanduser())
+    plan = make_plan(hf, settings, target, teacher_config=teacher, teacher=cfg.teacher.model_dump(),
+                     trust_remote_code=trc)
 
     def recount(patterns: list[str]) -> Any:
         s = replace(plan.settings, trainable=tuple(patterns))
@@ -326,13 +351,14 @@ def plan_for_run(cfg: Any, src: Path, hf_config: Any, *, processes: int, distrib
     from gqakit.core.loading import remote_code
 
     sharding = "fsdp" if distributed == "FSDP" else ("ddp" if processes > 1 else "none")
-    s = replace(_settings(cfg, device), precision=precision)
     try:
+        s = replace(_settings(cfg, device, Path(src)), precision=precision)
         plan = make_plan(hf_config, s, Target(processes, sharding, device), teacher_config=teacher_config,
                          teacher=cfg.teacher.model_dump(), trust_remote_code=remote_code(Path(src), None))
     except Exception as e:  # noqa: BLE001 - the plan informs; it must not stop a run the loader accepted
+        why = first_line(e, 200) if isinstance(e, GqakitError) else type(e).__name__
         return {"step": 0, "memory_plan": None, "memory_plan_error": str(e).splitlines()[0][:200] if str(e) else
-                type(e).__name__}, f"memory plan: not available ({type(e).__name__})"
+                type(e).__name__}, f"memory plan: not available ({why})"
     parts = ", ".join(f"{k} {gib(v)}" for k, v in plan.parts.items() if v)
     return plan.row(), f"memory plan: peak {gib(plan.peak)} per process ({parts})"
 

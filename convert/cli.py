@@ -9,11 +9,14 @@ from typing import Any
 
 import click
 
-from gqakit.convert.settings import ConvertSettings, RefitOptions, refit_options_help
+from gqakit.convert.settings import ConvertSettings, RefitOptions, check_encoder_decoder, refit_options_help
 from gqakit.core import arch as archmod
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
+
+# `gqakit inspect` of an encoder-decoder: the default lengths its cache sizes are priced at
+SEQ2SEQ_INPUT_LEN, SEQ2SEQ_OUTPUT_LEN = 512, 128
 
 
 def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,6 +80,7 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
       gqakit convert model.gguf ./out -g 1 --dry-run
       gqakit convert model.Q4_1.gguf model-g1.Q4_1.gguf -g 1 --method align
       gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
+      gqakit convert ./flan-t5-base ./flan-t5-g4 -g 4 --method mean
     """
     from gqakit.core.device import check_device
 
@@ -94,6 +98,9 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     elif gguf_type is not None:
         raise GqakitError("--gguf-type applies only to an OUT ending in .gguf")
     settings = ConvertSettings(source=src, refit=refit, **fields)
+    config = _folder_config(src)
+    if config is not None and archmod.find(config) is not None:  # (make_plan asks again, for every caller)
+        check_encoder_decoder(archmod.lookup(config), settings, gguf=to_gguf)
     from gqakit.core.quiet import quiet_libraries
 
     if to_gguf:
@@ -116,6 +123,14 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     click.echo(f"wrote {path}")
 
 
+def _folder_config(src: Path) -> dict[str, Any] | None:
+    """config.json of a model folder SRC (None for a .gguf file or no folder)."""
+    from gqakit.core.loading import read_config_json
+
+    src = Path(src).expanduser()
+    return read_config_json(src) if src.is_dir() and (src / "config.json").is_file() else None
+
+
 def precheck_source(src: Path) -> None:
     """The checks of SRC that need no torch: a missing path, a broken config.json or
     safetensors header, a damaged GGUF are answered before the heavy imports."""
@@ -133,24 +148,46 @@ def precheck_source(src: Path) -> None:
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option("--batch", type=int, default=1, show_default=True, help="Batch size for the KV-cache size column.")
 @click.option("--context", type=int, default=None, help="Context length for the KV-cache size column [default: the model's max positions].")
+@click.option("--input-len", type=int, default=None,
+              help=f"Encoder-decoders: input tokens per sequence, which the cross-attention cache holds "
+                   f"[default: {SEQ2SEQ_INPUT_LEN}].")
+@click.option("--output-len", type=int, default=None,
+              help=f"Encoder-decoders: output tokens per sequence, which the self-attention cache holds "
+                   f"[default: {SEQ2SEQ_OUTPUT_LEN}].")
 @click.option("--dtype-bytes", type=int, default=2, show_default=True, help="Bytes per cached element (2 for bf16/fp16).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as_json: bool) -> None:
+def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | None, output_len: int | None,
+                dtype_bytes: int, as_json: bool) -> None:
     """Show a checkpoint's attention geometry and the KV cache at each valid G.
+
+    For an encoder-decoder: both caches of the decoder (self-attention, per output token;
+    cross-attention, per input token) and the bytes saved at --input-len, --output-len and
+    --batch.
 
     \b
     Examples:
       gqakit inspect ./llama-mha
       gqakit inspect ./llama-mha --batch 16 --context 8192
+      gqakit inspect ./t5-base --input-len 4096 --output-len 256 --batch 8
     """
-    if batch < 1 or (context is not None and context < 1) or dtype_bytes < 1:
-        raise GqakitError("--batch, --context and --dtype-bytes must be positive")
+    if batch < 1 or any(v is not None and v < 1 for v in (context, input_len, output_len)) or dtype_bytes < 1:
+        raise GqakitError("--batch, --context, --input-len, --output-len and --dtype-bytes must be positive")
     precheck_source(src)
     from gqakit.convert.plan import make_plan
     from gqakit.convert.source import open_checkpoint
 
     opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
+    if spec.is_encoder_decoder:
+        if context is not None:
+            raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "
+                              "and --output-len")
+        _inspect_seq2seq(src, opened, batch, input_len or SEQ2SEQ_INPUT_LEN, output_len or SEQ2SEQ_OUTPUT_LEN,
+                         dtype_bytes, as_json)
+        return
+    if input_len is not None or output_len is not None:
+        raise GqakitError(f"--input-len and --output-len apply to encoder-decoders; {spec.family} is decoder-only "
+                          "(use --context)")
     s = archmod.shape_of(spec, opened.config)
     ctx = context or s.max_positions or 2048
     rows = []
@@ -176,3 +213,49 @@ def inspect_cmd(src: Path, batch: int, context: int | None, dtype_bytes: int, as
     for r in rows:
         click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {r['kv_bytes_per_token']:>12,} "
                    f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
+
+
+def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_len: int, dtype_bytes: int,
+                     as_json: bool) -> None:
+    """`inspect` of an encoder-decoder: the decoder's two caches at every valid G (the encoder
+    keeps no cache), and what each G saves at this input length, output length and batch."""
+    from gqakit.convert.plan import make_plan
+
+    spec = archmod.lookup(opened.config)
+    geo = archmod.Seq2SeqShape(archmod.encoder_shape_of(spec, opened.config), archmod.shape_of(spec, opened.config))
+    dec, enc = geo.decoder, geo.encoder
+    full = [b * batch for b in geo.cache_bytes(dtype_bytes, input_tokens=input_len, output_tokens=output_len)]
+    rows = []
+    for g in [d for d in range(dec.num_kv_heads, 0, -1) if dec.num_kv_heads % d == 0]:
+        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g))
+        self_b, cross_b = (b * batch for b in geo.cache_bytes(dtype_bytes, input_tokens=input_len,
+                                                               output_tokens=output_len, kv_heads=g))
+        rows.append({"kv_heads": g, "group_size": dec.num_heads // g,
+                     "self_attention_bytes_per_output_token": dec.kv_bytes_per_token(dtype_bytes, g),
+                     "cross_attention_bytes_per_input_token": dec.kv_bytes_per_token(dtype_bytes, g),
+                     "self_attention_cache_bytes": self_b, "cross_attention_cache_bytes": cross_b,
+                     "kv_cache_bytes": self_b + cross_b, "kv_cache_bytes_saved": sum(full) - self_b - cross_b,
+                     "parameters_removed": plan.source_params - plan.output_params})
+    info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "encoder_decoder": True,
+            "encoder": {"layers": enc.num_layers, "query_heads": enc.num_heads, "kv_heads": enc.num_kv_heads,
+                        "head_dim": enc.head_dim},
+            "decoder": {"layers": dec.num_layers, "query_heads": dec.num_heads, "kv_heads": dec.num_kv_heads,
+                        "head_dim": dec.head_dim},
+            "hidden_size": dec.hidden_size, "parameters": plan.source_params, "batch": batch,
+            "input_len": input_len, "output_len": output_len, "dtype_bytes": dtype_bytes, "options": rows}
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"{src}: {spec.family} encoder-decoder (GQA via written modeling file)")
+    click.echo(f"  encoder: layers {enc.num_layers}, query heads {enc.num_heads}, KV heads {enc.num_kv_heads}; "
+               f"decoder: layers {dec.num_layers}, query heads {dec.num_heads}, KV heads {dec.num_kv_heads}; "
+               f"head_dim {dec.head_dim}, hidden {dec.hidden_size}, parameters {plan.source_params:,}")
+    click.echo(f"\n  decoder KV caches at batch {batch}, input {input_len} tokens, output {output_len} tokens, "
+               f"{dtype_bytes} bytes/element (self-attention per output token, cross-attention per input token):")
+    click.echo(f"  {'G':>4} {'q/kv':>5} {'bytes/token':>12} {'self cache':>12} {'cross cache':>12} "
+               f"{'saved':>12} {'params removed':>15}")
+    for r in rows:
+        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {r['self_attention_bytes_per_output_token']:>12,} "
+                   f"{format_bytes(r['self_attention_cache_bytes']):>12} "
+                   f"{format_bytes(r['cross_attention_cache_bytes']):>12} "
+                   f"{format_bytes(r['kv_cache_bytes_saved']):>12} {r['parameters_removed']:>15,}")

@@ -261,6 +261,9 @@ def _stream(path: Path, reader: Any, arch: Any) -> GGUFInput | NoStream:
     from gqakit.core.loading import check_loaded, load_config
 
     config = load_config(path)
+    if getattr(config, "is_encoder_decoder", False):
+        raise GqakitError(f"{path.name} holds an encoder-decoder ({config.model_type}); GGUF input and output are "
+                          "for decoder-only models: convert its model folder to a model folder")
     with init_empty_weights(include_buffers=False):
         skeleton = AutoModelForCausalLM.from_config(config)
     present = {t.name for t in reader.tensors}

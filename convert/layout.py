@@ -8,6 +8,10 @@ family-specific layout:
 
 `o` is the output projection's weight viewed by input head; its bias is untouched by
 every transform and passes through unchanged.
+
+`site` says which attention of a layer: "self" (a decoder's self-attention, the only one
+of a decoder-only model), "cross" (an encoder-decoder's cross-attention, in the same
+decoder block) or "encoder" (the encoder's self-attention; `shape` is then the encoder's).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from gqakit.core.arch import ArchSpec, Shape
+from gqakit.core.arch import ArchSpec, Attention, Shape
 from gqakit.core.qkv_rows import join_grouped_qkv, split_grouped_qkv
 
 
@@ -47,9 +51,12 @@ class AttnHeads:
                            (self.q, self.k, self.v, self.o, self.q_bias, self.k_bias, self.v_bias)])
 
 
-def layer_names(spec: ArchSpec, layer: int) -> dict[str, str]:
+SITES = ("self", "cross", "encoder")
+
+
+def layer_names(spec: ArchSpec, layer: int, site: str = "self") -> dict[str, str]:
     """Role -> tensor name for one layer (weights and possible biases; o's bias excluded)."""
-    a = spec.attention
+    a = spec.attention_at(site)
     p = a.prefix.format(layer=layer)
     roles = {"o.weight": f"{p}{a.o}.weight"}
     parts = ("q", "k", "v") if a.layout == "separate" else ("qkv",)
@@ -60,24 +67,25 @@ def layer_names(spec: ArchSpec, layer: int) -> dict[str, str]:
     return roles
 
 
-def _split_rows(t: Tensor, spec: ArchSpec, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
+def _split_rows(t: Tensor, a: Attention, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
     """Split a fused qkv output axis (dim 0) into q [H*D...], k [KV*D...], v [KV*D...]."""
     H, KV, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    if spec.attention.layout == "fused_concat":
+    if a.layout == "fused_concat":
         return t[: H * D], t[H * D : (H + KV) * D], t[(H + KV) * D :]
     return split_grouped_qkv(t, H, KV, D)
 
 
-def _join_rows(q: Tensor, k: Tensor, v: Tensor, spec: ArchSpec, H: int, KV: int, D: int) -> Tensor:
-    if spec.attention.layout == "fused_concat":
+def _join_rows(q: Tensor, k: Tensor, v: Tensor, a: Attention, H: int, KV: int, D: int) -> Tensor:
+    if a.layout == "fused_concat":
         return torch.cat([q, k, v], dim=0)
     return join_grouped_qkv(q, k, v, H, KV, D)
 
 
 def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: int,
-               dtype: torch.dtype = torch.float32) -> AttnHeads:
+               dtype: torch.dtype = torch.float32, *, site: str = "self") -> AttnHeads:
     """Canonical heads from the tensors of one layer (a dict name -> tensor)."""
-    names = layer_names(spec, layer)
+    names = layer_names(spec, layer, site)
+    a = spec.attention_at(site)
     H, KV, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
 
     def get(role: str) -> Tensor | None:
@@ -86,17 +94,17 @@ def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: 
 
     o = get("o.weight")
     if o is not None:
-        o = (o.t() if spec.attention.transposed else o).reshape(-1, H, D)
-    if spec.attention.layout == "separate":
+        o = (o.t() if a.transposed else o).reshape(-1, H, D)
+    if a.layout == "separate":
         w = {p: get(f"{p}.weight") for p in "qkv"}
         b = {p: get(f"{p}.bias") for p in "qkv"}
     else:
         qkv = get("qkv.weight")
-        if spec.attention.transposed:
+        if a.transposed:
             qkv = qkv.t()
-        w = dict(zip("qkv", _split_rows(qkv, spec, shape)))
+        w = dict(zip("qkv", _split_rows(qkv, a, shape)))
         bias = get("qkv.bias")
-        b = dict(zip("qkv", _split_rows(bias, spec, shape))) if bias is not None else dict.fromkeys("qkv")
+        b = dict(zip("qkv", _split_rows(bias, a, shape))) if bias is not None else dict.fromkeys("qkv")
     heads_of = {"q": H, "k": KV, "v": KV}
     return AttnHeads(
         **{p: None if w[p] is None else w[p].reshape(heads_of[p], D, -1) for p in "qkv"}, o=o,
@@ -104,22 +112,24 @@ def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: 
     )
 
 
-def write_heads(spec: ArchSpec, heads: AttnHeads, layer: int, dtypes: dict[str, torch.dtype]) -> dict[str, Tensor]:
+def write_heads(spec: ArchSpec, heads: AttnHeads, layer: int, dtypes: dict[str, torch.dtype], *,
+                site: str = "self") -> dict[str, Tensor]:
     """Tensors (name -> tensor, in the family's layout) for one layer's canonical heads.
 
     `dtypes` maps each source tensor name present to its output dtype; absent biases
     stay absent.
     """
-    names = layer_names(spec, layer)
+    names = layer_names(spec, layer, site)
+    a = spec.attention_at(site)
     KV, D = heads.num_kv_heads, heads.k.shape[1]
     out: dict[str, Tensor] = {}
     if heads.o is not None:
         o = heads.o.reshape(heads.o.shape[0], -1)
-        out[names["o.weight"]] = o.t() if spec.attention.transposed else o
+        out[names["o.weight"]] = o.t() if a.transposed else o
     flat = {p: None if getattr(heads, p) is None else getattr(heads, p).reshape(-1, getattr(heads, p).shape[-1])
             for p in "qkv"}
     bias = {p: getattr(heads, f"{p}_bias") for p in "qkv"}
-    if spec.attention.layout == "separate":
+    if a.layout == "separate":
         for p in "qkv":
             if flat[p] is None:
                 continue
@@ -128,17 +138,18 @@ def write_heads(spec: ArchSpec, heads: AttnHeads, layer: int, dtypes: dict[str, 
                 out[names[f"{p}.bias"]] = bias[p].reshape(-1)
     else:
         H = heads.num_heads
-        w = _join_rows(flat["q"], flat["k"], flat["v"], spec, H, KV, D)
-        out[names["qkv.weight"]] = w.t() if spec.attention.transposed else w
+        w = _join_rows(flat["q"], flat["k"], flat["v"], a, H, KV, D)
+        out[names["qkv.weight"]] = w.t() if a.transposed else w
         if names["qkv.bias"] in dtypes and bias["q"] is not None:
-            out[names["qkv.bias"]] = _join_rows(*(bias[p].reshape(-1) for p in "qkv"), spec, H, KV, D)
+            out[names["qkv.bias"]] = _join_rows(*(bias[p].reshape(-1) for p in "qkv"), a, H, KV, D)
     return {n: t.to(dtypes[n]).contiguous() for n, t in out.items()}
 
 
 def output_shapes(spec: ArchSpec, shape: Shape, num_kv_heads: int, layer: int,
-                  src_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+                  src_shapes: dict[str, tuple[int, ...]], *, site: str = "self") -> dict[str, tuple[int, ...]]:
     """Shapes of one layer's attention tensors after conversion to `num_kv_heads`."""
-    names = layer_names(spec, layer)
+    names = layer_names(spec, layer, site)
+    transposed = spec.attention_at(site).transposed
     H, G, D = shape.num_heads, num_kv_heads, shape.head_dim
     shapes: dict[str, tuple[int, ...]] = {}
     for role, name in names.items():
@@ -148,7 +159,7 @@ def output_shapes(spec: ArchSpec, shape: Shape, num_kv_heads: int, layer: int,
         part = role.split(".")[0]
         new_rows = {"k": G * D, "v": G * D, "qkv": (H + 2 * G) * D}.get(part)
         if new_rows is not None:
-            axis = 1 if (spec.attention.transposed and role.endswith("weight")) else 0
+            axis = 1 if (transposed and role.endswith("weight")) else 0
             s[axis] = new_rows
         shapes[name] = tuple(s)
     return shapes

@@ -31,7 +31,7 @@ from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.io import ShardWriter
 from gqakit.convert.layout import AttnHeads, read_heads, write_heads
 from gqakit.convert.methods import method_spec
-from gqakit.convert.plan import Plan, make_plan, trained_block_tensors
+from gqakit.convert.plan import AttentionLayer, Plan, make_plan, trained_block_tensors
 from gqakit.convert.pooling import PoolContext
 from gqakit.convert.record import drift_summary, write_metadata
 from gqakit.convert.settings import DEFAULT_CALIBRATION_TOKENS, DEFAULT_METHOD, ConvertSettings
@@ -42,19 +42,21 @@ from gqakit.core.outdir import (GGUF_FILE, RESUME_DIR, atomic_output_dir, atomic
                                 resumable_output_dir)
 
 Layers = Iterator[tuple[int, AttnHeads]]
+Steps = Iterator[tuple[AttentionLayer, AttnHeads]]
 
 
 def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, method: str = DEFAULT_METHOD, *,
                        grouping: str = "auto", effort: str = "best", dtype: str = "auto", overwrite: bool = False,
                        max_shard_size: str | int = "2GB", seed: int = 0, calibration_data: str | None = None,
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, options: dict[str, Any] | None = None,
-                       device: str = "auto", progress: bool = True) -> Path:
+                       device: str = "auto", progress: bool = True, group_encoder: bool = False) -> Path:
     """Convert SRC (HF folder or .gguf) to the model folder OUT with `num_kv_heads` K/V heads
     per layer: `convert_folder` with the settings built from these arguments."""
     settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, effort=effort,
                                dtype=dtype,
                                max_shard_size=max_shard_size, seed=seed, calibration_data=calibration_data,
-                               calibration_tokens=calibration_tokens, refit=options or {})
+                               calibration_tokens=calibration_tokens, refit=options or {},
+                               group_encoder=group_encoder)
     return convert_folder(settings, out, overwrite=overwrite, device=device, progress=progress)
 
 
@@ -82,8 +84,9 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
         resolve_device(device)
     plan = make_plan(open_checkpoint(settings.source, progress=progress), settings)
     s = plan.shape
-    return [f"{plan.family}: {s.num_layers} layers, {s.num_heads} query heads, "
-            f"{s.num_kv_heads} -> {settings.num_kv_heads} KV heads, head_dim {s.head_dim}",
+    grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
+    return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
+            f"{s.num_kv_heads} -> {settings.num_kv_heads} KV heads, head_dim {s.head_dim}", *grouped,
             *auto_lines(plan.settings),
             f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]
@@ -97,33 +100,43 @@ def auto_lines(settings: ConvertSettings) -> list[str]:
 
 # ----------------------------------------------------------------------------- where the layers come from
 
-def per_layer_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> Layers:
-    """(layer, converted heads) in layer order, for methods that need only the layer's weights."""
+def per_step_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> Steps:
+    """(step, converted heads) in the plan's layer order, for methods that need only the
+    layer's weights; an encoder-decoder's steps are its layers' self-, cross- and (when
+    grouped) encoder attentions."""
     settings = settings.resolved(source_params=plan.source_params, max_positions=plan.shape.max_positions)
     spec = archmod.registry()[plan.family]
     gen = torch.Generator().manual_seed(settings.seed)
     method_fn = method_spec(settings.method).fn
     group_fn = GROUPINGS[settings.grouping]
     for step in plan.attention_layers():
-        layer = step.layer
+        layer, shape = step.layer, plan.shape_at(step.site)
         tensors = {n: opened.source.get(n) for n in step.names}
         # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
-        heads = read_heads(spec, plan.shape, tensors, layer, dtype=torch.float64 if wide else torch.float32)
+        heads = read_heads(spec, shape, tensors, layer, dtype=torch.float64 if wide else torch.float32,
+                           site=step.site)
         del tensors  # memory is one layer's attention: nothing but the method's result outlives its step
         groups = group_fn(heads, settings.num_kv_heads, rotary_style=spec.rotary.style,
-                          rotary_dim=plan.shape.rotary_dim)
-        ctx = PoolContext(settings.num_kv_heads, groups, spec.rotary.style, plan.shape.rotary_dim, layer, gen)
+                          rotary_dim=shape.rotary_dim)
+        ctx = PoolContext(settings.num_kv_heads, groups, spec.rotary.style, shape.rotary_dim, layer, gen)
         new = method_fn(heads, ctx)
         del heads, groups, ctx
-        yield layer, new
+        yield step, new
         del new
+
+
+def per_layer_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> Layers:
+    """(layer, converted heads) in layer order, for methods that need only the layer's weights
+    (`per_step_heads` with each step's layer: for a decoder-only model, one step per layer)."""
+    for step, new in per_step_heads(opened, plan, settings):
+        yield step.layer, new
 
 
 def converted_layers(opened: Opened, plan: Plan, settings: ConvertSettings, *, device: str = "cpu",
                      progress: bool = True, scratch: Path | None = None, resume_dir: Path | None = None,
-                     written: Callable[[], list[str]] | None = None) -> tuple[Layers, Any]:
-    """(layer, converted heads) in layer order, and the calibration stage that makes them
+                     written: Callable[[], list[str]] | None = None) -> tuple[Steps, Any]:
+    """(step, converted heads) in layer order, and the calibration stage that makes them
     (its `summary` is recorded in OUT) or None: a method that needs data runs as the stage,
     one decoder block at a time on `device`; any other converts each layer from its weights."""
     if settings.staged:
@@ -131,8 +144,9 @@ def converted_layers(opened: Opened, plan: Plan, settings: ConvertSettings, *, d
 
         stage = CalibrationStage(opened, plan, settings, device=device, progress=progress, scratch=scratch,
                                  resume_dir=resume_dir, written=written)
-        return stage.layers(), stage
-    return per_layer_heads(opened, plan, settings), None
+        steps = {step.layer: step for step in plan.attention_layers()}  # decoder-only: one step per layer
+        return ((steps[layer], new) for layer, new in stage.layers()), stage
+    return per_step_heads(opened, plan, settings), None
 
 
 # ----------------------------------------------------------------------------- a model folder
@@ -194,10 +208,10 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress,
                                              scratch=tmp / ".scratch", resume_dir=tmp / RESUME_DIR,
                                              written=lambda: writer.written)
-            steps = {step.layer: step for step in plan.attention_layers()}
-            for layer, new in layers:
-                out_dtypes = {n: planned_dtype[n] for n in steps[layer].names}
-                for n, t in write_heads(spec, new, layer, out_dtypes).items():
+            for step, new in layers:
+                layer = step.layer
+                out_dtypes = {n: planned_dtype[n] for n in step.names}
+                for n, t in write_heads(spec, new, layer, out_dtypes, site=step.site).items():
                     if n in done:  # already in the shards (a resumed run restarts after its checkpoint)
                         continue
                     writer.write(n, t)
@@ -287,7 +301,7 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
         layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress, scratch=scratch,
                                          resume_dir=None, written=lambda: [])
         try:
-            writer.write(layers, progress=progress and not staged)
+            writer.write(((step.layer, new) for step, new in layers), progress=progress and not staged)
             calibration = stage.summary if stage is not None else None
             writer.finish(calibration, time.perf_counter() - t0)
         finally:

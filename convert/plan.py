@@ -4,6 +4,12 @@ decided from the config and the tensor headers before anything is converted.
     source tensors (file order) --make_plan--> Plan.steps: PassThrough(name) for a tensor
     the method leaves as it is, AttentionLayer(layer, names) for the attention tensors of a
     layer the method rewrites (one step, where its first tensor is) --> Plan.tensors
+
+An encoder-decoder's plan rewrites, per decoder layer, the self-attention and the
+cross-attention, and, with `group_encoder`, each encoder layer's self-attention: each is
+one step, with its site ("self", "cross", "encoder"; see `layout`). The methods that need
+data (the calibration stage) and GGUF are refused for it (`settings.check_encoder_decoder`),
+before anything is written.
 """
 
 from __future__ import annotations
@@ -16,14 +22,17 @@ from typing import Any
 import torch
 
 from gqakit.convert.io import Planned
-from gqakit.convert.layout import layer_names, output_shapes
+from gqakit.convert.layout import SITES, layer_names, output_shapes
 from gqakit.convert.methods import method_spec
-from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# how the model card and gqakit_convert.json name each site an encoder-decoder's conversion grouped
+SITE_NAMES = {"self": "decoder.self_attention", "cross": "decoder.cross_attention",
+              "encoder": "encoder.self_attention"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class AttentionLayer:
 
     layer: int
     names: tuple[str, ...]  # in the table's role order; only those the method rewrites
+    site: str = "self"      # which attention of the layer (`layout.SITES`)
 
 
 Step = PassThrough | AttentionLayer
@@ -55,6 +65,8 @@ class Plan:
     source_params: int
     output_params: int
     settings: ConvertSettings  # resolved: every "auto" decided from this model (`ConvertSettings.resolved`)
+    encoder_shape: archmod.Shape | None = None  # an encoder-decoder's encoder (`shape` is its decoder)
+    sites: tuple[str, ...] = ("self",)          # the attentions the conversion groups
 
     @cached_property
     def layer_of(self) -> dict[str, int]:
@@ -65,27 +77,54 @@ class Plan:
         return [s for s in self.steps if isinstance(s, PassThrough)]
 
     def attention_layers(self) -> list[AttentionLayer]:
-        """In layer order (the order methods and the calibration stage yield them)."""
-        return sorted((s for s in self.steps if isinstance(s, AttentionLayer)), key=lambda s: s.layer)
+        """In layer order (the order methods and the calibration stage yield them); an
+        encoder-decoder's sites in `layout.SITES` order within a layer."""
+        return sorted((s for s in self.steps if isinstance(s, AttentionLayer)),
+                      key=lambda s: (s.layer, SITES.index(s.site)))
+
+    def shape_at(self, site: str) -> archmod.Shape:
+        """The geometry of a site's attention: the encoder's for "encoder", else the decoder's."""
+        if site == "encoder":
+            assert self.encoder_shape is not None
+            return self.encoder_shape
+        return self.shape
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder_shape is not None
+
+    @property
+    def grouped(self) -> list[str]:
+        """The attentions converted to the target KV heads, by name (e.g. "decoder.cross_attention")."""
+        return [SITE_NAMES[site] for site in self.sites]
 
 
-def validate_g(shape: archmod.Shape, g: int) -> None:
+def validate_g(shape: archmod.Shape, g: int, whose: str = "the model's") -> None:
     kv = shape.num_kv_heads
     if g <= 0:
         raise GqakitError(f"--num-kv-heads must be at least 1, got {g}")
     if g > kv:
-        raise GqakitError(f"--num-kv-heads {g} is larger than the model's {kv} KV heads")
+        raise GqakitError(f"--num-kv-heads {g} is larger than {whose} {kv} KV heads")
     if kv % g:
         valid = [d for d in range(1, kv + 1) if kv % d == 0]
-        raise GqakitError(f"--num-kv-heads {g} does not divide the model's {kv} KV heads; valid: {valid}")
+        raise GqakitError(f"--num-kv-heads {g} does not divide {whose} {kv} KV heads; valid: {valid}")
 
 
 def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:
     """The plan, with the settings resolved for this model (`Plan.settings`): what "auto"
     means depends on its parameters and context, and on the output kind (`gguf_out`)."""
     spec = archmod.lookup(opened.config)
+    check_encoder_decoder(spec, settings, gguf=gguf_out or opened.gguf is not None)
     shape = archmod.shape_of(spec, opened.config)
-    validate_g(shape, settings.num_kv_heads)
+    encoder_shape = archmod.encoder_shape_of(spec, opened.config) if spec.is_encoder_decoder else None
+    validate_g(shape, settings.num_kv_heads, "the decoder's" if encoder_shape else "the model's")
+    sites: tuple[str, ...] = ("self",)
+    shape_at = {"self": shape, "cross": shape}
+    if encoder_shape is not None:
+        sites = ("self", "cross", "encoder") if settings.group_encoder else ("self", "cross")
+        shape_at["encoder"] = encoder_shape
+        if settings.group_encoder:
+            validate_g(encoder_shape, settings.num_kv_heads, "the encoder's")
     out_dtype = DTYPES.get(settings.dtype)
     src = opened.source
     names = src.names()
@@ -97,15 +136,16 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
     # methods that touch only K/V leave q and o to be copied through untouched
     kv_only = (method_spec(settings.method).kv_only and settings.grouping == "contiguous"
                and spec.attention.layout == "separate")
-    layer_of: dict[str, int] = {}
-    for layer in range(shape.num_layers):
-        roles = layer_names(spec, layer)
-        for role, name in roles.items():
-            if name in metas and (not kv_only or role[0] in "kv"):
-                layer_of[name] = layer
-            elif name not in metas and role.endswith("weight"):
-                where = ", ".join(p.name for p in src.files()) or "the source"
-                raise GqakitError(f"tensor {name} required by the {spec.family} layout but not present in {where}")
+    layer_of: dict[str, tuple[int, str]] = {}
+    for site in sites:
+        for layer in range(shape_at[site].num_layers):
+            roles = layer_names(spec, layer, site)
+            for role, name in roles.items():
+                if name in metas and (not kv_only or role[0] in "kv"):
+                    layer_of[name] = (layer, site)
+                elif name not in metas and role.endswith("weight"):
+                    where = ", ".join(p.name for p in src.files()) or "the source"
+                    raise GqakitError(f"tensor {name} required by the {spec.family} layout but not present in {where}")
     steps = list(_walk(spec, names, layer_of))
     tensors: list[Planned] = []
     for step in steps:
@@ -114,22 +154,25 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
             cast = out_dtype if (out_dtype is not None and dt.is_floating_point) else dt
             tensors.append(Planned(step.name, cast, metas[step.name][1]))
             continue
-        shapes = output_shapes(spec, shape, settings.num_kv_heads, step.layer, {n: metas[n][1] for n in step.names})
+        shapes = output_shapes(spec, shape_at[step.site], settings.num_kv_heads, step.layer,
+                               {n: metas[n][1] for n in step.names}, site=step.site)
         tensors += [Planned(n, out_dtype if out_dtype is not None else metas[n][0], shapes[n]) for n in step.names]
     return Plan(spec.family, spec.native_gqa, shape, opened.config, steps, tensors,
-                source_params, sum(numel(p.shape) for p in tensors), settings)
+                source_params, sum(numel(p.shape) for p in tensors), settings, encoder_shape, sites)
 
 
-def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, int]) -> Iterator[Step]:
-    """The source tensors in file order, each layer's attention as one step where its first tensor is."""
-    seen: set[int] = set()
+def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, tuple[int, str]]) -> Iterator[Step]:
+    """The source tensors in file order, each layer's attention (of each site) as one step where
+    its first tensor is."""
+    seen: set[tuple[int, str]] = set()
     for name in names:
         if name not in layer_of:
             yield PassThrough(name)
         elif layer_of[name] not in seen:
-            layer = layer_of[name]
-            seen.add(layer)
-            yield AttentionLayer(layer, tuple(n for n in layer_names(spec, layer).values() if n in layer_of))
+            layer, site = layer_of[name]
+            seen.add((layer, site))
+            yield AttentionLayer(layer, tuple(n for n in layer_names(spec, layer, site).values() if n in layer_of),
+                                 site)
 
 
 def trained_block_tensors(plan: Plan, settings: ConvertSettings) -> set[str]:

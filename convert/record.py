@@ -39,7 +39,9 @@ def output_config(plan: Plan, settings: ConvertSettings) -> dict[str, Any]:
     else:
         from gqakit.convert.remote import remote_config_updates
 
-        cfg.update(remote_config_updates(plan.family, settings.num_kv_heads))
+        enc = plan.encoder_shape
+        encoder_kv = None if enc is None else settings.num_kv_heads if "encoder" in plan.sites else enc.num_kv_heads
+        cfg.update(remote_config_updates(plan.family, settings.num_kv_heads, encoder_kv_heads=encoder_kv))
     if settings.dtype != "auto":
         cfg["dtype"] = settings.dtype
         cfg.pop("torch_dtype", None)
@@ -89,14 +91,20 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
     s, G = plan.shape, settings.num_kv_heads
     elem = _attention_itemsize(plan)
     before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, G)
+    auto = "AutoModelForSeq2SeqLM" if plan.is_encoder_decoder else "AutoModelForCausalLM"
     record = {"gqakit_version": gqakit.__version__, "settings": settings.record(), "family": plan.family,
               "num_heads": s.num_heads, "num_kv_heads_before": s.num_kv_heads, "num_kv_heads": G,
               "head_dim": s.head_dim, "num_layers": s.num_layers,
               "parameters_before": plan.source_params, "parameters_after": plan.output_params,
               "kv_cache_bytes_per_token_before": before, "kv_cache_bytes_per_token_after": after,
               "seconds": round(seconds, 3), "copied_files": copied,
-              "loads_with": "AutoModelForCausalLM.from_pretrained(OUT)" if plan.native_gqa
-              else "AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)"}
+              "loads_with": f"{auto}.from_pretrained(OUT)" if plan.native_gqa
+              else f"{auto}.from_pretrained(OUT, trust_remote_code=True)"}
+    enc = plan.encoder_shape
+    if enc is not None:  # the decoder's numbers above hold for its self- and cross-attention alike
+        record.update({"grouped": plan.grouped, "encoder_num_layers": enc.num_layers,
+                       "encoder_num_heads": enc.num_heads, "encoder_num_kv_heads_before": enc.num_kv_heads,
+                       "encoder_num_kv_heads": G if "encoder" in plan.sites else enc.num_kv_heads})
     if calibration:
         record["calibration"] = calibration
     (tmp / CONVERT_SETTINGS).write_text(json.dumps(record, indent=2) + "\n")
@@ -105,6 +113,14 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
              "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → {after:,} bytes "
              f"({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
+    if enc is not None:
+        facts["grouped attentions"] = ", ".join(plan.grouped)
+        facts["KV heads"] = f"{s.num_kv_heads} → {G} (decoder self- and cross-attention)"
+        facts["encoder KV heads"] = (f"{enc.num_kv_heads} → {G}" if "encoder" in plan.sites else
+                                     f"{enc.num_kv_heads} (multi-head, as in the GQA paper; --group-encoder groups it)")
+        facts["KV cache per token"] = (f"{before:,} → {after:,} bytes ({s.num_kv_heads // G}× smaller): the "
+                                       "self-attention cache per output token, and the cross-attention cache "
+                                       "per input token")
     if settings.auto_reasons():
         facts["chosen for this model"] = "; ".join(f"{k} {v}" for k, v in settings.auto_reasons().items())
     if calibration:

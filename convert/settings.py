@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
+from gqakit.core.arch import ArchSpec
 from gqakit.core.errors import GqakitError
 from gqakit.core.text import TextSource
 
@@ -257,6 +258,12 @@ class ConvertSettings(BaseModel):
         description="Largest output shard, e.g. 500MB.")
     seed: int = Field(0, json_schema_extra=_cli("--seed", type=int, show_default=True),
                       description="Seed for random methods.")
+    group_encoder: bool = Field(
+        False, json_schema_extra=_cli("--group-encoder", is_flag=True),
+        description="Encoder-decoders only: group the encoder's self-attention too (same G). By default only the "
+                    "decoder's self- and cross-attention are grouped, as in the GQA paper, which keeps the encoder "
+                    "multi-head: it runs once per input, over all input tokens in parallel, so it is not bound by "
+                    "memory bandwidth and gains little from fewer KV heads.")
 
     @field_validator("source", mode="before")
     @classmethod
@@ -395,7 +402,7 @@ class ConvertSettings(BaseModel):
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
                 "seed": self.seed, "calibration_data": self.calibration_data,
                 "calibration_tokens": self.calibration_tokens, "options": self.refit.given(),
-                **self._resolved_record()}
+                **({"group_encoder": True} if self.group_encoder else {}), **self._resolved_record()}
 
     def _resolved_record(self) -> dict[str, Any]:
         """For a resolved calibrating method: the effort, the values "auto" chose (after the given
@@ -404,6 +411,23 @@ class ConvertSettings(BaseModel):
             return {}
         chosen = {k: getattr(self.refit, k) for k in self._auto if k in RefitOptions.model_fields}
         return {"effort": self.effort, "options": {**self.refit.given(), **chosen}, "auto": dict(self._auto)}
+
+
+def check_encoder_decoder(spec: ArchSpec, settings: ConvertSettings, *, gguf: bool) -> None:
+    """What a conversion of an encoder-decoder cannot do, each refused in one line (and
+    --group-encoder on a model without an encoder). Needs no torch: the CLI asks it first."""
+    if not spec.is_encoder_decoder:
+        if settings.group_encoder:
+            raise GqakitError(f"--group-encoder applies to encoder-decoder models; a {spec.family} model has "
+                              "no encoder")
+        return
+    if settings.staged:
+        raise GqakitError(f"method {settings.method} calibrates through the model, which is not implemented for "
+                          f"encoder-decoders ({spec.family}): it would run the encoder once and stream the "
+                          "decoder block by block with teacher-forced targets; use mean, first, random or align")
+    if gguf:
+        raise GqakitError(f"GGUF input and output are for decoder-only models; convert the {spec.family} "
+                          "encoder-decoder from its model folder to a model folder")
 
 
 def needs_data(method: str) -> bool:

@@ -7,6 +7,9 @@ the decoder blocks are (`block`), where each block's attention tensors are and h
 are laid out (`attention`), which config.json keys hold the geometry (`config`, the
 context length included), how rotary embeddings rotate (`rotary`), and, for families whose
 stock transformers class has no GQA, the classes of gqakit's modeling file (`remote`).
+An encoder-decoder's entry also names its decoder's cross-attention (`cross_attention`) and
+its encoder (`encoder`: blocks, layer and head keys, self-attention); `block`, `attention`
+and `config` then describe the decoder.
 
 To support a new family, add one JSON file there (and, only when transformers has no GQA
 for it, `convert/remote/gqakit_modeling_<family>.py`); nothing else needs to change unless
@@ -42,6 +45,7 @@ class ConfigKeys(_Strict):
     num_layers: str
     num_heads: str
     num_kv_heads: str | None  # None: stock config has no such key (MHA only)
+    num_layers_fallback: str | None = None  # read when num_layers is absent (T5: decoder depth = encoder's)
     hidden_size: str
     head_dim: str | None      # None: always hidden_size // num_heads
     max_positions: list[str]  # the context length: the first of these keys that is set
@@ -82,11 +86,34 @@ class Rotary(_Strict):
 
 
 class Remote(_Strict):
-    """Classes of `convert/remote/gqakit_modeling_<family>.py`, for families whose stock
-    transformers class ignores num_key_value_heads."""
+    """Classes of `convert/remote/gqakit_modeling_<family>.py` (or of `module`, when the family's
+    classes live in another family's file), for families whose stock transformers class
+    ignores num_key_value_heads."""
 
     config_class: str
     model_class: str
+    module: str | None = None  # the modeling file's module name; None: gqakit_modeling_<family>
+
+
+class Encoder(_Strict):
+    """An encoder-decoder's encoder: where its blocks and their self-attention are, and the
+    config.json keys of its layer and head counts (head_dim and hidden size are the decoder's)."""
+
+    block: str                 # module path of encoder block {layer}, e.g. "encoder.block.{layer}"
+    num_layers: str
+    num_heads: str
+    num_kv_heads: str          # written by a conversion that groups the encoder (absent: multi-head)
+    attention: Attention
+
+    @model_validator(mode="after")
+    def _attention_inside_block(self) -> "Encoder":
+        _check_inside(self.block, self.attention, "encoder.attention")
+        return self
+
+
+def _check_inside(block: str, attention: Attention, what: str) -> None:
+    if not block.endswith(".{layer}") or not attention.prefix.startswith(block + "."):
+        raise ValueError(f"{what}.prefix {attention.prefix!r} must lie inside block {block!r}")
 
 
 class ArchSpec(_Strict):
@@ -96,21 +123,40 @@ class ArchSpec(_Strict):
     block: str                 # module path of decoder block {layer}, e.g. "model.layers.{layer}"
     remote: Remote | None      # None: stock transformers reads num_key_value_heads (native GQA)
     config: ConfigKeys
-    attention: Attention
+    attention: Attention       # the decoder's self-attention
     rotary: Rotary
+    cross_attention: Attention | None = None  # an encoder-decoder's: inside each decoder block
+    encoder: Encoder | None = None            # an encoder-decoder's encoder
+    first_block_only: list[str] = []  # tensors (relative to a block) that only block 0 of a stack holds
     reject_if: dict[str, Any] = {}
     notes: str | None = None
 
     @model_validator(mode="after")
     def _attention_inside_block(self) -> "ArchSpec":
-        if not self.block.endswith(".{layer}") or not self.attention.prefix.startswith(self.block + "."):
-            raise ValueError(f"attention.prefix {self.attention.prefix!r} must lie inside block {self.block!r}")
+        _check_inside(self.block, self.attention, "attention")
+        if self.cross_attention is not None:
+            _check_inside(self.block, self.cross_attention, "cross_attention")
+        if (self.cross_attention is None) != (self.encoder is None):
+            raise ValueError("an encoder-decoder names both cross_attention and encoder")
         return self
 
     @property
     def native_gqa(self) -> bool:
         """Stock transformers reads num_key_value_heads for this family."""
         return self.remote is None
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder is not None
+
+    def attention_at(self, site: str) -> Attention:
+        """The attention of a site: "self" (the decoder's self-attention), "cross" (the
+        decoder's cross-attention) or "encoder" (the encoder's self-attention)."""
+        at = {"self": self.attention, "cross": self.cross_attention,
+              "encoder": self.encoder.attention if self.encoder else None}.get(site)
+        if at is None:
+            raise ValueError(f"{self.family} has no {site} attention")
+        return at
 
     @property
     def blocks(self) -> str:
@@ -289,6 +335,8 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
             raise GqakitError(f"{spec.family} with {key}={bad} is not supported ({spec.notes})")
     heads = need(keys.num_heads)
     hidden = need(keys.hidden_size)
+    if config.get(keys.num_layers) is None and keys.num_layers_fallback and config.get(keys.num_layers_fallback):
+        config = {**config, keys.num_layers: config[keys.num_layers_fallback]}
     kv = config.get(keys.num_kv_heads or "num_key_value_heads") or heads
     head_dim = (config.get(keys.head_dim) if keys.head_dim else None) or hidden // heads
     rot = 0
@@ -302,3 +350,17 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
         raise GqakitError(f"config has {heads} query heads and {kv} KV heads, which do not divide")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
                  _positions(config, keys.max_positions))
+
+
+def encoder_shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
+    """The encoder's geometry of an encoder-decoder's config.json dict (its own layer, head and
+    KV-head keys; head_dim and hidden size are the decoder's)."""
+    if spec.encoder is None:
+        raise GqakitError(f"{spec.family} has no encoder")
+    enc = spec.encoder
+    overrides = {spec.config.num_layers: config.get(enc.num_layers), spec.config.num_heads: config.get(enc.num_heads),
+                 spec.config.num_kv_heads or "num_key_value_heads": config.get(enc.num_kv_heads)}
+    missing = [k for k in (enc.num_layers, enc.num_heads) if config.get(k) is None]
+    if missing:
+        raise GqakitError(f"config.json lacks {missing[0]!r}, which a {spec.family} config must have")
+    return shape_of(spec, {**config, **overrides})

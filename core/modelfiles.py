@@ -162,9 +162,11 @@ def check_model_type(config: Mapping[str, Any], where: Path) -> None:
                           f"(a {spec.family} model has model_type {spec.model_types[0]!r})")
 
 
-def expected_attention(spec: archmod.ArchSpec, shape: archmod.Shape, layer: int) -> dict[str, tuple[int, ...]]:
-    """The shapes a layer's attention weights (and biases, when present) must have."""
-    a = spec.attention
+def expected_attention(spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
+                       site: str = "self") -> dict[str, tuple[int, ...]]:
+    """The shapes a layer's attention weights (and biases, when present) must have; `site`:
+    "self", or an encoder-decoder's "cross" or "encoder" (then `shape` is the encoder's)."""
+    a = spec.attention_at(site)
     H, KV, D, hid = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
     p = a.prefix.format(layer=layer)
     want: dict[str, tuple[int, ...]] = {}
@@ -193,14 +195,32 @@ def check_geometry(config: Mapping[str, Any], shapes: Mapping[str, tuple[tuple[i
     """The config's geometry against the weights' shapes (families of the architecture
     table; a family gqakit does not know is left to the loader's own check of every name):
     every layer the config names is there, none beyond, each holds what the others hold,
-    and each layer's attention weights have the shapes the head counts and sizes imply."""
+    and each layer's attention weights have the shapes the head counts and sizes imply.
+    An encoder-decoder's decoder (self- and cross-attention) and encoder are checked alike."""
     spec = archmod.find(config)
     if spec is None:
         return
     shape = archmod.shape_of(spec, config)
     keys = spec.config
+    fields = ", ".join(f"{k}={config[k]}" for k in dict.fromkeys(
+        (keys.num_heads, keys.num_kv_heads or "num_key_value_heads", keys.head_dim, keys.hidden_size))
+        if k and config.get(k) is not None)
+    _check_stack(spec, spec.block, keys.num_layers, shape, ("self", "cross") if spec.cross_attention else ("self",),
+                 shapes, where, fields)
+    if spec.encoder is not None:
+        enc = spec.encoder
+        fields = ", ".join(f"{k}={config[k]}" for k in dict.fromkeys(
+            (enc.num_heads, enc.num_kv_heads, keys.head_dim, keys.hidden_size)) if k and config.get(k) is not None)
+        _check_stack(spec, enc.block, enc.num_layers, archmod.encoder_shape_of(spec, config), ("encoder",),
+                     shapes, where, fields)
+
+
+def _check_stack(spec: archmod.ArchSpec, block_path: str, layers_key: str, shape: archmod.Shape,
+                 sites: tuple[str, ...], shapes: Mapping[str, tuple[tuple[int, ...], Path]], where: Path,
+                 fields: str) -> None:
+    """`check_geometry` for one stack of blocks (`block_path` with {layer}) and its attention sites."""
     files = ", ".join(sorted({f.name for _, f in shapes.values()})) or "the folder"
-    pattern = re.escape(spec.block).replace(re.escape("{layer}"), r"(\d+)")
+    pattern = re.escape(block_path).replace(re.escape("{layer}"), r"(\d+)")
     block = re.compile(r"^" + pattern + r"\.|^" + pattern.split(r"\.", 1)[-1] + r"\.")
     per_layer: dict[int, dict[str, str]] = {}
     for name in shapes:
@@ -211,34 +231,39 @@ def check_geometry(config: Mapping[str, Any], shapes: Mapping[str, tuple[tuple[i
     beyond = sorted(i for i in per_layer if i >= shape.num_layers)
     if beyond:
         name = sorted(per_layer[beyond[0]].values())[0]
-        raise GqakitError(f"{where}: {keys.num_layers}={shape.num_layers}, but {shapes[name][1].name} holds "
+        raise GqakitError(f"{where}: {layers_key}={shape.num_layers}, but {shapes[name][1].name} holds "
                           f"{name}, a weight of layer {beyond[0]}")
     # here every layer held is below num_layers, so this loop is as long as the weights
     missing = next((i for i in range(len(per_layer) + 1) if i < shape.num_layers and i not in per_layer), None)
     if missing is not None:
-        name = next(iter(expected_attention(spec, shape, missing)))
-        raise GqakitError(f"{where}: {keys.num_layers}={shape.num_layers}, but tensor {name} (layer {missing}) "
+        name = next(iter(expected_attention(spec, shape, missing, sites[0])))
+        raise GqakitError(f"{where}: {layers_key}={shape.num_layers}, but tensor {name} (layer {missing}) "
                           f"is not present in {files}")
-    fields = ", ".join(f"{k}={config[k]}" for k in dict.fromkeys(
-        (keys.num_heads, keys.num_kv_heads or "num_key_value_heads", keys.head_dim, keys.hidden_size))
-        if k and config.get(k) is not None)
     everything = set().union(*per_layer.values())
     for layer in range(shape.num_layers):
-        for name, want in expected_attention(spec, shape, layer).items():
-            found = _lookup(shapes, name)
-            if found is None:
-                if name.endswith(".weight"):
-                    raise GqakitError(f"tensor {name} required by the {spec.family} layout but not present in {files}")
-                continue
-            got, f = shapes[found]
-            if tuple(got) != want:
-                raise GqakitError(f"{where}: {fields} disagree with the weights: {found} in {f.name} has shape "
-                                  f"{list(got)}, where the config implies {list(want)}")
-        lacking = sorted(everything - set(per_layer[layer]))
-        if lacking:  # one layer's MLP or norm left out, or one layer with a tensor the others lack
+        for site in sites:
+            for name, want in expected_attention(spec, shape, layer, site).items():
+                found = _lookup(shapes, name)
+                if found is None:
+                    if name.endswith(".weight"):
+                        raise GqakitError(f"tensor {name} required by the {spec.family} layout but not present "
+                                          f"in {files}")
+                    continue
+                got, f = shapes[found]
+                if tuple(got) != want:
+                    raise GqakitError(f"{where}: {fields} disagree with the weights: {found} in {f.name} has shape "
+                                      f"{list(got)}, where the config implies {list(want)}")
+        # one layer's MLP or norm left out, or one layer with a tensor the others lack (the
+        # family's `first_block_only` tensors aside)
+        lacking = sorted(everything - set(per_layer[layer]) - (set(spec.first_block_only) if layer else set()))
+        extra = sorted(set(spec.first_block_only) & set(per_layer[layer])) if layer else []
+        if extra:
+            raise GqakitError(f"{files}: the layers hold different tensors: {per_layer[layer][extra[0]]} is a "
+                              f"tensor only {block_path.format(layer=0)} holds in a {spec.family} model")
+        if lacking:
             other = next(i for i in sorted(per_layer) if lacking[0] in per_layer[i])
             raise GqakitError(f"{files}: the layers hold different tensors: {per_layer[other][lacking[0]]} has no "
-                              f"counterpart {spec.block_name(layer)}.{lacking[0]}")
+                              f"counterpart {block_path.format(layer=layer)}.{lacking[0]}")
 
 
 def check_folder(folder: Path, config: Mapping[str, Any]) -> None:

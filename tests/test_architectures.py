@@ -20,12 +20,17 @@ from gqakit.convert.remote import modeling_file
 from gqakit.core import arch
 from gqakit.core.errors import GqakitError
 from test_convert import equalize_kv, load, logits, num_heads
-from tiny_models import FAMILIES, LAYERS, _configs
+from tiny_models import (FAMILIES, LAYERS, SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, SEQ2SEQ_KINDS, _configs,
+                         _seq2seq_configs)
 
 
 def test_every_family_has_a_pico_model():
-    assert FAMILIES == sorted(arch.registry()) and len(FAMILIES) >= 13
-    assert set(_configs()) == set(arch.registry()), "add a pico model for each new family to tests/tiny_models.py"
+    assert sorted(FAMILIES + SEQ2SEQ_FAMILIES) == sorted(arch.registry()) and len(FAMILIES) >= 13
+    assert not set(FAMILIES) & set(SEQ2SEQ_FAMILIES) and len(SEQ2SEQ_FAMILIES) >= 3
+    assert set(_configs()) == set(FAMILIES), "add a pico model for each new family to tests/tiny_models.py"
+    assert set(SEQ2SEQ_FAMILY) == set(SEQ2SEQ_KINDS) == set(_seq2seq_configs())
+    assert set(SEQ2SEQ_FAMILY.values()) == set(SEQ2SEQ_FAMILIES), \
+        "add a pico encoder-decoder for each new family to tests/tiny_models.py (build_seq2seq)"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -59,12 +64,61 @@ def test_entry_matches_the_model_on_meta(family):
             assert re.search(rf"^class {cls}\b", text, re.M), f"{modeling_file(family).name} lacks {cls}"
 
 
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+def test_encoder_decoder_entry_matches_the_model_on_meta(kind):
+    """Every tensor and block an encoder-decoder's entry names exists in the model built on
+    the meta device: decoder self- and cross-attention, encoder self-attention, and the
+    tensors only block 0 holds; its geometry is `loaded_seq2seq_shape`'s."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    cfg = _seq2seq_configs()[kind]()
+    with torch.device("meta"):
+        model = AutoModelForSeq2SeqLM.from_config(cfg)
+    config = cfg.to_dict() | {"architectures": [type(model).__name__]}
+    spec = arch.lookup(config)
+    assert spec.family == SEQ2SEQ_FAMILY[kind] and spec.is_encoder_decoder
+    dec, enc = arch.shape_of(spec, config), arch.encoder_shape_of(spec, config)
+    loaded = arch.loaded_seq2seq_shape(model.config)
+    assert (dec.num_layers, dec.num_heads, dec.num_kv_heads, dec.head_dim, dec.hidden_size) == \
+        (loaded.decoder.num_layers, loaded.decoder.num_heads, loaded.decoder.num_kv_heads,
+         loaded.decoder.head_dim, loaded.decoder.hidden_size) == (LAYERS, 4, 4, cfg.to_dict().get("d_kv") or 8, 32)
+    assert (enc.num_layers, enc.num_heads, enc.num_kv_heads, enc.head_dim) == \
+        (loaded.encoder.num_layers, loaded.encoder.num_heads, loaded.encoder.num_kv_heads, loaded.encoder.head_dim)
+    blocks = arch.decoder_blocks(model)
+    assert [model.get_submodule(spec.block_name(L)) for L in range(LAYERS)] == list(blocks)
+    sd = model.state_dict()
+    for stack, sites in ((spec.block, ("self", "cross")), (spec.encoder.block, ("encoder",))):
+        for L in range(LAYERS):
+            assert isinstance(model.get_submodule(stack.format(layer=L)), torch.nn.Module)
+            for site in sites:
+                names = layer_names(spec, L, site)
+                weights = [n for role, n in names.items() if role.endswith("weight")]
+                assert len(weights) == 4 and all(n in sd for n in weights), [n for n in weights if n not in sd]
+                assert all(n.startswith(stack.format(layer=L) + ".") for n in names.values())
+                biases = [n for role, n in names.items() if role.endswith("bias")]
+                assert all(n in sd for n in biases) == (kind == "bart")
+            for n in spec.first_block_only:
+                assert (f"{stack.format(layer=L)}.{n}" in sd) == (L == 0)
+    assert spec.first_block_only == ([] if kind == "bart" else ["layer.0.SelfAttention.relative_attention_bias.weight"])
+    text = modeling_file(spec.family).read_text()
+    for cls in (spec.remote.config_class, spec.remote.model_class):
+        assert re.search(rf"^class {cls}\b", text, re.M), f"{modeling_file(spec.family).name} lacks {cls}"
+
+
 def test_table_rejects_an_entry_whose_attention_is_outside_its_block():
     entry = arch.registry()["llama"].model_dump()
     for block in ("model.decoder.{layer}", "model.layers"):
         entry["block"] = block
         with pytest.raises(ValueError, match="must lie inside block"):
             arch.ArchSpec.model_validate(entry)
+    t5 = arch.registry()["t5"].model_dump()
+    t5["cross_attention"]["prefix"] = "encoder.block.{layer}.layer.1.EncDecAttention."
+    with pytest.raises(ValueError, match="cross_attention.prefix .* must lie inside block"):
+        arch.ArchSpec.model_validate(t5)
+    t5 = arch.registry()["t5"].model_dump()
+    t5["encoder"]["attention"]["prefix"] = "decoder.block.{layer}.layer.0.SelfAttention."
+    with pytest.raises(ValueError, match="encoder.attention.prefix .* must lie inside block"):
+        arch.ArchSpec.model_validate(t5)
 
 
 def test_max_positions_of_a_family_not_in_the_table():

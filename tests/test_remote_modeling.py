@@ -26,7 +26,7 @@ from gqakit.core.arch import registry
 from gqakit.core.loading import is_gqakit_remote
 
 # the families whose table entry names a gqakit modeling file
-FAMILIES = [f for f, spec in registry().items() if spec.remote is not None]
+FAMILIES = [f for f, spec in registry().items() if spec.remote is not None and not spec.is_encoder_decoder]
 H = 4  # heads of the pico models in tests/tiny_models.py
 
 

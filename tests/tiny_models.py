@@ -73,15 +73,17 @@ def _configs() -> dict[str, Any]:
     }
 
 
-def families() -> list[str]:
-    """Every family of the architecture table (core/architectures/*.json), which the tests
-    run over; `tests/test_architectures.py` checks `_configs` has a pico model for each."""
-    from gqakit.core.arch import supported
+def families(*, encoder_decoder: bool = False) -> list[str]:
+    """The decoder-only families of the architecture table (core/architectures/*.json), which
+    the family-wide decoder tests run over, or (`encoder_decoder`) its encoder-decoders;
+    `tests/test_architectures.py` checks there is a pico model for each."""
+    from gqakit.core.arch import registry
 
-    return supported()
+    return sorted(f for f, spec in registry().items() if spec.is_encoder_decoder == encoder_decoder)
 
 
 FAMILIES = families()
+SEQ2SEQ_FAMILIES = families(encoder_decoder=True)
 
 
 def tiny_tokenizer() -> Any:
@@ -156,6 +158,7 @@ def _seq2seq_configs() -> dict[str, Any]:
 
 
 SEQ2SEQ_KINDS = ("t5", "t5_v1_1", "mt5", "bart")  # t5_v1_1 is the `t5` family in its 1.1 layout
+SEQ2SEQ_FAMILY = {"t5": "t5", "t5_v1_1": "t5", "mt5": "mt5", "bart": "bart"}  # kind -> table family
 
 
 def seq2seq_tokenizer(kind: str) -> Any:

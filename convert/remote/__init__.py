@@ -29,21 +29,31 @@ def _family(family: str) -> Remote:
 
 
 def modeling_file(family: str) -> Path:
-    """Path of `gqakit_modeling_<family>.py`, to copy into the output folder under the same name."""
-    _family(family)
-    return _HERE / f"gqakit_modeling_{family}.py"
+    """Path of the family's modeling file (`gqakit_modeling_<family>.py`, or the module its
+    `remote` entry names), to copy into the output folder under the same name."""
+    fam = _family(family)
+    return _HERE / f"{fam.module or f'gqakit_modeling_{family}'}.py"
 
 
-def remote_config_updates(family: str, num_kv_heads: int) -> dict[str, Any]:
-    """Keys to add/replace in config.json so the folder loads with the GQA modeling file."""
+def remote_config_updates(family: str, num_kv_heads: int, *, encoder_kv_heads: int | None = None) -> dict[str, Any]:
+    """Keys to add/replace in config.json so the folder loads with the GQA modeling file.
+
+    An encoder-decoder's `num_kv_heads` are its decoder's (self- and cross-attention), and
+    `encoder_kv_heads` its encoder's; it loads with AutoModelForSeq2SeqLM."""
     fam = _family(family)
     module = modeling_file(family).stem
-    return {
+    seq2seq = registry()[family].is_encoder_decoder
+    updates: dict[str, Any] = {
         "model_type": f"gqakit_{family}",
         "num_key_value_heads": int(num_kv_heads),
         "architectures": [fam.model_class],
         "auto_map": {
             "AutoConfig": f"{module}.{fam.config_class}",
-            "AutoModelForCausalLM": f"{module}.{fam.model_class}",
+            "AutoModelForSeq2SeqLM" if seq2seq else "AutoModelForCausalLM": f"{module}.{fam.model_class}",
         },
     }
+    if seq2seq:
+        if encoder_kv_heads is None:
+            raise ValueError(f"{family} is an encoder-decoder: give encoder_kv_heads")
+        updates["encoder_num_key_value_heads"] = int(encoder_kv_heads)
+    return updates

@@ -47,12 +47,14 @@ def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings 
 
     The settings were checked when they were built (PerplexitySettings, SpeedSettings,
     TaskSettings); here: that there is something to measure, the model, device, dtype and OUT."""
-    from gqakit.core.loading import split_source
+    from gqakit.core.loading import read_config_json, split_source
     from gqakit.core.outdir import RESULTS, check_output_path
 
     if perplexity is None and speed is None and tasks is None:
         raise GqakitError("nothing to measure: pass --data (perplexity), --speed, --tasks, or several")
-    split_source(model_path)  # a missing path or a broken config.json, before anything slow
+    folder, gguf = split_source(model_path)  # a missing path or a broken config.json, before anything slow
+    if speed is not None:  # a grid axis given for the other kind of model
+        speed.check_model(gguf is None and bool(read_config_json(folder).get("is_encoder_decoder")))
     check_device(device)
     check_dtype(dtype)
     if out is None:

@@ -226,7 +226,13 @@ class Seq2SeqBench:
             _, tok = self.prefill(cache, encoded, 1)
             with spy:
                 self.steps(cache, encoded, tok, 1)
-        return {"implementation": self.attn_impl, **describe_path(spy.calls, self.heads, self.kv_heads),
+        # a decoder layer attends to itself, then to the encoder's output
+        own, cross = (describe_path(spy.calls[i::2], self.heads, self.kv_heads) for i in (0, 1))
+        copied = [d["kv_copied"] for d in (own, cross)]
+        return {"implementation": self.attn_impl,
+                "decode_path": f"self-attention: {own['decode_path']}; cross-attention: {cross['decode_path']}",
+                "kv_copied": True if True in copied else None if None in copied else False,
+                "sdpa_calls_per_step": len(spy.calls), "self_attention": own, "cross_attention": cross,
                 "kv_cache": CACHES, "layers": LAYERS, "compiled": False, "cuda_graphs": False,
                 **({"kernel_note": self.kernel_note} if self.kernel_note else {})}
 

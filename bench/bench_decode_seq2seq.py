@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--eager", action="store_true", help="weights as loaded (no packed CPU weights)")
+    ap.add_argument("--eager", action="store_true",
+                    help="the model's own step: weights as loaded, transformers' attention as it dispatches")
     ap.add_argument("--out", default=str(RESULTS / "decode_seq2seq.jsonl"))
     return ap
 
@@ -115,7 +116,7 @@ def main() -> None:
     for name, g in zip(names, [None, *groups]):
         say(f"building {args.shape} {name}")
         benches[name] = Seq2SeqBench(build(shape, g, args.device), device=args.device, dtype=dtype,
-                                     pack_weights=not args.eager)
+                                     pack_weights=not args.eager, fold_attention=not args.eager)
     run = run_info(command=["python", "-m", "bench.bench_decode_seq2seq", *sys.argv[1:]], device=args.device,
                    dtype=dtype).to_json()
     probes = {n: b.probe() for n, b in benches.items()}

@@ -126,6 +126,9 @@ def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path
                          model=ModelInfo(path=str(folder), parameters=sum(p.numel() for p in model.parameters()),
                                          heads=4, kv_heads=bench_heads, kv_bytes_per_token=0),
                          speed=evaluate_speed(model, GRID, device="cpu", dtype=torch.float32, progress=False))
+        if name == "g1":  # one KV head: both attentions fold the query heads per KV head, nothing repeated
+            assert res.speed.attention["kv_copied"] is False
+            assert res.speed.attention["cross_attention"]["decode_path"].startswith("SDPA with query heads folded")
         out = write_results(res, tmp_path / f"{name}.json")
         text = out.read_text()
         back = read_results(out)

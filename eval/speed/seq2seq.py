@@ -9,10 +9,12 @@ self-attention cache to the prefix; the cross-attention cache, like the encoder'
 made once per point. The two caches are transformers' `EncoderDecoderCache` of two
 `StaticCache`s, allocated before any timed step.
 
-The step is the model's own (its attention implementation, transformers' cache); the fused
-decoder-only layers of `eval/decode` do not cover encoder-decoders, and `decode_path` says
-which path ran. On the CPU in fp32 its linear layers multiply by once-packed weights
-(gqakit's panel GEMM), unless `eager`.
+The step is the model's own (its modules, transformers' cache); the fused decoder-only
+layers of `eval/decode` do not cover encoder-decoders, and `decode_path` says which path
+ran. Unless `eager`: attention is transformers' SDPA function with one query token always
+folded per KV head (`decode.attention.folded_sdpa_forward`; transformers alone hands the
+unmasked cross-attention to SDPA's slower `enable_gqa`), and on the CPU in fp32 the linear
+layers multiply by once-packed weights (gqakit's panel GEMM).
 
 A step reads the decoder's weights (those of the modules it calls: the cross-attention's K
 and V projections are not called, an embedding lookup reads only B rows), the
@@ -32,7 +34,7 @@ from typing import Any
 from gqakit.core.arch import loaded_seq2seq_shape
 from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.loading import cache_kwarg
-from gqakit.eval.decode.attention import SdpaSpy, describe_path
+from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_folded_attention
 from gqakit.eval.records import SpeedPoint, SpeedResult
 from gqakit.eval.speed.point import OpenPoint
 from gqakit.eval.speed.roofline import measure_roof, percentile, sync
@@ -68,7 +70,8 @@ class Seq2SeqBench:
     decoders'.
     """
 
-    def __init__(self, model: Any, *, device: Any, dtype: Any, pack_weights: bool = True) -> None:
+    def __init__(self, model: Any, *, device: Any, dtype: Any, pack_weights: bool = True,
+                 fold_attention: bool = True) -> None:
         import torch
 
         from gqakit.eval.decode.packed import can_pack
@@ -95,7 +98,10 @@ class Seq2SeqBench:
             self.kernels = cpu_kernels.load()
             if self.kernels is None:
                 self.kernel_note = f"gqakit CPU kernels unavailable ({cpu_kernels.why_unavailable()})"
-        self.attn_impl = str(getattr(model.config, "_attn_implementation", None) or "unknown")
+        if fold_attention:  # one query token always folded per KV head (decode.attention.folded_sdpa_forward)
+            self.attn_impl = use_folded_attention(model)
+        else:
+            self.attn_impl = str(getattr(model.config, "_attn_implementation", None) or "unknown")
         self.weight_bytes, self.matmul_params = self.step_weights()
 
     # -- limits and the path --------------------------------------------------------------
@@ -406,7 +412,8 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
     from tqdm.auto import tqdm
 
     settings.check_model(True)
-    bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.eager)
+    bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.eager,
+                         fold_attention=not settings.eager)
     settings.check_seq2seq_positions(*bench.positions())
     roof = measure_roof(device, dtype)
     attention = bench.probe()

@@ -165,9 +165,37 @@ def hf_bars(enabled: bool) -> Iterator[None]:
 def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
                    trust_remote_code: bool | None = None, progress: bool = True, **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained` for a folder or a .gguf file, in eval mode."""
+    return _load_auto("AutoModelForCausalLM", path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                      progress=progress, **kwargs)
+
+
+def load_seq2seq_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
+                    trust_remote_code: bool | None = None, progress: bool = True, **kwargs: Any) -> Any:
+    """`AutoModelForSeq2SeqLM.from_pretrained` for an encoder-decoder folder (T5, mT5, BART, and
+    gqakit's GQA versions of them, whose shipped modeling files are trusted as for decoders), in eval mode."""
+    return _load_auto("AutoModelForSeq2SeqLM", path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                      progress=progress, **kwargs)
+
+
+def is_encoder_decoder(path: str | Path) -> bool:
+    """True for an encoder-decoder model folder: `is_encoder_decoder` in its config.json, or, where
+    the file does not say, a model type transformers lists as sequence-to-sequence. A .gguf is not one."""
+    folder, gguf = split_source(path)
+    if gguf:
+        return False
+    cfg = read_config_json(folder)
+    if "is_encoder_decoder" in cfg:
+        return cfg["is_encoder_decoder"] is True
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    return cfg.get("model_type") in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+
+def _load_auto(auto_class: str, path: str | Path, *, dtype: Any, device: Any, trust_remote_code: bool | None,
+               progress: bool, **kwargs: Any) -> Any:
     import torch
+    import transformers
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
 
     folder, gguf = split_source(path)
     if gguf:
@@ -179,7 +207,7 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
 
     try:
         with hf_bars(progress), gguf_bars_off() if gguf else nullcontext():
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = getattr(transformers, auto_class).from_pretrained(
                 folder, gguf_file=gguf, dtype=dtype or torch.float32, trust_remote_code=trc,
                 output_loading_info=True, **kwargs
             )

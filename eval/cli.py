@@ -10,6 +10,7 @@ from click.core import ParameterSource
 
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
+from gqakit.eval.records import OBJECTIVES
 
 if TYPE_CHECKING:
     from gqakit.eval.records import EvalResult
@@ -50,6 +51,14 @@ def command_line() -> list[str]:
 @click.option("--stride", type=int, default=None, help="Window step, in tokens (default: --context).")
 @click.option("--max-chars", type=int, default=None, help="Use only the first N characters of the data.")
 @click.option("--text-field", default="text", show_default=True, help="Column of an hf: dataset.")
+@click.option("--objective", type=click.Choice(list(OBJECTIVES)), default=None,
+              help="Perplexity of what (default: by the model): causal_lm (a decoder: each token given the ones "
+                   "before it); for an encoder-decoder, of the target tokens given the input: span_corruption "
+                   "(--data is plain text, corrupted as T5 pre-trains, inputs of --context tokens) or paired "
+                   "(--data is JSONL of input/target objects, inputs cut to --context tokens).")
+@click.option("--span-seed", default=0, show_default=True, help="Seed of span_corruption's spans (recorded).")
+@click.option("--input-field", default="input", show_default=True, help="Input field of --objective paired data.")
+@click.option("--target-field", default="target", show_default=True, help="Target field of --objective paired data.")
 @click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes of the speed grid.")
 @click.option("--prompt-len", "prompt_lens", default="128,1024", show_default=True, help="Prompt lengths of the grid.")
 @click.option("--input-len", "input_lens", default=None,
@@ -82,9 +91,10 @@ def command_line() -> list[str]:
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
 @trust.option("; for the task files of --tasks-path, the Python modules their `!function` tags import and "
               "their Jinja templates outside Jinja's sandbox")
-def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, batches, prompt_lens, input_lens,
-             output_lens, new_tokens, reps, warmup, compile_, eager, prefill_once, max_batch_search, max_batch_limit,
-             tasks, num_fewshot, limit, tasks_path, tasks_batch, device, dtype, overwrite, quiet) -> None:
+def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, objective, span_seed, input_field,
+             target_field, batches, prompt_lens, input_lens, output_lens, new_tokens, reps, warmup, compile_, eager,
+             prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot, limit, tasks_path, tasks_batch,
+             device, dtype, overwrite, quiet) -> None:
     """Measure perplexity, decode speed and task accuracy of MODEL (a folder or a .gguf file).
 
     Perplexity is token-level over a sliding window (--context, --stride), plus bits per
@@ -95,7 +105,8 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
     fraction of the device's copy bandwidth. --tasks runs lm-evaluation-harness tasks
     (accuracy with its standard error) on the same loaded model; --tasks-path adds local
     task YAML files. Datasets are read from local files or the local datasets cache, never
-    the Hub.
+    the Hub. An encoder-decoder (T5, mT5, BART) is scored on its target tokens given the input:
+    span corruption of plain text (seeded) or paired input/target data (--objective).
 
     \b
     Examples:
@@ -107,8 +118,10 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./my-gqa --data hf:wikitext:wikitext-2-raw-v1:test --speed --max-batch-search --out all.json
       gqakit eval ./my-gqa --tasks hellaswag,arc_easy --num-fewshot 0 --out acc.json
       gqakit eval ./my-gqa --tasks gqakit_stories_mc --tasks-path examples/tasks --limit 20 --out acc.json
+      gqakit eval ./t5-g2 --data valid.txt --context 512 --span-seed 0 --out t5.json
+      gqakit eval ./bart-g2 --data pairs.jsonl --objective paired --context 1024 --out bart.json
     """
-    from gqakit.eval.perplexity import PerplexitySettings, Window
+    from gqakit.eval.perplexity import PerplexitySettings, Spans, Window
     from gqakit.eval.runner import run_eval
     from gqakit.eval.speed import SpeedSettings
 
@@ -136,14 +149,24 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
         if not data:
             raise GqakitError("--ppl needs --data FILE (or hf:NAME[:CONFIG][:SPLIT])")
         ppl_settings = PerplexitySettings(data=data, window=Window(context=context, stride=stride),
-                                          max_chars=max_chars, text_field=text_field)
+                                          max_chars=max_chars, text_field=text_field, objective=objective,
+                                          spans=Spans(seed=span_seed), input_field=input_field,
+                                          target_field=target_field)
+    elif objective is not None:
+        raise GqakitError("--objective goes with --data (perplexity)")
     res = run_eval(model, perplexity=ppl_settings, speed=speed_settings, tasks=task_settings, device=device,
                    dtype=dtype, out=out, command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
     _print_summary(res, out)
 
 
 def _print_summary(res: EvalResult, out: Path) -> None:
-    if res.perplexity:
+    if res.perplexity and res.perplexity.kind != "causal_lm":
+        p = res.perplexity
+        how = (f"input {p.context} tokens, seed {p.spans.seed}" if p.spans else f"inputs up to {p.context} tokens")
+        click.echo(f"{p.kind.replace('_', '-')} perplexity {p.token_perplexity:.4g} of the targets ({how}, "
+                   f"{p.tokens} target tokens in {p.examples} examples)"
+                   + (f", bits/byte {p.bits_per_byte:.4f}, word ppl {p.word_perplexity:.4g}" if p.bits_per_byte else ""))
+    elif res.perplexity:
         p = res.perplexity
         click.echo(f"perplexity {p.token_perplexity:.4g} (context {p.context}, stride {p.stride}, "
                    f"{p.tokens} tokens), bits/byte {p.bits_per_byte:.4f}, word ppl {p.word_perplexity:.4g}")

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.spans import SpanCorruption
 from gqakit.core.text import EvalText, TextSource, read_text  # noqa: F401  (read_text re-exported)
 from gqakit.core.tokens import bos_id
-from gqakit.eval.records import PerplexityResult
+from gqakit.eval.records import Objective, PerplexityResult
 
 
 class Window(BaseModel):
@@ -49,9 +51,34 @@ class Window(BaseModel):
         return self.context if self.stride is None else self.stride
 
 
+class Spans(BaseModel):
+    """Span corruption of held-out text, for an encoder-decoder's perplexity (T5's objective,
+    core.spans): the spans depend only on `seed`, the example's index and its length."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = 0
+    noise_density: float = SpanCorruption.noise_density
+    mean_span_length: float = SpanCorruption.mean_span_length
+
+    @model_validator(mode="after")
+    def _check(self) -> "Spans":
+        self.corruption()  # a density outside (0, 1) or a mean span below 1: one line
+        return self
+
+    def corruption(self) -> SpanCorruption:
+        return SpanCorruption(noise_density=self.noise_density, mean_span_length=self.mean_span_length)
+
+
 class PerplexitySettings(BaseModel):
     """What `gqakit eval --data` measures: which text (its first `max_chars` characters; the
-    `text_field` column of an hf: dataset), over which window. Checked when built."""
+    `text_field` column of an hf: dataset), over which window. Checked when built.
+
+    `objective` says of what (None: by the model). A decoder's is `causal_lm`: every token given
+    the ones before it, over the window. An encoder-decoder's is of the target tokens given its
+    input: `span_corruption` of plain text (`spans`; an input of `window.context` tokens), or
+    `paired`, a JSONL file of `input_field` / `target_field` objects (inputs cut to
+    `window.context` tokens)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,6 +86,10 @@ class PerplexitySettings(BaseModel):
     window: Window = Field(default_factory=Window)
     max_chars: int | None = None
     text_field: str = "text"
+    objective: Objective | None = None
+    spans: Spans = Field(default_factory=Spans)
+    input_field: str = "input"
+    target_field: str = "target"
 
     @field_validator("data", mode="before")
     @classmethod
@@ -71,6 +102,44 @@ class PerplexitySettings(BaseModel):
         if value is not None and value < 1:
             raise GqakitError(f"--max-chars must be a positive number of characters; got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _objective(self) -> "PerplexitySettings":
+        if self.objective in ("span_corruption", "paired"):
+            self.check_seq2seq()
+        if not self.input_field or not self.target_field or self.input_field == self.target_field:
+            raise GqakitError(f"--input-field and --target-field must be two different names; got "
+                              f"{self.input_field!r} and {self.target_field!r}")
+        return self
+
+    def check_seq2seq(self) -> None:
+        """What an encoder-decoder's perplexity cannot take: a --stride, and for paired data an
+        hf: dataset or --max-chars."""
+        what = self.objective or "span_corruption"
+        if self.window.stride is not None:
+            raise GqakitError(f"--stride applies to a decoder's sliding window; {what} perplexity scores "
+                              "disjoint examples of --context input tokens")
+        if what == "paired":
+            if self.data.is_dataset:
+                raise GqakitError(f"--objective paired reads a JSONL file of {self.input_field}/{self.target_field} "
+                                  f"objects, not a dataset ({self.data})")
+            if self.max_chars is not None:
+                raise GqakitError("--max-chars applies to plain text, not to paired data")
+
+    def objective_for(self, encoder_decoder: bool, model: str | Path) -> str:
+        """The objective for this model (one line when it cannot take the one asked for)."""
+        if self.objective is None:
+            if encoder_decoder:
+                self.check_seq2seq()
+                return "span_corruption"
+            return "causal_lm"
+        if encoder_decoder and self.objective == "causal_lm":
+            raise GqakitError(f"{model} is an encoder-decoder: its perplexity is of target tokens given an input, "
+                              "--objective span_corruption (plain text) or paired (input/target JSONL)")
+        if not encoder_decoder and self.objective != "causal_lm":
+            raise GqakitError(f"--objective {self.objective} needs an encoder-decoder model; {model} is "
+                              "decoder-only (its perplexity is causal_lm)")
+        return self.objective
 
     def read(self) -> EvalText:
         """The text to score (before the model loads: a bad file fails first)."""

@@ -77,7 +77,10 @@ def _ppl_plot(results: list[EvalResult], names: list[str], out: Path) -> bool:
                     ha="center", va="bottom", fontsize=10)
     ax.margins(y=0.15)
     p = results[0].perplexity
-    ax.set_title(f"Perplexity (context {p.context if p else None}, stride {p.stride if p else None})")
+    if p and p.kind != "causal_lm":  # an encoder-decoder's: of the target tokens given inputs of `context` tokens
+        ax.set_title(f"{p.kind.replace('_', '-').capitalize()} perplexity of the targets (inputs of {p.context} tokens)")
+    else:
+        ax.set_title(f"Perplexity (context {p.context if p else None}, stride {p.stride if p else None})")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

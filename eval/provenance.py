@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gqakit.eval.records import ModelInfo, RunInfo
+from gqakit.eval.records import EncoderInfo, ModelInfo, RunInfo
 
 
 def git_hash() -> str | None:
@@ -75,6 +75,8 @@ def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
     """Shape facts of a loaded model, and the KV-cache bytes one token costs."""
     from gqakit.core.arch import loaded_shape
 
+    if getattr(model.config, "is_encoder_decoder", False):
+        return seq2seq_model_info(model, path, dtype_bytes)
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     s = loaded_shape(cfg)
     return ModelInfo(
@@ -88,4 +90,28 @@ def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
         max_positions=s.max_positions,
         # K and V, every layer, every KV head: what each cached token costs.
         kv_bytes_per_token=s.kv_bytes_per_token(dtype_bytes),
+    )
+
+
+def seq2seq_model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
+    """An encoder-decoder's shape facts: the decoder's (self- and cross-attention) in the usual
+    fields, the encoder's apart, and both caches' bytes per token (core.arch.loaded_seq2seq_shape)."""
+    from gqakit.core.arch import loaded_seq2seq_shape
+
+    s = loaded_seq2seq_shape(model.config)
+    dec, enc = s.decoder, s.encoder
+    self_bytes, cross_bytes = s.cache_bytes(dtype_bytes, input_tokens=1, output_tokens=1)
+    return ModelInfo(
+        path=str(path),
+        model_type=getattr(model.config, "model_type", None),
+        parameters=sum(p.numel() for p in model.parameters()),
+        layers=dec.num_layers,
+        heads=dec.num_heads,
+        kv_heads=dec.num_kv_heads,
+        head_dim=dec.head_dim,
+        max_positions=dec.max_positions,
+        kv_bytes_per_token=self_bytes,  # the decoder's self-attention cache, per output token
+        encoder=EncoderInfo(layers=enc.num_layers, heads=enc.num_heads, kv_heads=enc.num_kv_heads,
+                            head_dim=enc.head_dim),
+        cross_kv_bytes_per_token=cross_bytes,  # the cross-attention cache, per input token
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       WrapValidator, model_validator)
@@ -159,6 +159,15 @@ class RunInfo(Record):
     dtype: StrictStr
 
 
+class EncoderInfo(Record):
+    """An encoder-decoder's encoder: its self-attention geometry."""
+
+    layers: StrictInt
+    heads: StrictInt
+    kv_heads: StrictInt
+    head_dim: StrictInt
+
+
 class ModelInfo(Record):
     """Shape facts of the measured model, and the KV-cache bytes one token costs."""
 
@@ -171,6 +180,10 @@ class ModelInfo(Record):
     head_dim: StrictInt = UNSET
     max_positions: StrictInt | None = UNSET
     kv_bytes_per_token: Num
+    # encoder-decoders: layers, heads, kv_heads and head_dim above are the decoder's (its
+    # self- and cross-attention), kv_bytes_per_token its self-attention cache per output token
+    encoder: EncoderInfo = UNSET
+    cross_kv_bytes_per_token: Num = UNSET  # the cross-attention cache, per input token
 
     @property
     def name(self) -> str:
@@ -179,22 +192,67 @@ class ModelInfo(Record):
 
 # ----------------------------------------------------------------------------- perplexity
 
+class SpanInfo(Record):
+    """How held-out text was span-corrupted for an encoder-decoder's perplexity (core.spans)."""
+
+    seed: StrictInt
+    noise_density: Num
+    mean_span_length: Num
+    source_tokens: StrictInt     # text tokens per example, before corruption
+    sentinels: StrictInt = UNSET  # sentinel tokens the tokenizer has
+
+
+class PairFields(Record):
+    """The JSONL fields of paired data."""
+
+    input: StrictStr
+    target: StrictStr
+
+
+Objective = Literal["causal_lm", "span_corruption", "paired"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+
+
 class PerplexityResult(Record):
+    """Perplexity. `objective` says of what: absent (or "causal_lm"): every token of a document
+    given the ones before it, over a sliding window; "span_corruption" / "paired": an
+    encoder-decoder's target tokens given its input (held-out text with seeded spans, or
+    input/target pairs), `context` then being the input length."""
+
+    objective: Objective = UNSET
     context: StrictInt
-    stride: StrictInt
+    stride: StrictInt = UNSET    # causal_lm only
     step: StrictInt = UNSET      # tokens each window advances: min(stride, context - 1), see window_plan
-    tokens: StrictInt            # tokens scored (document tokens; the leading BOS is context only)
+    tokens: StrictInt            # tokens scored (document tokens, a leading BOS is context only; targets')
+    examples: StrictInt = UNSET  # encoder-decoders: (input, target) pairs scored
+    input_tokens: StrictInt = UNSET  # encoder-decoders: encoder tokens, all examples
+    inputs_truncated: StrictInt = UNSET  # paired: inputs cut to `context` tokens
     windows: StrictInt = UNSET
     nll_sum: Num = UNSET         # total negative log-likelihood in nats
     words: StrictInt = UNSET
     bytes: StrictInt = UNSET
     token_perplexity: Num
-    word_perplexity: Num
+    word_perplexity: Num = UNSET  # causal_lm and paired (of the targets' words)
     byte_perplexity: Num = UNSET
-    bits_per_byte: Num
+    bits_per_byte: Num = UNSET    # causal_lm and paired
     bos_prepended: StrictBool = UNSET
     tokenizer: AsGiven[TokenizerData]
     data: AsGiven[TextData]      # path, sha256, chars, max_chars, seen_in_training
+    spans: SpanInfo = UNSET      # span_corruption
+    fields: PairFields = UNSET   # paired
+
+    @model_validator(mode="after")
+    def _causal_complete(self) -> "PerplexityResult":
+        if self.kind == "causal_lm":
+            for k in ("stride", "word_perplexity", "bits_per_byte"):
+                if getattr(self, k) is UNSET:
+                    raise ValueError(f"causal_lm perplexity lacks {k}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """The objective; files without one are causal_lm."""
+        return "causal_lm" if self.objective is UNSET else self.objective
 
 
 # ----------------------------------------------------------------------------- speed
@@ -383,6 +441,7 @@ def read_results(path: str | Path) -> EvalResult:
     return EvalResult.from_json(data, p)
 
 
-__all__ = ["SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "PerplexityResult", "SpeedPoint",
+__all__ = ["SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "EncoderInfo", "PerplexityResult",
+           "SpanInfo", "PairFields", "OBJECTIVES", "SpeedPoint",
            "MaxBatch", "SpeedResult", "TaskMetric", "TaskRow", "TasksResult", "EvalResult", "write_results",
            "read_results"]

@@ -16,7 +16,7 @@ from typing import Any
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
 from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
-from gqakit.eval.records import SCHEMA, EvalResult, SpeedPoint, TaskRow, opt, read_results
+from gqakit.eval.records import SCHEMA, UNSET, EvalResult, SpeedPoint, TaskRow, opt, read_results
 from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
 
 REPORT_SCHEMA = "gqakit.compare/1"
@@ -66,9 +66,14 @@ def comparability_warnings(results: list[EvalResult], names: list[str]) -> list[
     if len(ppl) > 1:
         n0, p0 = ppl[0]
         for n, p in ppl[1:]:
+            if p.kind != p0.kind:
+                warns.append(f"{n} has {OBJECTIVE_WORDS[p.kind]} perplexity, {n0} {OBJECTIVE_WORDS[p0.kind]} "
+                             "perplexity: they are not comparable")
+                continue
             diffs = [k for k, a, b in (("data", p0.data.get("sha256"), p.data.get("sha256")),
                                        ("context", p0.context, p.context),
-                                       ("stride", p0.stride, p.stride)) if a != b]
+                                       ("stride", opt(p0.stride), opt(p.stride)),
+                                       ("span seed", _span_seed(p0), _span_seed(p))) if a != b]
             if diffs:
                 warns.append(f"{n} was evaluated with different {', '.join(diffs)} than {n0}: "
                              "their perplexities are not comparable")
@@ -87,6 +92,23 @@ def comparability_warnings(results: list[EvalResult], names: list[str]) -> list[
                 warns.append(f"{n} was timed on {r.device_name} ({r.dtype}), {n0} on {r0.device_name} "
                              f"({r0.dtype}): speedups mix devices")
     return warns
+
+
+OBJECTIVE_WORDS = {"causal_lm": "causal-LM", "span_corruption": "span-corruption", "paired": "paired-data"}
+
+
+def _span_seed(p: Any) -> int | None:
+    return p.spans.seed if p.spans else None
+
+
+def perplexity_settings(p: Any) -> dict[str, Any]:
+    """How a perplexity was measured, for the report: context, stride, data, tokenizer, and for an
+    encoder-decoder's its objective with the spans' settings or the pairs' fields."""
+    out: dict[str, Any] = {"context": p.context, "stride": opt(p.stride), "data": p.data, "tokenizer": p.tokenizer}
+    if p.objective:
+        out["objective"] = p.objective
+        out.update({k: getattr(p, k).to_json() for k in ("spans", "fields") if getattr(p, k)})
+    return out
 
 
 def _task_rows(res: EvalResult) -> dict[str, TaskRow]:
@@ -148,11 +170,19 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
             "kv_heads": m.kv_heads, "kv_bytes_per_token": m.kv_bytes_per_token,
             "dtype": r.run.dtype, "device": r.run.device_name,
         }
+        if m.encoder:  # an encoder-decoder: its encoder, and the cross-attention cache per input token
+            row["encoder_kv_heads"] = m.encoder.kv_heads
+            row["encoder_heads"] = m.encoder.heads
+            row["cross_kv_bytes_per_token"] = opt(m.cross_kv_bytes_per_token)
         if p:
+            if p.objective:
+                row["perplexity_objective"] = p.objective
             row["perplexity"] = p.token_perplexity
-            row["perplexity_delta_pct"] = (100 * (p.token_perplexity / base_ppl - 1)) if base_ppl else None
-            row["bits_per_byte"] = p.bits_per_byte
-            row["word_perplexity"] = p.word_perplexity
+            same = base_ppl and p.kind == base.perplexity.kind  # no change across objectives
+            row["perplexity_delta_pct"] = (100 * (p.token_perplexity / base_ppl - 1)) if same else None
+            if p.bits_per_byte is not UNSET:
+                row["bits_per_byte"] = p.bits_per_byte
+                row["word_perplexity"] = p.word_perplexity
         speed = {}
         for key in grid:
             g = pts.get(key)
@@ -186,7 +216,7 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                     row["tasks"][task][metric] = {"value": m.value, "stderr": m.stderr,
                                                   "delta": None if b0 is None else m.value - b0.value}
         rows.append(row)
-    return {
+    report = {
         "schema": REPORT_SCHEMA,
         "made_by": {"command": " ".join(command if command is not None else sys.argv), "gqakit": gqakit.__version__,
                     "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
@@ -196,9 +226,7 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                    for n, r in zip(names, results)],
         "baseline": names[0],
         "grid": [_point_axes(k) for k in grid],
-        "perplexity_settings": next(({"context": r.perplexity.context, "stride": r.perplexity.stride,
-                                      "data": r.perplexity.data, "tokenizer": r.perplexity.tokenizer}
-                                     for r in results if r.perplexity), None),
+        "perplexity_settings": next((perplexity_settings(r.perplexity) for r in results if r.perplexity), None),
         "tasks": ({"harness": {n: r.tasks.harness_version for n, r in zip(names, results) if r.tasks},
                    "columns": task_columns(results)} if any(r.tasks for r in results) else None),
         "rows": rows,
@@ -207,6 +235,13 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
         "speed_timed_together": _timed_together(results),
         "warnings": comparability_warnings(results, names) + task_warnings(results, names),
     }
+    by_kind: dict[str, Any] = {}
+    for r in results:
+        if r.perplexity:
+            by_kind.setdefault(r.perplexity.kind, perplexity_settings(r.perplexity))
+    if len(by_kind) > 1:  # perplexities of different objectives: how each kind was made
+        report["perplexity_settings_by_objective"] = by_kind
+    return report
 
 
 def _timed_together(results: list[EvalResult]) -> bool:
@@ -295,13 +330,42 @@ def prediction_table(report: dict[str, Any]) -> list[str]:
             "% of copy bandwidth |", "|---|---|---|---|---|---|---|---|"] + lines
 
 
+def seq2seq_perplexity_sentence(ps: dict[str, Any]) -> str:
+    """What an encoder-decoder's perplexity in the table is of, and how it was made."""
+    data = f"data `{ps['data']['path']}` (sha256 {ps['data']['sha256'][:12]}…), tokenizer " \
+           f"`{ps['tokenizer']['name_or_path']}`"
+    if ps["objective"] == "span_corruption":
+        sp = ps.get("spans") or {}
+        return (f"Perplexity (span corruption): of the target tokens given the input, on held-out text corrupted "
+                f"as T5 pre-trains (noise density {sp.get('noise_density')}, mean span {sp.get('mean_span_length')}, "
+                f"seed {sp.get('seed')}), inputs of {ps['context']} tokens; {data}.")
+    f = ps.get("fields") or {}
+    return (f"Perplexity (paired data): of the target tokens given the input, fields `{f.get('input')}` → "
+            f"`{f.get('target')}`, inputs cut to {ps['context']} tokens; bits/byte over the targets' text; {data}.")
+
+
+def encoder_decoder_sentence(rows: list[dict[str, Any]]) -> list[str]:
+    """For encoder-decoders: whose heads the table shows, and the cross-attention cache."""
+    ed = [r for r in rows if "encoder_kv_heads" in r]
+    if not ed:
+        return []
+    return ["", "Encoder-decoders (" + ", ".join(
+        f"{r['name']}: encoder {r['encoder_kv_heads']} / {r['encoder_heads']} KV heads, cross-attention cache "
+        + format_bytes(r["cross_kv_bytes_per_token"] or 0, digits=1, thousands=False, largest="GiB")
+        + " per input token" for r in ed) + "): KV heads and KV bytes/token are the decoder's, its self-attention "
+            "cache per output token."]
+
+
 def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     rows, grid = report["rows"], report["grid"]
     has_ppl = any("perplexity" in r for r in rows)
     lens = sorted({int(k) for r in rows for k in r["max_batch"]})
     head = ["model", "params", "KV heads", "KV bytes/token"]
     if has_ppl:
-        head += ["perplexity", f"Δ% vs {report['baseline']}", "bits/byte"]
+        kinds = sorted({r.get("perplexity_objective", "causal_lm") for r in rows if "perplexity" in r})
+        named = ", ".join(OBJECTIVE_WORDS[k] for k in kinds)
+        head += ["perplexity" if kinds == ["causal_lm"] else f"perplexity ({named})", f"Δ% vs {report['baseline']}",
+                 "bits/byte"]
     head += [f"tok/s {point_label(g, ' ')}" for g in grid]
     head += [f"max batch p{pl}" for pl in lens]
     out = [f"# gqakit comparison: {', '.join(r['name'] for r in rows)}", ""]
@@ -314,7 +378,10 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                                                                         largest="GiB")]
         if has_ppl:
             d = r.get("perplexity_delta_pct")
-            cells += [_fmt_num(r.get("perplexity")), "—" if r["name"] == report["baseline"] or d is None else f"{d:+.1f}%",
+            mixed = len(kinds) > 1 and "perplexity" in r
+            kind = f" ({OBJECTIVE_WORDS[r.get('perplexity_objective', 'causal_lm')]})" if mixed else ""
+            cells += [_fmt_num(r.get("perplexity")) + kind,
+                      "—" if r["name"] == report["baseline"] or d is None else f"{d:+.1f}%",
                       f"{r['bits_per_byte']:.3f}" if "bits_per_byte" in r else "n/a"]
         for g in grid:
             e = r["speed"].get(point_label(g))
@@ -335,10 +402,14 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                + (" For an encoder-decoder, p is the input length and o the output length (tokens in the "
                   "self-attention cache when the timed steps start); its predicted bytes include both caches."
                   if any("output_len" in g for g in grid) else ""))
-    ps = report.get("perplexity_settings")
-    if ps:
-        out += ["", f"Perplexity: context {ps['context']}, stride {ps['stride']}, data `{ps['data']['path']}` "
-                f"(sha256 {ps['data']['sha256'][:12]}…), tokenizer `{ps['tokenizer']['name_or_path']}`."]
+    by_kind = report.get("perplexity_settings_by_objective")  # perplexities of several objectives: each one
+    for ps in list(by_kind.values()) if by_kind else [p for p in [report.get("perplexity_settings")] if p]:
+        if ps.get("objective") in (None, "causal_lm"):
+            out += ["", f"Perplexity: context {ps['context']}, stride {ps['stride']}, data `{ps['data']['path']}` "
+                    f"(sha256 {ps['data']['sha256'][:12]}…), tokenizer `{ps['tokenizer']['name_or_path']}`."]
+        else:
+            out += ["", seq2seq_perplexity_sentence(ps)]
+    out += encoder_decoder_sentence(rows)
     pred = prediction_table(report)
     if pred:
         out += ["", "## Decode speedup against the prediction", "",

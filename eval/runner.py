@@ -18,6 +18,7 @@ from gqakit.eval.provenance import model_info, run_info
 from gqakit.eval.records import SCHEMA, EvalResult, write_results
 
 if TYPE_CHECKING:
+    from gqakit.eval.perplexity_seq2seq import Examples
     from gqakit.eval.speed import SpeedSettings
     from gqakit.eval.tasks import TaskSettings
 
@@ -47,14 +48,14 @@ def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings 
 
     The settings were checked when they were built (PerplexitySettings, SpeedSettings,
     TaskSettings); here: that there is something to measure, the model, device, dtype and OUT."""
-    from gqakit.core.loading import read_config_json, split_source
+    from gqakit.core.loading import is_encoder_decoder, split_source
     from gqakit.core.outdir import RESULTS, check_output_path
 
     if perplexity is None and speed is None and tasks is None:
         raise GqakitError("nothing to measure: pass --data (perplexity), --speed, --tasks, or several")
-    folder, gguf = split_source(model_path)  # a missing path or a broken config.json, before anything slow
+    split_source(model_path)  # a missing path or a broken config.json, before anything slow
     if speed is not None:  # a grid axis given for the other kind of model
-        speed.check_model(gguf is None and bool(read_config_json(folder).get("is_encoder_decoder")))
+        speed.check_model(is_encoder_decoder(model_path))
     check_device(device)
     check_dtype(dtype)
     if out is None:
@@ -90,20 +91,44 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
     """
     out = check_eval_inputs(model_path, perplexity=perplexity, speed=speed, tasks=tasks, device=device, dtype=dtype,
                             out=out, overwrite=overwrite)
+    from gqakit.core.loading import is_encoder_decoder
     from gqakit.core.quiet import quiet_libraries
 
+    doc, pairs = None, None
+    if perplexity is not None and perplexity.objective == "paired":
+        from gqakit.core.pairs import read_pairs
+
+        pairs = read_pairs(perplexity.data.spec, input_field=perplexity.input_field,
+                           target_field=perplexity.target_field)
+    elif perplexity is not None:
+        doc = perplexity.read()  # fail on bad data before loading
+    encoder_decoder = is_encoder_decoder(model_path)
+    objective = perplexity.objective_for(encoder_decoder, model_path) if perplexity is not None else None
     if tasks is not None:
-        from gqakit.eval.tasks import check_tasks, load_tasks
+        from gqakit.eval.tasks import check_seq2seq_tasks, check_tasks, load_tasks
 
         check_tasks(tasks, quiet=quiet)  # harness installed, names known, local data present: before loading
         with quiet_libraries(quiet):
             load_tasks(tasks, quiet=quiet)  # their datasets read (offline) before the model loads
-    doc = perplexity.read() if perplexity is not None else None  # fail on bad data before loading
+        if encoder_decoder:
+            check_seq2seq_tasks(tasks)
+    examples = None
+    if objective in ("span_corruption", "paired"):
+        from gqakit.core.loading import load_tokenizer
+        from gqakit.eval.perplexity_seq2seq import prepare_paired, prepare_span_corruption
+
+        with quiet_libraries(quiet):  # tokenized (and span-corrupted) before the model loads
+            tok = load_tokenizer(model_path)
+            if pairs is not None:
+                doc, examples = pairs.doc, prepare_paired(tok, pairs, perplexity)
+            else:
+                examples = prepare_span_corruption(tok, doc, perplexity, model_path)
     seen = seen_in_training(model_path, doc) if doc is not None else []
 
     with quiet_libraries(quiet):
         results = measure(model_path, doc, perplexity=perplexity, speed=speed, tasks=tasks, device=device,
-                          dtype=dtype, command=command, progress=progress and not quiet, quiet=quiet)
+                          dtype=dtype, command=command, progress=progress and not quiet, quiet=quiet,
+                          examples=examples, encoder_decoder=encoder_decoder)
     if seen:
         results.perplexity.data["seen_in_training"] = seen
         if not quiet:
@@ -136,18 +161,28 @@ def perplexity_of_file(model_path: str | Path, settings: PerplexitySettings, *, 
 def measure(model_path: str | Path, doc: EvalText | None, *, perplexity: PerplexitySettings | None = None,
             speed: SpeedSettings | None = None, tasks: TaskSettings | None = None, device: str | None = None,
             dtype: str | None = None, command: list[str] | None = None, progress: bool = True,
-            quiet: bool = False) -> EvalResult:
-    """Load the model once and run each measurement whose settings are given (inputs already checked)."""
+            quiet: bool = False, examples: Examples | None = None, encoder_decoder: bool | None = None) -> EvalResult:
+    """Load the model once and run each measurement whose settings are given (inputs already checked).
+    An encoder-decoder's perplexity scores `examples` (eval.perplexity_seq2seq.prepare_*), a decoder's `doc`."""
     import torch
 
-    from gqakit.core.loading import load_causal_lm, load_tokenizer
+    from gqakit.core.loading import is_encoder_decoder, load_causal_lm, load_seq2seq_lm, load_tokenizer
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    model = load_causal_lm(model_path, dtype=dt, device=dev)
+    if encoder_decoder is None:
+        encoder_decoder = is_encoder_decoder(model_path)
+    model = (load_seq2seq_lm if encoder_decoder else load_causal_lm)(model_path, dtype=dt, device=dev)
     info = model_info(model, model_path, torch.finfo(dt).bits // 8)
     results = EvalResult(schema=SCHEMA, run=run_info(command=command, device=dev, dtype=dt), model=info)
-    if perplexity is not None and doc is not None:
+    if perplexity is not None and examples is not None:
+        from gqakit.eval.perplexity_seq2seq import score
+
+        # learned positions (BART) limit the lengths; T5's relative ones (its n_positions is nominal) do not
+        learned = hasattr(model.get_encoder(), "embed_positions")
+        results.perplexity = score(model, examples, device=dev, max_positions=info.max_positions if learned else None,
+                                   progress=progress)
+    elif perplexity is not None and doc is not None:
         from gqakit.eval.perplexity import evaluate_perplexity
 
         tok = load_tokenizer(model_path)

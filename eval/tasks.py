@@ -371,15 +371,36 @@ def _no_harness_provenance() -> Iterator[None]:
         ev.get_git_commit_hash, ev.add_env_info = old
 
 
+# Task types an encoder-decoder is refused, and why. HFLM's seq2seq backend runs loglikelihood_rolling
+# with one token in the encoder and the whole text in the decoder (its own TODO): the decoder alone.
+SEQ2SEQ_REFUSED = {"loglikelihood_rolling": "lm-evaluation-harness scores it with one token in the encoder and "
+                   "the whole text in the decoder, the decoder alone; for an encoder-decoder's perplexity use "
+                   "`gqakit eval MODEL --data FILE` (span corruption) or --objective paired"}
+
+
+def check_seq2seq_tasks(settings: TaskSettings) -> None:
+    """Refuse, in one line and before the model loads, a task an encoder-decoder cannot run
+    (SEQ2SEQ_REFUSED); the tasks were built by load_tasks."""
+    tasks = settings.loaded if settings.loaded is not None else load_tasks(settings)
+    for top in tasks:
+        for task in (top.get_all_tasks() if hasattr(top, "get_all_tasks") else [top]):
+            kind = getattr(task, "OUTPUT_TYPE", None)
+            if kind in SEQ2SEQ_REFUSED:
+                raise GqakitError(f"task {getattr(task, 'task_name', None) or task.config.task} is a {kind} task, "
+                                  f"which an encoder-decoder cannot run here: {SEQ2SEQ_REFUSED[kind]}")
+
+
 def run_tasks(model: Any, tokenizer: Any, settings: TaskSettings, *, progress: bool = True,
               quiet: bool = False) -> TasksResult:
-    """Run the tasks on an already-loaded model; the `tasks` block of a results file."""
+    """Run the tasks on an already-loaded model; the `tasks` block of a results file. An
+    encoder-decoder runs on the harness's seq2seq backend (`HFLM(backend="seq2seq")`)."""
     lm_eval = harness()
     tm = settings.manager or check_tasks(settings, quiet=quiet)
     tasks = settings.loaded or load_tasks(settings, quiet=quiet)
     settings.loaded = None  # simple_evaluate sets their few-shot count: one run per build
+    backend = {"backend": "seq2seq"} if getattr(model.config, "is_encoder_decoder", False) else {}
     with harness_logs(quiet), offline_datasets(), sandboxed_templates(), _task_bars(progress), _no_harness_provenance():
-        lm = _gqakit_lm(progress)(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+        lm = _gqakit_lm(progress)(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **backend)
         try:
             out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=settings.num_fewshot,
                                           limit=settings.limit, task_manager=tm, log_samples=False,

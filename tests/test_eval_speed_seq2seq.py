@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import SCHEMA, EvalResult, ModelInfo, read_results, write_results
+from gqakit.eval.records import SCHEMA, EvalResult, read_results, write_results
 from gqakit.eval.report import write_report
 from gqakit.eval.speed import Seq2SeqBench, SpeedSettings, evaluate_speed
 from tests.tiny_models import build_seq2seq
@@ -114,7 +114,7 @@ def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path
     """The grid of an MHA T5 and its grouped version: the results files read back byte for
     byte, and compare puts each point's measured speedup beside the bytes' prediction (the
     grouped model's smaller caches)."""
-    from gqakit.eval.provenance import run_info
+    from gqakit.eval.provenance import model_info, run_info
 
     paths = []
     models = {"mha": build_seq2seq("t5_v1_1", tmp_path / "mha"), "g1": grouped_t5(tmp_path / "g1", 1)}
@@ -123,8 +123,7 @@ def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path
         bench_heads = Seq2SeqBench(model, device="cpu", dtype=torch.float32).kv_heads
         assert bench_heads == (4 if name == "mha" else 1)
         res = EvalResult(schema=SCHEMA, run=run_info(command=["test"], device="cpu", dtype=torch.float32),
-                         model=ModelInfo(path=str(folder), parameters=sum(p.numel() for p in model.parameters()),
-                                         heads=4, kv_heads=bench_heads, kv_bytes_per_token=0),
+                         model=model_info(model, folder, 4),
                          speed=evaluate_speed(model, GRID, device="cpu", dtype=torch.float32, progress=False))
         if name == "g1":  # one KV head: both attentions fold the query heads per KV head, nothing repeated
             assert res.speed.attention["kv_copied"] is False
@@ -151,6 +150,30 @@ def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path
     assert f"| g1 | 2 | 12, output 3 | " in md
     assert f"{e['speedup']:.2f}× | {e['predicted_speedup_bytes']:.2f}×" in md
     assert "tok/s b2 p12 o3" in md and "o the output length" in md
+
+
+def test_eval_speed_on_an_encoder_decoder_from_the_command_line(tmp_path: Path, capsys) -> None:
+    """`gqakit eval T5 --speed --input-len --output-len` writes the grid, the encoder's time and
+    both caches' bytes per point, and says which path ran."""
+    from gqakit.cli import main
+
+    folder = build_seq2seq("t5", tmp_path / "t5")
+    out = tmp_path / "t5.json"
+    try:
+        main(["eval", str(folder), "--speed", "--batch", "2", "--input-len", "8,16", "--output-len", "2",
+              "--new-tokens", "2", "--reps", "1", "--warmup", "0", "--out", str(out), "-q"])
+    except SystemExit as e:
+        assert e.code in (0, None), capsys.readouterr().err
+    res = read_results(out)
+    assert [g.key for g in res.speed.grid] == [(2, 8, 2), (2, 16, 2)]
+    assert res.speed.settings["input_lens"] == [8, 16] and res.speed.settings["output_lens"] == [2]
+    assert all(g.ok and g.encode_ms["median"] > 0 and g.bytes_per_step["cross_attention_kv"] > 0
+               for g in res.speed.grid)
+    assert res.speed.grid[1].bytes_per_step["cross_attention_kv"] == 2 * res.speed.grid[0].bytes_per_step[
+        "cross_attention_kv"]
+    assert "the fused decoder-only layers do not cover encoder-decoders" in res.speed.grid[0].decode_path["layers"]
+    printed = capsys.readouterr().out
+    assert "batch    2 prompt     8" in printed or "input 8" in printed
 
 
 def test_bad_settings_are_one_line_errors(tmp_path: Path, capsys) -> None:

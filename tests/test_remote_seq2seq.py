@@ -37,7 +37,8 @@ REMOTE = {
 REMOTE["t5_v1_1"] = REMOTE["t5"]
 MODULES = {"gqakit_modeling_t5": gqakit_modeling_t5, "gqakit_modeling_bart": gqakit_modeling_bart}
 # K / V projections (T5 and mT5: no bias; BART: weight and bias), of any stack
-KV = re.compile(r"\.(SelfAttention|EncDecAttention)\.[kv]\.weight$|\.(self_attn|encoder_attn)\.[kv]_proj\.(weight|bias)$")
+KV = re.compile(r"\.(SelfAttention|EncDecAttention)\.[kv]\.weight$"
+                r"|\.(self_attn|encoder_attn)\.[kv]_proj\.(weight|bias)$")
 ENCODER = re.compile(r"^(model\.)?encoder\.")
 GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
 
@@ -55,7 +56,7 @@ def repeat(t: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def remote_config(kind: str, g: int, encoder_g: int) -> dict[str, Any]:
-    """The keys a converter adds to the stock config.json (docs: the encoder-decoder contract)."""
+    """The keys a converter adds to the stock config.json of an encoder-decoder."""
     module, config_class, model_class, model_type = REMOTE[kind]
     return {"model_type": model_type, "architectures": [model_class],
             "auto_map": {"AutoConfig": f"{module}.{config_class}",
@@ -162,6 +163,9 @@ def test_grouped_caches_hold_g_heads(kind: str, g: int, stock: Any, tmp_path: Pa
             assert t.shape[:2] == (2, g) and t.shape[-1] == d_head
         for t in (cross_layer.keys, cross_layer.values):
             assert t.shape == (2, g, inputs()["input_ids"].shape[1], d_head)
+    # without a cache, and with transformers' static cache (sized from num_key_value_heads): the same tokens
+    for kw in ({"use_cache": False}, {"cache_implementation": "static"}):
+        torch.testing.assert_close(generate(gqa, inputs(), **kw), out.sequences, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("g", "encoder_g"), [(2, H), (2, 2), (1, 1)])

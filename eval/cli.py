@@ -10,7 +10,7 @@ from click.core import ParameterSource
 
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import OBJECTIVES
+from gqakit.eval.records import OBJECTIVES, UNSET
 
 if TYPE_CHECKING:
     from gqakit.eval.records import EvalResult
@@ -176,13 +176,15 @@ def _print_summary(res: EvalResult, out: Path) -> None:
         if s.graph_error:
             click.echo(f"  CUDA graphs failed, decode steps ran eagerly: {s.graph_error}")
         for g in s.grid:
+            where = (f"  batch {g.batch:>4} prompt {g.prompt_len:>5}" if g.output_len is UNSET else
+                     f"  batch {g.batch:>4} input {g.prompt_len:>5} output {g.output_len:>4}")
             if g.ok:
-                click.echo(f"  batch {g.batch:>4} prompt {g.prompt_len:>5}: prefill {g.prefill_ms['median']:.1f} ms, "
+                click.echo(f"{where}: prefill {g.prefill_ms['median']:.1f} ms, "
                            f"decode {g.decode_ms_per_token['median']:.2f} ms/step, {g.tokens_per_s['median']:.1f} tok/s, "
                            f"{100 * g.roofline_fraction:.1f}% of copy bandwidth ({g.decode_mode}"
                            f"{', weights packed' if g.packed_weight_bytes else ''})")
             else:
-                click.echo(f"  batch {g.batch:>4} prompt {g.prompt_len:>5}: out of memory ({g.reason})")
+                click.echo(f"{where}: out of memory ({g.reason})")
         for m in s.max_batch:
             click.echo(f"  max batch at prompt {m.prompt_len}: {m.max_batch}{'+' if m.at_limit else ''} ({m.method})")
     if res.tasks:

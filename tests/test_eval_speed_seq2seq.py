@@ -173,7 +173,7 @@ def test_eval_speed_on_an_encoder_decoder_from_the_command_line(tmp_path: Path, 
         "cross_attention_kv"]
     assert "the fused decoder-only layers do not cover encoder-decoders" in res.speed.grid[0].decode_path["layers"]
     printed = capsys.readouterr().out
-    assert "batch    2 prompt     8" in printed or "input 8" in printed
+    assert "batch    2 input     8 output    2: prefill" in printed
 
 
 def test_bad_settings_are_one_line_errors(tmp_path: Path, capsys) -> None:

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import OBJECTIVES
+from gqakit.eval.records import OBJECTIVES, UNSET
 
 if TYPE_CHECKING:
     from gqakit.eval.records import EvalResult
@@ -60,6 +61,12 @@ def command_line() -> list[str]:
 @click.option("--target-field", default="target", show_default=True, help="Target field of --objective paired data.")
 @click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes of the speed grid.")
 @click.option("--prompt-len", "prompt_lens", default="128,1024", show_default=True, help="Prompt lengths of the grid.")
+@click.option("--input-len", "input_lens", default=None,
+              help="Encoder-decoders: input lengths of the grid, which is --batch x --input-len x --output-len "
+                   "[default: 512,2048].")
+@click.option("--output-len", "output_lens", default=None,
+              help="Encoder-decoders: output tokens already in the self-attention cache when the timed steps "
+                   "start (1: right after the start token) [default: 1].")
 @click.option("--new-tokens", default=128, show_default=True, help="Decode steps timed per run.")
 @click.option("--reps", default=5, show_default=True, help="Timed repetitions per grid point (median, p90).")
 @click.option("--warmup", default=2, show_default=True, help="Untimed warm-up runs per grid point.")
@@ -85,15 +92,16 @@ def command_line() -> list[str]:
 @trust.option("; for the task files of --tasks-path, the Python modules their `!function` tags import and "
               "their Jinja templates outside Jinja's sandbox")
 def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_field, objective, span_seed, input_field,
-             target_field, batches, prompt_lens, new_tokens, reps, warmup, compile_, eager, prefill_once,
-             max_batch_search, max_batch_limit, tasks, num_fewshot, limit, tasks_path, tasks_batch, device, dtype,
-             overwrite, quiet) -> None:
+             target_field, batches, prompt_lens, input_lens, output_lens, new_tokens, reps, warmup, compile_, eager,
+             prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot, limit, tasks_path, tasks_batch,
+             device, dtype, overwrite, quiet) -> None:
     """Measure perplexity, decode speed and task accuracy of MODEL (a folder or a .gguf file).
 
     Perplexity is token-level over a sliding window (--context, --stride), plus bits per
     byte and word/byte perplexity, which compare models with different tokenizers.
     Speed times prefill and per-token decode with a static KV cache over the grid
-    --batch x --prompt-len, and reports KV-cache bytes, peak memory and the achieved
+    --batch x --prompt-len (an encoder-decoder: --batch x --input-len x --output-len, the
+    encoder once per point), and reports KV-cache bytes, peak memory and the achieved
     fraction of the device's copy bandwidth. --tasks runs lm-evaluation-harness tasks
     (accuracy with its standard error) on the same loaded model; --tasks-path adds local
     task YAML files. Datasets are read from local files or the local datasets cache, never
@@ -106,6 +114,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./stories-g2 --data valid.txt --context 512 --stride 256 --out g2.json
       gqakit eval ./my-gqa --speed --batch 1,8,32 --prompt-len 128,1024 --new-tokens 128 --out s.json
       gqakit eval ./my-gqa --speed --batch 8 --prompt-len 1024 --prefill-once --eager --out eager.json
+      gqakit eval ./t5-gqa --speed --batch 1,8 --input-len 512,4096 --output-len 1,128 --out t5.json
       gqakit eval ./my-gqa --data hf:wikitext:wikitext-2-raw-v1:test --speed --max-batch-search --out all.json
       gqakit eval ./my-gqa --tasks hellaswag,arc_easy --num-fewshot 0 --out acc.json
       gqakit eval ./my-gqa --tasks gqakit_stories_mc --tasks-path examples/tasks --limit 20 --out acc.json
@@ -127,7 +136,11 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
         raise GqakitError("--num-fewshot, --limit and --tasks-path go with --tasks NAMES")
     speed_settings = None
     if speed:
-        speed_settings = SpeedSettings(batches=batches, prompt_lens=prompt_lens,
+        # the grid axes the command line named (an axis for the other kind of model is refused)
+        given = click.get_current_context().get_parameter_source("prompt_lens") != ParameterSource.DEFAULT
+        axes = {k: v for k, v in (("prompt_lens", prompt_lens if given else None), ("input_lens", input_lens),
+                                  ("output_lens", output_lens)) if v is not None}
+        speed_settings = SpeedSettings(batches=batches, **axes,
                                        new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
                                        max_batch_search=max_batch_search, max_batch_limit=max_batch_limit,
                                        eager=eager, prefill_once=prefill_once)
@@ -163,13 +176,15 @@ def _print_summary(res: EvalResult, out: Path) -> None:
         if s.graph_error:
             click.echo(f"  CUDA graphs failed, decode steps ran eagerly: {s.graph_error}")
         for g in s.grid:
+            where = (f"  batch {g.batch:>4} prompt {g.prompt_len:>5}" if g.output_len is UNSET else
+                     f"  batch {g.batch:>4} input {g.prompt_len:>5} output {g.output_len:>4}")
             if g.ok:
-                click.echo(f"  batch {g.batch:>4} prompt {g.prompt_len:>5}: prefill {g.prefill_ms['median']:.1f} ms, "
+                click.echo(f"{where}: prefill {g.prefill_ms['median']:.1f} ms, "
                            f"decode {g.decode_ms_per_token['median']:.2f} ms/step, {g.tokens_per_s['median']:.1f} tok/s, "
                            f"{100 * g.roofline_fraction:.1f}% of copy bandwidth ({g.decode_mode}"
                            f"{', weights packed' if g.packed_weight_bytes else ''})")
             else:
-                click.echo(f"  batch {g.batch:>4} prompt {g.prompt_len:>5}: out of memory ({g.reason})")
+                click.echo(f"{where}: out of memory ({g.reason})")
         for m in s.max_batch:
             click.echo(f"  max batch at prompt {m.prompt_len}: {m.max_batch}{'+' if m.at_limit else ''} ({m.method})")
     if res.tasks:

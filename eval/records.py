@@ -258,10 +258,16 @@ class PerplexityResult(Record):
 # ----------------------------------------------------------------------------- speed
 
 class SpeedPoint(Record):
-    """One (batch, prompt length) decode measurement; status "oom" carries only a reason."""
+    """One (batch, prompt length) decode measurement; status "oom" carries only a reason.
+
+    For an encoder-decoder, `prompt_len` is the input (encoder) length and `output_len` the
+    output tokens in the self-attention cache when the timed steps start; `encode_ms` is the
+    encoder's time, part of `prefill_ms`.
+    """
 
     batch: StrictInt
     prompt_len: StrictInt
+    output_len: StrictInt = UNSET
     new_tokens: StrictInt = UNSET
     status: StrictStr
     reason: StrictStr = UNSET
@@ -271,6 +277,7 @@ class SpeedPoint(Record):
     decode_sample: StrictStr = UNSET
     prefill_ms: AsGiven[Stat] | None = UNSET            # {"median", "p90"}
     prefill_samples: StrictInt = UNSET
+    encode_ms: AsGiven[Stat] | None = UNSET             # {"median", "p90"}: the encoder, once per point
     decode_ms_per_token: AsGiven[Stat] | None = UNSET   # {"median", "p90"}
     tokens_per_s: AsGiven[Stat] | None = UNSET          # {"median", "p90_of_step_time"}
     warmup_s: Num = UNSET
@@ -302,8 +309,10 @@ class SpeedPoint(Record):
         return self.status == "ok"
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.batch, self.prompt_len
+    def key(self) -> tuple[int, ...]:
+        """(batch, prompt length), and the output length for an encoder-decoder."""
+        return (self.batch, self.prompt_len) if self.output_len is UNSET else (self.batch, self.prompt_len,
+                                                                                self.output_len)
 
 
 class MaxBatch(Record):
@@ -325,10 +334,11 @@ class SpeedResult(Record):
     device_roof: AsGiven[dict[str, Num]] = UNSET
     weight_bytes_per_step: StrictInt = UNSET
     kv_bytes_per_token: Num = UNSET
+    kv_bytes_per_input_token: Num = UNSET   # encoder-decoders: the cross-attention cache of one input token
     grid: list[SpeedPoint] = Field(default_factory=list)
     max_batch: list[MaxBatch] = Field(default_factory=list)
 
-    def points(self) -> dict[tuple[int, int], SpeedPoint]:
+    def points(self) -> dict[tuple[int, ...], SpeedPoint]:
         return {g.key: g for g in self.grid}
 
 

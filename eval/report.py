@@ -22,8 +22,20 @@ from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
 REPORT_SCHEMA = "gqakit.compare/1"
 
 
-def _speed_points(res: EvalResult) -> dict[tuple[int, int], SpeedPoint]:
+def _speed_points(res: EvalResult) -> dict[tuple[int, ...], SpeedPoint]:
     return res.speed.points() if res.speed else {}
+
+
+def _point_axes(key: tuple[int, ...]) -> dict[str, int]:
+    """A grid key as the report names it: batch, prompt length (an encoder-decoder's input
+    length) and an encoder-decoder's output length."""
+    return {"batch": key[0], "prompt_len": key[1], **({"output_len": key[2]} if len(key) > 2 else {})}
+
+
+def point_label(axes: dict[str, Any], sep: str = "_") -> str:
+    """b8_p1024 (decoder-only), b8_p4096_o1 (encoder-decoder: input 4096, output 1)."""
+    return sep.join([f"b{axes['batch']}", f"p{axes['prompt_len']}"]
+                    + ([f"o{axes['output_len']}"] if "output_len" in axes else []))
 
 
 def predicted_speedup(base: SpeedPoint, point: SpeedPoint, measured: float) -> dict[str, Any]:
@@ -149,7 +161,7 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
     base = results[0]
     base_ppl = base.perplexity.token_perplexity if base.perplexity else None
     base_pts = _speed_points(base)
-    grid = sorted({k for r in results for k in _speed_points(r)}, key=lambda k: (k[1], k[0]))
+    grid = sorted({k for r in results for k in _speed_points(r)}, key=lambda k: (k[1], k[2:], k[0]))
     rows = []
     for name, r in zip(names, results):
         m, p, pts = r.model, r.perplexity, _speed_points(r)
@@ -172,12 +184,12 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                 row["bits_per_byte"] = p.bits_per_byte
                 row["word_perplexity"] = p.word_perplexity
         speed = {}
-        for b, pl in grid:
-            g = pts.get((b, pl))
-            g0 = base_pts.get((b, pl))
+        for key in grid:
+            g = pts.get(key)
+            g0 = base_pts.get(key)
             if g is None:
                 continue
-            entry: dict[str, Any] = {"batch": b, "prompt_len": pl, "status": g.status}
+            entry: dict[str, Any] = {**_point_axes(key), "status": g.status}
             if g.ok:
                 tps = g.tokens_per_s["median"]
                 entry.update(tokens_per_s=tps, decode_ms_per_token=g.decode_ms_per_token["median"],
@@ -187,7 +199,7 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                 if g0 and g0.ok:
                     entry["speedup"] = tps / g0.tokens_per_s["median"]
                     entry.update(predicted_speedup(g0, g, entry["speedup"]))
-            speed[f"b{b}_p{pl}"] = entry
+            speed[point_label(entry)] = entry
         row["speed"] = speed
         row["max_batch"] = {str(mb.prompt_len): mb.to_json() for mb in (r.speed.max_batch if r.speed else [])}
         row["attention"] = r.speed.attention.get("decode_path") if r.speed else None
@@ -213,7 +225,7 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                     "device": r.run.device_name, "dtype": r.run.dtype, "date": r.run.date}
                    for n, r in zip(names, results)],
         "baseline": names[0],
-        "grid": [{"batch": b, "prompt_len": pl} for b, pl in grid],
+        "grid": [_point_axes(k) for k in grid],
         "perplexity_settings": next((perplexity_settings(r.perplexity) for r in results if r.perplexity), None),
         "tasks": ({"harness": {n: r.tasks.harness_version for n, r in zip(names, results) if r.tasks},
                    "columns": task_columns(results)} if any(r.tasks for r in results) else None),
@@ -251,8 +263,8 @@ def memory_bound_sentence(report: dict[str, Any]) -> list[str]:
         ok = [e for e in row["speed"].values() if e["status"] == "ok"]
         if not ok:
             continue
-        mb = [f"b{e['batch']}×p{e['prompt_len']}" for e in ok if e["memory_bound"]]
-        cb = [f"b{e['batch']}×p{e['prompt_len']}" for e in ok if not e["memory_bound"]]
+        mb = [point_label(e, "×") for e in ok if e["memory_bound"]]
+        cb = [point_label(e, "×") for e in ok if not e["memory_bound"]]
         best = max(e["roofline_fraction"] for e in ok)
         text = f"- **{row['name']}**: "
         text += (f"memory-bound at {', '.join(mb)}" if mb else "no grid point is memory-bound")
@@ -308,7 +320,8 @@ def prediction_table(report: dict[str, Any]) -> list[str]:
             roof = ""
             if "predicted_speedup_roofline" in e:
                 roof = f" (roofline {e['predicted_speedup_roofline']:.2f}×, share {pct(e['share_of_predicted_roofline'])})"
-            lines.append(f"| {row['name']} | {e['batch']} | {e['prompt_len']} | {'yes' if e['memory_bound'] else 'no'} | "
+            prompt = f"{e['prompt_len']}" + (f", output {e['output_len']}" if "output_len" in e else "")
+            lines.append(f"| {row['name']} | {e['batch']} | {prompt} | {'yes' if e['memory_bound'] else 'no'} | "
                          f"{e['speedup']:.2f}× | {e['predicted_speedup_bytes']:.2f}×{roof} | "
                          f"{pct(e['share_of_predicted'])} | {pct(e['roofline_fraction'])} |")
     if not lines:
@@ -353,7 +366,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         named = ", ".join(OBJECTIVE_WORDS[k] for k in kinds)
         head += ["perplexity" if kinds == ["causal_lm"] else f"perplexity ({named})", f"Δ% vs {report['baseline']}",
                  "bits/byte"]
-    head += [f"tok/s b{g['batch']} p{g['prompt_len']}" for g in grid]
+    head += [f"tok/s {point_label(g, ' ')}" for g in grid]
     head += [f"max batch p{pl}" for pl in lens]
     out = [f"# gqakit comparison: {', '.join(r['name'] for r in rows)}", ""]
     if report["warnings"]:
@@ -371,7 +384,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                       "—" if r["name"] == report["baseline"] or d is None else f"{d:+.1f}%",
                       f"{r['bits_per_byte']:.3f}" if "bits_per_byte" in r else "n/a"]
         for g in grid:
-            e = r["speed"].get(f"b{g['batch']}_p{g['prompt_len']}")
+            e = r["speed"].get(point_label(g))
             if e is None:
                 cells.append("—")
             elif e["status"] != "ok":
@@ -385,7 +398,10 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
     out.append("KV heads are shown as KV / query heads. Speedups (×) are decode tokens/s against the first row "
-               "at the same batch (b) and prompt length (p); tokens/s is the median over repetitions.")
+               "at the same batch (b) and prompt length (p); tokens/s is the median over repetitions."
+               + (" For an encoder-decoder, p is the input length and o the output length (tokens in the "
+                  "self-attention cache when the timed steps start); its predicted bytes include both caches."
+                  if any("output_len" in g for g in grid) else ""))
     by_kind = report.get("perplexity_settings_by_objective")  # perplexities of several objectives: each one
     for ps in list(by_kind.values()) if by_kind else [p for p in [report.get("perplexity_settings")] if p]:
         if ps.get("objective") in (None, "causal_lm"):

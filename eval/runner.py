@@ -48,12 +48,14 @@ def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings 
 
     The settings were checked when they were built (PerplexitySettings, SpeedSettings,
     TaskSettings); here: that there is something to measure, the model, device, dtype and OUT."""
-    from gqakit.core.loading import split_source
+    from gqakit.core.loading import is_encoder_decoder, split_source
     from gqakit.core.outdir import RESULTS, check_output_path
 
     if perplexity is None and speed is None and tasks is None:
         raise GqakitError("nothing to measure: pass --data (perplexity), --speed, --tasks, or several")
     split_source(model_path)  # a missing path or a broken config.json, before anything slow
+    if speed is not None:  # a grid axis given for the other kind of model
+        speed.check_model(is_encoder_decoder(model_path))
     check_device(device)
     check_dtype(dtype)
     if out is None:

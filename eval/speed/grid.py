@@ -18,9 +18,16 @@ from gqakit.eval.speed.settings import SpeedSettings
 
 def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
                    max_positions: int | None = None, progress: bool = True) -> SpeedResult:
-    """The whole decode benchmark: roofs, attention path, grid, and max batch per prompt length."""
+    """The whole decode benchmark: roofs, attention path, grid, and max batch per prompt length.
+
+    An encoder-decoder runs its own grid, batch x input length x output length (`seq2seq`)."""
     import torch
 
+    if getattr(model.config, "is_encoder_decoder", False):
+        from gqakit.eval.speed.seq2seq import evaluate_speed_seq2seq
+
+        return evaluate_speed_seq2seq(model, settings, device=device, dtype=dtype, progress=progress)
+    settings.check_model(False)
     settings.check_positions(max_positions)
     if settings.compile and torch.device(device).type != "cuda":
         tqdm.write("gqakit: note: --compile on the CPU needs a C++ compiler and compiles each model once per grid "
@@ -72,14 +79,16 @@ def speed_result(bench: DecodeBench, settings: SpeedSettings, attention: dict[st
     )
 
 
-def run_points_alternating(benches: dict[str, DecodeBench], batch: int, prompt_len: int, new_tokens: int, reps: int,
-                           warmup: int, *, prefill_once: bool = True) -> tuple[dict[str, SpeedPoint], dict[str, float]]:
+def run_points_alternating(benches: dict[str, Any], batch: int, prompt_len: int, new_tokens: int, reps: int,
+                           warmup: int, *, prefill_once: bool = True,
+                           **point: Any) -> tuple[dict[str, SpeedPoint], dict[str, float]]:
     """One grid point of several models in one run: their decode steps alternate one by one
     (A B C, C B A, ...), so that the machine's drift (on a VM, memory speed that changes within
     minutes) hits every model alike and their ratios are measured, not inferred from separate
     runs. The roofs are measured after each repetition; their medians are the point's roof.
-    Returns ({name: point}, roof)."""
-    points = {n: b.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once)
+    Returns ({name: point}, roof). The benches are `DecodeBench`es, or `seq2seq.Seq2SeqBench`es
+    with the output length in `point` (`output_len=`; `prompt_len` is then the input length)."""
+    points = {n: b.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once, **point)
               for n, b in benches.items()}
     live = [n for n in benches if points[n].result is None]
     first = next(iter(benches.values()))
@@ -109,6 +118,8 @@ def evaluate_speed_together(models: dict[str, Any], settings: SpeedSettings, *, 
     import torch
 
     settings.check_positions(max_positions)
+    if any(getattr(m.config, "is_encoder_decoder", False) for m in models.values()):
+        raise GqakitError("timing models together supports decoder-only models; time an encoder-decoder on its own")
     if settings.compile or settings.eager or settings.max_batch_search:
         raise GqakitError("timing models together supports the default fast path only")
     cuda = torch.device(device).type == "cuda"

@@ -38,8 +38,12 @@ def _ints(value: Any, name: str) -> tuple[int, ...]:
 class SpeedSettings(BaseModel):
     """The grid (`batches` x `prompt_lens`), the timing, and the decode path.
 
-    Strings such as "1,8,32" are accepted for the two grid axes. Every error is one line
-    (a `GqakitError`) naming the command-line flag.
+    An encoder-decoder's grid is `batches` x `input_lens` x `output_lens` instead: the
+    encoder reads an input of `input_lens` tokens once per point, and the timed decoder
+    steps start with `output_lens` tokens in the self-attention cache (1: right after the
+    decoder's start token). Strings such as "1,8,32" are accepted for the grid axes. Every
+    error is one line (a `GqakitError`) naming the command-line flag; `check_model` refuses
+    an axis given for the other kind of model.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -54,6 +58,8 @@ class SpeedSettings(BaseModel):
     max_batch_limit: int = 4096
     eager: bool = False          # no packed weights, SDPA decode kernel (the plain transformers step)
     prefill_once: bool = False   # time prefill once per point; decode repetitions rewind the cache to the prompt
+    input_lens: tuple[int, ...] = (512, 2048)   # encoder-decoders: input (encoder) tokens
+    output_lens: tuple[int, ...] = (1,)         # encoder-decoders: output tokens cached when the timed steps start
 
     @field_validator("batches", mode="before")
     @classmethod
@@ -64,6 +70,16 @@ class SpeedSettings(BaseModel):
     @classmethod
     def _prompt_lens(cls, v: Any) -> tuple[int, ...]:
         return _ints(v, "--prompt-len")
+
+    @field_validator("input_lens", mode="before")
+    @classmethod
+    def _input_lens(cls, v: Any) -> tuple[int, ...]:
+        return _ints(v, "--input-len")
+
+    @field_validator("output_lens", mode="before")
+    @classmethod
+    def _output_lens(cls, v: Any) -> tuple[int, ...]:
+        return _ints(v, "--output-len")
 
     @model_validator(mode="after")
     def _counts(self) -> "SpeedSettings":
@@ -76,3 +92,26 @@ class SpeedSettings(BaseModel):
         longest = max(self.prompt_lens) + self.new_tokens
         if max_positions is not None and longest > max_positions:
             raise GqakitError(f"prompt length + new tokens ({longest}) exceeds the model's {max_positions} positions")
+
+    def check_model(self, encoder_decoder: bool) -> None:
+        """One-line error when a grid axis was given for the other kind of model, or an
+        encoder-decoder is asked for what its decode benchmark does not do."""
+        given = self.model_fields_set
+        if not encoder_decoder and given & {"input_lens", "output_lens"}:
+            raise GqakitError("--input-len and --output-len are for encoder-decoder models; "
+                              "this model is decoder-only (its grid is --batch x --prompt-len)")
+        if encoder_decoder:
+            if "prompt_lens" in given:
+                raise GqakitError("--prompt-len is for decoder-only models; an encoder-decoder's grid is "
+                                  "--batch x --input-len x --output-len")
+            if self.compile or self.max_batch_search:
+                raise GqakitError("--compile and --max-batch-search are for decoder-only models; "
+                                  "an encoder-decoder's decode steps run eagerly")
+
+    def check_seq2seq_positions(self, max_input: int | None, max_output: int | None) -> None:
+        """One-line error when the longest input or output does not fit an encoder-decoder's positions."""
+        longest_in, longest_out = max(self.input_lens), max(self.output_lens) + self.new_tokens
+        if max_input is not None and longest_in > max_input:
+            raise GqakitError(f"input length {longest_in} exceeds the encoder's {max_input} positions")
+        if max_output is not None and longest_out > max_output:
+            raise GqakitError(f"output length + new tokens ({longest_out}) exceeds the decoder's {max_output} positions")

@@ -1,0 +1,436 @@
+"""Decode speed of an encoder-decoder (T5, mT5, BART and gqakit's grouped versions of them).
+
+A grid point is batch x input length x output length. When it opens, the encoder reads a
+random input once; the decoder prefix (the start token and `output_len - 1` random tokens)
+goes through the decoder in one call, which fills the cross-attention cache (K and V of the
+encoder's output, every decoder layer) and the self-attention cache. Then `new_tokens`
+greedy decode steps are timed; each reads both caches. Repetitions rewind the
+self-attention cache to the prefix; the cross-attention cache, like the encoder's output, is
+made once per point. The two caches are transformers' `EncoderDecoderCache` of two
+`StaticCache`s, allocated before any timed step.
+
+The step is the model's own (its modules, transformers' cache); the fused decoder-only
+layers of `eval/decode` do not cover encoder-decoders, and `decode_path` says which path
+ran. Unless `eager`: attention is transformers' SDPA function with one query token always
+folded per KV head (`decode.attention.folded_sdpa_forward`; transformers alone hands the
+unmasked cross-attention to SDPA's slower `enable_gqa`), and on the CPU in fp32 the linear
+layers multiply by once-packed weights (gqakit's panel GEMM).
+
+A step reads the decoder's weights (those of the modules it calls: the cross-attention's K
+and V projections are not called, an embedding lookup reads only B rows), the
+self-attention cache up to the output position and the whole cross-attention cache:
+2 x decoder layers x KV heads x head size x input length x bytes per sequence
+(`core.arch.Seq2SeqShape.cache_bytes`). `eval.speed.roofline.predict_speedup` turns two
+models' bytes into the predicted speedup, as for decoder-only models.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gqakit.core.arch import loaded_seq2seq_shape
+from gqakit.core.device import PeakMemory, available_memory
+from gqakit.core.loading import cache_kwarg
+from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_folded_attention
+from gqakit.eval.records import SpeedPoint, SpeedResult
+from gqakit.eval.speed.point import OpenPoint
+from gqakit.eval.speed.roofline import measure_roof, percentile, sync
+from gqakit.eval.speed.settings import SpeedSettings
+
+# Encoder rows run together so that one layer's attention scores stay under this many bytes.
+ENCODER_SCORE_BYTES = 1 << 30
+CACHES = "transformers.EncoderDecoderCache of two StaticCaches (self-attention, cross-attention; pre-allocated)"
+LAYERS = "the model's own decoder step (the fused decoder-only layers do not cover encoder-decoders)"
+
+
+@dataclass
+class Seq2SeqPoint(OpenPoint):
+    """An open encoder-decoder grid point: `prompt_len` is the input length."""
+
+    output_len: int = 1
+    encoded: Any = None        # the encoder's output, made once per point
+    encode_s: float = 0.0      # the encoder's time
+    first_s: float = 0.0       # encoder + decoder prefix: the time to the first token
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return {"batch": self.batch, "prompt_len": self.prompt_len, "output_len": self.output_len,
+                "new_tokens": self.new_tokens}
+
+
+class Seq2SeqBench:
+    """Times the decoder steps of one loaded encoder-decoder (see the module docstring).
+
+    Its grid-point methods are those of `DecodeBench` (`open_point`, `begin_rep`,
+    `timed_step`, `close_point`, `run_point`, with the output length as a keyword), so
+    `grid.run_points_alternating` alternates two encoder-decoders' steps as it does two
+    decoders'.
+    """
+
+    def __init__(self, model: Any, *, device: Any, dtype: Any, pack_weights: bool = True,
+                 fold_attention: bool = True) -> None:
+        import torch
+
+        from gqakit.eval.decode.packed import can_pack
+
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.cache_kw = cache_kwarg(model)
+        self.shape = loaded_seq2seq_shape(model.config)
+        dec = self.shape.decoder
+        self.heads, self.kv_heads, self.head_dim, self.layers = (dec.num_heads, dec.num_kv_heads, dec.head_dim,
+                                                                 dec.num_layers)
+        self.elem = torch.finfo(dtype).bits // 8
+        self.vocab = int(model.config.vocab_size)
+        start = getattr(model.config, "decoder_start_token_id", None)
+        self.start = 0 if start is None else int(start)
+        # K and V of every decoder layer: per output token (self-attention), per input token (cross-attention)
+        self.kv_bytes_per_token, self.kv_bytes_per_input_token = self.shape.cache_bytes(
+            self.elem, input_tokens=1, output_tokens=1)
+        self.pack_weights = bool(pack_weights) and can_pack(self.device, dtype)
+        self.kernels = None
+        self.kernel_note: str | None = None
+        if self.pack_weights and dtype == torch.float32:
+            from gqakit.eval.decode import kernels as cpu_kernels
+
+            self.kernels = cpu_kernels.load()
+            if self.kernels is None:
+                self.kernel_note = f"gqakit CPU kernels unavailable ({cpu_kernels.why_unavailable()})"
+        if fold_attention:  # one query token always folded per KV head (decode.attention.folded_sdpa_forward)
+            self.attn_impl = use_folded_attention(model)
+        else:
+            self.attn_impl = str(getattr(model.config, "_attn_implementation", None) or "unknown")
+        self.weight_bytes, self.matmul_params = self.step_weights()
+
+    # -- limits and the path --------------------------------------------------------------
+    def positions(self) -> tuple[int | None, int | None]:
+        """(input, output) positions the model has: none for T5's relative position buckets,
+        which have no length limit; learned positions (BART) stop at their table's size."""
+        if getattr(self.model.config, "relative_attention_num_buckets", None):
+            return None, None
+        return self.shape.encoder.max_positions, self.shape.decoder.max_positions
+
+    @property
+    def decode_mode(self) -> str:
+        if self.kernels is not None:
+            return "eager, the model's own decoder step, gqakit CPU kernels (panel GEMM)"
+        return "eager, the model's own decoder step" + (", weights packed (oneDNN)" if self.pack_weights else "")
+
+    # -- the steps ------------------------------------------------------------------------
+    def new_cache(self, output_positions: int, input_len: int) -> Any:
+        """Both caches; their tensors are allocated by the prefix call (heads and sizes from the model)."""
+        from transformers import EncoderDecoderCache, StaticCache
+
+        cfg = self.model.config.get_text_config(decoder=True)
+        return EncoderDecoderCache(StaticCache(config=cfg, max_cache_len=output_positions),
+                                   StaticCache(config=cfg, max_cache_len=input_len))
+
+    @staticmethod
+    def rewind(cache: Any, length: int) -> None:
+        """The self-attention cache back to its first `length` positions (the cross-attention cache stays).
+
+        Later slots keep stale values, hidden by the causal mask; each step writes its slot first."""
+        for layer in cache.self_attention_cache.layers:
+            layer.cumulative_length.fill_(length)
+
+    def encode(self, input_ids: Any) -> tuple[float, Any]:
+        """The encoder over `input_ids` ([B, input length]): (seconds, its output). Rows run in
+        chunks that keep one layer's attention scores under ENCODER_SCORE_BYTES."""
+        import torch
+        from transformers.modeling_outputs import BaseModelOutput
+
+        b, n = input_ids.shape
+        rows = max(1, min(b, ENCODER_SCORE_BYTES // max(1, self.shape.encoder.num_heads * n * n * 4)))
+        encoder = self.model.get_encoder()
+        sync(self.device)
+        t0 = time.perf_counter()
+        hidden = torch.cat([encoder(input_ids=input_ids[i:i + rows]).last_hidden_state for i in range(0, b, rows)])
+        sync(self.device)
+        return time.perf_counter() - t0, BaseModelOutput(last_hidden_state=hidden)
+
+    def decoder_call(self, cache: Any, encoded: Any, tokens: Any) -> Any:
+        """The model's decoder on `tokens` ([B, T]) against `encoded`, through `cache`: the next greedy tokens."""
+        out = self.model(encoder_outputs=encoded, decoder_input_ids=tokens, **{self.cache_kw: cache}, use_cache=True)
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def prefill(self, cache: Any, encoded: Any, output_len: int) -> tuple[float, Any]:
+        """The decoder prefix (start token + random tokens, `output_len` in all): (seconds, first greedy token)."""
+        import torch
+
+        b = encoded.last_hidden_state.shape[0]
+        prefix = torch.randint(0, self.vocab, (b, output_len), device=self.device)
+        prefix[:, 0] = self.start
+        sync(self.device)
+        t0 = time.perf_counter()
+        tok = self.decoder_call(cache, encoded, prefix)
+        sync(self.device)
+        return time.perf_counter() - t0, tok
+
+    def steps(self, cache: Any, encoded: Any, tok: Any, n: int, *, tokens: list | None = None) -> tuple[float, Any]:
+        """`n` greedy decode steps from `tok`: (seconds, last token); `tokens` collects them."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if tokens is not None:
+                tokens.append(tok)
+            tok = self.decoder_call(cache, encoded, tok)
+        sync(self.device)
+        return time.perf_counter() - t0, tok
+
+    def generate(self, input_ids: Any, output_len: int, new_tokens: int) -> Any:
+        """Encoder, prefix and `new_tokens` steps on fresh caches: the greedy tokens after the prefix, [B, new_tokens]."""
+        import torch
+
+        with torch.inference_mode():
+            cache = self.new_cache(output_len + new_tokens, input_ids.shape[1])
+            _, encoded = self.encode(input_ids)
+            _, tok = self.prefill(cache, encoded, output_len)
+            got: list = []
+            self.steps(cache, encoded, tok, new_tokens, tokens=got)
+        return torch.cat(got, 1)
+
+    def step_weights(self) -> tuple[int, int]:
+        """(bytes, matmul parameters) of the weights one decode step reads, found by running one:
+        the parameters of every module it calls, except an embedding's (a lookup reads B rows)
+        unless a called module multiplies by them too (a tied LM head)."""
+        import torch
+
+        called: list[Any] = []
+        hooks = [m.register_forward_pre_hook(lambda mod, args: called.append(mod)) for m in self.model.modules()]
+        try:
+            with torch.inference_mode():
+                cache = self.new_cache(2, 4)
+                _, encoded = self.encode(torch.full((1, 4), self.start, device=self.device))
+                _, tok = self.prefill(cache, encoded, 1)
+                called.clear()
+                self.steps(cache, encoded, tok, 1)
+        finally:
+            for h in hooks:
+                h.remove()
+        read: dict[int, Any] = {}
+        matmul: dict[int, Any] = {}
+        for m in dict.fromkeys(called):
+            if isinstance(m, torch.nn.Embedding):
+                continue
+            for p in m.parameters(recurse=False):
+                read[id(p)] = p
+            if isinstance(m, torch.nn.Linear):
+                matmul[id(m.weight)] = m.weight
+        return (sum(p.numel() * p.element_size() for p in read.values()),
+                sum(p.numel() for p in matmul.values()))
+
+    def probe(self) -> dict[str, Any]:
+        """Which attention path a decode step takes (one step, SDPA calls recorded)."""
+        import torch
+
+        spy = SdpaSpy()
+        with torch.inference_mode():
+            cache = self.new_cache(2, 4)
+            _, encoded = self.encode(torch.full((1, 4), self.start, device=self.device))
+            _, tok = self.prefill(cache, encoded, 1)
+            with spy:
+                self.steps(cache, encoded, tok, 1)
+        # a decoder layer attends to itself, then to the encoder's output
+        own, cross = (describe_path(spy.calls[i::2], self.heads, self.kv_heads) for i in (0, 1))
+        copied = [d["kv_copied"] for d in (own, cross)]
+        return {"implementation": self.attn_impl,
+                "decode_path": f"self-attention: {own['decode_path']}; cross-attention: {cross['decode_path']}",
+                "kv_copied": True if True in copied else None if None in copied else False,
+                "sdpa_calls_per_step": len(spy.calls), "self_attention": own, "cross_attention": cross,
+                "kv_cache": CACHES, "layers": LAYERS, "compiled": False, "cuda_graphs": False,
+                **({"kernel_note": self.kernel_note} if self.kernel_note else {})}
+
+    # -- memory model ---------------------------------------------------------------------
+    def predicted_bytes(self, batch: int, input_len: int, output_len: int, new_tokens: int) -> int:
+        """Memory a point adds beyond the weights: both caches, the encoder's activations (one
+        chunk's scores), its output, and the prefix's logits."""
+        caches = batch * (input_len * self.kv_bytes_per_input_token + (output_len + new_tokens) * self.kv_bytes_per_token)
+        hidden = self.shape.encoder.hidden_size
+        heads = self.shape.encoder.num_heads
+        scores = min(batch * heads * input_len * input_len * 4, max(ENCODER_SCORE_BYTES, heads * input_len ** 2 * 4))
+        act = batch * input_len * hidden * 4 * 16
+        logits = batch * output_len * self.vocab * 4
+        return caches + 2 * scores + act + logits
+
+    # -- one grid point -------------------------------------------------------------------
+    def open_point(self, batch: int, prompt_len: int, new_tokens: int, warmup: int, *, prefill_once: bool = True,
+                   output_len: int = 1) -> Seq2SeqPoint:
+        """Set up one point (`prompt_len`: the input length): caches, packed weights, the
+        encoder and the decoder prefix once, warm-up steps. Its `result` is set when it does
+        not fit. (`prefill_once` is accepted for `DecodeBench`'s signature: the prefix always
+        runs once per point.)"""
+        import torch
+
+        pt = Seq2SeqPoint(batch, prompt_len, new_tokens, output_len=output_len)
+        if self.device.type != "cuda":
+            need, avail = self.predicted_bytes(batch, prompt_len, output_len, new_tokens), available_memory(self.device)
+            if need > 0.8 * avail:
+                pt.result = SpeedPoint(**pt.axes, status="oom", reason=f"predicted {need / 2**30:.2f} GiB > 80% of "
+                                       f"{avail / 2**30:.2f} GiB available")
+                return pt
+        pt.peak = PeakMemory(self.device)
+        try:
+            with torch.inference_mode():
+                self._open(pt, warmup)
+            return pt
+        except torch.OutOfMemoryError:
+            pt.stack.close()
+            torch.cuda.empty_cache()
+            return Seq2SeqPoint(batch, prompt_len, new_tokens, output_len=output_len,
+                                result=SpeedPoint(**pt.axes, status="oom", reason="torch.OutOfMemoryError"))
+        except BaseException:
+            pt.stack.close()
+            raise
+
+    def _open(self, pt: Seq2SeqPoint, warmup: int) -> None:
+        import torch
+
+        from gqakit.eval.decode.packed import packed_linears
+
+        pt.cache = self.new_cache(pt.output_len + pt.new_tokens, pt.prompt_len)
+        if self.pack_weights and (pt.batch > 1 or self.kernels is not None):
+            pt.packed_bytes = pt.stack.enter_context(packed_linears(self.model, pt.batch, kernels=self.kernels))
+        inputs = torch.randint(0, self.vocab, (pt.batch, pt.prompt_len), device=self.device)
+        pt.encode_s, pt.encoded = self.encode(inputs)
+        pre, pt.tok = self.prefill(pt.cache, pt.encoded, pt.output_len)
+        pt.first_s = pt.encode_s + pre
+        pt.pre.append(pt.first_s)
+        pt.rewind = True
+        pt.kv_bytes = sum(t.numel() * t.element_size() for c in (pt.cache.self_attention_cache,
+                                                                 pt.cache.cross_attention_cache)
+                          for layer in c.layers if getattr(layer, "is_initialized", False)
+                          for t in (layer.keys, layer.values))
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            self.rewind(pt.cache, pt.output_len)
+            self.steps(pt.cache, pt.encoded, pt.tok, pt.new_tokens)
+        pt.warmup_s = time.perf_counter() - t0
+        pt.peak.reset()
+
+    def rep(self, pt: Seq2SeqPoint) -> None:
+        """One timed repetition: the self-attention cache rewound to the prefix, `new_tokens` steps."""
+        import torch
+
+        with torch.inference_mode():
+            self.rewind(pt.cache, pt.output_len)
+            d, _ = self.steps(pt.cache, pt.encoded, pt.tok, pt.new_tokens)
+        pt.dec.append(d / pt.new_tokens)
+        pt.reps += 1
+
+    def begin_rep(self, pt: Seq2SeqPoint) -> None:
+        """Start a repetition step by step (see `timed_step`)."""
+        import torch
+
+        with torch.inference_mode():
+            self.rewind(pt.cache, pt.output_len)
+        pt.tok0, pt.i = pt.tok, 0
+        pt.reps += 1
+
+    def timed_step(self, pt: Seq2SeqPoint) -> float:
+        """One timed decode step of the current repetition, recorded as a sample."""
+        import torch
+
+        with torch.inference_mode():
+            d, pt.cur = self.steps(pt.cache, pt.encoded, pt.cur if pt.i else pt.tok0, 1)
+        pt.i += 1
+        pt.dec.append(d)
+        return d
+
+    def close_point(self, pt: Seq2SeqPoint, roof: dict[str, float]) -> SpeedPoint:
+        """Release an open point and return its measurements."""
+        if pt.result is not None:
+            return pt.result
+        peak = pt.peak.peak()
+        pt.stack.close()
+        pt.cache = pt.encoded = pt.tok = pt.tok0 = pt.cur = None
+        pt.result = summarize(self, pt, roof, peak=peak)
+        return pt.result
+
+    def run_point(self, batch: int, input_len: int, output_len: int, new_tokens: int, reps: int, warmup: int,
+                  roof: dict[str, float]) -> SpeedPoint:
+        """One grid point, start to end: open, `reps` repetitions, close."""
+        pt = self.open_point(batch, input_len, new_tokens, warmup, output_len=output_len)
+        if pt.result is not None:
+            return pt.result
+        try:
+            for _ in range(reps):
+                self.rep(pt)
+        except BaseException:
+            pt.stack.close()
+            raise
+        return self.close_point(pt, roof)
+
+
+def summarize(bench: Seq2SeqBench, pt: Seq2SeqPoint, roof: dict[str, float], *, peak: int | None) -> SpeedPoint:
+    """The measurements of a closed point against the device's `roof`: the bytes a step must
+    read are the decoder's weights, the self-attention cache at the output position (mean
+    over the steps) and the whole cross-attention cache."""
+    batch, input_len, dec = pt.batch, pt.prompt_len, pt.dec
+    step = statistics.median(dec)
+    mean_out = pt.output_len + (pt.new_tokens + 1) / 2
+    self_kv = batch * bench.kv_bytes_per_token * mean_out
+    cross_kv = batch * bench.kv_bytes_per_input_token * input_len
+    total = bench.weight_bytes + self_kv + cross_kv
+    flops = 2 * bench.matmul_params * batch + 4 * batch * bench.layers * bench.heads * bench.head_dim * (mean_out + input_len)
+    t_bytes = total / roof["copy_bandwidth"]
+    t_flops = flops / roof["matmul_flops"] if roof.get("matmul_flops") else None
+    weights = ("as loaded" if not pt.packed_bytes else "packed once (gqakit panels)" if bench.kernels is not None
+               else "packed once (oneDNN)")
+    first = {"median": 1e3 * pt.first_s, "p90": 1e3 * pt.first_s}
+    return SpeedPoint(
+        **pt.axes, status="ok", decode_mode=bench.decode_mode,
+        decode_path={"steps": bench.decode_mode, "weights": weights, "attention": bench.attn_impl, "layers": LAYERS,
+                     "caches": CACHES, "prefill": "once per point (encoder, then the decoder prefix); decode "
+                                                  "repetitions rewind the self-attention cache"},
+        decode_samples=len(dec), decode_sample="one step" if len(dec) > pt.reps else "mean step of a repetition",
+        prefill_ms=first, prefill_samples=1, encode_ms={"median": 1e3 * pt.encode_s, "p90": 1e3 * pt.encode_s},
+        decode_ms_per_token={"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},
+        tokens_per_s={"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90)},
+        warmup_s=pt.warmup_s, compile_s=None, reps=pt.reps, packed_weight_bytes=pt.packed_bytes,
+        peak_memory_bytes=peak,
+        peak_memory_kind="cuda max_memory_allocated" if bench.device.type == "cuda" else "process peak RSS",
+        kv_cache_bytes=pt.kv_bytes,
+        kv_cache_bytes_analytic=batch * (input_len * bench.kv_bytes_per_input_token
+                                         + (pt.output_len + pt.new_tokens) * bench.kv_bytes_per_token),
+        bytes_per_step={"weights": bench.weight_bytes, "kv": self_kv + cross_kv, "self_attention_kv": self_kv,
+                        "cross_attention_kv": cross_kv, "total": total},
+        flops_per_step=flops,
+        roofline_ms={"bytes": 1e3 * t_bytes, "flops": None if t_flops is None else 1e3 * t_flops},
+        achieved_bandwidth_gbs=total / step / 1e9,
+        roofline_fraction=total / step / roof["copy_bandwidth"],
+        arithmetic_intensity=flops / total,
+        memory_bound=flops / total < roof["ridge_flops_per_byte"],
+    )
+
+
+def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
+                           progress: bool = True) -> SpeedResult:
+    """The decode benchmark of one encoder-decoder over batch x input length x output length."""
+    import torch
+    from tqdm.auto import tqdm
+
+    settings.check_model(True)
+    bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.eager,
+                         fold_attention=not settings.eager)
+    settings.check_seq2seq_positions(*bench.positions())
+    roof = measure_roof(device, dtype)
+    attention = bench.probe()
+    points = [(b, i, o) for i in settings.input_lens for o in settings.output_lens for b in settings.batches]
+    grid = [bench.run_point(b, i, o, settings.new_tokens, settings.reps, settings.warmup, roof)
+            for b, i, o in tqdm(points, desc="decode grid", unit="point", disable=not progress)]
+    return SpeedResult(
+        settings={"batches": list(settings.batches), "input_lens": list(settings.input_lens),
+                  "output_lens": list(settings.output_lens), "new_tokens": settings.new_tokens,
+                  "reps": settings.reps, "warmup": settings.warmup, "eager": settings.eager,
+                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids (input and decoder prefix)",
+                  "encoder": "once per point"},
+        attention=attention,
+        device_roof={"copy_bandwidth_gbs": roof["copy_bandwidth"] / 1e9, "matmul_tflops": roof["matmul_flops"] / 1e12,
+                     "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},
+        weight_bytes_per_step=bench.weight_bytes,
+        kv_bytes_per_token=bench.kv_bytes_per_token,
+        kv_bytes_per_input_token=bench.kv_bytes_per_input_token,
+        grid=grid,
+    )

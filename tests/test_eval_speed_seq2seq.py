@@ -1,0 +1,221 @@
+"""Decode speed of encoder-decoders (`gqakit eval --speed`): the grid batch x input length x
+output length on pico T5 and BART, the bytes a step reads (both caches), the results file
+and `gqakit compare`, and the settings' one-line errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from gqakit.core.errors import GqakitError
+from gqakit.eval.records import SCHEMA, EvalResult, read_results, write_results
+from gqakit.eval.report import write_report
+from gqakit.eval.speed import Seq2SeqBench, SpeedSettings, evaluate_speed
+from tests.tiny_models import build_seq2seq
+
+GRID = SpeedSettings(batches=(1, 2), input_lens=(12,), output_lens=(1, 3), new_tokens=3, reps=2, warmup=1)
+
+
+def load(folder: Path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+
+
+def grouped_t5(folder: Path, kv_heads: int) -> Path:
+    """The pico T5 1.1 as gqakit's grouped T5 class, random weights, `kv_heads` KV heads."""
+    from transformers import AutoConfig
+
+    from gqakit.convert.remote.gqakit_modeling_t5 import GqakitT5Config, GqakitT5ForConditionalGeneration
+
+    src = build_seq2seq("t5_v1_1", folder.with_name(folder.name + "-src"))
+    keys = {k: v for k, v in AutoConfig.from_pretrained(src).to_dict().items()
+            if k not in ("model_type", "architectures", "transformers_version", "auto_map")}
+    torch.manual_seed(1)
+    GqakitT5ForConditionalGeneration(GqakitT5Config(**keys, num_key_value_heads=kv_heads)).save_pretrained(folder)
+    return folder
+
+
+def step_weight_params(model, kind: str) -> int:
+    """Parameters a decode step reads, counted by name: the decoder without its embeddings
+    (lookups) and without the cross-attention K/V projections (applied once per point), plus
+    the LM head."""
+    cross_kv = (".EncDecAttention.k.", ".EncDecAttention.v.") if kind != "bart" else (".encoder_attn.k_proj.",
+                                                                                      ".encoder_attn.v_proj.")
+    n = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        lookup = any(k in name for k in ("embed_tokens", "embed_positions", "relative_attention_bias"))
+        if lookup or not name.startswith(("decoder.", "model.decoder.")):
+            continue
+        n += 0 if any(k in name for k in cross_kv) else p.numel()
+    return n + model.get_output_embeddings().weight.numel()
+
+
+@pytest.mark.parametrize("kind", ["t5_v1_1", "bart"])
+def test_step_bytes_include_the_cross_attention_cache(tmp_path: Path, kind: str) -> None:
+    """Every grid point's predicted bytes: the decoder's weights, the self-attention cache at
+    the output position and the cross-attention cache of the whole input (written out here
+    from the config), and the caches the point allocated are that size."""
+    folder = build_seq2seq(kind, tmp_path / kind)
+    model = load(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    layers = cfg.get("num_decoder_layers") or cfg["decoder_layers"]
+    heads = cfg.get("num_heads") or cfg["decoder_attention_heads"]
+    d_kv = cfg.get("d_kv") or cfg["d_model"] // heads
+    res = evaluate_speed(model, GRID, device="cpu", dtype=torch.float32, progress=False)
+    assert [g.key for g in res.grid] == [(1, 12, 1), (2, 12, 1), (1, 12, 3), (2, 12, 3)]
+    weights = 4 * step_weight_params(model, kind)
+    assert res.weight_bytes_per_step == weights
+    for g in res.grid:
+        assert g.ok, g.reason
+        cross = 2 * layers * heads * d_kv * 12 * 4 * g.batch
+        own = 2 * layers * heads * d_kv * (g.output_len + (3 + 1) / 2) * 4 * g.batch
+        b = g.bytes_per_step
+        assert b["cross_attention_kv"] == cross and b["self_attention_kv"] == own
+        assert b["total"] == weights + cross + own
+        assert g.kv_cache_bytes == g.kv_cache_bytes_analytic == 2 * layers * heads * d_kv * 4 * g.batch * (
+            12 + g.output_len + 3)
+        assert g.encode_ms["median"] > 0 and g.prefill_ms["median"] >= g.encode_ms["median"]
+    assert res.kv_bytes_per_input_token == 2 * layers * heads * d_kv * 4
+    assert "cross-attention" in res.attention["decode_path"]
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_steps_give_the_models_own_tokens(tmp_path: Path, kind: str) -> None:
+    """The timed steps (both caches, the fast path's packed weights) produce the greedy tokens
+    of the model's own uncached forward, and a rewound repetition the same tokens again."""
+    model = load(build_seq2seq(kind, tmp_path / kind))
+    bench = Seq2SeqBench(model, device="cpu", dtype=torch.float32)
+    torch.manual_seed(0)
+    inputs = torch.randint(3, 60, (2, 10))
+    got = bench.generate(inputs, 1, 5)
+    with torch.inference_mode():
+        seq = torch.full((2, 1), bench.start)
+        for _ in range(5):
+            nxt = model(input_ids=inputs, decoder_input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(got, seq[:, 1:])
+    pt = bench.open_point(2, 10, 4, 0, output_len=2)
+    again = []
+    for _ in range(2):
+        bench.begin_rep(pt)
+        for _ in range(4):
+            bench.timed_step(pt)
+        again.append(pt.cur)
+    assert torch.equal(again[0], again[1])
+    assert bench.close_point(pt, {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10}).ok
+
+
+def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path: Path) -> None:
+    """The grid of an MHA T5 and its grouped version: the results files read back byte for
+    byte, and compare puts each point's measured speedup beside the bytes' prediction (the
+    grouped model's smaller caches)."""
+    from gqakit.eval.provenance import model_info, run_info
+
+    paths = []
+    models = {"mha": build_seq2seq("t5_v1_1", tmp_path / "mha"), "g1": grouped_t5(tmp_path / "g1", 1)}
+    for name, folder in models.items():
+        model = load(folder)
+        bench_heads = Seq2SeqBench(model, device="cpu", dtype=torch.float32).kv_heads
+        assert bench_heads == (4 if name == "mha" else 1)
+        res = EvalResult(schema=SCHEMA, run=run_info(command=["test"], device="cpu", dtype=torch.float32),
+                         model=model_info(model, folder, 4),
+                         speed=evaluate_speed(model, GRID, device="cpu", dtype=torch.float32, progress=False))
+        if name == "g1":  # one KV head: both attentions fold the query heads per KV head, nothing repeated
+            assert res.speed.attention["kv_copied"] is False
+            assert res.speed.attention["cross_attention"]["decode_path"].startswith("SDPA with query heads folded")
+        out = write_results(res, tmp_path / f"{name}.json")
+        text = out.read_text()
+        back = read_results(out)
+        assert json.dumps(back.to_json(), indent=2) + "\n" == text
+        assert [g.key for g in back.speed.grid] == [g.key for g in res.speed.grid]
+        paths.append(out)
+    report = write_report(paths, tmp_path / "report", command=["test"])
+    row = report["rows"][1]
+    base, grouped = (read_results(p).speed.points() for p in paths)
+    for key, g in grouped.items():
+        e = row["speed"]["b{}_p{}_o{}".format(*key)]
+        assert e["output_len"] == key[2]
+        assert e["predicted_speedup_bytes"] == pytest.approx(base[key].bytes_per_step["total"]
+                                                             / g.bytes_per_step["total"])
+        assert e["predicted_speedup_bytes"] > 1
+        assert e["speedup"] == pytest.approx(g.tokens_per_s["median"] / base[key].tokens_per_s["median"])
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## Decode speedup against the prediction" in md
+    e = row["speed"]["b2_p12_o3"]
+    assert f"| g1 | 2 | 12, output 3 | " in md
+    assert f"{e['speedup']:.2f}× | {e['predicted_speedup_bytes']:.2f}×" in md
+    assert "tok/s b2 p12 o3" in md and "o the output length" in md
+
+
+def test_eval_speed_on_an_encoder_decoder_from_the_command_line(tmp_path: Path, capsys) -> None:
+    """`gqakit eval T5 --speed --input-len --output-len` writes the grid, the encoder's time and
+    both caches' bytes per point, and says which path ran."""
+    from gqakit.cli import main
+
+    folder = build_seq2seq("t5", tmp_path / "t5")
+    out = tmp_path / "t5.json"
+    try:
+        main(["eval", str(folder), "--speed", "--batch", "2", "--input-len", "8,16", "--output-len", "2",
+              "--new-tokens", "2", "--reps", "1", "--warmup", "0", "--out", str(out), "-q"])
+    except SystemExit as e:
+        assert e.code in (0, None), capsys.readouterr().err
+    res = read_results(out)
+    assert [g.key for g in res.speed.grid] == [(2, 8, 2), (2, 16, 2)]
+    assert res.speed.settings["input_lens"] == [8, 16] and res.speed.settings["output_lens"] == [2]
+    assert all(g.ok and g.encode_ms["median"] > 0 and g.bytes_per_step["cross_attention_kv"] > 0
+               for g in res.speed.grid)
+    assert res.speed.grid[1].bytes_per_step["cross_attention_kv"] == 2 * res.speed.grid[0].bytes_per_step[
+        "cross_attention_kv"]
+    assert "the fused decoder-only layers do not cover encoder-decoders" in res.speed.grid[0].decode_path["layers"]
+    printed = capsys.readouterr().out
+    assert "batch    2 input     8 output    2: prefill" in printed
+
+
+def test_bad_settings_are_one_line_errors(tmp_path: Path, capsys) -> None:
+    """Bad axes name their flag; an axis for the other kind of model, --compile and
+    --max-batch-search on an encoder-decoder, and inputs longer than BART's positions are
+    refused in one line (on the command line, before the model loads)."""
+    from gqakit.cli import main
+    from tests.tiny_models import build
+
+    for kw, msg in [({"input_lens": "0"}, "--input-len must be positive"),
+                    ({"output_lens": "1,x"}, "--output-len must be comma-separated")]:
+        with pytest.raises(GqakitError, match=msg):
+            SpeedSettings(**kw)
+    with pytest.raises(GqakitError, match="--input-len and --output-len are for encoder-decoder models"):
+        SpeedSettings(input_lens=(8,)).check_model(False)
+    SpeedSettings(prompt_lens=(8,)).check_model(False)
+    with pytest.raises(GqakitError, match="--prompt-len is for decoder-only models"):
+        SpeedSettings(prompt_lens=(8,)).check_model(True)
+    with pytest.raises(GqakitError, match="--compile and --max-batch-search are for decoder-only"):
+        SpeedSettings(max_batch_search=True).check_model(True)
+    bart = build_seq2seq("bart", tmp_path / "bart")  # 128 learned positions
+    with pytest.raises(GqakitError, match="input length 200 exceeds the encoder's 128 positions"):
+        evaluate_speed(load(bart), SpeedSettings(input_lens=(200,)), device="cpu", dtype=torch.float32,
+                       progress=False)
+    llama = build("llama", tmp_path / "llama")
+    for model, args, msg in [(bart, ["--prompt-len", "16"], "--prompt-len is for decoder-only models"),
+                             (llama, ["--input-len", "16"], "--input-len and --output-len are for encoder-decoder")]:
+        capsys.readouterr()  # what building the models printed
+        with pytest.raises(SystemExit) as e:
+            main(["eval", str(model), "--speed", *args, "--out", str(tmp_path / "r.json")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_flag_help_states_the_settings_defaults() -> None:
+    """--input-len and --output-len default to SpeedSettings' own values (the help says so)."""
+    from click.testing import CliRunner
+
+    from gqakit.eval.cli import eval_cmd
+
+    text = " ".join(CliRunner().invoke(eval_cmd, ["--help"]).output.split())
+    for flag, field in (("--input-len", "input_lens"), ("--output-len", "output_lens")):
+        default = ",".join(map(str, SpeedSettings.model_fields[field].default))
+        assert re.search(rf"{flag} TEXT [^[]*\[default: ([^\]]*)\]", text).group(1) == default

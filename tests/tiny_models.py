@@ -103,15 +103,18 @@ def build(family: str, folder: Path, *, seed: int = 0, dtype: torch.dtype = torc
     """Save a randomly initialised pico model of `family` (and a tokenizer) to `folder`."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _configs()[family](**overrides)
+    return _save_random(AutoModelForCausalLM, _configs()[family](**overrides), tiny_tokenizer(), folder, seed, dtype)
+
+
+def _save_random(auto: Any, cfg: Any, tokenizer: Any, folder: Path, seed: int, dtype: torch.dtype) -> Path:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = auto.from_config(cfg, dtype=dtype)
     # Randomise everything (biases and norms too), so no test passes by zeros or ones.
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
     model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return Path(folder)
 
 
@@ -197,12 +200,5 @@ def build_seq2seq(kind: str, folder: Path, *, seed: int = 0, dtype: torch.dtype 
     its tokenizer to `folder`."""
     from transformers import AutoModelForSeq2SeqLM
 
-    cfg = _seq2seq_configs()[kind](**overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForSeq2SeqLM.from_config(cfg, dtype=dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
-    model.save_pretrained(folder)
-    seq2seq_tokenizer(kind).save_pretrained(folder)
-    return Path(folder)
+    return _save_random(AutoModelForSeq2SeqLM, _seq2seq_configs()[kind](**overrides), seq2seq_tokenizer(kind),
+                        folder, seed, dtype)

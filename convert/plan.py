@@ -27,12 +27,10 @@ from gqakit.convert.methods import method_spec
 from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
+from gqakit.core.arch import SITE_NAMES
 from gqakit.core.errors import GqakitError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# how the model card and gqakit_convert.json name each site an encoder-decoder's conversion grouped
-SITE_NAMES = {"self": "decoder.self_attention", "cross": "decoder.cross_attention",
-              "encoder": "encoder.self_attention"}
 
 
 @dataclass(frozen=True)

@@ -261,6 +261,11 @@ def loaded_shape(hf_config: Any) -> Shape:
                  max_positions(cfg.to_dict()))
 
 
+# How the model card and gqakit_convert.json name each site an encoder-decoder's conversion grouped.
+SITE_NAMES = {"self": "decoder.self_attention", "cross": "decoder.cross_attention",
+              "encoder": "encoder.self_attention"}
+
+
 @dataclass(frozen=True)
 class Seq2SeqShape:
     """The attention geometry of an encoder-decoder: the encoder's self-attention, and the

@@ -181,6 +181,28 @@ def test_lora_on_an_encoder_decoder_merges_into_a_plain_folder(t5: Path, tmp_pat
     assert "LoRA" in (final / "README.md").read_text()
 
 
+def test_lora_default_targets_are_the_attentions_the_conversion_grouped(mha: Path, tmp_path: Path, one_thread):
+    from gqakit.convert import convert_checkpoint
+    from gqakit.uptrain.lora import default_targets
+
+    conv = convert_checkpoint(mha, tmp_path / "mean", 1, method="mean", progress=False)
+    layers = json.loads((conv / "gqakit_convert.json").read_text())["num_layers"]
+    grouped = [f"decoder.block.{L}.layer.{i}.{name}.{p}" for L in range(layers)
+               for i, name in ((0, "SelfAttention"), (1, "EncDecAttention")) for p in "kv"]
+    assert sorted(default_targets(conv)) == sorted(grouped)  # full names: never the encoder's SelfAttention
+    both = convert_checkpoint(mha, tmp_path / "align", 1, method="align", group_encoder=True, progress=False)
+    want = {f"{stack}.block.{L}.layer.{i}.{name}.{p}" for stack, sites in
+            (("decoder", ((0, "SelfAttention"), (1, "EncDecAttention"))), ("encoder", ((0, "SelfAttention"),)))
+            for L in range(layers) for i, name in sites for p in "qkvo"}
+    assert set(default_targets(both)) == want
+
+    final = run_uptrain(cfg(conv, tmp_path / "run", steps=4, lora={"r": 4}), quiet=True)
+    before, after = load_seq2seq_lm(conv).state_dict(), load_seq2seq_lm(final).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {f"{t}.weight" for t in grouped}
+    assert "decoder.block.*.layer.1.EncDecAttention.v (2 layers)" in (final / "README.md").read_text()
+
+
 def test_one_line_errors(t5: Path, tmp_path: Path, tiny_model):
     def refused(c: dict, match: str) -> None:
         with pytest.raises(GqakitError, match=match) as e:
@@ -204,7 +226,7 @@ def test_one_line_errors(t5: Path, tmp_path: Path, tiny_model):
     c = cfg(t5, out)
     c["teacher"] = {"path": str(t5), "hidden_weight": 1.0}
     refused(c, "teacher.hidden_weight: not for an encoder-decoder")
-    refused(cfg(t5, out, lora={"r": 4}), r"train.lora.targets: name the projections for an encoder-decoder")
+    refused(cfg(t5, out, lora={"r": 4}), r"train.lora.targets: .*gqakit_convert.json.*; give train.lora.targets")
     refused(cfg(t5, out, {"texts": TEXTS}, seq_len=512), "train.seq_len: 512 gives .* noise spans .* 16 sentinel")
     refused(cfg(t5, out, {"texts": ["the cat."]}), r"fewer than one block of \d+ tokens \(a span-corrupted input of "
             r"train.seq_len=24\)")

@@ -12,8 +12,9 @@ with the stock names, and it loads without peft.
 
 The default targets are the projections the conversion changed, read from the folder's
 `gqakit_convert.json`: K and V for the pooling methods, also Q and O for the others (the
-`align` methods rewrite them too). Names follow peft's rule: a target matches a module whose
-name is the target or ends with "." + target.
+`align` methods rewrite them too); for an encoder-decoder, those of the attentions it
+grouped, named in full layer by layer. Names follow peft's rule: a target matches a module
+whose name is the target or ends with "." + target.
 
 This module imports neither torch nor peft at import time: the config check needs neither.
 """
@@ -21,10 +22,11 @@ This module imports neither torch nor peft at import time: the config check need
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
-from gqakit.core.arch import registry
+from gqakit.core.arch import SITE_NAMES, registry
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import CONVERT_SETTINGS
 
@@ -46,12 +48,48 @@ def default_targets(src: Path) -> list[str]:
     if spec is None:
         raise GqakitError(f"train.lora.targets: unknown family {family!r} in {CONVERT_SETTINGS}; "
                           "give train.lora.targets")
+    if spec.is_encoder_decoder:
+        return _encoder_decoder_targets(spec, record, method)
     att = spec.attention
     parent = att.prefix.rstrip(".").split(".")[-1]  # "self_attn", "attn", ...
+    return [f"{parent}.{name}" for name in _changed(att, method)]
+
+
+def _changed(att: Any, method: str) -> list[str]:
+    """The projections of one attention that a conversion by `method` rewrote."""
     changed = [att.k, att.v] if att.layout == "separate" else [att.qkv]
     if method not in KV_ONLY_METHODS:
         changed = ([att.q] if att.layout == "separate" else []) + changed + [att.o]
-    return [f"{parent}.{name}" for name in changed]
+    return changed
+
+
+def _encoder_decoder_targets(spec: Any, record: dict, method: str) -> list[str]:
+    """Full module names, layer by layer: the attentions the conversion grouped (the decoder's
+    self- and cross-attention; the encoder's too with --group-encoder). A short suffix would
+    also match the attentions it left multi-head (T5 names both stacks' `SelfAttention`)."""
+    site_of = {name: site for site, name in SITE_NAMES.items()}
+    chosen = []
+    try:
+        for name in record["grouped"]:
+            site = site_of[name]
+            chosen.append((spec.attention_at(site), int(record["encoder_num_layers" if site == "encoder" else "num_layers"])))
+    except (KeyError, TypeError, ValueError):
+        raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} does not say which attentions were grouped; "
+                          "give train.lora.targets") from None
+    return [att.prefix.format(layer=L) + name
+            for att, layers in chosen for L in range(layers) for name in _changed(att, method)]
+
+
+def short_targets(targets: list[str]) -> str:
+    """Targets for a card or a log line: names that differ only in their layer number are written
+    once, with `*` for the layer and the number of layers ("decoder.block.*.layer.0.SelfAttention.k (6 layers)")."""
+    import re
+
+    groups: dict[str, int] = {}
+    for t in targets:
+        key = re.sub(r"\.\d+\.", ".*.", t, count=1)
+        groups[key] = groups.get(key, 0) + 1
+    return ", ".join(k if n == 1 or "*" not in k else f"{k} ({n} layers)" for k, n in groups.items())
 
 
 def _matches(name: str, target: str) -> bool:
@@ -151,5 +189,5 @@ def merged_model(wrapped: Any, state_dict: dict[str, Any], lora: Any,
 
 def describe(lora: Any, targets: list[str], n_train: int, n_params: int) -> str:
     """The model card's line: rank, scale and targets of the merged adapters."""
-    return (f"rank {lora.r}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on {', '.join(targets)} "
+    return (f"rank {lora.r}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on {short_targets(targets)} "
             f"({n_train:,} of {n_params:,} parameters trained, {n_train / n_params:.2%}); merged into the weights")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError, first_line
+from gqakit.uptrain.lora import short_targets
 
 GIB = 2**30
 ATTENTION = ["self_attn"]   # the weights conversion changed: train.trainable for attention only
@@ -258,7 +259,7 @@ def suggestions(plan: Plan, memory: int, *, recount: Any = None, limit: int = 1)
 def describe(plan: Plan, name: str, devices: Sequence[tuple[str, int]], fits_with: dict[str, list[str]]) -> list[str]:
     """The plan as lines of text."""
     s, t = plan.settings, plan.target
-    how = f" (LoRA r {s.lora.r} on {', '.join(s.lora.targets)})" if s.lora else ""
+    how = f" (LoRA r {s.lora.r} on {short_targets(list(s.lora.targets))})" if s.lora else ""
     lines = [f"memory plan per process: {name} ({plan.params / 1e6:,.1f}M params, {plan.trained / 1e6:,.1f}M trained"
              f"{how}), seq_len {s.seq_len} x micro_batch {s.micro_batch}, {s.precision}, {t.describe()}"]
     for k, v in plan.parts.items():

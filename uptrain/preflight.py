@@ -133,9 +133,6 @@ def resolve_objective(cfg: UptrainConfig, encoder_decoder: bool, files: list[Pat
     for key in ("hidden_weight", "layer_weight"):
         if getattr(te, key) > 0:
             raise GqakitError(f"teacher.{key}: not for an encoder-decoder; distil its logits with teacher.kl_weight")
-    if cfg.train.lora is not None and cfg.train.lora.targets is None:
-        raise GqakitError("train.lora.targets: name the projections for an encoder-decoder, e.g. [EncDecAttention.k, "
-                          "EncDecAttention.v] for T5's cross-attention, [encoder_attn.k_proj, encoder_attn.v_proj] for BART's")
     if teacher is not None and not (teacher.is_dir() and read_config_json(teacher).get("is_encoder_decoder")):
         raise GqakitError(f"teacher.path: {teacher} is not an encoder-decoder, and model.path is one")
     if obj == "paired":

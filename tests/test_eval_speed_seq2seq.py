@@ -84,11 +84,12 @@ def test_step_bytes_include_the_cross_attention_cache(tmp_path: Path, kind: str)
     assert "cross-attention" in res.attention["decode_path"]
 
 
-@pytest.mark.parametrize("kind", ["t5", "bart"])
+@pytest.mark.parametrize("kind", ["t5", "t5_v1_1", "mt5", "g1", "bart"])
 def test_steps_give_the_models_own_tokens(tmp_path: Path, kind: str) -> None:
-    """The timed steps (both caches, the fast path's packed weights) produce the greedy tokens
-    of the model's own uncached forward, and a rewound repetition the same tokens again."""
-    model = load(build_seq2seq(kind, tmp_path / kind))
+    """The timed steps (both caches, the fast path's packed weights, the lean T5 step where it
+    applies) produce the greedy tokens of the model's own uncached forward, and a rewound
+    repetition the same tokens again."""
+    model = load(grouped_t5(tmp_path / kind, 1) if kind == "g1" else build_seq2seq(kind, tmp_path / kind))
     bench = Seq2SeqBench(model, device="cpu", dtype=torch.float32)
     torch.manual_seed(0)
     inputs = torch.randint(3, 60, (2, 10))
@@ -108,6 +109,52 @@ def test_steps_give_the_models_own_tokens(tmp_path: Path, kind: str) -> None:
         again.append(pt.cur)
     assert torch.equal(again[0], again[1])
     assert bench.close_point(pt, {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10}).ok
+
+
+@pytest.mark.parametrize("kind", ["t5", "t5_v1_1", "mt5", "g2", "g1"])
+def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str) -> None:
+    """Step by step from equally filled caches: the lean T5 step gives the model's logits and
+    leaves both caches as the model's own step does (T5 1.0 with its tied, scaled head; 1.1;
+    mT5; gqakit's grouped T5)."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    folder = grouped_t5(tmp_path / kind, int(kind[1])) if kind in ("g1", "g2") else build_seq2seq(kind, tmp_path / kind)
+    model = load(folder)
+    bench = Seq2SeqBench(model, device="cpu", dtype=torch.float32)
+    assert bench.lean is not None and "lean T5" in bench.decode_mode, bench.lean_note
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        encoded = BaseModelOutput(last_hidden_state=model.get_encoder()(input_ids=torch.randint(3, 60, (2, 9)))[0])
+        caches = [bench.new_cache(8, 9) for _ in range(2)]
+        prefix = torch.randint(3, 60, (2, 2))
+        for c in caches:
+            model(encoder_outputs=encoded, decoder_input_ids=prefix, **{bench.cache_kw: c}, use_cache=True)
+        for _ in range(4):
+            tok = torch.randint(3, 60, (2, 1))
+            ref = model(encoder_outputs=encoded, decoder_input_ids=tok, **{bench.cache_kw: caches[0]},
+                        use_cache=True).logits
+            got = bench.lean(tok, caches[1]).logits
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches[0].self_attention_cache.layers, caches[1].self_attention_cache.layers):
+        assert int(a.cumulative_length) == int(b.cumulative_length) == 6
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-5)
+
+
+def test_lean_step_is_checked_and_names_why_it_does_not_apply(tmp_path: Path) -> None:
+    from gqakit.eval.decode.t5_step import T5Step, check_t5_step
+
+    t5 = load(build_seq2seq("t5_v1_1", tmp_path / "t5"))
+    bench = Seq2SeqBench(t5, device="cpu", dtype=torch.float32)
+    wrong = T5Step(t5)
+    wrong.scale_out = 0.5  # a head scale T5 1.1 does not have
+    why = check_t5_step(t5, wrong, bench.new_cache, bench.vocab, bench.start, cache_kw=bench.cache_kw)
+    assert why is not None and why.startswith("the lean T5 step gave other logits than the model")
+    bart = Seq2SeqBench(load(build_seq2seq("bart", tmp_path / "bart")), device="cpu", dtype=torch.float32)
+    assert bart.lean is None and "covers the T5 layout" in bart.lean_note
+    assert "the lean T5 step does not apply" in bart.probe()["layers"]
+    eager = Seq2SeqBench(t5, device="cpu", dtype=torch.float32, pack_weights=False, fold_attention=False)
+    assert eager.lean is None and "model's own decoder step" in eager.decode_mode
 
 
 def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path: Path) -> None:
@@ -171,7 +218,7 @@ def test_eval_speed_on_an_encoder_decoder_from_the_command_line(tmp_path: Path, 
                for g in res.speed.grid)
     assert res.speed.grid[1].bytes_per_step["cross_attention_kv"] == 2 * res.speed.grid[0].bytes_per_step[
         "cross_attention_kv"]
-    assert "the fused decoder-only layers do not cover encoder-decoders" in res.speed.grid[0].decode_path["layers"]
+    assert res.speed.grid[0].decode_path["layers"].startswith("the lean T5 decoder step")
     printed = capsys.readouterr().out
     assert "batch    2 input     8 output    2: prefill" in printed
 

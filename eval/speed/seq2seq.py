@@ -44,6 +44,8 @@ from gqakit.eval.speed.settings import SpeedSettings
 ENCODER_SCORE_BYTES = 1 << 30
 CACHES = "transformers.EncoderDecoderCache of two StaticCaches (self-attention, cross-attention; pre-allocated)"
 LAYERS = "the model's own decoder step (the fused decoder-only layers do not cover encoder-decoders)"
+LEAN = ("the lean T5 decoder step (eval/decode/t5_step.py: the model's weights and caches as plain tensor "
+        "operations, checked against the model's own step)")
 
 
 @dataclass
@@ -102,7 +104,22 @@ class Seq2SeqBench:
             self.attn_impl = use_folded_attention(model)
         else:
             self.attn_impl = str(getattr(model.config, "_attn_implementation", None) or "unknown")
+        # The lean T5 step (eval/decode/t5_step.py) where it applies and agrees with the model's own;
+        # the weights a step reads are found on the model's own step, which calls the same modules.
+        self.lean, self.lean_note = None, "off (eager)" if not fold_attention else None
         self.weight_bytes, self.matmul_params = self.step_weights()
+        if fold_attention:
+            self.lean, self.lean_note = self._lean_step()
+
+    def _lean_step(self) -> tuple[Any, str | None]:
+        from gqakit.eval.decode.t5_step import T5Step, check_t5_step, t5_layout_problem
+
+        why = t5_layout_problem(self.model)
+        if why is not None:
+            return None, why
+        step = T5Step(self.model)
+        why = check_t5_step(self.model, step, self.new_cache, self.vocab, self.start, cache_kw=self.cache_kw)
+        return (None, why) if why is not None else (step, None)
 
     # -- limits and the path --------------------------------------------------------------
     def positions(self) -> tuple[int | None, int | None]:
@@ -113,10 +130,17 @@ class Seq2SeqBench:
         return self.shape.encoder.max_positions, self.shape.decoder.max_positions
 
     @property
+    def layers_mode(self) -> str:
+        if self.lean is not None:
+            return LEAN
+        return LAYERS + (f" (the lean T5 step does not apply: {self.lean_note})" if self.lean_note else "")
+
+    @property
     def decode_mode(self) -> str:
+        step = "the lean T5 decoder step" if self.lean is not None else "the model's own decoder step"
         if self.kernels is not None:
-            return "eager, the model's own decoder step, gqakit CPU kernels (panel GEMM)"
-        return "eager, the model's own decoder step" + (", weights packed (oneDNN)" if self.pack_weights else "")
+            return f"eager, {step}, gqakit CPU kernels (panel GEMM)"
+        return f"eager, {step}" + (", weights packed (oneDNN)" if self.pack_weights else "")
 
     # -- the steps ------------------------------------------------------------------------
     def new_cache(self, output_positions: int, input_len: int) -> Any:
@@ -151,7 +175,10 @@ class Seq2SeqBench:
         return time.perf_counter() - t0, BaseModelOutput(last_hidden_state=hidden)
 
     def decoder_call(self, cache: Any, encoded: Any, tokens: Any) -> Any:
-        """The model's decoder on `tokens` ([B, T]) against `encoded`, through `cache`: the next greedy tokens."""
+        """The model's decoder on `tokens` ([B, T]) against `encoded`, through `cache`: the next greedy tokens.
+        One token after the prefix goes through the lean T5 step where it applies."""
+        if self.lean is not None and tokens.shape[1] == 1 and cache.cross_attention_cache.get_seq_length(0):
+            return self.lean(tokens, cache).logits[:, -1].argmax(-1, keepdim=True)
         out = self.model(encoder_outputs=encoded, decoder_input_ids=tokens, **{self.cache_kw: cache}, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -239,7 +266,7 @@ class Seq2SeqBench:
                 "decode_path": f"self-attention: {own['decode_path']}; cross-attention: {cross['decode_path']}",
                 "kv_copied": True if True in copied else None if None in copied else False,
                 "sdpa_calls_per_step": len(spy.calls), "self_attention": own, "cross_attention": cross,
-                "kv_cache": CACHES, "layers": LAYERS, "compiled": False, "cuda_graphs": False,
+                "kv_cache": CACHES, "layers": self.layers_mode, "compiled": False, "cuda_graphs": False,
                 **({"kernel_note": self.kernel_note} if self.kernel_note else {})}
 
     # -- memory model ---------------------------------------------------------------------
@@ -381,7 +408,7 @@ def summarize(bench: Seq2SeqBench, pt: Seq2SeqPoint, roof: dict[str, float], *, 
     first = {"median": 1e3 * pt.first_s, "p90": 1e3 * pt.first_s}
     return SpeedPoint(
         **pt.axes, status="ok", decode_mode=bench.decode_mode,
-        decode_path={"steps": bench.decode_mode, "weights": weights, "attention": bench.attn_impl, "layers": LAYERS,
+        decode_path={"steps": bench.decode_mode, "weights": weights, "attention": bench.attn_impl, "layers": bench.layers_mode,
                      "caches": CACHES, "prefill": "once per point (encoder, then the decoder prefix); decode "
                                                   "repetitions rewind the self-attention cache"},
         decode_samples=len(dec), decode_sample="one step" if len(dec) > pt.reps else "mean step of a repetition",

@@ -1,0 +1,164 @@
+"""A lean decode step for T5-layout encoder-decoders (T5 1.0 / 1.1, Flan-T5, mT5, and gqakit's
+grouped versions of them; fp32 or any dtype, any device).
+
+transformers runs a T5 decoder step through its modules: per layer three sub-layers, each
+with its norm, dropout and module calls, the attention masks built again every step,
+T5's position-bias mask combined with the causal one in every layer, and the static cache's
+`index_copy_`. At batch 8 the weights and both caches stream in a few tens of ms, and that
+per-op cost is a large part of a step with few KV heads. `T5Step` computes the same step
+as tensor operations on the model's own weights and caches: per layer the self-attention
+(RMS norm, q/k/v, the new K/V written into the self-attention cache's slot, attention over
+the filled slots with T5's relative position bias, computed once per step as T5 does), the
+cross-attention (query heads folded per KV head, over the cross-attention cache filled by
+the prefix) and the MLP (ReLU or gated GELU), then the final norm and the LM head. Linear
+layers are called through their `forward` attribute, so once-packed weights
+(`packed.packed_linears`) are used as in the model's own step.
+
+It is checked before use: one step from two equally filled caches, lean and the model's
+own, must give the same logits and write the same self-attention cache slot
+(`check_t5_step`); otherwise the model's own step runs.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+
+def t5_layout_problem(model: Any) -> str | None:
+    """None if `T5Step` computes `model`'s decoder step, else why not."""
+    import torch
+
+    if not type(model).__name__.endswith("T5ForConditionalGeneration"):
+        return f"the lean encoder-decoder step covers the T5 layout, not {type(model).__name__}"
+    dec = getattr(model, "decoder", None)
+    blocks = getattr(dec, "block", None)
+    if not blocks or len(blocks[0].layer) != 3:
+        return "the decoder's blocks are not T5's (self-attention, cross-attention, MLP)"
+    if any(blk.layer[0].SelfAttention.has_relative_attention_bias for blk in blocks[1:]):
+        return "a position-bias table in every block (UMT5), not T5's one in block 0"
+    if model.training:
+        return "the model is in training mode"
+    if next(model.parameters()).dtype == torch.float16:
+        return "float16 (T5 clamps its activations there; the lean step does not)"
+    return None
+
+
+class T5Step:
+    """`model`'s decoder step as plain tensor operations (see the module docstring). Called
+    like the model for one decode step: `step(tokens=[B, 1], cache=EncoderDecoderCache)`;
+    returns an object with `.logits` [B, 1, vocab]. The cross-attention cache must be filled
+    (by the decoder prefix), as after any first decoder call."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        dec = model.decoder
+        self.embed = dec.embed_tokens
+        self.final_norm = dec.final_layer_norm
+        self.head = model.lm_head
+        self.scale_out = cfg.d_model ** -0.5 if getattr(cfg, "scale_decoder_outputs", False) else None
+        self.layers = []
+        for block in dec.block:
+            sa, ca, ff = block.layer
+            mlp = ff.DenseReluDense
+            gated = hasattr(mlp, "wi_0")
+            self.layers.append(SimpleNamespace(
+                n0=sa.layer_norm, att=sa.SelfAttention, n1=ca.layer_norm, cross=ca.EncDecAttention,
+                n2=ff.layer_norm, gated=gated, wi0=mlp.wi_0 if gated else mlp.wi, wi1=mlp.wi_1 if gated else None,
+                wo=mlp.wo, act=mlp.act))
+        first = self.layers[0].att
+        self.bias_source = first  # T5 computes the position bias in block 0 and shares it
+        self.heads = first.n_heads
+        self.head_dim = first.key_value_proj_dim
+
+    @staticmethod
+    def _norm(norm: Any, x: Any) -> Any:
+        import torch
+
+        var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        y = x * torch.rsqrt(var + norm.variance_epsilon)
+        if norm.weight.dtype in (torch.float16, torch.bfloat16):
+            y = y.to(norm.weight.dtype)
+        return norm.weight * y
+
+    def _attend(self, q: Any, keys: Any, values: Any, bias: Any) -> Any:
+        """q [B, H, D] against [B, G, T, D] K/V (query heads folded per KV head), additive
+        bias [1, H, T] or None; [B, H * D] out. T5 does not scale the scores."""
+        import torch
+
+        b, h, d = q.shape
+        g, t = keys.shape[1], keys.shape[2]
+        qf = q.reshape(b, g, h // g, d)
+        mask = None if bias is None else bias.reshape(1, g, h // g, t)
+        out = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=1.0)
+        return out.reshape(b, h * d)
+
+    def __call__(self, tokens: Any, cache: Any) -> Any:
+        import torch
+
+        b = tokens.shape[0]
+        own = cache.self_attention_cache.layers
+        cross = cache.cross_attention_cache.layers
+        slot = int(own[0].cumulative_length)
+        att0 = self.bias_source
+        # T5's relative position bias of this query position over the filled slots 0..slot (block 0's table)
+        bias = att0.compute_bias(1, slot + 1, device=tokens.device, past_seen_tokens=slot)[:, :, 0]  # [1, H, slot+1]
+        h, d = self.heads, self.head_dim
+        x = self.embed(tokens).reshape(b, -1)
+        for e, sc, cc in zip(self.layers, own, cross):
+            a = e.att
+            y = self._norm(e.n0, x)
+            q = a.q.forward(y).reshape(b, h, d)
+            k = a.k.forward(y).reshape(b, -1, 1, d)
+            v = a.v.forward(y).reshape(b, -1, 1, d)
+            sc.keys[:, :, slot:slot + 1] = k
+            sc.values[:, :, slot:slot + 1] = v
+            sc.cumulative_length.add_(1)
+            o = self._attend(q, sc.keys[:, :, :slot + 1], sc.values[:, :, :slot + 1], bias.to(q.dtype))
+            x = x + a.o.forward(o)
+            y = self._norm(e.n1, x)
+            q = e.cross.q.forward(y).reshape(b, h, d)
+            x = x + e.cross.o.forward(self._attend(q, cc.keys, cc.values, None))
+            y = self._norm(e.n2, x)
+            z = e.act(e.wi0.forward(y))
+            if e.gated:
+                z = z * e.wi1.forward(y)
+            x = x + e.wo.forward(z.to(e.wo.weight.dtype))
+        x = self._norm(self.final_norm, x)
+        if self.scale_out is not None:
+            x = x * self.scale_out
+        logits = self.head.forward(x)
+        return SimpleNamespace(logits=logits.reshape(b, 1, -1))
+
+
+def check_t5_step(model: Any, step: T5Step, new_cache: Any, vocab: int, start: int, *, cache_kw: str = "past_key_values",
+                  seed: int = 0) -> str | None:
+    """One decode step both ways, from two caches filled by the same encoder output and decoder
+    prefix: None if the logits and the written self-attention slot agree, else why not."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from gqakit.eval.decode.layers import REL_TOL, relative_error
+
+    gen = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        b, n, p = 2, 7, 3
+        src = torch.randint(0, vocab, (b, n), generator=gen).to(dev)
+        encoded = BaseModelOutput(last_hidden_state=model.get_encoder()(input_ids=src).last_hidden_state)
+        prefix = torch.randint(0, vocab, (b, p), generator=gen).to(dev)
+        prefix[:, 0] = start
+        caches = [new_cache(p + 2, n) for _ in range(2)]
+        for c in caches:
+            model(encoder_outputs=encoded, decoder_input_ids=prefix, **{cache_kw: c}, use_cache=True)
+        tok = torch.randint(0, vocab, (b, 1), generator=gen).to(dev)
+        ref = model(encoder_outputs=encoded, decoder_input_ids=tok, **{cache_kw: caches[0]}, use_cache=True).logits
+        got = step(tok, caches[1]).logits
+    err = relative_error(got[:, -1], ref[:, -1])
+    if not err <= REL_TOL:
+        return f"the lean T5 step gave other logits than the model (relative error {err:.2g})"
+    for i, (la, lb) in enumerate(zip(caches[0].self_attention_cache.layers, caches[1].self_attention_cache.layers)):
+        e = max(relative_error(lb.keys[:, :, p], la.keys[:, :, p]), relative_error(lb.values[:, :, p], la.values[:, :, p]))
+        if not (e <= REL_TOL and int(la.cumulative_length) == int(lb.cumulative_length)):
+            return f"the lean T5 step wrote another self-attention cache slot than the model (layer {i})"
+    return None

@@ -1,7 +1,7 @@
 """Train a small multi-head T5 1.1 from scratch on the CPU: an encoder-decoder whose weights
 have learned something, to convert and uptrain where no pretrained T5 can be downloaded.
 
-    python -m bench.train_tiny_t5 [--out ~/.cache/gqakit/tiny-t5] [--steps 1200]
+    python -m bench.train_tiny_t5 [--out ~/.cache/gqakit/tiny-t5] [--steps 1000]
 
 The text is TinyStories-style: stories sampled from stories260K (../shared/models), in its
 own tokenizer, which the T5 shares with `<pad>` and 100 sentinel tokens added. The model is
@@ -92,7 +92,7 @@ def target_perplexity(model, pairs, pad: int, batch: int = 32) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache/gqakit/tiny-t5")
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--stories", type=int, default=8192, help="sampled stories of 256 tokens")

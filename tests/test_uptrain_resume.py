@@ -29,6 +29,23 @@ def converted(tiny_model, tmp_path: Path) -> Path:
     return convert_checkpoint(tiny_model("llama"), tmp_path / "g2", 2, progress=False)
 
 
+@pytest.fixture
+def converted_t5(tmp_path: Path) -> Path:
+    """A pico T5 1.1 with its decoder's self- and cross-attention mean-pooled to 1 KV head."""
+    from gqakit.convert import convert_checkpoint
+    from tiny_models import build_seq2seq
+
+    return convert_checkpoint(build_seq2seq("t5_v1_1", tmp_path / "t5"), tmp_path / "t5-g1", 1, method="mean",
+                              progress=False)
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    from gqakit.core.loading import load_seq2seq_lm
+
+    seq2seq = json.loads((folder / "config.json").read_text()).get("is_encoder_decoder")
+    return (load_seq2seq_lm if seq2seq else load_causal_lm)(folder).state_dict()
+
+
 def write_cfg(path: Path, model: Path, out: Path, steps: int, **train) -> Path:
     tree = {
         "model": {"path": str(model)},
@@ -50,12 +67,15 @@ def env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("steps, train", [
-    (120, {}), pytest.param(2000, {}, marks=pytest.mark.slow),
+@pytest.mark.parametrize("model, steps, train", [
+    ("converted", 120, {}), pytest.param("converted", 2000, {}, marks=pytest.mark.slow),
     # LoRA adapters (peft) with dropout: the adapters, their Adam state and the dropout RNG resume exactly
-    pytest.param(120, {"lora": {"r": 4, "dropout": 0.1}}, id="lora"),
+    pytest.param("converted", 120, {"lora": {"r": 4, "dropout": 0.1}}, id="lora"),
+    # an encoder-decoder: span corruption draws its spans from the seed and the block, so they resume too
+    pytest.param("converted_t5", 120, {}, id="t5-span-corruption"),
 ])
-def test_resume_after_sigkill_matches_one_go_run(converted: Path, tmp_path: Path, steps: int, train: dict):
+def test_resume_after_sigkill_matches_one_go_run(model: str, request, tmp_path: Path, steps: int, train: dict):
+    converted = request.getfixturevalue(model)
     # Both runs are subprocesses with the same thread count, so float results are comparable.
     go = write_cfg(tmp_path / "go.yaml", converted, tmp_path / "go", steps, **train)
     subprocess.run([sys.executable, "-m", "gqakit", "uptrain", str(go), "-q"], check=True, env=env(), cwd=tmp_path)
@@ -79,7 +99,7 @@ def test_resume_after_sigkill_matches_one_go_run(converted: Path, tmp_path: Path
     a, b = losses(tmp_path / "go"), losses(tmp_path / "k")
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, steps + 1))  # no step logged twice
     torch.testing.assert_close(torch.tensor([l for _, l in b]), torch.tensor([l for _, l in a]), rtol=1e-6, atol=1e-6)
-    wa, wb = load_causal_lm(tmp_path / "go" / "model").state_dict(), load_causal_lm(tmp_path / "k" / "model").state_dict()
+    wa, wb = weights(tmp_path / "go" / "model"), weights(tmp_path / "k" / "model")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=1e-6)
 

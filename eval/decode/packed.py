@@ -29,7 +29,7 @@ SKINNY_MAX_ROWS = 16
 
 
 @contextlib.contextmanager
-def packed_linears(model: Any, batch: int, kernels: Any = None) -> Iterator[int]:
+def packed_linears(model: Any, batch: int, kernels: Any = None, order: list[Any] | None = None) -> Iterator[int]:
     """Inside: every `nn.Linear` of `model` multiplies by a once-packed copy of its weight.
 
     Yields the number of extra bytes the packed copies hold (they live as long as the
@@ -37,6 +37,9 @@ def packed_linears(model: Any, batch: int, kernels: Any = None) -> Iterator[int]
     copy is checked against the plain layer on one input before it is used. `kernels`
     (`cpu_kernels.load()`): fp32 weights go into 48-column panels for the compiled
     small-batch kernel (inputs of up to SKINNY_MAX_ROWS rows); otherwise oneDNN's layout.
+    `order` (with `kernels`): the linear layers in the order a decode step reads them; their
+    panels then lie back to back in one buffer on huge pages, in that order (as the fused
+    decoder-only layers' do), so a step streams its weights without gaps or TLB misses.
     """
     import torch
 
@@ -45,6 +48,15 @@ def packed_linears(model: Any, batch: int, kernels: Any = None) -> Iterator[int]
     if kernels is not None:
         cpu_kernels.ops()  # registered before any compiled step traces a layer
     lin = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    into: dict[int, Any] = {}
+    if kernels is not None and order:
+        ids = {id(m) for m in lin}
+        arena = [m for m in dict.fromkeys(order) if id(m) in ids and m.weight.dtype == torch.float32
+                 and m.weight.device.type == "cpu"]
+        sizes = [int(kernels.packed_numel(*m.weight.shape)) for m in arena]
+        buf, off = kernels.huge_zeros(sum(sizes)), 0
+        for m, n in zip(arena, sizes):
+            into[id(m)], off = buf[off:off + n], off + n
     saved: list[tuple[Any, Any]] = []
     extra = 0
     try:
@@ -52,7 +64,7 @@ def packed_linears(model: Any, batch: int, kernels: Any = None) -> Iterator[int]
             w = m.weight.detach()
             bias = None if m.bias is None else m.bias.detach()
             if kernels is not None and w.dtype == torch.float32 and w.device.type == "cpu":
-                packed = kernels.pack_weight(w)
+                packed = kernels.pack_weight_into(w, into[id(m)]) if id(m) in into else kernels.pack_weight(w)
 
                 def fwd(x: Any, _p: Any = packed, _w: Any = w, _b: Any = bias, _k: Any = kernels) -> Any:
                     if x.numel() <= SKINNY_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:

@@ -71,6 +71,14 @@ class T5Step:
         self.heads = first.n_heads
         self.head_dim = first.key_value_proj_dim
 
+    def linears(self) -> list[Any]:
+        """The linear layers a step calls, in the order it calls them (for `packed_linears`' arena)."""
+        out = []
+        for e in self.layers:
+            out += [e.att.q, e.att.k, e.att.v, e.att.o, e.cross.q, e.cross.o, e.wi0]
+            out += [e.wi1, e.wo] if e.gated else [e.wo]
+        return out + [self.head]
+
     @staticmethod
     def _norm(norm: Any, x: Any) -> Any:
         import torch
@@ -83,11 +91,19 @@ class T5Step:
 
     def _attend(self, q: Any, keys: Any, values: Any, bias: Any) -> Any:
         """q [B, H, D] against [B, G, T, D] K/V (query heads folded per KV head), additive
-        bias [1, H, T] or None; [B, H * D] out. T5 does not scale the scores."""
+        bias [1, H, T] or None; [B, H * D] out. T5 does not scale the scores. Without a bias
+        (the cross-attention), on the CPU in fp32, gqakit's fused decode kernel, which reads
+        the cache faster than SDPA at every G (MHA included); else SDPA."""
         import torch
+
+        from gqakit.eval.decode.grouped import decode_attention, fused_applies
 
         b, h, d = q.shape
         g, t = keys.shape[1], keys.shape[2]
+        q4 = q.reshape(b, h, 1, d)
+        if bias is None and fused_applies(q4, keys, values, None):
+            # the cross-attention: gqakit's fused CPU kernel (scores, softmax, values in one pass per chunk)
+            return decode_attention(q4, keys, values, None, 1.0, fused=True).reshape(b, h * d)
         qf = q.reshape(b, g, h // g, d)
         mask = None if bias is None else bias.reshape(1, g, h // g, t)
         out = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=1.0)

@@ -318,7 +318,9 @@ class Seq2SeqBench:
 
         pt.cache = self.new_cache(pt.output_len + pt.new_tokens, pt.prompt_len)
         if self.pack_weights and (pt.batch > 1 or self.kernels is not None):
-            pt.packed_bytes = pt.stack.enter_context(packed_linears(self.model, pt.batch, kernels=self.kernels))
+            order = self.lean.linears() if self.lean is not None else None
+            pt.packed_bytes = pt.stack.enter_context(packed_linears(self.model, pt.batch, kernels=self.kernels,
+                                                                    order=order))
         inputs = torch.randint(0, self.vocab, (pt.batch, pt.prompt_len), device=self.device)
         pt.encode_s, pt.encoded = self.encode(inputs)
         pre, pt.tok = self.prefill(pt.cache, pt.encoded, pt.output_len)
@@ -403,8 +405,9 @@ def summarize(bench: Seq2SeqBench, pt: Seq2SeqPoint, roof: dict[str, float], *, 
     flops = 2 * bench.matmul_params * batch + 4 * batch * bench.layers * bench.heads * bench.head_dim * (mean_out + input_len)
     t_bytes = total / roof["copy_bandwidth"]
     t_flops = flops / roof["matmul_flops"] if roof.get("matmul_flops") else None
-    weights = ("as loaded" if not pt.packed_bytes else "packed once (gqakit panels)" if bench.kernels is not None
-               else "packed once (oneDNN)")
+    weights = ("as loaded" if not pt.packed_bytes else "packed once (oneDNN)" if bench.kernels is None
+               else "packed once (gqakit panels, one huge-page buffer in the step's order)" if bench.lean is not None
+               else "packed once (gqakit panels)")
     first = {"median": 1e3 * pt.first_s, "p90": 1e3 * pt.first_s}
     return SpeedPoint(
         **pt.axes, status="ok", decode_mode=bench.decode_mode,

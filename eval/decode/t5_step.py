@@ -24,6 +24,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from gqakit.eval.decode import grouped  # its functions looked up per call, so SdpaSpy sees them
+
 
 def t5_layout_problem(model: Any) -> str | None:
     """None if `T5Step` computes `model`'s decoder step, else why not."""
@@ -96,14 +98,12 @@ class T5Step:
         the cache faster than SDPA at every G (MHA included); else SDPA."""
         import torch
 
-        from gqakit.eval.decode.grouped import decode_attention, fused_applies
-
         b, h, d = q.shape
         g, t = keys.shape[1], keys.shape[2]
         q4 = q.reshape(b, h, 1, d)
-        if bias is None and fused_applies(q4, keys, values, None):
+        if bias is None and grouped.fused_applies(q4, keys, values, None):
             # the cross-attention: gqakit's fused CPU kernel (scores, softmax, values in one pass per chunk)
-            return decode_attention(q4, keys, values, None, 1.0, fused=True).reshape(b, h * d)
+            return grouped.decode_attention(q4, keys, values, None, 1.0, fused=True).reshape(b, h * d)
         qf = q.reshape(b, g, h // g, d)
         mask = None if bias is None else bias.reshape(1, g, h // g, t)
         out = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=1.0)

@@ -16,8 +16,10 @@ The first method's run is then repeated, killed with SIGKILL once its second che
 disk, and resumed with `--resume`: the row records whether its losses and final weights equal
 the uninterrupted run's to the bit (`--no-kill` skips it).
 
-Everything is written under `--workdir` (default: a temporary folder, removed at the end);
-rows go to bench/results/uptrain_seq2seq.jsonl.
+Everything is written under `--workdir` (default: a temporary folder, removed at the end); a
+reused workdir keeps its sampled text, conversions and scores, and each recipe (method, G, lr,
+tokens) trains into a folder of its own, so an existing run is never written over (`gqakit
+uptrain` refuses to). Rows go to bench/results/uptrain_seq2seq.jsonl.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ def gqakit(*args: str, env: dict[str, str]) -> None:
 
 
 def perplexity(model: Path, out: Path, context: int, env: dict[str, str]) -> float:
-    gqakit("eval", str(model), "--data", str(HELD_OUT), "--context", str(context), "--span-seed", "0",
-           "--out", str(out), env=env)
+    """The held-out perplexity of `model`, read from `out` when an earlier run in the same
+    --workdir already wrote it."""
+    if not out.is_file():
+        gqakit("eval", str(model), "--data", str(HELD_OUT), "--context", str(context), "--span-seed", "0",
+               "--out", str(out), env=env)
     return float(json.loads(out.read_text())["perplexity"]["token_perplexity"])
 
 
@@ -146,21 +151,22 @@ def main() -> None:
                 if not (conv / "config.json").is_file():
                     gqakit("convert", str(args.model), str(conv), "-g", str(g), "--method", method, env=env)
                 before = perplexity(conv, work / f"{method}-g{g}.json", args.context, env)
-                run = work / f"run-{method}-g{g}"
-                cfg = work / f"{method}-g{g}.yaml"
+                tag = f"{method}-g{g}-lr{args.lr:g}-{args.tokens}"  # a run of its own per recipe
+                run = work / f"run-{tag}"
+                cfg = work / f"{tag}.yaml"
                 cfg.write_text(yaml.safe_dump(config(conv, text, run, args)))
                 t0 = time.perf_counter()
                 gqakit("uptrain", str(cfg), env=env)
                 secs = time.perf_counter() - t0
-                after = perplexity(run / "model", work / f"{method}-g{g}-after.json", args.context, env)
+                after = perplexity(run / "model", work / f"{tag}-after.json", args.context, env)
                 steps = max(s for s, _ in losses(run))
                 say(f"G={g} {method}: {before:.2f} -> {after:.2f} ({steps} steps, {secs:.0f} s)")
                 row = {**base, "G": g, "method": method, "original_ppl": round(original, 3),
                        "ppl_before": round(before, 3), "ppl_after": round(after, 3), "steps": steps,
                        "uptrain_seconds": round(secs, 1), "loadavg": os.getloadavg()}
                 if n == 0 and not args.no_kill:
-                    kcfg = work / f"{method}-g{g}-killed.yaml"
-                    krun = work / f"run-{method}-g{g}-killed"
+                    kcfg = work / f"{tag}-killed.yaml"
+                    krun = work / f"run-{tag}-killed"
                     kcfg.write_text(yaml.safe_dump(config(conv, text, krun, args)))
                     killed_at = killed_and_resumed(kcfg, krun, env)
                     exact = losses(krun) == losses(run) and same_weights(krun / "model", run / "model")

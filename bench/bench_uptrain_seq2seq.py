@@ -84,6 +84,15 @@ def config(model: Path, text: Path, out: Path, args: argparse.Namespace) -> dict
     }
 
 
+def write_config(path: Path, tree: dict) -> Path:
+    """The recipe's YAML at `path`; an existing file is kept when it says the same, else refused."""
+    text = yaml.safe_dump(tree)
+    if path.exists() and (not path.is_file() or path.read_text() != text):
+        sys.exit(f"bench_uptrain_seq2seq: {path} exists and holds something else; use another --workdir")
+    path.write_text(text)
+    return path
+
+
 def losses(run: Path) -> list[tuple[int, float]]:
     rows = map(json.loads, (run / "log.jsonl").read_text().splitlines())
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
@@ -154,7 +163,7 @@ def main() -> None:
                 tag = f"{method}-g{g}-lr{args.lr:g}-{args.tokens}"  # a run of its own per recipe
                 run = work / f"run-{tag}"
                 cfg = work / f"{tag}.yaml"
-                cfg.write_text(yaml.safe_dump(config(conv, text, run, args)))
+                write_config(cfg, config(conv, text, run, args))
                 t0 = time.perf_counter()
                 gqakit("uptrain", str(cfg), env=env)
                 secs = time.perf_counter() - t0
@@ -167,7 +176,7 @@ def main() -> None:
                 if n == 0 and not args.no_kill:
                     kcfg = work / f"{tag}-killed.yaml"
                     krun = work / f"run-{tag}-killed"
-                    kcfg.write_text(yaml.safe_dump(config(conv, text, krun, args)))
+                    write_config(kcfg, config(conv, text, krun, args))
                     killed_at = killed_and_resumed(kcfg, krun, env)
                     exact = losses(krun) == losses(run) and same_weights(krun / "model", run / "model")
                     say(f"killed after step {killed_at}, resumed: {'bit-exact' if exact else 'DIFFERENT'}")

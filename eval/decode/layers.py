@@ -136,20 +136,21 @@ def check(model: Any, step: FusedDecode, cache_factory: Any, vocab: int, cache_k
     return verdict(both_steps(model, step, cache_factory, vocab, cache_kw, seed))
 
 
-def verdict(r: SimpleNamespace) -> str | None:
-    """`check`'s judgement of a `both_steps` result: None if the steps agree, else why not."""
+def verdict(r: SimpleNamespace, what: str = "fused layers") -> str | None:
+    """`check`'s judgement of a `both_steps` result: None if the steps agree, else why not
+    (`what` names the step that was checked against the model's own)."""
     import torch
 
     p = r.p
     err = relative_error(r.got, r.ref)
     if not err <= REL_TOL:
-        return f"fused layers gave other logits than the model (relative error {err:.2g})"
+        return f"{what} gave other logits than the model (relative error {err:.2g})"
     for i, (la, lb) in enumerate(zip(r.ref_cache.layers, r.got_cache.layers)):
         err = max(relative_error(lb.keys[:, :, p], la.keys[:, :, p]), relative_error(lb.values[:, :, p], la.values[:, :, p]))
         untouched = torch.equal(la.keys[:, :, p + 1:], lb.keys[:, :, p + 1:]) and torch.equal(
             la.values[:, :, p + 1:], lb.values[:, :, p + 1:])
         if not (err <= REL_TOL and untouched and int(la.cumulative_length) == int(lb.cumulative_length)):
-            return f"fused layers wrote another cache slot than the model (layer {i}, relative error {err:.2g})"
+            return f"{what} wrote another cache slot than the model (layer {i}, relative error {err:.2g})"
     return None
 
 

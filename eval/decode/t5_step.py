@@ -68,8 +68,7 @@ class T5Step:
                 n0=sa.layer_norm, att=sa.SelfAttention, n1=ca.layer_norm, cross=ca.EncDecAttention,
                 n2=ff.layer_norm, gated=gated, wi0=mlp.wi_0 if gated else mlp.wi, wi1=mlp.wi_1 if gated else None,
                 wo=mlp.wo, act=mlp.act))
-        first = self.layers[0].att
-        self.bias_source = first  # T5 computes the position bias in block 0 and shares it
+        first = self.layers[0].att  # its table gives the position bias, which T5 shares with every block
         self.heads = first.n_heads
         self.head_dim = first.key_value_proj_dim
 
@@ -116,9 +115,8 @@ class T5Step:
         own = cache.self_attention_cache.layers
         cross = cache.cross_attention_cache.layers
         slot = int(own[0].cumulative_length)
-        att0 = self.bias_source
         # T5's relative position bias of this query position over the filled slots 0..slot (block 0's table)
-        bias = att0.compute_bias(1, slot + 1, device=tokens.device, past_seen_tokens=slot)[:, :, 0]  # [1, H, slot+1]
+        bias = self.layers[0].att.compute_bias(1, slot + 1, device=tokens.device, past_seen_tokens=slot)[:, :, 0]  # [1, H, slot+1]
         h, d = self.heads, self.head_dim
         x = self.embed(tokens).reshape(b, -1)
         for e, sc, cc in zip(self.layers, own, cross):
@@ -150,11 +148,12 @@ class T5Step:
 def check_t5_step(model: Any, step: T5Step, new_cache: Any, vocab: int, start: int, *, cache_kw: str = "past_key_values",
                   seed: int = 0) -> str | None:
     """One decode step both ways, from two caches filled by the same encoder output and decoder
-    prefix: None if the logits and the written self-attention slot agree, else why not."""
+    prefix: None if the logits and the written self-attention slot agree (`layers.verdict`, the
+    fused decoder-only step's check), else why not."""
     import torch
     from transformers.modeling_outputs import BaseModelOutput
 
-    from gqakit.eval.decode.layers import REL_TOL, relative_error
+    from gqakit.eval.decode.layers import verdict
 
     gen = torch.Generator().manual_seed(seed)
     dev = next(model.parameters()).device
@@ -170,11 +169,5 @@ def check_t5_step(model: Any, step: T5Step, new_cache: Any, vocab: int, start: i
         tok = torch.randint(0, vocab, (b, 1), generator=gen).to(dev)
         ref = model(encoder_outputs=encoded, decoder_input_ids=tok, **{cache_kw: caches[0]}, use_cache=True).logits
         got = step(tok, caches[1]).logits
-    err = relative_error(got[:, -1], ref[:, -1])
-    if not err <= REL_TOL:
-        return f"the lean T5 step gave other logits than the model (relative error {err:.2g})"
-    for i, (la, lb) in enumerate(zip(caches[0].self_attention_cache.layers, caches[1].self_attention_cache.layers)):
-        e = max(relative_error(lb.keys[:, :, p], la.keys[:, :, p]), relative_error(lb.values[:, :, p], la.values[:, :, p]))
-        if not (e <= REL_TOL and int(la.cumulative_length) == int(lb.cumulative_length)):
-            return f"the lean T5 step wrote another self-attention cache slot than the model (layer {i})"
-    return None
+    return verdict(SimpleNamespace(ref=ref[:, -1], got=got[:, -1], ref_cache=caches[0].self_attention_cache,
+                                   got_cache=caches[1].self_attention_cache, p=p), what="the lean T5 step")

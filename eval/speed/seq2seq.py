@@ -175,12 +175,15 @@ class Seq2SeqBench:
         return time.perf_counter() - t0, BaseModelOutput(last_hidden_state=hidden)
 
     def decoder_call(self, cache: Any, encoded: Any, tokens: Any) -> Any:
-        """The model's decoder on `tokens` ([B, T]) against `encoded`, through `cache`: the next greedy tokens.
-        One token after the prefix goes through the lean T5 step where it applies."""
-        if self.lean is not None and tokens.shape[1] == 1 and cache.cross_attention_cache.get_seq_length(0):
-            return self.lean(tokens, cache).logits[:, -1].argmax(-1, keepdim=True)
+        """The model's decoder on `tokens` ([B, T]) against `encoded`, through `cache`: the next greedy tokens."""
         out = self.model(encoder_outputs=encoded, decoder_input_ids=tokens, **{self.cache_kw: cache}, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def step_call(self, cache: Any, encoded: Any, tok: Any) -> Any:
+        """One decode step after the prefix (both caches filled): the lean T5 step where it applies."""
+        if self.lean is not None:
+            return self.lean(tok, cache).logits[:, -1].argmax(-1, keepdim=True)
+        return self.decoder_call(cache, encoded, tok)
 
     def prefill(self, cache: Any, encoded: Any, output_len: int) -> tuple[float, Any]:
         """The decoder prefix (start token + random tokens, `output_len` in all): (seconds, first greedy token)."""
@@ -202,7 +205,7 @@ class Seq2SeqBench:
         for _ in range(n):
             if tokens is not None:
                 tokens.append(tok)
-            tok = self.decoder_call(cache, encoded, tok)
+            tok = self.step_call(cache, encoded, tok)
         sync(self.device)
         return time.perf_counter() - t0, tok
 

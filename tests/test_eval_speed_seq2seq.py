@@ -26,13 +26,14 @@ def load(folder: Path):
     return AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
 
 
-def grouped_t5(folder: Path, kv_heads: int) -> Path:
-    """The pico T5 1.1 as gqakit's grouped T5 class, random weights, `kv_heads` KV heads."""
+def grouped_t5(folder: Path, kv_heads: int, **overrides) -> Path:
+    """The pico T5 1.1 (config `overrides` applied) as gqakit's grouped T5 class, random
+    weights, `kv_heads` KV heads."""
     from transformers import AutoConfig
 
     from gqakit.convert.remote.gqakit_modeling_t5 import GqakitT5Config, GqakitT5ForConditionalGeneration
 
-    src = build_seq2seq("t5_v1_1", folder.with_name(folder.name + "-src"))
+    src = build_seq2seq("t5_v1_1", folder.with_name(folder.name + "-src"), **overrides)
     keys = {k: v for k, v in AutoConfig.from_pretrained(src).to_dict().items()
             if k not in ("model_type", "architectures", "transformers_version", "auto_map")}
     torch.manual_seed(1)
@@ -111,34 +112,56 @@ def test_steps_give_the_models_own_tokens(tmp_path: Path, kind: str) -> None:
     assert bench.close_point(pt, {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10}).ok
 
 
-@pytest.mark.parametrize("kind", ["t5", "t5_v1_1", "mt5", "g2", "g1"])
-def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str) -> None:
-    """Step by step from equally filled caches: the lean T5 step gives the model's logits and
-    leaves both caches as the model's own step does (T5 1.0 with its tied, scaled head; 1.1;
-    mT5; gqakit's grouped T5)."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["one-call-per-block", "tensor-ops"])
+@pytest.mark.parametrize("kind", ["t5", "t5_v1_1", "mt5", "g2", "g1", "g2-12heads", "g1-12heads"])
+def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, compiled: bool) -> None:
+    """Step by step from equally filled caches: the lean T5 step, as tensor operations and as
+    one compiled call per block, gives the model's logits and leaves both caches as the
+    model's own step does (T5 1.0 with its ReLU MLP and tied, scaled head; 1.1 and mT5 with
+    gated GELU; gqakit's grouped T5, also with 12 heads of 16 at 2 and 1 KV heads: 6 and 12
+    query rows per K/V head, the kernel's one-pass path with the position bias per row)."""
     from transformers.modeling_outputs import BaseModelOutput
 
-    folder = grouped_t5(tmp_path / kind, int(kind[1])) if kind in ("g1", "g2") else build_seq2seq(kind, tmp_path / kind)
+    from gqakit.eval.decode import kernels
+    from gqakit.eval.decode.t5_step import T5Step
+
+    wide = dict(num_heads=12, d_kv=16) if kind.endswith("12heads") else {}
+    folder = (grouped_t5(tmp_path / kind, int(kind[1]), **wide) if kind.startswith("g")
+              else build_seq2seq(kind, tmp_path / kind))
     model = load(folder)
     bench = Seq2SeqBench(model, device="cpu", dtype=torch.float32)
     assert bench.lean is not None and "lean T5" in bench.decode_mode, bench.lean_note
+    if compiled:
+        if kernels.load() is None:
+            pytest.skip(f"no compiled kernels here: {kernels.why_unavailable()}")
+        assert bench.lean.kernels is not None, bench.lean.fused_note
+        step = bench.lean
+    else:
+        step = T5Step(model)
+        assert step.kernels is None
     torch.manual_seed(3)
     with torch.inference_mode():
-        encoded = BaseModelOutput(last_hidden_state=model.get_encoder()(input_ids=torch.randint(3, 60, (2, 9)))[0])
-        caches = [bench.new_cache(8, 9) for _ in range(2)]
-        prefix = torch.randint(3, 60, (2, 2))
+        # with 12 heads: a prefix and an input over 16 positions (whole blocks of the one-pass path, then a tail)
+        n_in, n_pre = (37, 18) if wide else (9, 2)
+        encoded = BaseModelOutput(last_hidden_state=model.get_encoder()(input_ids=torch.randint(3, 60, (2, n_in)))[0])
+        caches = [bench.new_cache(n_pre + 6, n_in) for _ in range(2)]
+        prefix = torch.randint(3, 60, (2, n_pre))
         for c in caches:
             model(encoder_outputs=encoded, decoder_input_ids=prefix, **{bench.cache_kw: c}, use_cache=True)
         for _ in range(4):
             tok = torch.randint(3, 60, (2, 1))
             ref = model(encoder_outputs=encoded, decoder_input_ids=tok, **{bench.cache_kw: caches[0]},
                         use_cache=True).logits
-            got = bench.lean(tok, caches[1]).logits
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+            got = step(tok, caches[1]).logits
+            # fp32 sums in another order: with 12 heads and logits up to ~20, up to ~5e-4 apart
+            # (either step); a position bias one slot off or a wrong head is off by ~1e-1
+            tol = 1e-4 * float(ref.abs().max()) if wide else 1e-5
+            torch.testing.assert_close(got, ref, rtol=1e-4 if wide else 1e-5, atol=tol)
     for a, b in zip(caches[0].self_attention_cache.layers, caches[1].self_attention_cache.layers):
-        assert int(a.cumulative_length) == int(b.cumulative_length) == 6
-        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-5)
+        assert int(a.cumulative_length) == int(b.cumulative_length) == n_pre + 4
+        rtol, atol = (1e-3, 1e-4) if wide else (1e-4, 1e-5)
+        torch.testing.assert_close(b.keys, a.keys, rtol=rtol, atol=atol)
+        torch.testing.assert_close(b.values, a.values, rtol=rtol, atol=atol)
 
 
 def test_lean_step_is_checked_and_names_why_it_does_not_apply(tmp_path: Path) -> None:
@@ -146,10 +169,15 @@ def test_lean_step_is_checked_and_names_why_it_does_not_apply(tmp_path: Path) ->
 
     t5 = load(build_seq2seq("t5_v1_1", tmp_path / "t5"))
     bench = Seq2SeqBench(t5, device="cpu", dtype=torch.float32)
-    wrong = T5Step(t5)
-    wrong.scale_out = 0.5  # a head scale T5 1.1 does not have
-    why = check_t5_step(t5, wrong, bench.new_cache, bench.vocab, bench.start, cache_kw=bench.cache_kw)
-    assert why is not None and why.startswith("the lean T5 step gave other logits than the model")
+    for kernels in (None, bench.kernels):
+        wrong = T5Step(t5, kernels=kernels)
+        wrong.scale_out = 0.5  # a head scale T5 1.1 does not have
+        why = check_t5_step(t5, wrong, bench.new_cache, bench.vocab, bench.start, cache_kw=bench.cache_kw)
+        assert why is not None and why.startswith("the lean T5 step gave other logits than the model")
+    if bench.kernels is not None:  # an MLP the compiled block does not compute: the tensor-op step, and why
+        t5.config.dense_act_fn = "relu"  # gated ReLU
+        plain = T5Step(t5, kernels=bench.kernels)
+        assert plain.kernels is None and plain.fused_note.startswith("an MLP the compiled block does not compute")
     bart = Seq2SeqBench(load(build_seq2seq("bart", tmp_path / "bart")), device="cpu", dtype=torch.float32)
     assert bart.lean is None and "covers the T5 layout" in bart.lean_note
     assert "the lean T5 step does not apply" in bart.probe()["layers"]
@@ -173,13 +201,17 @@ def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path
                          model=model_info(model, folder, 4),
                          speed=evaluate_speed(model, GRID, device="cpu", dtype=torch.float32, progress=False))
         if name == "g1":  # one KV head: both attentions fold the query heads per KV head, nothing repeated
-            assert res.speed.attention["kv_copied"] is False
-            assert res.speed.attention["self_attention"]["decode_path"].startswith("SDPA with query heads folded")
             from gqakit.eval.decode import kernels
 
-            cross = ("grouped fused CPU kernel decode attention: query heads as rows of their K/V head"
-                     if kernels.load() is not None else "SDPA with query heads folded")
-            assert res.speed.attention["cross_attention"]["decode_path"].startswith(cross)
+            assert res.speed.attention["kv_copied"] is False
+            fused = "grouped fused CPU kernel decode attention: query heads as rows of their K/V head"
+            if kernels.load() is not None:  # the compiled T5 block: both attentions in the kernel
+                assert res.speed.attention["self_attention"]["decode_path"].startswith(fused)
+                assert res.speed.attention["cross_attention"]["decode_path"].startswith(fused)
+                assert "one compiled call per block" in res.speed.attention["layers"]
+            else:
+                for site in ("self_attention", "cross_attention"):
+                    assert res.speed.attention[site]["decode_path"].startswith("SDPA with query heads folded")
         out = write_results(res, tmp_path / f"{name}.json")
         text = out.read_text()
         back = read_results(out)

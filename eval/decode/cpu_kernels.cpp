@@ -1,7 +1,9 @@
 // gqakit's CPU decode kernels (fp32): what a decode step must do, without what it need not.
 //
 // Built on first use by gqakit/eval/decode/kernels.py (torch.utils.cpp_extension, -O3
-// -march=native, OpenMP through ATen's parallel_for), cached per machine. Two kernels:
+// -march=native, OpenMP through ATen's parallel_for), cached per machine. Two kernels, and
+// whole decoder layers built on them (decode_layer: Llama-layout and kin; t5_decode_layer:
+// T5's block of self-attention, cross-attention and MLP):
 //
 // * skinny_linear: y = x W^T for a few rows of x (a decode step: one row per sequence).
 //   The BLAS packs W into its own layout on every call; oneDNN's once-packed weight avoids
@@ -19,7 +21,8 @@
 //   score per position and row with its horizontal sum is compute-bound, so from 6 rows on
 //   (AVX-512) 16 key rows at a time are transposed in registers and each query element
 //   becomes one broadcast multiply-add over 16 positions. Keys are prefetched into L2 64
-//   positions ahead: nearer, or into L1, the transposes wait on memory.
+//   positions ahead: nearer, or into L1, the transposes wait on memory. An optional bias per
+//   query head and position (T5's relative position bias) is added to the scores.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -347,10 +350,11 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::o
 }
 
 // query [B, H, 1, D], key [B, G, T, D], value [B, G, T, Dv] (contiguous fp32), mask: an
-// additive [B, T] fp32 mask or an empty tensor. Query head h uses K/V head h / (H / G).
-// Returns [B, 1, H, Dv].
-torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor mask,
-                               double scale) {
+// additive [B, T] fp32 mask or an empty tensor; head_bias: an additive [H, T] fp32 bias per
+// query head (T5's relative position bias) or an empty tensor, added after the scale. Query
+// head h uses K/V head h / (H / G). Returns [B, 1, H, Dv].
+static torch::Tensor attention_impl(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor mask,
+                                    torch::Tensor head_bias, double scale) {
   for (const auto& t : {query, key, value})
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 4,
                 "decode_attention: contiguous 4-D fp32 CPU tensors");
@@ -358,7 +362,10 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
   const int64_t G = key.size(1), T = key.size(2), Dv = value.size(3);
   TORCH_CHECK(query.size(2) == 1 && key.size(0) == B && value.size(0) == B && value.size(1) == G && value.size(2) == T &&
               key.size(3) == D && H % G == 0, "decode_attention: shapes do not match");
-  const bool masked = mask.numel() > 0;
+  const bool masked = mask.numel() > 0, biased = head_bias.numel() > 0;
+  if (biased)
+    TORCH_CHECK(head_bias.scalar_type() == torch::kFloat32 && head_bias.is_contiguous() && head_bias.numel() == H * T,
+                "decode_attention: the head bias must be a contiguous [H, T] fp32 tensor");
   if (masked)
     TORCH_CHECK(mask.scalar_type() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * T,
                 "decode_attention: the mask must be a contiguous [B, T] fp32 tensor");
@@ -373,6 +380,7 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
   const float* k = key.data_ptr<float>();
   const float* v = value.data_ptr<float>();
   const float* mk = masked ? mask.data_ptr<float>() : nullptr;
+  const float* hbias = biased ? head_bias.data_ptr<float>() : nullptr;
   const float sc = static_cast<float>(scale);
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool vec_d = D % 16 == 0, vec_dv = Dv % 16 == 0;
@@ -393,6 +401,8 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
       const float* kb = k + (bg * T + lo) * D;
       const float* vb = v + (bg * T + lo) * Dv;
       const float* mb = masked ? mk + b * T + lo : nullptr;
+      // the bias rows of this group's R query heads, from position lo (row stride T)
+      const float* hb = biased ? hbias + ((bg % G) * R) * T + lo : nullptr;
       float* out = part.data() + task * R * W;
       bool any = false;
 #ifdef __AVX512F__
@@ -432,7 +442,12 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
             const int64_t rr = std::min<int64_t>(12, R - r0);
             run_scores16(rr, kt, D, qb + r0 * D, acc);
             for (int64_t i = 0; i < rr; ++i) {
-              const v16 x = acc[i] * sc + mv;
+              v16 x = acc[i] * sc + mv;
+              if (hb) {
+                const float* hr = hb + (r0 + i) * T + j0;
+                if (m == 16) x += *reinterpret_cast<const v16u*>(hr);
+                else for (int64_t j = 0; j < m; ++j) x[j] += hr[j];
+              }
               *reinterpret_cast<v16u*>(s.data() + (r0 + i) * CHUNK + j0) = mv == ninf ? (v16){} + ninf : x;
             }
           }
@@ -454,7 +469,7 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
             for (int64_t r = 0; r < R; ++r) part[r] += *reinterpret_cast<const v16u*>(qb + r * D + d) * kv;
           }
           const v16 dots = reduce16(part) * sc + (mb ? mb[j] : 0.f);
-          for (int64_t r = 0; r < R; ++r) s[r * CHUNK + j] = dots[r];
+          for (int64_t r = 0; r < R; ++r) s[r * CHUNK + j] = dots[r] + (hb ? hb[r * T + j] : 0.f);
           continue;
         }
         for (int64_t r = 0; r < R; ++r) {
@@ -471,7 +486,7 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
               for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
             }
           }
-          s[r * CHUNK + j] = skip ? ninf : dot * sc + (mb ? mb[j] : 0.f);
+          s[r * CHUNK + j] = skip ? ninf : dot * sc + (mb ? mb[j] : 0.f) + (hb ? hb[r * T + j] : 0.f);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -536,6 +551,11 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Te
   return result;
 }
 
+torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor mask,
+                               double scale) {
+  return attention_impl(query, key, value, mask, torch::Tensor(), scale);
+}
+
 // x [B, N] -> x / rms(x) * w, row by row (fp32; LlamaRMSNorm's arithmetic).
 static torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   const int64_t B = x.size(0), N = x.size(1);
@@ -589,6 +609,44 @@ static torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, c
   if (norm_kind == 0) return rms_rows(x, w, eps);
   if (norm_kind == 1) return layer_norm_rows(x, eps);
   return layer_norm_rows(x, eps, w.data_ptr<float>(), bias->data_ptr<float>());
+}
+
+// The MLP of a decode step on normed rows h [B, hidden]: mlp_kind 0: SiLU(gate) * up with wgu =
+// gate and up stacked and packed (N = 2I), 1: GELU(up) with wgu = up (N = I), 2: the same with
+// GELU's tanh approximation, 3: ReLU(up), 4: GELU-tanh(gate) * up with wgu as for 0; biases
+// bup/bdown where given; wd: the packed down projection. Returns [B, hidden].
+static torch::Tensor mlp_rows(const torch::Tensor& h2, const torch::Tensor& wgu, const torch::Tensor& wd, int64_t I,
+                              int64_t mlp_kind, const c10::optional<torch::Tensor>& bup,
+                              const c10::optional<torch::Tensor>& bdown) {
+  const int64_t B = h2.size(0), hidden = h2.size(1);
+  torch::Tensor act;
+  if (mlp_kind == 4) {  // GELU(gate, tanh) * up: Gemma
+    auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);
+    act = torch::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I);
+  } else if (mlp_kind == 3) {  // ReLU, no gate: OPT
+    act = torch::relu(skinny_linear(h2, wgu, I, bup));
+  } else if (mlp_kind > 0) {  // GELU, no gate: GPT-NeoX (erf), GPT-2 (tanh approximation)
+    act = torch::gelu(skinny_linear(h2, wgu, I, bup), mlp_kind == 2 ? "tanh" : "none");
+  } else {
+    auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);  // [B, 2I]: gate, then up
+    act = torch::empty({B, I}, h2.options());
+    const float* g = gu.data_ptr<float>();
+    float* a = act.data_ptr<float>();
+    // SiLU(gate) * up, 16 at a time
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* gr = g + b * 2 * I;
+        float* ar = a + b * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+          const v16 gv = *reinterpret_cast<const v16u*>(gr + i), uv = *reinterpret_cast<const v16u*>(gr + I + i);
+          *reinterpret_cast<v16u*>(ar + i) = gv / (1.f + vexp(-gv)) * uv;
+        }
+        for (; i < I; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
+      }
+    });
+  }
+  return skinny_linear(act, wd, hidden, bdown);
 }
 
 // One decode step of a Llama-layout decoder layer (pre-norm RMSNorm, rotary on the two halves
@@ -675,40 +733,63 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, double eps1, torc
   auto x2 = skinny_linear(att, wo, hidden, bo);  // the attention's output
   if (!parallel) x2.add_(x);  // sequential: the MLP sees x + attention
   auto h2 = norm_rows(parallel ? x : x2, ln2, ln2b, eps2, norm_kind);
-  torch::Tensor act;
-  if (mlp_kind == 4) {  // GELU(gate, tanh) * up: Gemma
-    auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);
-    act = torch::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I);
-  } else if (mlp_kind == 3) {  // ReLU, no gate: OPT
-    act = torch::relu(skinny_linear(h2, wgu, I, bup));
-  } else if (mlp_kind > 0) {  // GELU, no gate: GPT-NeoX (erf), GPT-2 (tanh approximation)
-    act = torch::gelu(skinny_linear(h2, wgu, I, bup), mlp_kind == 2 ? "tanh" : "none");
-  } else {
-    auto gu = skinny_linear(h2, wgu, 2 * I, c10::nullopt);  // [B, 2I]: gate, then up
-    act = torch::empty({B, I}, x.options());
-    const float* g = gu.data_ptr<float>();
-    float* a = act.data_ptr<float>();
-    // SiLU(gate) * up, 16 at a time
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const float* gr = g + b * 2 * I;
-        float* ar = a + b * I;
-        int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-          const v16 gv = *reinterpret_cast<const v16u*>(gr + i), uv = *reinterpret_cast<const v16u*>(gr + I + i);
-          *reinterpret_cast<v16u*>(ar + i) = gv / (1.f + vexp(-gv)) * uv;
-        }
-        for (; i < I; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
-      }
-    });
-  }
-  auto out = skinny_linear(act, wd, hidden, bdown);
+  auto out = mlp_rows(h2, wgu, wd, I, mlp_kind, bup, bdown);
   out.add_(x2);
   if (parallel) out.add_(x);  // parallel: x + attention + MLP(norm(x))
   return out;
 }
 
+// One decode step of a T5-layout decoder block (T5 1.0 / 1.1, mT5; gqakit's grouped T5) in one
+// call: RMS norm, self-attention (q, k and v stacked in wqkv, N = (H + 2G) D; the new K/V
+// written into the self-attention caches [B, G, T, D] at `slot`; scores unscaled, plus the
+// mask [B, T] and T5's relative position bias per query head, head_bias [H, T]), output
+// projection wo and residual; RMS norm, cross-attention (query projection wcq, N = H D, against
+// the filled cross-attention caches [B, G, S, D], unscaled, no mask), output projection wco
+// and residual; RMS norm and the MLP (`mlp_rows`: kind 3 ReLU, 4 gated GELU-tanh, 0 gated
+// SiLU) and residual. x [B, hidden]; ln0/ln1/ln2: the three norms' weights, eps their
+// epsilon. Returns the block's output [B, hidden].
+torch::Tensor t5_decode_layer(torch::Tensor x, torch::Tensor ln0, torch::Tensor ln1, torch::Tensor ln2, double eps,
+                              torch::Tensor wqkv, torch::Tensor wo, torch::Tensor kcache, torch::Tensor vcache,
+                              int64_t slot, torch::Tensor mask, torch::Tensor head_bias, torch::Tensor wcq,
+                              torch::Tensor wco, torch::Tensor ckeys, torch::Tensor cvalues, torch::Tensor wgu,
+                              torch::Tensor wd, int64_t H, int64_t I, int64_t mlp_kind) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "t5_decode_layer: x [B, hidden] fp32");
+  const int64_t B = x.size(0), hidden = x.size(1);
+  const int64_t G = kcache.size(1), T = kcache.size(2), D = kcache.size(3);
+  TORCH_CHECK(kcache.dim() == 4 && kcache.is_contiguous() && vcache.is_contiguous() && kcache.size(0) == B &&
+              vcache.sizes() == kcache.sizes() && slot >= 0 && slot < T && H % G == 0,
+              "t5_decode_layer: self-attention caches [B, G, T, D] and a slot inside them");
+  TORCH_CHECK(ckeys.dim() == 4 && ckeys.size(0) == B && ckeys.size(3) == D && H % ckeys.size(1) == 0,
+              "t5_decode_layer: cross-attention caches [B, G, S, D]");
+  TORCH_CHECK(mlp_kind == 0 || mlp_kind == 3 || mlp_kind == 4, "t5_decode_layer: mlp_kind 0, 3 or 4");
+  const c10::optional<torch::Tensor> none;
+  auto qkv = skinny_linear(rms_rows(x, ln0, eps), wqkv, (H + 2 * G) * D, none);  // [B, (H + 2G) D]
+  {
+    const float* src = qkv.data_ptr<float>();
+    float* kc = kcache.data_ptr<float>();
+    float* vc = vcache.data_ptr<float>();
+    const int64_t row = (H + 2 * G) * D;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < G; ++g) {
+        std::memcpy(kc + ((b * G + g) * T + slot) * D, src + b * row + (H + g) * D, sizeof(float) * D);
+        std::memcpy(vc + ((b * G + g) * T + slot) * D, src + b * row + (H + G + g) * D, sizeof(float) * D);
+      }
+  }
+  auto q = qkv.narrow(1, 0, H * D).contiguous().view({B, H, 1, D});
+  auto att = attention_impl(q, kcache, vcache, mask, head_bias, 1.0).reshape({B, H * D});
+  auto x1 = skinny_linear(att, wo, hidden, none);
+  x1.add_(x);
+  auto cq = skinny_linear(rms_rows(x1, ln1, eps), wcq, H * D, none).view({B, H, 1, D});
+  auto cross = attention_impl(cq, ckeys.contiguous(), cvalues.contiguous(), torch::Tensor(), torch::Tensor(), 1.0);
+  auto x2 = skinny_linear(cross.reshape({B, H * D}), wco, hidden, none);
+  x2.add_(x1);
+  auto out = mlp_rows(rms_rows(x2, ln2, eps), wgu, wd, I, mlp_kind, none, none);
+  out.add_(x2);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("t5_decode_layer", &t5_decode_layer, "one decode step of a T5-layout decoder block");
   m.def("decode_layer", &decode_layer, "one decode step of a Llama-layout decoder layer");
   m.def("pack_weight", &pack_weight, "pack a [N, K] fp32 weight into 48-column panels");
   m.def("pack_weight_into", &pack_weight_into, "pack a [N, K] fp32 weight into a given zeroed buffer");

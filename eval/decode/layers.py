@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from gqakit.eval.decode.families import layer_specs, layout_problem
+from gqakit.eval.decode.packed import pack_arena
 
 
 class FusedDecode:
@@ -43,12 +44,7 @@ class FusedDecode:
         # stacked q/k/v, sit on huge pages, and the stream has no gaps)
         mats = [m for e in spec.layers for m in e.mats] + [(*head.weight.shape, head.weight.detach)]
         if arena:
-            sizes = [int(kernels.packed_numel(n, k)) for n, k, _ in mats]
-            buf = kernels.huge_zeros(sum(sizes))
-            packed, off = [], 0
-            for (_, _, w), n in zip(mats, sizes):
-                packed.append(kernels.pack_weight_into(w(), buf[off:off + n]))
-                off += n
+            packed = pack_arena(kernels, [w() for _, _, w in mats])
         else:
             packed = [kernels.pack_weight(w()) for _, _, w in mats]
         self.packed_bytes = sum(t.numel() * 4 for t in packed)

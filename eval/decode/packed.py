@@ -15,6 +15,19 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+def pack_arena(kernels: Any, weights: list[Any]) -> list[Any]:
+    """Each [N, K] fp32 weight packed into the compiled kernels' 48-column panels, all back to
+    back in one buffer, in the order given (the order a step reads them): 2 MiB-aligned and
+    advised as huge pages, so a step streams its weights without gaps or TLB misses, small
+    matrices too (a 1-KV-head model's stacked q/k/v)."""
+    sizes = [int(kernels.packed_numel(*w.shape)) for w in weights]
+    buf, off, packed = kernels.huge_zeros(sum(sizes)), 0, []
+    for w, n in zip(weights, sizes):
+        packed.append(kernels.pack_weight_into(w, buf[off:off + n]))
+        off += n
+    return packed
+
+
 def can_pack(device: Any, dtype: Any) -> bool:
     """oneDNN weight packing: CPU only, fp32 or bf16, and only where torch has oneDNN."""
     import torch

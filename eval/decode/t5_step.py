@@ -14,6 +14,13 @@ the prefix) and the MLP (ReLU or gated GELU), then the final norm and the LM hea
 layers are called through their `forward` attribute, so once-packed weights
 (`packed.packed_linears`) are used as in the model's own step.
 
+With gqakit's compiled CPU kernels (fp32 on the CPU; `kernels.py`) each decoder block is one
+call instead (`t5_decode_layer`: norms, q/k/v stacked in one panel GEMM, the cache write,
+self-attention with the position bias, cross-attention, gated MLP, residuals), its weights
+packed once into one huge-page buffer in the order the step reads them (`packed.pack_arena`):
+the per-op cost of about a hundred small ops per block goes, and at one KV head that is a
+tenth of a T5-base step at batch 8 (docs/decode.md).
+
 It is checked before use: one step from two equally filled caches, lean and the model's
 own, must give the same logits and write the same self-attention cache slot
 (`check_t5_step`); otherwise the model's own step runs.
@@ -25,6 +32,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from gqakit.eval.decode import grouped  # its functions looked up per call, so SdpaSpy sees them
+from gqakit.eval.decode.packed import pack_arena
 
 
 def t5_layout_problem(model: Any) -> str | None:
@@ -46,13 +54,37 @@ def t5_layout_problem(model: Any) -> str | None:
     return None
 
 
-class T5Step:
-    """`model`'s decoder step as plain tensor operations (see the module docstring). Called
-    like the model for one decode step: `step(tokens=[B, 1], cache=EncoderDecoderCache)`;
-    returns an object with `.logits` [B, 1, vocab]. The cross-attention cache must be filled
-    (by the decoder prefix), as after any first decoder call."""
+# The MLPs `t5_decode_layer` computes, by (gated, dense_act_fn): its `mlp_kind`.
+_MLP_KINDS = {(True, "gelu_new"): 4, (True, "gelu_pytorch_tanh"): 4, (True, "silu"): 0, (True, "swish"): 0,
+              (False, "relu"): 3}
 
-    def __init__(self, model: Any) -> None:
+
+def _fused_problem(model: Any, kernels: Any) -> str | None:
+    """None if `kernels.t5_decode_layer` computes `model`'s decoder blocks, else why not."""
+    import torch
+
+    cfg = model.config
+    p = next(model.parameters())
+    if kernels is None or not hasattr(kernels, "t5_decode_layer"):
+        return "no compiled kernels"
+    if p.dtype != torch.float32 or p.device.type != "cpu":
+        return "the compiled block is fp32 on the CPU"
+    if (bool(getattr(cfg, "is_gated_act", False)), getattr(cfg, "dense_act_fn", None)) not in _MLP_KINDS:
+        return f"an MLP the compiled block does not compute ({getattr(cfg, 'feed_forward_proj', '?')})"
+    if any(isinstance(getattr(m, "bias", None), torch.Tensor) for m in model.decoder.modules()
+           if isinstance(m, torch.nn.Linear)):
+        return "biases in the decoder's linear layers"
+    return None
+
+
+class T5Step:
+    """`model`'s decoder step as plain tensor operations, or with `kernels` (`kernels.load()`)
+    one compiled call per block where it applies (see the module docstring; `fused_note` says
+    why not). Called like the model for one decode step: `step(tokens=[B, 1],
+    cache=EncoderDecoderCache)`; returns an object with `.logits` [B, 1, vocab]. The
+    cross-attention cache must be filled (by the decoder prefix), as after any first decoder call."""
+
+    def __init__(self, model: Any, kernels: Any = None) -> None:
         cfg = model.config
         dec = model.decoder
         self.embed = dec.embed_tokens
@@ -71,6 +103,30 @@ class T5Step:
         first = self.layers[0].att  # its table gives the position bias, which T5 shares with every block
         self.heads = first.n_heads
         self.head_dim = first.key_value_proj_dim
+        self.kernels, self.packed_bytes = None, 0
+        self.fused_note = _fused_problem(model, kernels)
+        if self.fused_note is None:
+            self._pack(kernels, cfg)
+
+    def _pack(self, kernels: Any, cfg: Any) -> None:
+        """Every matrix a fused step streams, packed into one buffer in the order it reads them."""
+        import torch
+
+        def cat(*lin: Any) -> Any:
+            return torch.cat([m.weight.detach() for m in lin]) if len(lin) > 1 else lin[0].weight.detach()
+
+        mats = []
+        for e in self.layers:
+            mats += [cat(e.att.q, e.att.k, e.att.v), cat(e.att.o), cat(e.cross.q), cat(e.cross.o),
+                     cat(e.wi0, e.wi1) if e.gated else cat(e.wi0), cat(e.wo)]
+        packed = pack_arena(kernels, mats + [self.head.weight.detach()])
+        for i, e in enumerate(self.layers):
+            e.wqkv, e.wso, e.wcq, e.wco, e.wgu, e.wd = packed[6 * i: 6 * i + 6]
+            e.inter = e.wo.in_features
+        self.packed_head, self.vocab = packed[-1], self.head.weight.shape[0]
+        self.mlp_kind = _MLP_KINDS[(bool(cfg.is_gated_act), cfg.dense_act_fn)]
+        self.eps = float(cfg.layer_norm_epsilon)
+        self.kernels, self.packed_bytes = kernels, sum(t.numel() * 4 for t in packed)
 
     def linears(self) -> list[Any]:
         """The linear layers a step calls, in the order it calls them (for `packed_linears`' arena)."""
@@ -117,6 +173,8 @@ class T5Step:
         slot = int(own[0].cumulative_length)
         # T5's relative position bias of this query position over the filled slots 0..slot (block 0's table)
         bias = self.layers[0].att.compute_bias(1, slot + 1, device=tokens.device, past_seen_tokens=slot)[:, :, 0]  # [1, H, slot+1]
+        if self.kernels is not None:
+            return self._fused(tokens, own, cross, slot, bias[0])
         h, d = self.heads, self.head_dim
         x = self.embed(tokens).reshape(b, -1)
         for e, sc, cc in zip(self.layers, own, cross):
@@ -138,11 +196,35 @@ class T5Step:
             if e.gated:
                 z = z * e.wi1.forward(y)
             x = x + e.wo.forward(z.to(e.wo.weight.dtype))
+        return self._head(x, b)
+
+    def _head(self, x: Any, b: int) -> Any:
         x = self._norm(self.final_norm, x)
         if self.scale_out is not None:
             x = x * self.scale_out
-        logits = self.head.forward(x)
+        if self.kernels is not None:
+            logits = self.kernels.skinny_linear(x.contiguous(), self.packed_head, self.vocab, None)
+        else:
+            logits = self.head.forward(x)
         return SimpleNamespace(logits=logits.reshape(b, 1, -1))
+
+    def _fused(self, tokens: Any, own: Any, cross: Any, slot: int, bias: Any) -> Any:
+        """The step as one `t5_decode_layer` call per block: over the whole self-attention cache,
+        the slots after this one masked, the position bias zero-padded to the cache's length."""
+        import torch
+
+        b, t = tokens.shape[0], own[0].keys.shape[2]
+        mask = torch.zeros(b, t)
+        mask[:, slot + 1:] = float("-inf")
+        head_bias = torch.zeros(self.heads, t)
+        head_bias[:, :slot + 1] = bias
+        x = self.embed(tokens).reshape(b, -1).contiguous()
+        for e, sc, cc in zip(self.layers, own, cross):
+            x = self.kernels.t5_decode_layer(x, e.n0.weight, e.n1.weight, e.n2.weight, self.eps, e.wqkv, e.wso,
+                                             sc.keys, sc.values, slot, mask, head_bias, e.wcq, e.wco, cc.keys,
+                                             cc.values, e.wgu, e.wd, self.heads, e.inter, self.mlp_kind)
+            sc.cumulative_length.add_(1)
+        return self._head(x, b)
 
 
 def check_t5_step(model: Any, step: T5Step, new_cache: Any, vocab: int, start: int, *, cache_kw: str = "past_key_values",

@@ -46,6 +46,8 @@ CACHES = "transformers.EncoderDecoderCache of two StaticCaches (self-attention, 
 LAYERS = "the model's own decoder step (the fused decoder-only layers do not cover encoder-decoders)"
 LEAN = ("the lean T5 decoder step (eval/decode/t5_step.py: the model's weights and caches as plain tensor "
         "operations, checked against the model's own step)")
+LEAN_FUSED = ("the lean T5 decoder step, one compiled call per block (eval/decode/t5_step.py, "
+              "cpu_kernels.cpp's t5_decode_layer; checked against the model's own step)")
 
 
 @dataclass
@@ -117,7 +119,7 @@ class Seq2SeqBench:
         why = t5_layout_problem(self.model)
         if why is not None:
             return None, why
-        step = T5Step(self.model)
+        step = T5Step(self.model, kernels=self.kernels)
         why = check_t5_step(self.model, step, self.new_cache, self.vocab, self.start, cache_kw=self.cache_kw)
         return (None, why) if why is not None else (step, None)
 
@@ -132,7 +134,10 @@ class Seq2SeqBench:
     @property
     def layers_mode(self) -> str:
         if self.lean is not None:
-            return LEAN
+            if self.lean.kernels is not None:
+                return LEAN_FUSED
+            return LEAN + (f" (one compiled call per block does not apply: {self.lean.fused_note})"
+                           if self.kernels is not None else "")
         return LAYERS + (f" (the lean T5 step does not apply: {self.lean_note})" if self.lean_note else "")
 
     @property
@@ -262,8 +267,14 @@ class Seq2SeqBench:
             _, tok = self.prefill(cache, encoded, 1)
             with spy:
                 self.steps(cache, encoded, tok, 1)
-        # a decoder layer attends to itself, then to the encoder's output
-        own, cross = (describe_path(spy.calls[i::2], self.heads, self.kv_heads) for i in (0, 1))
+        if self.lean is not None and self.lean.kernels is not None:
+            # inside the compiled block: no SDPA call to see; its attention reads the caches in place
+            path = ("MHA: one K/V head per query head" if self.kv_heads == self.heads else
+                    "grouped fused CPU kernel decode attention: query heads as rows of their K/V head (packed GQA), "
+                    "inside the compiled T5 block")
+            own = cross = {"decode_path": path, "kv_copied": False, "sdpa_calls_per_step": 0, "decode_kernel": "cpu"}
+        else:  # a decoder layer attends to itself, then to the encoder's output
+            own, cross = (describe_path(spy.calls[i::2], self.heads, self.kv_heads) for i in (0, 1))
         copied = [d["kv_copied"] for d in (own, cross)]
         return {"implementation": self.attn_impl,
                 "decode_path": f"self-attention: {own['decode_path']}; cross-attention: {cross['decode_path']}",
@@ -320,7 +331,9 @@ class Seq2SeqBench:
         from gqakit.eval.decode.packed import packed_linears
 
         pt.cache = self.new_cache(pt.output_len + pt.new_tokens, pt.prompt_len)
-        if self.pack_weights and (pt.batch > 1 or self.kernels is not None):
+        if self.lean is not None and self.lean.kernels is not None:
+            pt.packed_bytes = self.lean.packed_bytes  # the fused step's own packed weights; prefill as loaded
+        elif self.pack_weights and (pt.batch > 1 or self.kernels is not None):
             order = self.lean.linears() if self.lean is not None else None
             pt.packed_bytes = pt.stack.enter_context(packed_linears(self.model, pt.batch, kernels=self.kernels,
                                                                     order=order))

@@ -119,7 +119,7 @@ def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, com
     one compiled call per block, gives the model's logits and leaves both caches as the
     model's own step does (T5 1.0 with its ReLU MLP and tied, scaled head; 1.1 and mT5 with
     gated GELU; gqakit's grouped T5, also with 12 heads of 16 at 2 and 1 KV heads: 6 and 12
-    query rows per K/V head, the kernel's one-pass path with the position bias per row)."""
+    query rows per K/V head: the kernel's transposed-keys path, with the position bias per row)."""
     from transformers.modeling_outputs import BaseModelOutput
 
     from gqakit.eval.decode import kernels

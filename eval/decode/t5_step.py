@@ -18,8 +18,7 @@ With gqakit's compiled CPU kernels (fp32 on the CPU; `kernels.py`) each decoder 
 call instead (`t5_decode_layer`: norms, q/k/v stacked in one panel GEMM, the cache write,
 self-attention with the position bias, cross-attention, gated MLP, residuals), its weights
 packed once into one huge-page buffer in the order the step reads them (`packed.pack_arena`):
-the per-op cost of about a hundred small ops per block goes, and at one KV head that is a
-tenth of a T5-base step at batch 8 (docs/decode.md).
+the per-op cost of each block's small ops goes, a cost the same at every G (docs/decode.md).
 
 It is checked before use: one step from two equally filled caches, lean and the model's
 own, must give the same logits and write the same self-attention cache slot

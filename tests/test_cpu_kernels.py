@@ -91,6 +91,23 @@ def test_one_sequence_one_kv_head_splits_the_cache_and_agrees(kernels, threads, 
     torch.testing.assert_close(got, reference_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("h,kv_heads,t,d", [(12, 1, 37, 64), (12, 2, 300, 16), (6, 1, 16, 32), (8, 2, 40, 64),
+                                             (12, 1, 40, 20)])
+def test_key_blocks_are_the_keys_transposed_in_blocks_of_16(kernels, h, kv_heads, t, d):
+    """`key_blocks`: [B, G, ceil(T/16), D, 16], position blocks zero-padded past T; made only
+    where the attention reads keys that way (6 or more query heads per K/V head, a head size a
+    multiple of 16, AVX-512), else empty."""
+    k = torch.randn(2, kv_heads, t, d)
+    got = kernels.key_blocks(k, h)
+    takes_path = h // kv_heads >= 6 and d % 16 == 0 and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    if not takes_path:
+        assert got.numel() == 0
+        return
+    nb = -(-t // 16)
+    padded = torch.nn.functional.pad(k, (0, 0, 0, nb * 16 - t))
+    assert torch.equal(got, padded.reshape(2, kv_heads, nb, 16, d).transpose(-1, -2))
+
+
 def test_fused_attention_falls_back_where_it_does_not_apply(kernels):
     q, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16)
     k = torch.randn(2, 9, 2, 16).transpose(1, 2)  # not contiguous: the matmul path takes it

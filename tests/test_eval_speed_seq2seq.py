@@ -112,14 +112,16 @@ def test_steps_give_the_models_own_tokens(tmp_path: Path, kind: str) -> None:
     assert bench.close_point(pt, {"copy_bandwidth": 1e10, "matmul_flops": 1e11, "ridge_flops_per_byte": 10}).ok
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["one-call-per-block", "tensor-ops"])
+@pytest.mark.parametrize("compiled", ["prepared", "compiled", "tensor-ops"],
+                         ids=["one-call-per-block-keys-laid-out", "one-call-per-block", "tensor-ops"])
 @pytest.mark.parametrize("kind", ["t5", "t5_v1_1", "mt5", "g2", "g1", "g2-12heads", "g1-12heads"])
-def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, compiled: bool) -> None:
+def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, compiled: str) -> None:
     """Step by step from equally filled caches: the lean T5 step, as tensor operations and as
-    one compiled call per block, gives the model's logits and leaves both caches as the
-    model's own step does (T5 1.0 with its ReLU MLP and tied, scaled head; 1.1 and mT5 with
-    gated GELU; gqakit's grouped T5, also with 12 heads of 16 at 2 and 1 KV heads: 6 and 12
-    query rows per K/V head: the kernel's transposed-keys path, with the position bias per row)."""
+    one compiled call per block (with the cross-attention keys as they are, and laid out once
+    by `prepare`), gives the model's logits and leaves both caches as the model's own step
+    does (T5 1.0 with its ReLU MLP and tied, scaled head; 1.1 and mT5 with gated GELU; gqakit's
+    grouped T5, also with 12 heads of 16 at 2 and 1 KV heads: 6 and 12 query rows per K/V
+    head: the kernel's transposed-keys path, with the position bias per row)."""
     from transformers.modeling_outputs import BaseModelOutput
 
     from gqakit.eval.decode import kernels
@@ -131,7 +133,7 @@ def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, com
     model = load(folder)
     bench = Seq2SeqBench(model, device="cpu", dtype=torch.float32)
     assert bench.lean is not None and "lean T5" in bench.decode_mode, bench.lean_note
-    if compiled:
+    if compiled != "tensor-ops":
         if kernels.load() is None:
             pytest.skip(f"no compiled kernels here: {kernels.why_unavailable()}")
         assert bench.lean.kernels is not None, bench.lean.fused_note
@@ -148,6 +150,9 @@ def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, com
         prefix = torch.randint(3, 60, (2, n_pre))
         for c in caches:
             model(encoder_outputs=encoded, decoder_input_ids=prefix, **{bench.cache_kw: c}, use_cache=True)
+        if compiled == "prepared":  # laid out where 6 or more query heads share a K/V head (AVX-512)
+            assert step.prepare(caches[1]) == (bool(wide) and kernels.load().key_blocks(
+                caches[1].cross_attention_cache.layers[0].keys.contiguous(), 12).numel() > 0)
         for _ in range(4):
             tok = torch.randint(3, 60, (2, 1))
             ref = model(encoder_outputs=encoded, decoder_input_ids=tok, **{bench.cache_kw: caches[0]},

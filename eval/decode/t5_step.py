@@ -27,6 +27,7 @@ own, must give the same logits and write the same self-attention cache slot
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -103,6 +104,7 @@ class T5Step:
         self.heads = first.n_heads
         self.head_dim = first.key_value_proj_dim
         self.kernels, self.packed_bytes = None, 0
+        self._key_blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> its cross keys laid out
         self.fused_note = _fused_problem(model, kernels)
         if self.fused_note is None:
             self._pack(kernels, cfg)
@@ -126,6 +128,21 @@ class T5Step:
         self.mlp_kind = _MLP_KINDS[(bool(cfg.is_gated_act), cfg.dense_act_fn)]
         self.eps = float(cfg.layer_norm_epsilon)
         self.kernels, self.packed_bytes = kernels, sum(t.numel() * 4 for t in packed)
+
+    def prepare(self, cache: Any) -> bool:
+        """Lay out the cross-attention keys of `cache`, just filled by the decoder prefix, as the
+        compiled block reads them (`key_blocks`: blocks of 16 positions, transposed), once per
+        prefix instead of transposing them in every step; only where the grouped attention takes
+        that path (6 or more query heads per K/V head). Call again if the cross-attention cache is
+        refilled in place. A step on a cache not prepared reads the keys as they are. The copy
+        lives as long as `cache`. Returns whether the keys were laid out."""
+        self._key_blocks.pop(cache, None)
+        if self.kernels is None:
+            return False
+        blocks = [self.kernels.key_blocks(c.keys.contiguous(), self.heads) for c in cache.cross_attention_cache.layers]
+        if any(b.numel() for b in blocks):
+            self._key_blocks[cache] = blocks
+        return cache in self._key_blocks
 
     def linears(self) -> list[Any]:
         """The linear layers a step calls, in the order it calls them (for `packed_linears`' arena)."""
@@ -173,7 +190,7 @@ class T5Step:
         # T5's relative position bias of this query position over the filled slots 0..slot (block 0's table)
         bias = self.layers[0].att.compute_bias(1, slot + 1, device=tokens.device, past_seen_tokens=slot)[:, :, 0]  # [1, H, slot+1]
         if self.kernels is not None:
-            return self._fused(tokens, own, cross, slot, bias[0])
+            return self._fused(tokens, own, cross, slot, bias[0], self._key_blocks.get(cache))
         h, d = self.heads, self.head_dim
         x = self.embed(tokens).reshape(b, -1)
         for e, sc, cc in zip(self.layers, own, cross):
@@ -207,9 +224,10 @@ class T5Step:
             logits = self.head.forward(x)
         return SimpleNamespace(logits=logits.reshape(b, 1, -1))
 
-    def _fused(self, tokens: Any, own: Any, cross: Any, slot: int, bias: Any) -> Any:
+    def _fused(self, tokens: Any, own: Any, cross: Any, slot: int, bias: Any, key_blocks: list | None) -> Any:
         """The step as one `t5_decode_layer` call per block: over the whole self-attention cache,
-        the slots after this one masked, the position bias zero-padded to the cache's length."""
+        the slots after this one masked, the position bias zero-padded to the cache's length;
+        the cross-attention keys from `key_blocks` where `prepare` laid them out."""
         import torch
 
         b, t = tokens.shape[0], own[0].keys.shape[2]
@@ -218,10 +236,11 @@ class T5Step:
         head_bias = torch.zeros(self.heads, t)
         head_bias[:, :slot + 1] = bias
         x = self.embed(tokens).reshape(b, -1).contiguous()
-        for e, sc, cc in zip(self.layers, own, cross):
+        blocks = key_blocks or [torch.Tensor()] * len(self.layers)
+        for e, sc, cc, kb in zip(self.layers, own, cross, blocks):
             x = self.kernels.t5_decode_layer(x, e.n0.weight, e.n1.weight, e.n2.weight, self.eps, e.wqkv, e.wso,
                                              sc.keys, sc.values, slot, mask, head_bias, e.wcq, e.wco, cc.keys,
-                                             cc.values, e.wgu, e.wd, self.heads, e.inter, self.mlp_kind)
+                                             cc.values, e.wgu, e.wd, self.heads, e.inter, self.mlp_kind, kb)
             sc.cumulative_length.add_(1)
         return self._head(x, b)
 
@@ -247,6 +266,7 @@ def check_t5_step(model: Any, step: T5Step, new_cache: Any, vocab: int, start: i
         caches = [new_cache(p + 2, n) for _ in range(2)]
         for c in caches:
             model(encoder_outputs=encoded, decoder_input_ids=prefix, **{cache_kw: c}, use_cache=True)
+        step.prepare(caches[1])  # as after any prefix: the path the steps then take
         tok = torch.randint(0, vocab, (b, 1), generator=gen).to(dev)
         ref = model(encoder_outputs=encoded, decoder_input_ids=tok, **{cache_kw: caches[0]}, use_cache=True).logits
         got = step(tok, caches[1]).logits

@@ -19,6 +19,8 @@ call instead (`t5_decode_layer`: norms, q/k/v stacked in one panel GEMM, the cac
 self-attention with the position bias, cross-attention, gated MLP, residuals), its weights
 packed once into one huge-page buffer in the order the step reads them (`packed.pack_arena`):
 the per-op cost of each block's small ops goes, a cost the same at every G (docs/decode.md).
+`prepare(cache)`, after the prefix, lays the cross-attention keys out once in the transposed
+blocks the kernel's many-rows path reads (`key_blocks`), instead of transposing them per step.
 
 It is checked before use: one step from two equally filled caches, lean and the model's
 own, must give the same logits and write the same self-attention cache slot

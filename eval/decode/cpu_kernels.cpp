@@ -284,6 +284,22 @@ void scores16(const float* kt, int64_t D, const float* q, v16* out) {
   for (int i = 0; i < RR; ++i) out[i] = acc[i];
 }
 
+// m (<= 16) key rows from src (stride D) transposed into dst [D][16], zero past row m; a
+// partial block is first copied into `tail` (16 x D floats) so no row past the cache is
+// read. With `ahead`, the rows that many positions on are asked into L2 as it goes.
+inline void transpose_keys16(const float* src, int64_t m, int64_t D, float* tail, float* dst, int64_t ahead) {
+  if (m < 16) {
+    std::memcpy(tail, src, sizeof(float) * m * D);
+    std::fill(tail + m * D, tail + 16 * D, 0.f);
+    src = tail;
+  }
+  for (int64_t d = 0; d < D; d += 16) {
+    if (ahead)
+      for (int64_t j = 0; j < 16; ++j) __builtin_prefetch(src + (j + ahead) * D + d, 0, 2);
+    transpose16(src + d, D, dst + d * 16);
+  }
+}
+
 void run_scores16(int64_t rr, const float* kt, int64_t D, const float* q, v16* out) {
   with_rows<12>(rr, [&](auto R) { scores16<R.value>(kt, D, q, out); });
 }
@@ -453,16 +469,7 @@ static torch::Tensor attention_impl(torch::Tensor query, torch::Tensor key, torc
             ktp = kblk + (bg * NB + (lo + j0) / 16) * D * 16;
             for (int64_t l = 0; l < D * 16; l += 16) __builtin_prefetch(ktp + KEY_AHEAD * D + l, 0, 2);
           } else {
-            const float* src = kb + j0 * D;
-            if (m < 16) {  // the chunk's last, partial block: copy it so no row past the cache is read
-              std::memcpy(tail, src, sizeof(float) * m * D);
-              std::fill(tail + m * D, tail + 16 * D, 0.f);
-              src = tail;
-            }
-            for (int64_t d = 0; d < D; d += 16) {
-              for (int64_t j = 0; j < 16; ++j) __builtin_prefetch(src + (j + KEY_AHEAD) * D + d, 0, 2);
-              transpose16(src + d, D, kt + d * 16);
-            }
+            transpose_keys16(kb + j0 * D, m, D, tail, kt, KEY_AHEAD);
           }
           for (int64_t r0 = 0; r0 < R; r0 += 12) {
             const int64_t rr = std::min<int64_t>(12, R - r0);
@@ -602,14 +609,8 @@ torch::Tensor key_blocks(torch::Tensor key, int64_t H) {
   at::parallel_for(0, B * G * NB, 16, [&](int64_t i0, int64_t i1) {
     alignas(64) float tail[16 * 256];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bg = i / NB, j0 = (i % NB) * 16, m = std::min<int64_t>(16, T - j0);
-      const float* src = k + (bg * T + j0) * D;
-      if (m < 16) {
-        std::memcpy(tail, src, sizeof(float) * m * D);
-        std::fill(tail + m * D, tail + 16 * D, 0.f);
-        src = tail;
-      }
-      for (int64_t d = 0; d < D; d += 16) transpose16(src + d, D, o + i * D * 16 + d * 16);
+      const int64_t bg = i / NB, j0 = (i % NB) * 16;
+      transpose_keys16(k + (bg * T + j0) * D, std::min<int64_t>(16, T - j0), D, tail, o + i * D * 16, 0);
     }
   });
   return out.view({B, G, NB, D, 16});

@@ -145,21 +145,32 @@ inline v16 vexp(v16 x) {
   return lo > 0.f ? (v16){} : y;
 }
 
+// Which prefetches a pass over V issues per row j: V rows 8 ahead into L1 (`near`: the first
+// pass over a chunk), VALUE_AHEAD ahead into L2 (`far`: the first pass over a chunk not
+// already fetched), and two lines of `next` into L2 (a later task's data, 32 floats a row).
+struct ValueFetch {
+  bool near = false, far = false;
+  const float* next = nullptr;
+};
+
 // RR (a compile-time row count, so that the accumulators stay in registers and the inner
 // loop has no branches) rows of p [RR][ldp] times V [n][Dv], value columns d0..d0+31 (all
 // 32 present), written to out (row stride W). The generic `value_sums` below handles a
 // last, narrower column block; this one is where the time goes.
 template <int RR>
 void value_rows(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t ldp, int64_t d0, float* out,
-                int64_t W, bool prefetch) {
+                int64_t W, ValueFetch f) {
   v16 a[RR][2];
   for (int i = 0; i < RR; ++i) a[i][0] = a[i][1] = (v16){};
   for (int64_t j = 0; j < n; ++j) {
-    if (prefetch)
-      for (int64_t d = 0; d < Dv; d += 16) {
-        __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
-        __builtin_prefetch(vb + (j + VALUE_AHEAD) * Dv + d, 0, 1);
-      }
+    for (int64_t d = 0; d < Dv && (f.near || f.far); d += 16) {
+      if (f.near) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
+      if (f.far) __builtin_prefetch(vb + (j + VALUE_AHEAD) * Dv + d, 0, 1);
+    }
+    if (f.next) {
+      __builtin_prefetch(f.next + j * 32, 0, 1);
+      __builtin_prefetch(f.next + j * 32 + 16, 0, 1);
+    }
     const float* vj = vb + j * Dv + d0;
     const v16 v0 = *reinterpret_cast<const v16u*>(vj), v1 = *reinterpret_cast<const v16u*>(vj + 16);
 #pragma GCC unroll 12
@@ -177,7 +188,7 @@ void value_rows(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t 
 
 // value_rows<1> ... value_rows<12>, by row count - 1 (a table of plain functions: in a scratch
 // timing they ran a few percent faster than instances inlined behind `with_rows`)
-using ValueRowsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool);
+using ValueRowsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, ValueFetch);
 template <int... I>
 constexpr std::array<ValueRowsFn, sizeof...(I)> value_rows_table(std::integer_sequence<int, I...>) {
   return {&value_rows<I + 1>...};
@@ -186,20 +197,19 @@ constexpr auto kValueRows = value_rows_table(std::make_integer_sequence<int, 12>
 
 // Rows 0..rr-1 (rr <= 12) of p [rr][ldp] times V [n][Dv], value columns d0..d0+31 (fewer
 // at the end of a row), written to out (row stride W). Accumulators stay in registers over
-// the n rows of V; `prefetch` asks for V rows ahead (the first pass over a chunk): 8 rows
-// ahead into L1, VALUE_AHEAD into L2 (past the chunk's end: the next chunk's, read next).
+// the n rows of V; `f` says what to prefetch as it goes (`ValueFetch`; VALUE_AHEAD past the
+// chunk's end is the next chunk's V, read next).
 void value_sums(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t ldp, int64_t rr, int64_t d0,
-                float* out, int64_t W, bool prefetch) {
-  if (Dv - d0 >= 32 && rr >= 1 && rr <= 12) return kValueRows[rr - 1](vb, Dv, n, p, ldp, d0, out, W, prefetch);
+                float* out, int64_t W, ValueFetch f) {
+  if (Dv - d0 >= 32 && rr >= 1 && rr <= 12) return kValueRows[rr - 1](vb, Dv, n, p, ldp, d0, out, W, f);
   v16 a[12][2];
   for (int i = 0; i < 12; ++i) a[i][0] = a[i][1] = (v16){};
   const int64_t w0 = std::min<int64_t>(16, Dv - d0), w1 = std::max<int64_t>(0, std::min<int64_t>(16, Dv - d0 - 16));
   for (int64_t j = 0; j < n; ++j) {
-    if (prefetch)
-      for (int64_t d = 0; d < Dv; d += 16) {
-        __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
-        __builtin_prefetch(vb + (j + VALUE_AHEAD) * Dv + d, 0, 1);
-      }
+    for (int64_t d = 0; d < Dv && (f.near || f.far); d += 16) {
+      if (f.near) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
+      if (f.far) __builtin_prefetch(vb + (j + VALUE_AHEAD) * Dv + d, 0, 1);
+    }
     const float* vj = vb + j * Dv + d0;
     v16 v0 = (v16){}, v1 = (v16){};
     if (w0 == 16) v0 = *reinterpret_cast<const v16u*>(vj);
@@ -271,12 +281,14 @@ inline void transpose16(const float* src, int64_t ld, float* dst) {
 }
 
 // Rows 0..RR-1 of q [RR][D] times the transposed keys kt [D][16]: acc[i] lane j = q_i . k_j.
-// RR is a compile-time constant so that the accumulators stay in registers.
+// RR is a compile-time constant so that the accumulators stay in registers. With `ahead`,
+// the D lines from there on are asked into L2, one per step of the loop.
 template <int RR>
-void scores16(const float* kt, int64_t D, const float* q, v16* out) {
+void scores16(const float* kt, int64_t D, const float* q, v16* out, const float* ahead) {
   v16 acc[RR];
   for (int i = 0; i < RR; ++i) acc[i] = (v16){};
   for (int64_t d = 0; d < D; ++d) {
+    if (ahead) __builtin_prefetch(ahead + d * 16, 0, 1);
     const v16 kv = *reinterpret_cast<const v16*>(kt + d * 16);
 #pragma GCC unroll 12
     for (int i = 0; i < RR; ++i) acc[i] += q[i * D + d] * kv;
@@ -300,8 +312,8 @@ inline void transpose_keys16(const float* src, int64_t m, int64_t D, float* tail
   }
 }
 
-void run_scores16(int64_t rr, const float* kt, int64_t D, const float* q, v16* out) {
-  with_rows<12>(rr, [&](auto R) { scores16<R.value>(kt, D, q, out); });
+void run_scores16(int64_t rr, const float* kt, int64_t D, const float* q, v16* out, const float* ahead) {
+  with_rows<12>(rr, [&](auto R) { scores16<R.value>(kt, D, q, out, ahead); });
 }
 #endif
 
@@ -428,6 +440,14 @@ static torch::Tensor attention_impl(torch::Tensor query, torch::Tensor key, torc
 #endif
   // 6 to 16 query rows per K/V head: one reduction tree per position instead of R sums
   const bool tree = !transposed && vec_d && R >= 6 && R <= 16;
+  // chunks with a position the mask leaves (the only ones read)
+  std::vector<char> chunk_live(masked ? B * C : 0, 0);
+  for (int64_t bc = 0; bc < static_cast<int64_t>(chunk_live.size()); ++bc) {
+    const float* mrow = mk + (bc / C) * T;
+    for (int64_t j = (bc % C) * chunk, e = std::min(T, j + chunk); j < e && !chunk_live[bc]; ++j)
+      chunk_live[bc] = mrow[j] != ninf;
+  }
+  auto live_task = [&](int64_t task) { return !masked || chunk_live[(task / C / G) * C + task % C]; };
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(static_cast<size_t>(R * CHUNK));
     for (int64_t task = t0; task < t1; ++task) {
@@ -441,6 +461,21 @@ static torch::Tensor attention_impl(torch::Tensor query, torch::Tensor key, torc
       const float* hb = biased ? hbias + ((bg % G) * R) * T + lo : nullptr;
       float* out = part.data() + task * R * W;
       bool any = false;
+      // The transposed path computes more per byte than memory delivers to one core, so while
+      // a task computes it asks for the next task's keys and values into L2 (one key line per
+      // step of the score loop, two value lines per row of each value pass): memory keeps
+      // streaming under the arithmetic, and the next task starts on data in L2. A thread's
+      // first task fetches its own as it goes.
+      const bool fetched = transposed && task > t0 && live_task(task - 1);
+      const float* next_k = nullptr;
+      const float* next_v = nullptr;
+      int64_t next_n = 0;
+      if (transposed && task + 1 < t1 && live_task(task + 1)) {
+        const int64_t c2 = (task + 1) % C, bg2 = (task + 1) / C, lo2 = c2 * chunk;
+        next_n = std::min(T, lo2 + chunk) - lo2;
+        next_k = kblk ? kblk + (bg2 * NB + lo2 / 16) * D * 16 : k + (bg2 * T + lo2) * D;
+        next_v = v + (bg2 * T + lo2) * Dv;
+      }
 #ifdef __AVX512F__
       if (transposed) {
         alignas(64) float kt[16 * 256];  // D <= 256
@@ -465,15 +500,17 @@ static torch::Tensor attention_impl(torch::Tensor query, torch::Tensor key, torc
           }
           any = true;
           const float* ktp = kt;
-          if (kblk) {  // this block's transposed keys, read in place; the block KEY_AHEAD positions on asked for
+          if (kblk) {  // this block's transposed keys, read in place (not yet fetched: the block KEY_AHEAD positions on asked for)
             ktp = kblk + (bg * NB + (lo + j0) / 16) * D * 16;
-            for (int64_t l = 0; l < D * 16; l += 16) __builtin_prefetch(ktp + KEY_AHEAD * D + l, 0, 2);
+            if (!fetched)
+              for (int64_t l = 0; l < D * 16; l += 16) __builtin_prefetch(ktp + KEY_AHEAD * D + l, 0, 2);
           } else {
-            transpose_keys16(kb + j0 * D, m, D, tail, kt, KEY_AHEAD);
+            transpose_keys16(kb + j0 * D, m, D, tail, kt, fetched ? 0 : KEY_AHEAD);
           }
           for (int64_t r0 = 0; r0 < R; r0 += 12) {
             const int64_t rr = std::min<int64_t>(12, R - r0);
-            run_scores16(rr, ktp, D, qb + r0 * D, acc);
+            // the next task's keys at this block's place (16 positions = D lines)
+            run_scores16(rr, ktp, D, qb + r0 * D, acc, next_k && r0 == 0 && j0 < next_n ? next_k + j0 * D : nullptr);
             for (int64_t i = 0; i < rr; ++i) {
               v16 x = acc[i] * sc + mv;
               if (hb) {
@@ -553,11 +590,17 @@ static torch::Tensor attention_impl(torch::Tensor query, torch::Tensor key, torc
       while (mb && last > 0 && mb[last - 1] == ninf) --last;
       // weighted values: each V row read once from memory for all R query rows of the group;
       // up to 12 query rows x 32 value columns accumulate in registers per pass over the
-      // chunk (masked rows have p = 0), so a head size of 64 takes 2 passes
+      // chunk (masked rows have p = 0), so a head size of 64 takes 2 passes; the passes share
+      // the next task's values out (32 floats per row each)
       for (int64_t d0 = 0; d0 < Dv; d0 += 32)
-        for (int64_t r0 = 0; r0 < R; r0 += 12)
+        for (int64_t r0 = 0; r0 < R; r0 += 12) {
+          ValueFetch f;
+          f.near = d0 == 0 && r0 == 0;
+          f.far = f.near && !fetched;
+          f.next = next_v && r0 == 0 && (d0 / 32) * last < next_n * (Dv / 32) ? next_v + (d0 / 32) * last * 32 : nullptr;
           value_sums(vb, Dv, last, s.data() + r0 * CHUNK, CHUNK, std::min<int64_t>(12, R - r0), d0,
-                     out + r0 * W, W, d0 == 0 && r0 == 0);
+                     out + r0 * W, W, f);
+        }
     }
   });
   auto result = torch::empty({B, 1, H, Dv}, query.options());

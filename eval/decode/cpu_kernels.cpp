@@ -23,8 +23,10 @@
 //   score per position and row with its horizontal sum is compute-bound, so from 6 rows on
 //   (AVX-512) 16 key rows at a time are transposed in registers and each query element
 //   becomes one broadcast multiply-add over 16 positions. Keys are prefetched into L2 64
-//   positions ahead: nearer, or into L1, the transposes wait on memory. An optional bias per
-//   query head and position (T5's relative position bias) is added to the scores.
+//   positions ahead: nearer, or into L1, the transposes wait on memory. On that path a task
+//   also asks for the next task's keys and values into L2 while it computes, so memory
+//   streams under the arithmetic. An optional bias per query head and position (T5's
+//   relative position bias) is added to the scores.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -9,8 +9,9 @@ T5 1.1 (gated GELU, untied head, no dropout): d_model 256, 8 heads of 32, 6 enco
 decoder layers, d_ff 640. The objective is span corruption (`gqakit.core.spans`: noise
 density 0.15, mean span 3), encoder inputs of 128 tokens, batch 32, AdamW with a warm-up and
 a cosine decay. Everything is seeded and runs on one fixed number of threads with denormal
-floats flushed to zero, so a rerun on the same machine gives the same weights. Held-out: the span-corruption perplexity of the
-decoder targets on `../shared/data/tinystories/valid-excerpt.txt`, before and after.
+floats flushed to zero, so a rerun on the same machine gives the same weights. Held-out: the
+span-corruption perplexity of the decoder targets on
+`../shared/data/tinystories/valid-excerpt.txt`, before and after.
 
 The folder (weights, config, tokenizer) is written atomically outside the repository; a
 result row goes to `--results` (bench/results/train_tiny_t5.jsonl).
@@ -105,7 +106,8 @@ def main() -> None:
     args = ap.parse_args()
     # Denormal floats flushed to zero, set before the first parallel op so that every thread of
     # the pool inherits it: as the weights train, products underflow into denormals, which these
-    # CPUs compute at a fraction of the speed (without it, a step on the trained weights takes about twice as long).
+    # CPUs compute at a fraction of the speed (without it, a step on the trained weights takes
+    # about twice as long).
     torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)
     from transformers import T5Config, T5ForConditionalGeneration

@@ -155,6 +155,18 @@ struct ValueFetch {
   const float* next = nullptr;
 };
 
+// The prefetches `f` asks for at row j of V [n][Dv] (vb).
+__attribute__((always_inline)) inline void fetch_values(ValueFetch f, const float* vb, int64_t j, int64_t Dv) {
+  for (int64_t d = 0; d < Dv && (f.near || f.far); d += 16) {
+    if (f.near) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
+    if (f.far) __builtin_prefetch(vb + (j + VALUE_AHEAD) * Dv + d, 0, 1);
+  }
+  if (f.next) {
+    __builtin_prefetch(f.next + j * 32, 0, 1);
+    __builtin_prefetch(f.next + j * 32 + 16, 0, 1);
+  }
+}
+
 // RR (a compile-time row count, so that the accumulators stay in registers and the inner
 // loop has no branches) rows of p [RR][ldp] times V [n][Dv], value columns d0..d0+31 (all
 // 32 present), written to out (row stride W). The generic `value_sums` below handles a
@@ -165,14 +177,7 @@ void value_rows(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t 
   v16 a[RR][2];
   for (int i = 0; i < RR; ++i) a[i][0] = a[i][1] = (v16){};
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t d = 0; d < Dv && (f.near || f.far); d += 16) {
-      if (f.near) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
-      if (f.far) __builtin_prefetch(vb + (j + VALUE_AHEAD) * Dv + d, 0, 1);
-    }
-    if (f.next) {
-      __builtin_prefetch(f.next + j * 32, 0, 1);
-      __builtin_prefetch(f.next + j * 32 + 16, 0, 1);
-    }
+    fetch_values(f, vb, j, Dv);
     const float* vj = vb + j * Dv + d0;
     const v16 v0 = *reinterpret_cast<const v16u*>(vj), v1 = *reinterpret_cast<const v16u*>(vj + 16);
 #pragma GCC unroll 12
@@ -208,10 +213,7 @@ void value_sums(const float* vb, int64_t Dv, int64_t n, const float* p, int64_t 
   for (int i = 0; i < 12; ++i) a[i][0] = a[i][1] = (v16){};
   const int64_t w0 = std::min<int64_t>(16, Dv - d0), w1 = std::max<int64_t>(0, std::min<int64_t>(16, Dv - d0 - 16));
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t d = 0; d < Dv && (f.near || f.far); d += 16) {
-      if (f.near) __builtin_prefetch(vb + (j + 8) * Dv + d, 0, 3);
-      if (f.far) __builtin_prefetch(vb + (j + VALUE_AHEAD) * Dv + d, 0, 1);
-    }
+    fetch_values(f, vb, j, Dv);
     const float* vj = vb + j * Dv + d0;
     v16 v0 = (v16){}, v1 = (v16){};
     if (w0 == 16) v0 = *reinterpret_cast<const v16u*>(vj);

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +18,17 @@ from gqakit.eval.decode.layers import build_fused_decode
 from gqakit.eval.speed import DecodeBench
 from reference_attention import reference_attention
 from tiny_models import FAMILIES
+from tolerance import assert_within, attention_bound, linear_bound
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]
+
+
+def cpu_flags() -> set[str]:
+    """This processor's feature flags, as the compiler's -march=native sees them."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +48,7 @@ def test_skinny_linear_equals_linear(kernels, n, k, rows, bias):
     b = torch.randn(n) if bias else None
     got = kernels.skinny_linear(x, kernels.pack_weight(w), n, b)
     assert got.shape == (2, rows, n)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert_within(got, torch.nn.functional.linear(x, w, b), linear_bound(x, w, b), "skinny_linear")
 
 
 def test_skinny_linear_rejects_a_mismatched_input(kernels):
@@ -70,7 +80,7 @@ def test_fused_decode_attention_equals_repeated_kv(kernels, h, kv_heads, mask_ki
     assert fused_applies(q, k, v, mask)
     got = decode_attention(q, k, v, mask, 0.3, fused=True)
     assert got.shape == (b, 1, h, d)
-    torch.testing.assert_close(got, reference_attention(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
+    assert_within(got, reference_attention(q, k, v, mask, 0.3), attention_bound(q, k, v, mask, 0.3))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -88,7 +98,7 @@ def test_one_sequence_one_kv_head_splits_the_cache_and_agrees(kernels, threads, 
         got = decode_attention(q, k, v, mask, 0.125, fused=True)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, reference_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=1e-5)
+    assert_within(got, reference_attention(q, k, v, mask, 0.125), attention_bound(q, k, v, mask, 0.125))
 
 
 @pytest.mark.parametrize("h,kv_heads,t,d", [(12, 1, 37, 64), (12, 2, 300, 16), (6, 1, 16, 32), (8, 2, 40, 64),
@@ -99,7 +109,9 @@ def test_key_blocks_are_the_keys_transposed_in_blocks_of_16(kernels, h, kv_heads
     multiple of 16, AVX-512), else empty."""
     k = torch.randn(2, kv_heads, t, d)
     got = kernels.key_blocks(k, h)
-    takes_path = h // kv_heads >= 6 and d % 16 == 0 and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    # the kernels are built with -march=native: AVX-512 is this processor's, whatever ATen's
+    # dispatch (ATEN_CPU_CAPABILITY) picks for torch's own ops
+    takes_path = h // kv_heads >= 6 and d % 16 == 0 and "avx512f" in cpu_flags()
     if not takes_path:
         assert got.numel() == 0
         return

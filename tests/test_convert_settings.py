@@ -1,4 +1,4 @@
-"""The conversion settings: one typed model, and the CLI, --help and README that come from it."""
+"""The conversion settings: one typed model, and the CLI, --help and docs/convert.md that come from it."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 from gqakit.convert.settings import ConvertSettings, RefitOptions, refit_options_markdown
 from gqakit.core.errors import GqakitError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "convert.md"  # the conversion reference
 
 
 def test_readme_table_of_refit_options_is_the_models():
-    text = README.read_text()
+    text = GUIDE.read_text()
     table = refit_options_markdown()
-    assert table in text, ("README.md's align-refit option table differs from convert/settings.py; paste "
+    assert table in text, ("docs/convert.md's align-refit option table differs from convert/settings.py; paste "
                            "gqakit.convert.settings.refit_options_markdown() into it")
     keys = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
     assert keys == list(RefitOptions.model_fields)
@@ -68,9 +68,9 @@ def test_options_are_recorded_as_given_and_resolved_in_one_order():
 # ----------------------------------------------------------------------------- the automatic defaults
 
 def _readme_section(heading: str) -> str:
-    text = README.read_text()
-    start = text.index(f"### {heading}\n")
-    return text[start:text.index("\n### ", start + 1)]
+    text = GUIDE.read_text()
+    start = text.index(f"## {heading}\n")
+    return text[start:text.index("\n## ", start + 1)]
 
 
 def test_auto_settings_follow_the_models_size_and_context():
@@ -132,7 +132,7 @@ def test_auto_settings_are_recorded_and_the_expected_time_is_shown(tiny_model, t
 
 
 def test_readme_recommended_command_is_the_defaults(tmp_path):
-    """README's "Conversion methods" recommends a command that sets nothing but the method and the
+    """docs/convert.md's "Conversion methods" recommends a command that sets nothing but the method and the
     data: what it runs is what the defaults do, and the table of what they resolve to is the code's."""
     import shlex
 
@@ -140,7 +140,7 @@ def test_readme_recommended_command_is_the_defaults(tmp_path):
     from gqakit.convert.settings import BEST, auto_settings_markdown
 
     section = _readme_section("Conversion methods")
-    assert auto_settings_markdown() in section, ("README.md's table of align-refit's automatic settings differs "
+    assert auto_settings_markdown() in section, ("docs/convert.md's table of align-refit's automatic settings differs "
                                                  "from convert/settings.py: paste auto_settings_markdown() into it")
     cmd = re.search(r"```bash\n(gqakit convert [^\n]*--method align-refit[^\n]*)\n```", section).group(1)
     args = [a if a != "G" else "1" for a in shlex.split(cmd)[2:]]  # -g G: the user's number

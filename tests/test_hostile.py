@@ -563,8 +563,8 @@ def test_plan_says_cpu_and_help_names_the_tensorboard_folder(world, assets, capf
     assert "(NO)" not in plan and "on 1 x cpu, fp32" in plan
     code, out, _ = run_cli(["uptrain", "--help"], capfd)
     assert code == 0 and "tensorboard" in out and "uptrain/" in out
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "tensorboard --logdir" in readme
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "uptrain.md").read_text()
+    assert "tensorboard --logdir" in guide
 
 
 def test_disk_full_leaves_no_folder_behind(world, capfd, monkeypatch):

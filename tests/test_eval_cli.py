@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_compare_report(evaluated, tmp_path, capsys):
     assert sp["tokens_per_s_min"] <= sp["tokens_per_s"] <= sp["tokens_per_s_max"]
     assert f"{sp['tokens_per_s_min']:,.1f}–{sp['tokens_per_s_max']:,.1f}" in md
     assert [r["method"] for r in rep["rows"]] == ["original, G=8", "original, G=2"]
-    assert "bench/" not in md
+    assert not re.search(r"\bbench/", md)  # the benchmark scripts are not installed: never recommended
     assert all("predicted_speedup_bytes" in e for e in gqa_r["speed"].values())
     assert set(rep["plots"]) == {"speed_vs_batch.png", "speed_vs_context.png", "perplexity.png", "uptrain_loss.png"}
     for p in rep["plots"]:

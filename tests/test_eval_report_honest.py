@@ -105,7 +105,7 @@ def test_rows_say_method_and_g_and_the_report_names_no_uninstalled_file():
     rep, md = report_of([0.010], [0.007])
     assert [r["method"] for r in rep["rows"]] == ["original, G=8", "mean, G=2"]
     assert "| **gqa** | mean, G=2 |" in md and "| **mha** | original, G=8 |" in md
-    assert "bench/" not in md and "bench/" not in json.dumps(rep)
+    assert not re.search(r"\bbench/", md + json.dumps(rep))  # the benchmark scripts are not installed
 
 
 def test_conversion_info_reads_the_models_conversion_record(tmp_path):
@@ -157,3 +157,15 @@ def test_inspect_card_and_report_agree_on_kv_bytes_and_name_the_dtype(tiny_model
     assert expected in md and rep["rows"][0]["method"] == "mean, G=2"
     # a 16-bit cache, asked for, is named as such
     assert kv_bytes_text(2 * 2 * 2 * 4 * 2, "16-bit") in cli(["inspect", str(src), "--dtype-bytes", "2"], capsys)
+
+
+def test_card_prices_the_cache_in_the_dtype_it_saves(tiny_model, tmp_path):
+    """--dtype bfloat16 saves 16-bit weights: the card and record price a 16-bit cache and say so."""
+    from gqakit.convert import convert_checkpoint
+
+    out = convert_checkpoint(tiny_model("llama"), tmp_path / "bf16", 2, method="mean", dtype="bfloat16",
+                             progress=False)
+    record = json.loads((out / "gqakit_convert.json").read_text())
+    assert record["kv_cache_dtype"] == "bfloat16"
+    assert record["kv_cache_bytes_per_token_after"] == 2 * 2 * 2 * 4 * 2  # K, V x layers x G x head_dim x 2 bytes
+    assert kv_bytes_text(64, "bfloat16") in (out / "README.md").read_text()

@@ -154,10 +154,11 @@ def precheck_source(src: Path) -> None:
 @click.option("--output-len", type=int, default=None,
               help=f"Encoder-decoders: output tokens per sequence, which the self-attention cache holds "
                    f"[default: {SEQ2SEQ_OUTPUT_LEN}].")
-@click.option("--dtype-bytes", type=int, default=2, show_default=True, help="Bytes per cached element (2 for bf16/fp16).")
+@click.option("--dtype-bytes", type=int, default=None,
+              help="Bytes per cached element (2 for bf16/fp16) [default: the checkpoint's saved dtype, else 2].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | None, output_len: int | None,
-                dtype_bytes: int, as_json: bool) -> None:
+                dtype_bytes: int | None, as_json: bool) -> None:
     """Show a checkpoint's attention geometry and the KV cache at each valid G.
 
     For an encoder-decoder: both caches of the decoder (self-attention, per output token;
@@ -170,7 +171,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
       gqakit inspect ./llama-mha --batch 16 --context 8192
       gqakit inspect ./t5-base --input-len 4096 --output-len 256 --batch 8
     """
-    if batch < 1 or any(v is not None and v < 1 for v in (context, input_len, output_len)) or dtype_bytes < 1:
+    if batch < 1 or any(v is not None and v < 1 for v in (context, input_len, output_len, dtype_bytes)):
         raise GqakitError("--batch, --context, --input-len, --output-len and --dtype-bytes must be positive")
     precheck_source(src)
     from gqakit.convert.plan import make_plan
@@ -178,12 +179,16 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
 
     opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
+    saved = archmod.config_dtype(opened.config)
+    if dtype_bytes is None:  # the cache in the dtype the weights are saved (and load) in
+        dtype_bytes = archmod.DTYPE_BYTES[saved] if saved else 2
+    dtype = archmod.dtype_label(dtype_bytes, saved if saved and archmod.DTYPE_BYTES[saved] == dtype_bytes else None)
     if spec.is_encoder_decoder:
         if context is not None:
             raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "
                               "and --output-len")
         _inspect_seq2seq(src, opened, batch, input_len or SEQ2SEQ_INPUT_LEN, output_len or SEQ2SEQ_OUTPUT_LEN,
-                         dtype_bytes, as_json)
+                         dtype_bytes, dtype, as_json)
         return
     if input_len is not None or output_len is not None:
         raise GqakitError(f"--input-len and --output-len apply to encoder-decoders; {spec.family} is decoder-only "
@@ -201,22 +206,22 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
             "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
             "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads)).source_params,
-            "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "options": rows}
+            "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "dtype": dtype, "options": rows}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"{src}: {spec.family} ({'stock GQA support' if spec.native_gqa else 'GQA via written modeling file'})")
     click.echo(f"  layers {s.num_layers}, hidden {s.hidden_size}, query heads {s.num_heads}, KV heads "
                f"{s.num_kv_heads}, head_dim {s.head_dim}, parameters {info['parameters']:,}")
-    click.echo(f"\n  KV cache at batch {batch}, context {ctx}, {dtype_bytes} bytes/element:")
-    click.echo(f"  {'G':>4} {'q/kv':>5} {'bytes/token':>12} {'KV cache':>14} {'params removed':>15}")
+    click.echo(f"\n  KV cache at batch {batch}, context {ctx}, {dtype_bytes} bytes/element ({dtype}):")
+    click.echo(f"  {'G':>4} {'q/kv':>5} {'KV bytes/token':>28} {'KV cache':>14} {'params removed':>15}")
     for r in rows:
-        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {r['kv_bytes_per_token']:>12,} "
+        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {archmod.kv_bytes_text(r['kv_bytes_per_token'], dtype):>28} "
                    f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
 
 
 def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_len: int, dtype_bytes: int,
-                     as_json: bool) -> None:
+                     dtype: str, as_json: bool) -> None:
     """`inspect` of an encoder-decoder: the decoder's two caches at every valid G (the encoder
     keeps no cache), and what each G saves at this input length, output length and batch."""
     from gqakit.convert.plan import make_plan
@@ -242,7 +247,8 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
             "decoder": {"layers": dec.num_layers, "query_heads": dec.num_heads, "kv_heads": dec.num_kv_heads,
                         "head_dim": dec.head_dim},
             "hidden_size": dec.hidden_size, "parameters": plan.source_params, "batch": batch,
-            "input_len": input_len, "output_len": output_len, "dtype_bytes": dtype_bytes, "options": rows}
+            "input_len": input_len, "output_len": output_len, "dtype_bytes": dtype_bytes, "dtype": dtype,
+            "options": rows}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -251,11 +257,13 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
                f"decoder: layers {dec.num_layers}, query heads {dec.num_heads}, KV heads {dec.num_kv_heads}; "
                f"head_dim {dec.head_dim}, hidden {dec.hidden_size}, parameters {plan.source_params:,}")
     click.echo(f"\n  decoder KV caches at batch {batch}, input {input_len} tokens, output {output_len} tokens, "
-               f"{dtype_bytes} bytes/element (self-attention per output token, cross-attention per input token):")
-    click.echo(f"  {'G':>4} {'q/kv':>5} {'bytes/token':>12} {'self cache':>12} {'cross cache':>12} "
+               f"{dtype_bytes} bytes/element ({dtype}; self-attention per output token, cross-attention per input "
+               "token):")
+    click.echo(f"  {'G':>4} {'q/kv':>5} {'KV bytes/token':>28} {'self cache':>12} {'cross cache':>12} "
                f"{'saved':>12} {'params removed':>15}")
     for r in rows:
-        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {r['self_attention_bytes_per_output_token']:>12,} "
+        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} "
+                   f"{archmod.kv_bytes_text(r['self_attention_bytes_per_output_token'], dtype):>28} "
                    f"{format_bytes(r['self_attention_cache_bytes']):>12} "
                    f"{format_bytes(r['cross_attention_cache_bytes']):>12} "
                    f"{format_bytes(r['kv_cache_bytes_saved']):>12} {r['parameters_removed']:>15,}")

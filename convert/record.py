@@ -89,7 +89,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
         assert f.name.startswith(REMOTE_PREFIX)
         shutil.copy2(f, tmp / f.name)
     s, G = plan.shape, settings.num_kv_heads
-    elem = _attention_itemsize(plan)
+    dtype = archmod.config_dtype(cfg) or str(_attention_dtype(plan)).removeprefix("torch.")  # as saved
+    elem = archmod.DTYPE_BYTES.get(dtype) or _attention_dtype(plan).itemsize
     before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, G)
     auto = "AutoModelForSeq2SeqLM" if plan.is_encoder_decoder else "AutoModelForCausalLM"
     record = {"gqakit_version": gqakit.__version__, "settings": settings.record(), "family": plan.family,
@@ -97,6 +98,7 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
               "head_dim": s.head_dim, "num_layers": s.num_layers,
               "parameters_before": plan.source_params, "parameters_after": plan.output_params,
               "kv_cache_bytes_per_token_before": before, "kv_cache_bytes_per_token_after": after,
+              "kv_cache_dtype": dtype,
               "seconds": round(seconds, 3), "copied_files": copied,
               "loads_with": f"{auto}.from_pretrained(OUT)" if plan.native_gqa
               else f"{auto}.from_pretrained(OUT, trust_remote_code=True)"}
@@ -110,15 +112,16 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
     (tmp / CONVERT_SETTINGS).write_text(json.dumps(record, indent=2) + "\n")
     facts = {"source": f"`{settings.source}`", "family": plan.family, "method": settings.method,
              "grouping": settings.grouping, "query heads": s.num_heads,
-             "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → {after:,} bytes "
-             f"({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
+             "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → "
+             f"{archmod.kv_bytes_text(after, dtype)}, the saved dtype ({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
     if enc is not None:
         facts["grouped attentions"] = ", ".join(plan.grouped)
         facts["KV heads"] = f"{s.num_kv_heads} → {G} (decoder self- and cross-attention)"
         facts["encoder KV heads"] = (f"{enc.num_kv_heads} → {G}" if "encoder" in plan.sites else
                                      f"{enc.num_kv_heads} (multi-head, as in the GQA paper; --group-encoder groups it)")
-        facts["KV cache per token"] = (f"{before:,} → {after:,} bytes ({s.num_kv_heads // G}× smaller): the "
+        facts["KV cache per token"] = (f"{before:,} → {archmod.kv_bytes_text(after, dtype)}, the saved dtype "
+                                       f"({s.num_kv_heads // G}× smaller): the "
                                        "self-attention cache per output token, and the cross-attention cache "
                                        "per input token")
     if settings.auto_reasons():
@@ -139,9 +142,11 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
         summary=summary, facts=facts, settings=settings.record()))
 
 
-def _attention_itemsize(plan: Plan) -> int:
-    """Bytes per element of the output K/V projections: the KV cache's natural dtype."""
+def _attention_dtype(plan: Plan) -> Any:
+    """The dtype of the output K/V projections: the KV cache's natural dtype."""
+    import torch
+
     for p in plan.tensors:
         if p.name in plan.layer_of:
-            return p.dtype.itemsize
-    return 4
+            return p.dtype
+    return torch.float32

@@ -202,21 +202,24 @@ def _print_summary(res: EvalResult, out: Path) -> None:
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Report folder to write.")
 @click.option("--names", help="Comma-separated row names (default: model folder names).")
-@click.option("--train-log", type=click.Path(path_type=Path), help="Uptraining log (JSONL or CSV with step and loss) to plot.")
+@click.option("--train-log", type=click.Path(path_type=Path), help="Uptraining log to plot: uptrain's log.jsonl, its run folder, or a CSV with step and loss.")
 @click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit report (never its inputs).")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (the warnings stay in report.md).")
 def compare_cmd(results, out, names, train_log, overwrite, quiet) -> None:
     """Put several `gqakit eval` results side by side; the first is the baseline.
 
-    Writes report.md (one row per model: parameters, KV heads, KV bytes/token, perplexity
-    and its change against the first, bits per byte, decode tokens/s and speedup at each
-    grid point, largest batch), report.json with the same content, and PNG plots.
+    Writes report.md (one row per model: method and G, parameters, KV heads, KV cache per
+    token and its dtype, perplexity and its change against the first, bits per byte, decode
+    tokens/s and speedup at each grid point, largest batch; then each grid point's spread
+    over the repetitions, with speedups the repetitions do not separate from 1x marked
+    "within noise"), report.json with the same content, and PNG plots (uptrain_loss.png:
+    training and held-out loss on separate axes).
 
     \b
     Examples:
       gqakit compare mha.json gqa.json --out report/
       gqakit compare orig.json conv.json up.json --names original,converted,uptrained --out report/
-      gqakit compare orig.json up.json --train-log ./uptrained/train_log.jsonl --out report/ --overwrite
+      gqakit compare orig.json up.json --train-log ./uptrain-run/log.jsonl --out report/ --overwrite
     """
     from gqakit.eval.report import write_report
 

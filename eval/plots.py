@@ -139,20 +139,46 @@ def read_train_log(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _loss_plot(rows: list[dict[str, Any]], out: Path) -> bool:
+# The series of an uptraining log, each on its own axes with its own label: the training
+# objective's terms (uptrain/losses.py LOSS_TERMS: their log.jsonl keys) are measured on the
+# training batches, against the teacher where there is one; the held-out loss is the
+# cross-entropy of held-out text. They are different quantities and never share an axis.
+LOSS_SERIES = (
+    ("loss", "training loss (cross-entropy on the training batches, nats/token)"),
+    ("kl", "training KL to the teacher"),
+    ("hidden_mse", "training hidden-state MSE"),
+    ("layer_mse", "training layer-local MSE"),
+    ("eval_loss", "held-out cross-entropy (nats/token)"),
+)
+
+
+def loss_figure(rows: list[dict[str, Any]]) -> Any:
+    """The uptraining log as a matplotlib figure: one panel per series the log has (LOSS_SERIES),
+    each labelled with what it is; None when the log has no series with steps."""
+    series = [(key, label, [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
+                            and "step" in r]) for key, label in LOSS_SERIES]
+    series = [s for s in series if s[2]]
+    if not series:
+        return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for key, label, style in (("loss", "training loss", "-"), ("eval_loss", "held-out loss", "o--")):
-        pts = [(r["step"], r[key]) for r in rows if key in r and "step" in r]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, lw=2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("Uptraining loss")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(series), figsize=(4.6 * len(series) + 0.8, 4.2), squeeze=False)
+    for i, (ax, (key, label, pts)) in enumerate(zip(axes[0], series)):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--" if key == "eval_loss" else "-", lw=2,
+                color=f"C{i}", label=label)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label, fontsize=9)
+        ax.set_title("held-out" if key == "eval_loss" else "training", fontsize=10)
+    fig.suptitle("Uptraining")
     fig.tight_layout()
+    return fig
+
+
+def _loss_plot(rows: list[dict[str, Any]], out: Path) -> bool:
+    fig = loss_figure(rows)
+    if fig is None:
+        return False
     fig.savefig(out)
-    plt.close(fig)
+    _plt().close(fig)
     return True
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gqakit.eval.records import EncoderInfo, ModelInfo, RunInfo
+from gqakit.eval.records import ConversionInfo, EncoderInfo, ModelInfo, RunInfo
 
 
 def git_hash() -> str | None:
@@ -71,6 +71,24 @@ def run_info(*, command: list[str] | None, device: Any, dtype: Any) -> RunInfo:
     )
 
 
+def conversion_info(path: str | Path) -> ConversionInfo | None:
+    """How gqakit made the model in folder `path`: its `gqakit_convert.json`'s method, G and grouping
+    (and whether `gqakit uptrain` exported it); None where the folder has no readable record."""
+    import json
+
+    from gqakit.core.loading import CONVERT_SETTINGS, UPTRAIN_SETTINGS
+
+    folder = Path(path)
+    try:
+        record = json.loads((folder / CONVERT_SETTINGS).read_text())
+        settings = record.get("settings") or {}
+        return ConversionInfo(method=settings["method"], num_kv_heads=record["num_kv_heads"],
+                              **({"grouping": settings["grouping"]} if "grouping" in settings else {}),
+                              uptrained=(folder / UPTRAIN_SETTINGS).is_file())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
     """Shape facts of a loaded model, and the KV-cache bytes one token costs."""
     from gqakit.core.arch import loaded_shape
@@ -90,6 +108,7 @@ def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
         max_positions=s.max_positions,
         # K and V, every layer, every KV head: what each cached token costs.
         kv_bytes_per_token=s.kv_bytes_per_token(dtype_bytes),
+        conversion=conversion_info(path),
     )
 
 
@@ -114,4 +133,5 @@ def seq2seq_model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelI
         encoder=EncoderInfo(layers=enc.num_layers, heads=enc.num_heads, kv_heads=enc.num_kv_heads,
                             head_dim=enc.head_dim),
         cross_kv_bytes_per_token=cross_bytes,  # the cross-attention cache, per input token
+        conversion=conversion_info(path),
     )

@@ -83,9 +83,12 @@ class _Open(TypedDict, total=False):
 
 
 class Stat(_Open, total=False):
-    """{"median": .., "p90": ..} of a timing."""
+    """{"median": .., "p90": .., "min": .., "max": ..} of a timing over its repetitions (files
+    written before `min` and `max` were recorded have only the median and p90)."""
 
     median: Required[Num]
+    min: Num
+    max: Num
 
 
 class TextData(_Open, total=False):
@@ -168,8 +171,17 @@ class EncoderInfo(Record):
     head_dim: StrictInt
 
 
+class ConversionInfo(Record):
+    """How gqakit made the measured model (its `gqakit_convert.json`): the method and G."""
+
+    method: StrictStr
+    num_kv_heads: StrictInt
+    grouping: StrictStr = UNSET
+    uptrained: StrictBool = UNSET  # the folder is `gqakit uptrain`'s export of a conversion
+
+
 class ModelInfo(Record):
-    """Shape facts of the measured model, and the KV-cache bytes one token costs."""
+    """Shape facts of the measured model, and the KV-cache bytes one token costs (in the run's dtype)."""
 
     path: StrictStr
     model_type: StrictStr | None = UNSET
@@ -184,6 +196,8 @@ class ModelInfo(Record):
     # self- and cross-attention), kv_bytes_per_token its self-attention cache per output token
     encoder: EncoderInfo = UNSET
     cross_kv_bytes_per_token: Num = UNSET  # the cross-attention cache, per input token
+    # how gqakit converted it; null: no conversion record (a model gqakit did not make)
+    conversion: ConversionInfo | None = UNSET
 
     @property
     def name(self) -> str:
@@ -275,11 +289,11 @@ class SpeedPoint(Record):
     decode_path: dict[str, Any] = UNSET
     decode_samples: StrictInt = UNSET
     decode_sample: StrictStr = UNSET
-    prefill_ms: AsGiven[Stat] | None = UNSET            # {"median", "p90"}
+    prefill_ms: AsGiven[Stat] | None = UNSET            # {"median", "p90", "min", "max"}
     prefill_samples: StrictInt = UNSET
     encode_ms: AsGiven[Stat] | None = UNSET             # {"median", "p90"}: the encoder, once per point
-    decode_ms_per_token: AsGiven[Stat] | None = UNSET   # {"median", "p90"}
-    tokens_per_s: AsGiven[Stat] | None = UNSET          # {"median", "p90_of_step_time"}
+    decode_ms_per_token: AsGiven[Stat] | None = UNSET   # {"median", "p90", "min", "max"}
+    tokens_per_s: AsGiven[Stat] | None = UNSET          # {"median", "p90_of_step_time", "min", "max"}
     warmup_s: Num = UNSET
     compile_s: Num | None = UNSET
     reps: StrictInt = UNSET
@@ -441,7 +455,7 @@ def read_results(path: str | Path) -> EvalResult:
     return EvalResult.from_json(data, p)
 
 
-__all__ = ["SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "EncoderInfo", "PerplexityResult",
+__all__ = ["SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "EncoderInfo", "ConversionInfo", "PerplexityResult",
            "SpanInfo", "PairFields", "OBJECTIVES", "SpeedPoint",
            "MaxBatch", "SpeedResult", "TaskMetric", "TaskRow", "TasksResult", "EvalResult", "write_results",
            "read_results"]

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gqakit.core.arch import kv_bytes_text
 from gqakit.core.errors import GqakitError
-from gqakit.core.files import format_bytes
 from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
-from gqakit.eval.records import SCHEMA, UNSET, EvalResult, SpeedPoint, TaskRow, opt, read_results
-from gqakit.eval.speed.roofline import StepCost, predict_speedup, share
+from gqakit.eval.records import SCHEMA, UNSET, EvalResult, ModelInfo, SpeedPoint, TaskRow, opt, read_results
+from gqakit.eval.report_speed import memory_bound_sentence, point_label, speed_entry, speed_section, speedup_text
 
 REPORT_SCHEMA = "gqakit.compare/1"
 
@@ -32,31 +32,15 @@ def _point_axes(key: tuple[int, ...]) -> dict[str, int]:
     return {"batch": key[0], "prompt_len": key[1], **({"output_len": key[2]} if len(key) > 2 else {})}
 
 
-def point_label(axes: dict[str, Any], sep: str = "_") -> str:
-    """b8_p1024 (decoder-only), b8_p4096_o1 (encoder-decoder: input 4096, output 1)."""
-    return sep.join([f"b{axes['batch']}", f"p{axes['prompt_len']}"]
-                    + ([f"o{axes['output_len']}"] if "output_len" in axes else []))
-
-
-def predicted_speedup(base: SpeedPoint, point: SpeedPoint, measured: float) -> dict[str, Any]:
-    """What the roofline predicts for `point` against `base` (same batch and prompt), and the share achieved.
-
-    By bytes: the ratio of the bytes a decode step must read (weights + filled KV cache).
-    Where either step is compute-bound, also by the roofline: each step at max(bytes /
-    copy bandwidth, FLOPs / matmul FLOP/s) of its own run. Results files written before
-    these numbers were recorded give nothing.
-    """
-    out: dict[str, Any] = {}
-    b, p = StepCost.of(base), StepCost.of(point)
-    if b is None or p is None:
-        return out
-    pred = predict_speedup(b, p)
-    out["predicted_speedup_bytes"] = pred.bytes
-    out["share_of_predicted"] = share(measured, pred.bytes)
-    if pred.compute_bound and b.flops_ms and p.flops_ms and pred.roofline is not None:
-        out["predicted_speedup_roofline"] = pred.roofline
-        out["share_of_predicted_roofline"] = share(measured, pred.roofline)
-    return out
+def method_of(m: ModelInfo) -> str:
+    """How the model was made, for its row: "mean, G=2" (gqakit's conversion record), "original,
+    G=8" (no record: a model gqakit did not convert), "not recorded, G=2" (results files from before)."""
+    c = m.conversion
+    if c is UNSET:
+        return f"not recorded, G={m.kv_heads}"
+    if c is None:
+        return f"original, G={m.kv_heads}"
+    return f"{c.method}, G={c.num_kv_heads}" + (", uptrained" if c.uptrained else "")
 
 
 def comparability_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
@@ -166,10 +150,13 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
     for name, r in zip(names, results):
         m, p, pts = r.model, r.perplexity, _speed_points(r)
         row: dict[str, Any] = {
-            "name": name, "path": m.path, "parameters": m.parameters, "heads": m.heads,
+            "name": name, "path": m.path, "method": method_of(m),
+            "parameters": m.parameters, "heads": m.heads,
             "kv_heads": m.kv_heads, "kv_bytes_per_token": m.kv_bytes_per_token,
             "dtype": r.run.dtype, "device": r.run.device_name,
         }
+        if m.conversion is not UNSET:  # gqakit's conversion record (null: none)
+            row["conversion"] = m.conversion and m.conversion.to_json()
         if m.encoder:  # an encoder-decoder: its encoder, and the cross-attention cache per input token
             row["encoder_kv_heads"] = m.encoder.kv_heads
             row["encoder_heads"] = m.encoder.heads
@@ -191,14 +178,7 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                 continue
             entry: dict[str, Any] = {**_point_axes(key), "status": g.status}
             if g.ok:
-                tps = g.tokens_per_s["median"]
-                entry.update(tokens_per_s=tps, decode_ms_per_token=g.decode_ms_per_token["median"],
-                             prefill_ms=g.prefill_ms["median"], roofline_fraction=g.roofline_fraction,
-                             memory_bound=g.memory_bound, kv_cache_bytes=opt(g.kv_cache_bytes),
-                             peak_memory_bytes=opt(g.peak_memory_bytes))
-                if g0 and g0.ok:
-                    entry["speedup"] = tps / g0.tokens_per_s["median"]
-                    entry.update(predicted_speedup(g0, g, entry["speedup"]))
+                entry.update(speed_entry(g, g0))
             speed[point_label(entry)] = entry
         row["speed"] = speed
         row["max_batch"] = {str(mb.prompt_len): mb.to_json() for mb in (r.speed.max_batch if r.speed else [])}
@@ -256,26 +236,6 @@ def _fmt_num(x: float | None, digits: int = 4) -> str:
     return f"{x:,.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
 
 
-def memory_bound_sentence(report: dict[str, Any]) -> list[str]:
-    """Per model, in words: which grid points are memory-bound, and how close to the roof they run."""
-    lines = []
-    for row in report["rows"]:
-        ok = [e for e in row["speed"].values() if e["status"] == "ok"]
-        if not ok:
-            continue
-        mb = [point_label(e, "×") for e in ok if e["memory_bound"]]
-        cb = [point_label(e, "×") for e in ok if not e["memory_bound"]]
-        best = max(e["roofline_fraction"] for e in ok)
-        text = f"- **{row['name']}**: "
-        text += (f"memory-bound at {', '.join(mb)}" if mb else "no grid point is memory-bound")
-        text += (f"; compute-bound at {', '.join(cb)}" if cb else "")
-        text += f". Best achieved bandwidth: {100 * best:.1f}% of the measured copy bandwidth"
-        if best < 0.2:
-            text += " (far below the roof: per-step overhead such as kernel launches or Python dominates)"
-        lines.append(text + ".")
-    return lines
-
-
 def task_markdown(report: dict[str, Any]) -> list[str]:
     """The downstream-task table: one row per model, value ± stderr and Δ vs the first row."""
     t = report.get("tasks")
@@ -309,27 +269,6 @@ def task_markdown(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def prediction_table(report: dict[str, Any]) -> list[str]:
-    """Per model and grid point: measured speedup, predicted speedup, share of the prediction achieved."""
-    lines = []
-    for row in report["rows"][1:]:
-        for e in row["speed"].values():
-            if "predicted_speedup_bytes" not in e:
-                continue
-            pct = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"  # noqa: E731
-            roof = ""
-            if "predicted_speedup_roofline" in e:
-                roof = f" (roofline {e['predicted_speedup_roofline']:.2f}×, share {pct(e['share_of_predicted_roofline'])})"
-            prompt = f"{e['prompt_len']}" + (f", output {e['output_len']}" if "output_len" in e else "")
-            lines.append(f"| {row['name']} | {e['batch']} | {prompt} | {'yes' if e['memory_bound'] else 'no'} | "
-                         f"{e['speedup']:.2f}× | {e['predicted_speedup_bytes']:.2f}×{roof} | "
-                         f"{pct(e['share_of_predicted'])} | {pct(e['roofline_fraction'])} |")
-    if not lines:
-        return []
-    return ["| model | batch | prompt | memory-bound | measured speedup | predicted (bytes) | share of predicted | "
-            "% of copy bandwidth |", "|---|---|---|---|---|---|---|---|"] + lines
-
-
 def seq2seq_perplexity_sentence(ps: dict[str, Any]) -> str:
     """What an encoder-decoder's perplexity in the table is of, and how it was made."""
     data = f"data `{ps['data']['path']}` (sha256 {ps['data']['sha256'][:12]}…), tokenizer " \
@@ -351,16 +290,16 @@ def encoder_decoder_sentence(rows: list[dict[str, Any]]) -> list[str]:
         return []
     return ["", "Encoder-decoders (" + ", ".join(
         f"{r['name']}: encoder {r['encoder_kv_heads']} / {r['encoder_heads']} KV heads, cross-attention cache "
-        + format_bytes(r["cross_kv_bytes_per_token"] or 0, digits=1, thousands=False, largest="GiB")
-        + " per input token" for r in ed) + "): KV heads and KV bytes/token are the decoder's, its self-attention "
-            "cache per output token."]
+        + kv_bytes_text(r["cross_kv_bytes_per_token"] or 0, r["dtype"]).replace("/token", "")
+        + " per input token" for r in ed) + "): KV heads and the KV cache per token are the decoder's, its "
+            "self-attention cache per output token."]
 
 
 def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     rows, grid = report["rows"], report["grid"]
     has_ppl = any("perplexity" in r for r in rows)
     lens = sorted({int(k) for r in rows for k in r["max_batch"]})
-    head = ["model", "params", "KV heads", "KV bytes/token"]
+    head = ["model", "method, G", "params", "KV heads", "KV cache per token"]
     if has_ppl:
         kinds = sorted({r.get("perplexity_objective", "causal_lm") for r in rows if "perplexity" in r})
         named = ", ".join(OBJECTIVE_WORDS[k] for k in kinds)
@@ -373,9 +312,9 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         out += [f"> **Warning:** {w}" for w in report["warnings"]] + [""]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [f"**{r['name']}**", f"{r['parameters'] / 1e6:.2f} M" if r["parameters"] >= 1e5 else f"{r['parameters']:,}",
-                 f"{r['kv_heads']} / {r['heads']}", format_bytes(r["kv_bytes_per_token"], digits=1, thousands=False,
-                                                                        largest="GiB")]
+        cells = [f"**{r['name']}**", r["method"],
+                 f"{r['parameters'] / 1e6:.2f} M" if r["parameters"] >= 1e5 else f"{r['parameters']:,}",
+                 f"{r['kv_heads']} / {r['heads']}", kv_bytes_text(r["kv_bytes_per_token"], r["dtype"])]
         if has_ppl:
             d = r.get("perplexity_delta_pct")
             mixed = len(kinds) > 1 and "perplexity" in r
@@ -390,15 +329,17 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
             elif e["status"] != "ok":
                 cells.append("OOM")
             else:
-                sp = e.get("speedup")
-                cells.append(f"{e['tokens_per_s']:,.1f}" + (f" ({sp:.2f}×)" if sp and r["name"] != report["baseline"] else ""))
+                sp = "speedup" in e and r["name"] != report["baseline"]
+                cells.append(f"{e['tokens_per_s']:,.1f}" + (f" ({speedup_text(e)})" if sp else ""))
         for pl in lens:
             mb = r["max_batch"].get(str(pl))
             cells.append("—" if mb is None else f"{mb['max_batch']}{'+' if mb['at_limit'] else ''}")
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
-    out.append("KV heads are shown as KV / query heads. Speedups (×) are decode tokens/s against the first row "
-               "at the same batch (b) and prompt length (p); tokens/s is the median over repetitions."
+    out.append("KV heads are shown as KV / query heads (G is the KV heads); the KV cache per token is in the dtype "
+               "each model was evaluated in. Speedups (×) are decode tokens/s against the first row at the same "
+               "batch (b) and prompt length (p); tokens/s is the median over repetitions, and a speedup the "
+               "repetitions do not separate from 1× is within noise (spread and intervals: the speed section)."
                + (" For an encoder-decoder, p is the input length and o the output length (tokens in the "
                   "self-attention cache when the timed steps start); its predicted bytes include both caches."
                   if any("output_len" in g for g in grid) else ""))
@@ -410,18 +351,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         else:
             out += ["", seq2seq_perplexity_sentence(ps)]
     out += encoder_decoder_sentence(rows)
-    pred = prediction_table(report)
-    if pred:
-        out += ["", "## Decode speedup against the prediction", "",
-                "Predicted from bytes: the bytes a decode step must read (all weights once, plus the filled KV cache) "
-                f"of {report['baseline']} over this model's, at the same batch and prompt. Where a step is "
-                "compute-bound, also from the roofline (FLOPs). Share = (measured − 1) / (predicted − 1): 100% "
-                "means the model got all the speed its smaller KV cache promises. "
-                + ("All models here were timed in one run, their decode steps alternating one by one, so the "
-                   "ratios are measured in one run." if report.get("speed_timed_together") else
-                   "Each model here was timed in its own run; for ratios measured in one run, alternating "
-                   "models, use `bench/bench_decode_pair.py`."),
-                ""] + pred
+    out += speed_section(report)
     out += task_markdown(report)
     mb = memory_bound_sentence(report)
     if mb:
@@ -470,4 +400,4 @@ def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] |
     return report
 
 
-__all__ = ["build_report", "render_markdown", "write_report", "comparability_warnings", "SCHEMA"]
+__all__ = ["build_report", "method_of", "render_markdown", "write_report", "comparability_warnings", "SCHEMA"]

@@ -245,8 +245,9 @@ def test_help_has_examples(capsys):
 
 
 def test_inspect_reports_each_valid_g(src, capsys):
-    main(["inspect", str(src), "--json", "--batch", "4", "--context", "100"])
+    main(["inspect", str(src), "--json", "--batch", "4", "--context", "100", "--dtype-bytes", "2"])
     info = json.loads(capsys.readouterr().out)
+    assert info["dtype_bytes"] == 2 and info["dtype"] == "16-bit"  # asked for: named by its width
     assert [o["kv_heads"] for o in info["options"]] == [4, 2, 1]
     # 2 layers * 2 (k,v) * G * head_dim 4 * 2 bytes
     assert [o["kv_bytes_per_token"] for o in info["options"]] == [128, 64, 32]

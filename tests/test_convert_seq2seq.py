@@ -306,7 +306,7 @@ def test_inspect_prices_both_caches(kind, stock, tmp_path, capsys):
     layers, bias = 2, kind == "bart"
     n_in, n_out, batch, elem = 300, 40, 3, 2
     res = CliRunner().invoke(cli, ["inspect", str(src), "--input-len", str(n_in), "--output-len", str(n_out),
-                                   "--batch", str(batch), "--json"])
+                                   "--batch", str(batch), "--json", "--dtype-bytes", str(elem)])
     assert res.exit_code == 0, res.output
     info = json.loads(res.output)
     assert info["encoder_decoder"] is True and (info["input_len"], info["output_len"], info["batch"]) == \
@@ -326,6 +326,8 @@ def test_inspect_prices_both_caches(kind, stock, tmp_path, capsys):
         assert r["parameters_removed"] == 2 * layers * 2 * (H - g) * d_head * (d_model + bias)
     text = CliRunner().invoke(cli, ["inspect", str(src)]).output
     assert "input 512 tokens, output 128 tokens" in text and "cross cache" in text
+    saved = cfg.get("dtype") or cfg.get("torch_dtype")  # by default, the cache in the saved dtype, named
+    assert f"({saved}; self-attention per output token" in text and f"B/token ({saved})" in text
     code, err = run_cli(["inspect", src, "--context", "64"], capsys)
     assert code == 2 and len(err) == 1 and "--context applies to decoder-only models" in err[0]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,7 +99,14 @@ def test_compare_report(evaluated, tmp_path, capsys):
     pred = m_pt["bytes_per_step"]["total"] / g_pt["bytes_per_step"]["total"]
     assert pred > 1 and sp["predicted_speedup_bytes"] == pytest.approx(pred)
     assert sp["share_of_predicted"] == pytest.approx((sp["speedup"] - 1) / (pred - 1))
-    assert "## Decode speedup against the prediction" in md and f"{pred:.2f}×" in md
+    assert "## Decode speed, its spread, and the prediction" in md and f"{pred:.2f}×" in md
+    # every point's spread over the repetitions, in the JSON and the report; each row's method and G
+    for pt in json.loads(gqa.read_text())["speed"]["grid"]:
+        assert pt["tokens_per_s"]["min"] <= pt["tokens_per_s"]["median"] <= pt["tokens_per_s"]["max"]
+    assert sp["tokens_per_s_min"] <= sp["tokens_per_s"] <= sp["tokens_per_s_max"]
+    assert f"{sp['tokens_per_s_min']:,.1f}–{sp['tokens_per_s_max']:,.1f}" in md
+    assert [r["method"] for r in rep["rows"]] == ["original, G=8", "original, G=2"]
+    assert not re.search(r"\bbench/", md)  # the benchmark scripts are not installed: never recommended
     assert all("predicted_speedup_bytes" in e for e in gqa_r["speed"].values())
     assert set(rep["plots"]) == {"speed_vs_batch.png", "speed_vs_context.png", "perplexity.png", "uptrain_loss.png"}
     for p in rep["plots"]:

@@ -351,4 +351,4 @@ def test_gqa_model_perplexity_and_info(kind, models, files, tmp_path, capsys):
     code, _, err = cli(["compare", outs["mha"], outs["gqa"], "--out", tmp_path / "rep", "-q"], capsys)
     assert code == 0, err
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "| 2 / 4 |" in md and "gqa: encoder 4 / 4 KV heads, cross-attention cache 256 B per input token" in md
+    assert "| 2 / 4 |" in md and "gqa: encoder 4 / 4 KV heads, cross-attention cache 256 B (float32) per input token" in md

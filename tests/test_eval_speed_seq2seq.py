@@ -14,6 +14,7 @@ import torch
 from gqakit.core.errors import GqakitError
 from gqakit.eval.records import SCHEMA, EvalResult, read_results, write_results
 from gqakit.eval.report import write_report
+from gqakit.eval.report_speed import speedup_text
 from gqakit.eval.speed import Seq2SeqBench, SpeedSettings, evaluate_speed
 from tests.tiny_models import build_seq2seq
 from tests.tolerance import assert_close_by_rounding
@@ -248,10 +249,11 @@ def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path
         assert e["predicted_speedup_bytes"] > 1
         assert e["speedup"] == pytest.approx(g.tokens_per_s["median"] / base[key].tokens_per_s["median"])
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "## Decode speedup against the prediction" in md
+    assert "## Decode speed, its spread, and the prediction" in md
     e = row["speed"]["b2_p12_o3"]
-    assert f"| g1 | 2 | 12, output 3 | " in md
-    assert f"{e['speedup']:.2f}× | {e['predicted_speedup_bytes']:.2f}×" in md
+    line = next(x for x in md.splitlines() if x.startswith("| g1 | 2 | 12, output 3 | "))
+    lo, hi = e["speedup_interval"]
+    assert f"| {speedup_text(e)} | {lo:.2f}–{hi:.2f}× | {e['predicted_speedup_bytes']:.2f}×" in line
     assert "tok/s b2 p12 o3" in md and "o the output length" in md
 
 

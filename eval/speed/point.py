@@ -51,6 +51,21 @@ class OpenPoint:
         return {"batch": self.batch, "prompt_len": self.prompt_len, "new_tokens": self.new_tokens}
 
 
+def timings(batch: int, pre: list[float], dec: list[float]) -> dict[str, Any]:
+    """The timing fields of a `SpeedPoint` from its samples (seconds): median, p90 and the spread
+    (min, max) over the repetitions, so a ratio of two points can say whether it is above the noise."""
+    step = statistics.median(dec)
+    out: dict[str, Any] = {
+        "decode_ms_per_token": {"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90),
+                                "min": 1e3 * min(dec), "max": 1e3 * max(dec)},
+        "tokens_per_s": {"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90),
+                         "min": batch / max(dec), "max": batch / min(dec)}}
+    if pre:
+        out["prefill_ms"] = {"median": 1e3 * statistics.median(pre), "p90": 1e3 * percentile(pre, 90),
+                             "min": 1e3 * min(pre), "max": 1e3 * max(pre)}
+    return out
+
+
 def summarize(bench: Any, pt: OpenPoint, roof: dict[str, float], *, graph_used: bool, peak: int | None) -> SpeedPoint:
     """The measurements of a closed point of `bench` (a `DecodeBench`) against the device's `roof`."""
     batch, prompt_len, new_tokens = pt.batch, pt.prompt_len, pt.new_tokens
@@ -81,10 +96,7 @@ def summarize(bench: Any, pt: OpenPoint, roof: dict[str, float], *, graph_used: 
         decode_path={"steps": mode, "weights": weights, "attention_kernel": bench.decode_kernel, **layers,
                      "prefill": "every repetition" if len(pre) >= reps else "once, decode repetitions rewind the cache"},
         decode_samples=len(dec), decode_sample="one step" if len(dec) > reps else "mean step of a repetition",
-        prefill_ms={"median": 1e3 * statistics.median(pre), "p90": 1e3 * percentile(pre, 90)},
-        prefill_samples=len(pre),
-        decode_ms_per_token={"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},
-        tokens_per_s={"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90)},
+        prefill_samples=len(pre), **timings(batch, pre, dec),
         warmup_s=pt.warmup_s, compile_s=pt.compile_s, reps=reps, packed_weight_bytes=pt.packed_bytes,
         peak_memory_bytes=peak,
         peak_memory_kind="cuda max_memory_allocated" if bench.device.type == "cuda" else "process peak RSS",

@@ -36,8 +36,8 @@ from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.loading import cache_kwarg
 from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_folded_attention
 from gqakit.eval.records import SpeedPoint, SpeedResult
-from gqakit.eval.speed.point import OpenPoint
-from gqakit.eval.speed.roofline import measure_roof, percentile, sync
+from gqakit.eval.speed.point import OpenPoint, timings
+from gqakit.eval.speed.roofline import measure_roof, sync
 from gqakit.eval.speed.settings import SpeedSettings
 
 # Encoder rows run together so that one layer's attention scores stay under this many bytes.
@@ -434,8 +434,7 @@ def summarize(bench: Seq2SeqBench, pt: Seq2SeqPoint, roof: dict[str, float], *, 
                                                   "repetitions rewind the self-attention cache"},
         decode_samples=len(dec), decode_sample="one step" if len(dec) > pt.reps else "mean step of a repetition",
         prefill_ms=first, prefill_samples=1, encode_ms={"median": 1e3 * pt.encode_s, "p90": 1e3 * pt.encode_s},
-        decode_ms_per_token={"median": 1e3 * step, "p90": 1e3 * percentile(dec, 90)},
-        tokens_per_s={"median": batch / step, "p90_of_step_time": batch / percentile(dec, 90)},
+        **timings(batch, [], dec),
         warmup_s=pt.warmup_s, compile_s=None, reps=pt.reps, packed_weight_bytes=pt.packed_bytes,
         peak_memory_bytes=peak,
         peak_memory_kind="cuda max_memory_allocated" if bench.device.type == "cuda" else "process peak RSS",

@@ -69,18 +69,14 @@ SIGNATURE = _signature()
 convert.__signature__ = SIGNATURE  # type: ignore[attr-defined]
 
 
-def convert_checkpoint(*args: Any, **kwargs: Any) -> Any:
-    """See `gqakit.convert.pipeline.convert_checkpoint` (imported lazily: torch is slow to import)."""
-    from gqakit.convert.pipeline import convert_checkpoint as _convert
+def __getattr__(name: str) -> Any:
+    """`convert_checkpoint` and `convert_gguf` (`pipeline`), imported on first use: torch is slow
+    to import."""
+    if name in ("convert_checkpoint", "convert_gguf"):
+        from gqakit.convert import pipeline
 
-    return _convert(*args, **kwargs)
-
-
-def convert_gguf(*args: Any, **kwargs: Any) -> Any:
-    """See `gqakit.convert.pipeline.convert_gguf` (imported lazily: torch is slow to import)."""
-    from gqakit.convert.pipeline import convert_gguf as _convert
-
-    return _convert(*args, **kwargs)
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 apicall.callable_module(__name__, convert)

@@ -94,11 +94,13 @@ SIGNATURE = _signature()
 uptrain.__signature__ = SIGNATURE  # type: ignore[attr-defined]
 
 
-def run_uptrain(*args: Any, **kwargs: Any) -> Any:
-    """See `gqakit.uptrain.trainer.run_uptrain` (imported lazily: torch is slow to import)."""
-    from gqakit.uptrain.trainer import run_uptrain as _run
+def __getattr__(name: str) -> Any:
+    """`run_uptrain` (`trainer`), imported on first use: torch is slow to import."""
+    if name == "run_uptrain":
+        from gqakit.uptrain import trainer
 
-    return _run(*args, **kwargs)
+        return trainer.run_uptrain
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 apicall.callable_module(__name__, uptrain)

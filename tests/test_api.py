@@ -137,7 +137,13 @@ def test_convert_api_errors_are_the_cli_lines(mha, tmp_path, capsys):
         gqakit.convert(mha, tmp_path / "a", num_kv_heads=2, metod="mean")
     with pytest.raises(TypeError):
         gqakit.convert(mha, tmp_path / "a")  # num_kv_heads is required
+    # an option given that does not apply is refused, as on the command line; its default is not
+    with pytest.raises(GqakitError, match="--max-shard-size applies to a model folder"):
+        gqakit.convert(mha, tmp_path / "a.gguf", num_kv_heads=2, max_shard_size="2GB")
+    with pytest.raises(GqakitError, match="a .gguf OUT needs a .gguf SRC"):
+        gqakit.convert(mha, tmp_path / "a.gguf", num_kv_heads=2)
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    assert not (tmp_path / "a.gguf").exists()
 
 
 # ----------------------------------------------------------------------------- convert_model

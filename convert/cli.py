@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,17 +82,33 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
       gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
       gqakit convert ./flan-t5-base ./flan-t5-g4 -g 4 --method mean
     """
+    shard_size_given = ctx.get_parameter_source("max_shard_size") is not click.core.ParameterSource.DEFAULT
+    result = run_convert(src, out, device=device, refit=refit_options, gguf_type=gguf_type, overwrite=overwrite,
+                         dry_run=dry_run, quiet=quiet, shard_size_given=shard_size_given, **fields)
+    for line in (result if isinstance(result, list) else [f"wrote {result}"]):
+        click.echo(line)
+
+
+def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
+                refit: Iterable[str] | Mapping[str, Any] | RefitOptions | None = None, gguf_type: str | None = None,
+                overwrite: bool = False, dry_run: bool = False, quiet: bool = False, shard_size_given: bool = False,
+                **fields: Any) -> Path | list[str]:
+    """What `gqakit convert SRC OUT` does, given its settings (`fields`: `ConvertSettings`' fields
+    but `source`; `refit`: the `--refit-option KEY=VALUE` items, or a mapping), as `gqakit.convert`
+    calls it too. Returns OUT, or with `dry_run` the lines of the plan (nothing written)."""
     from gqakit.core.device import check_device
 
+    src, out = Path(src), Path(out)
     precheck_source(src)
     check_device(device)
-    refit = RefitOptions.from_cli(refit_options)  # the one place --refit-option is parsed
+    # the one place --refit-option is parsed
+    refit = (RefitOptions.parse(refit) if isinstance(refit, (Mapping, RefitOptions))
+             else RefitOptions.from_cli(refit or ()))
     to_gguf = out.suffix.lower() == ".gguf"
     if to_gguf:
-        given = lambda name: ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT  # noqa: E731
-        if fields["dtype"] != "auto":
+        if fields.get("dtype", "auto") != "auto":
             raise GqakitError("--dtype applies to a model folder; for a .gguf OUT use --gguf-type")
-        if given("max_shard_size"):
+        if shard_size_given:
             raise GqakitError("--max-shard-size applies to a model folder; a .gguf OUT is one file")
         fields["max_shard_size"] = None
     elif gguf_type is not None:
@@ -107,20 +123,14 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
         from gqakit.convert.pipeline import convert_gguf_file
 
         with quiet_libraries(quiet):
-            result = convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
-                                       progress=not quiet, dry_run=dry_run)
-        for line in (result if dry_run else [f"wrote {result}"]):
-            click.echo(line)
-        return
+            return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
+                                     progress=not quiet, dry_run=dry_run)
     from gqakit.convert.pipeline import convert_folder, dry_run_lines
 
     if dry_run:
-        for line in dry_run_lines(settings, device=device, progress=not quiet):
-            click.echo(line)
-        return
+        return dry_run_lines(settings, device=device, progress=not quiet)
     with quiet_libraries(quiet):
-        path = convert_folder(settings, out, overwrite=overwrite, device=device, progress=not quiet)
-    click.echo(f"wrote {path}")
+        return convert_folder(settings, out, overwrite=overwrite, device=device, progress=not quiet)
 
 
 def _folder_config(src: Path) -> dict[str, Any] | None:

@@ -1,1 +1,1 @@
-"""gqakit.eval"""
+"""gqakit.eval: perplexity, decode speed and task accuracy (`gqakit eval`; from Python, `gqakit.evaluate`)."""

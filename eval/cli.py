@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -121,8 +121,30 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
       gqakit eval ./t5-g2 --data valid.txt --context 512 --span-seed 0 --out t5.json
       gqakit eval ./bart-g2 --data pairs.jsonl --objective paired --context 1024 --out bart.json
     """
-    from gqakit.eval.perplexity import PerplexitySettings, Spans, Window
     from gqakit.eval.runner import run_eval
+
+    given = click.get_current_context().get_parameter_source("prompt_lens") != ParameterSource.DEFAULT
+    ppl_settings, speed_settings, task_settings = eval_settings(
+        data=data, ppl=ppl, speed=speed, context=context, stride=stride, max_chars=max_chars, text_field=text_field,
+        objective=objective, span_seed=span_seed, input_field=input_field, target_field=target_field,
+        batches=batches, prompt_lens=prompt_lens if given else None, input_lens=input_lens, output_lens=output_lens,
+        new_tokens=new_tokens, reps=reps, warmup=warmup, compile_=compile_, eager=eager, prefill_once=prefill_once,
+        max_batch_search=max_batch_search, max_batch_limit=max_batch_limit, tasks=tasks, num_fewshot=num_fewshot,
+        limit=limit, tasks_path=tasks_path, tasks_batch=tasks_batch)
+    res = run_eval(model, perplexity=ppl_settings, speed=speed_settings, tasks=task_settings, device=device,
+                   dtype=dtype, out=out, command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
+    _print_summary(res, out)
+
+
+def eval_settings(*, data, ppl, speed, context, stride, max_chars, text_field, objective, span_seed, input_field,
+                  target_field, batches, prompt_lens, input_lens, output_lens, new_tokens, reps, warmup, compile_,
+                  eager, prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot, limit, tasks_path,
+                  tasks_batch) -> tuple[Any, Any, Any]:
+    """The settings of each measurement `gqakit eval` was asked for, from its options (None for
+    one not asked for): (PerplexitySettings, SpeedSettings, TaskSettings), each checked when
+    built. `prompt_lens` is None when not given (an axis for the other kind of model is refused).
+    `gqakit.evaluate` builds them here too."""
+    from gqakit.eval.perplexity import PerplexitySettings, Spans, Window
     from gqakit.eval.speed import SpeedSettings
 
     ppl = bool(data) if ppl is None else ppl
@@ -137,8 +159,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
     speed_settings = None
     if speed:
         # the grid axes the command line named (an axis for the other kind of model is refused)
-        given = click.get_current_context().get_parameter_source("prompt_lens") != ParameterSource.DEFAULT
-        axes = {k: v for k, v in (("prompt_lens", prompt_lens if given else None), ("input_lens", input_lens),
+        axes = {k: v for k, v in (("prompt_lens", prompt_lens), ("input_lens", input_lens),
                                   ("output_lens", output_lens)) if v is not None}
         speed_settings = SpeedSettings(batches=batches, **axes,
                                        new_tokens=new_tokens, reps=reps, warmup=warmup, compile=compile_,
@@ -154,9 +175,7 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
                                           target_field=target_field)
     elif objective is not None:
         raise GqakitError("--objective goes with --data (perplexity)")
-    res = run_eval(model, perplexity=ppl_settings, speed=speed_settings, tasks=task_settings, device=device,
-                   dtype=dtype, out=out, command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
-    _print_summary(res, out)
+    return ppl_settings, speed_settings, task_settings
 
 
 def _print_summary(res: EvalResult, out: Path) -> None:

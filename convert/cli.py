@@ -192,7 +192,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     ctx = context or s.max_positions or 2048
     rows = []
     for g in [d for d in range(s.num_kv_heads, 0, -1) if s.num_kv_heads % d == 0]:
-        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g))
+        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g, force=True))
         per_tok = s.kv_bytes_per_token(dtype_bytes, g)
         rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
                      "kv_cache_bytes": per_tok * batch * ctx,
@@ -200,7 +200,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
             "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
-            "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads)).source_params,
+            "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads,
+                                                            force=True)).source_params,
             "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "options": rows}
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -227,7 +228,7 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
     full = [b * batch for b in geo.cache_bytes(dtype_bytes, input_tokens=input_len, output_tokens=output_len)]
     rows = []
     for g in [d for d in range(dec.num_kv_heads, 0, -1) if dec.num_kv_heads % d == 0]:
-        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g))
+        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g, force=True))
         self_b, cross_b = (b * batch for b in geo.cache_bytes(dtype_bytes, input_tokens=input_len,
                                                                output_tokens=output_len, kv_heads=g))
         rows.append({"kv_heads": g, "group_size": dec.num_heads // g,

@@ -265,6 +265,10 @@ class ConvertSettings(BaseModel):
                     "multi-head: it runs once per input, over all input tokens in parallel, so it is not bound by "
                     "memory bandwidth and gains little from fewer KV heads.")
 
+    force: bool = Field(
+        False, json_schema_extra=_cli("--force", is_flag=True),
+        description="Write OUT even when -g equals SRC's KV heads, which groups nothing (an unchanged copy).")
+
     @field_validator("source", mode="before")
     @classmethod
     def _resolved(cls, v: Any) -> str:

@@ -343,11 +343,11 @@ def test_blockwise_reconstruction_lowers_the_drift(tiny_model, one_thread):
 
 def test_reconstruction_is_skipped_when_nothing_is_pooled(tiny_model, one_thread):
     src = tiny_model("llama", num_key_value_heads=4)
-    settings = ConvertSettings(source=src, num_kv_heads=4, method="align-refit",
+    settings = ConvertSettings(source=src, num_kv_heads=4, method="align-refit", force=True,
                                calibration_tokens=256, refit={"seq_len": 32, "steps": 5})
     got, summary, opened, plan = _streamed(src, settings)
     assert "reconstruction" not in summary
-    plain, _, _, _ = _streamed(src, ConvertSettings(source=src, num_kv_heads=4, method="align-refit",
+    plain, _, _, _ = _streamed(src, ConvertSettings(source=src, num_kv_heads=4, method="align-refit", force=True,
                                                     calibration_tokens=256,
                                                     refit={"seq_len": 32}))
     _assert_same_heads(got, plain, rtol=0, atol=0)

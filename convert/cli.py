@@ -12,8 +12,18 @@ import click
 from gqakit.convert.settings import ConvertSettings, RefitOptions, check_encoder_decoder, refit_options_help
 from gqakit.core import arch as archmod
 from gqakit.core import trust
+from gqakit.core.clihelp import GroupedCommand
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
+
+# `gqakit convert --help`: its options under these headings, in this order
+CONVERT_OPTION_GROUPS = (
+    ("Input and output", ("dtype", "max_shard_size", "overwrite", "force", "dry_run")),
+    ("Method", ("num_kv_heads", "method", "grouping", "seed", "group_encoder")),
+    ("Calibration (align-refit)", ("effort", "calibration_data", "calibration_tokens", "refit_options")),
+    ("GGUF (SRC and OUT both .gguf)", ("gguf_type",)),
+    ("Device and run", ("device", "quiet", "trust_remote_code", "help")),
+)
 
 # `gqakit inspect` of an encoder-decoder: the default lengths its cache sizes are priced at
 SEQ2SEQ_INPUT_LEN, SEQ2SEQ_OUTPUT_LEN = 512, 128
@@ -36,20 +46,20 @@ def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]}, epilog=refit_options_help())
+@click.command("convert", cls=GroupedCommand, option_groups=CONVERT_OPTION_GROUPS,
+               context_settings={"help_option_names": ["-h", "--help"]}, epilog=refit_options_help())
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @_settings_options
 @click.option("--device", default="auto", show_default=True,
-              help="Where align-refit calibrates: auto (the first GPU when present), cpu, cuda or cuda:N. "
-                   "One decoder block is on it at a time.")
+              help="Where align-refit calibrates, one decoder block at a time: auto (the first GPU when "
+                   "present), cpu, cuda or cuda:N.")
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
-              help="align-refit setting, repeatable: " + ", ".join(RefitOptions.model_fields)
-                   + " (each described below).")
+              help="An align-refit setting, repeatable (the keys and their defaults are listed below).")
 @click.option("--gguf-type", default=None, metavar="TYPE",
-              help="OUT.gguf only: the GGUF type of the tensors the conversion changes (e.g. F16, Q8_0, Q4_1) "
-                   "[default: each tensor's source type when the gguf package can write it, else F16]. "
-                   "Every other tensor keeps its exact bytes.")
+              help="The GGUF type of the tensors the conversion changes (e.g. F16, Q8_0, Q4_1); every other "
+                   "tensor keeps its bytes [default: each tensor's source type when the gguf package can write "
+                   "it, else F16].")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
@@ -58,14 +68,6 @@ def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_options: tuple[str, ...],
                 gguf_type: str | None, overwrite: bool, dry_run: bool, quiet: bool, **fields: Any) -> None:
     """Convert the checkpoint SRC to grouped-query attention, written to OUT.
-
-    SRC is a Hugging Face model folder (safetensors, sharded or not, or
-    pytorch_model*.bin) or a .gguf file. OUT is a complete model folder that loads
-    with stock transformers, or, when both SRC and OUT end in .gguf, one GGUF file for
-    llama.cpp (unchanged tensors keep their quantised bytes; --gguf-type sets the type
-    of the changed ones). SRC is never modified; OUT appears only when complete.
-    align-refit holds one decoder block at a time on --device; if it is killed, the
-    same command run again resumes after its last finished layer.
 
     \b
     Examples:
@@ -81,6 +83,11 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
       gqakit convert model.Q4_1.gguf model-g1.Q4_1.gguf -g 1 --method align
       gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
       gqakit convert ./flan-t5-base ./flan-t5-g4 -g 4 --method mean
+
+    SRC is a Hugging Face model folder (safetensors or pytorch_model*.bin) or a .gguf
+    file; it is never modified. OUT is a model folder that loads with stock transformers
+    or, when SRC and OUT both end in .gguf, one GGUF file for llama.cpp. OUT appears only
+    when complete; a killed align-refit run resumes when the same command runs again.
     """
     from gqakit.core.device import check_device
 

@@ -122,7 +122,7 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     from gqakit.convert.pipeline import convert_folder, dry_run_lines
 
     if dry_run:
-        for line in dry_run_lines(settings, device=device, progress=not quiet):
+        for line in dry_run_lines(settings, device=device, progress=not quiet, out=out, overwrite=overwrite):
             click.echo(line)
         return
     with quiet_libraries(quiet):

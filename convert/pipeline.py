@@ -79,12 +79,17 @@ def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: st
                              progress=progress, dry_run=dry_run)
 
 
-def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: bool = True) -> list[str]:
-    """What `convert_folder` would do, as lines of text; nothing is written."""
+def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: bool = True,
+                  out: str | Path | None = None, overwrite: bool = False) -> list[str]:
+    """What `convert_folder` would do, as lines of text; nothing is written. With `out`, the
+    output rule is checked too, as the run would."""
     from gqakit.core.device import resolve_device
 
     if settings.staged:
         resolve_device(device)
+    if out is not None:
+        check_output_path(Path(out), overwrite=overwrite,
+                          inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
     plan = make_plan(open_checkpoint(settings.source, progress=progress), settings)
     s = plan.shape
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []

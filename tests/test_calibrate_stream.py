@@ -220,7 +220,7 @@ def test_convert_cli_refuses_bad_refit_input(tiny_model, tmp_path, capsys, args,
 
 
 @pytest.mark.parametrize("extra", [{}, {"steps": 6, "lr": 1e-2}], ids=["closed-form", "reconstruction"])
-def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, one_thread, extra):
+def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, capfd, one_thread, extra):
     """A run interrupted at layer 2 of 4 leaves no OUT, keeps its work in the partial folder,
     and the same command resumes there: layers 0-1 are not recomputed, and the result is
     bit-identical to an uninterrupted run."""
@@ -252,8 +252,13 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
     assert not out.exists() and partial_dir(out).is_dir()
     assert list(dict.fromkeys(loaded)) == [0, 1, 2]  # (each block is read twice: before and after its fit)
     loaded.clear()
-    convert_checkpoint(src, out, 1, "align-refit", **kw)
+    capfd.readouterr()
+    convert_checkpoint(src, out, 1, "align-refit", **{**kw, "progress": True})
     assert list(dict.fromkeys(loaded)) == [2, 3] and not partial_dir(out).exists()
+    # a person reads layers counted from 1: two of four done, the third is next
+    err = capfd.readouterr().err
+    assert "after layer 2/4 (next: layer 3/4)" in err and "calibrating layer 3/4" in err, err
+    assert "calibrating layer 2/4" not in err and "after layer 1" not in err, err
     a, b = load_file(out / "model.safetensors"), load_file(whole / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec = json.loads((out / "gqakit_convert.json").read_text())["calibration"]

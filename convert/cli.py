@@ -12,8 +12,18 @@ import click
 from gqakit.convert.settings import ConvertSettings, RefitOptions, check_encoder_decoder, refit_options_help
 from gqakit.core import arch as archmod
 from gqakit.core import trust
+from gqakit.core.clihelp import GroupedCommand
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
+
+# `gqakit convert --help`: its options under these headings, in this order
+CONVERT_OPTION_GROUPS = (
+    ("Input and output", ("dtype", "max_shard_size", "overwrite", "force", "dry_run")),
+    ("Method", ("num_kv_heads", "method", "grouping", "seed", "group_encoder")),
+    ("Calibration (align-refit)", ("effort", "calibration_data", "calibration_tokens", "refit_options")),
+    ("GGUF (SRC and OUT both .gguf)", ("gguf_type",)),
+    ("Device and run", ("device", "quiet", "trust_remote_code", "help")),
+)
 
 # `gqakit inspect` of an encoder-decoder: the default lengths its cache sizes are priced at
 SEQ2SEQ_INPUT_LEN, SEQ2SEQ_OUTPUT_LEN = 512, 128
@@ -36,20 +46,20 @@ def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]}, epilog=refit_options_help())
+@click.command("convert", cls=GroupedCommand, option_groups=CONVERT_OPTION_GROUPS,
+               context_settings={"help_option_names": ["-h", "--help"]}, epilog=refit_options_help())
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @_settings_options
 @click.option("--device", default="auto", show_default=True,
-              help="Where align-refit calibrates: auto (the first GPU when present), cpu, cuda or cuda:N. "
-                   "One decoder block is on it at a time.")
+              help="Where align-refit calibrates, one decoder block at a time: auto (the first GPU when "
+                   "present), cpu, cuda or cuda:N.")
 @click.option("--refit-option", "refit_options", multiple=True, metavar="KEY=VALUE",
-              help="align-refit setting, repeatable: " + ", ".join(RefitOptions.model_fields)
-                   + " (each described below).")
+              help="An align-refit setting, repeatable (the keys and their defaults are listed below).")
 @click.option("--gguf-type", default=None, metavar="TYPE",
-              help="OUT.gguf only: the GGUF type of the tensors the conversion changes (e.g. F16, Q8_0, Q4_1) "
-                   "[default: each tensor's source type when the gguf package can write it, else F16]. "
-                   "Every other tensor keeps its exact bytes.")
+              help="The GGUF type of the tensors the conversion changes (e.g. F16, Q8_0, Q4_1); every other "
+                   "tensor keeps its bytes [default: each tensor's source type when the gguf package can write "
+                   "it, else F16].")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
@@ -58,14 +68,6 @@ def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_options: tuple[str, ...],
                 gguf_type: str | None, overwrite: bool, dry_run: bool, quiet: bool, **fields: Any) -> None:
     """Convert the checkpoint SRC to grouped-query attention, written to OUT.
-
-    SRC is a Hugging Face model folder (safetensors, sharded or not, or
-    pytorch_model*.bin) or a .gguf file. OUT is a complete model folder that loads
-    with stock transformers, or, when both SRC and OUT end in .gguf, one GGUF file for
-    llama.cpp (unchanged tensors keep their quantised bytes; --gguf-type sets the type
-    of the changed ones). SRC is never modified; OUT appears only when complete.
-    align-refit holds one decoder block at a time on --device; if it is killed, the
-    same command run again resumes after its last finished layer.
 
     \b
     Examples:
@@ -81,6 +83,11 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
       gqakit convert model.Q4_1.gguf model-g1.Q4_1.gguf -g 1 --method align
       gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
       gqakit convert ./flan-t5-base ./flan-t5-g4 -g 4 --method mean
+
+    SRC is a Hugging Face model folder (safetensors or pytorch_model*.bin) or a .gguf
+    file; it is never modified. OUT is a model folder that loads with stock transformers
+    or, when SRC and OUT both end in .gguf, one GGUF file for llama.cpp. OUT appears only
+    when complete; a killed align-refit run resumes when the same command runs again.
     """
     shard_size_given = ctx.get_parameter_source("max_shard_size") is not click.core.ParameterSource.DEFAULT
     result = run_convert(src, out, device=device, refit=refit_options, gguf_type=gguf_type, overwrite=overwrite,
@@ -128,7 +135,7 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
     from gqakit.convert.pipeline import convert_folder, dry_run_lines
 
     if dry_run:
-        return dry_run_lines(settings, device=device, progress=not quiet)
+        return dry_run_lines(settings, device=device, progress=not quiet, out=out, overwrite=overwrite)
     with quiet_libraries(quiet):
         return convert_folder(settings, out, overwrite=overwrite, device=device, progress=not quiet)
 
@@ -207,7 +214,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     ctx = context or s.max_positions or 2048
     rows = []
     for g in [d for d in range(s.num_kv_heads, 0, -1) if s.num_kv_heads % d == 0]:
-        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g))
+        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g, force=True))
         per_tok = s.kv_bytes_per_token(dtype_bytes, g)
         rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
                      "kv_cache_bytes": per_tok * batch * ctx,
@@ -215,7 +222,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
             "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
-            "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads)).source_params,
+            "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads,
+                                                            force=True)).source_params,
             "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "dtype": dtype, "options": rows}
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -242,7 +250,7 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
     full = [b * batch for b in geo.cache_bytes(dtype_bytes, input_tokens=input_len, output_tokens=output_len)]
     rows = []
     for g in [d for d in range(dec.num_kv_heads, 0, -1) if dec.num_kv_heads % d == 0]:
-        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g))
+        plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g, force=True))
         self_b, cross_b = (b * batch for b in geo.cache_bytes(dtype_bytes, input_tokens=input_len,
                                                                output_tokens=output_len, kv_heads=g))
         rows.append({"kv_heads": g, "group_size": dec.num_heads // g,

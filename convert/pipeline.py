@@ -49,14 +49,17 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
                        grouping: str = "auto", effort: str = "best", dtype: str = "auto", overwrite: bool = False,
                        max_shard_size: str | int = "2GB", seed: int = 0, calibration_data: str | None = None,
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, options: dict[str, Any] | None = None,
-                       device: str = "auto", progress: bool = True, group_encoder: bool = False) -> Path:
+                       device: str = "auto", progress: bool = True, group_encoder: bool = False,
+                       force: bool = True) -> Path:
     """Convert SRC (HF folder or .gguf) to the model folder OUT with `num_kv_heads` K/V heads
-    per layer: `convert_folder` with the settings built from these arguments."""
+    per layer: `convert_folder` with the settings built from these arguments. `force` (unlike
+    the CLI's --force, on by default) lets `num_kv_heads` equal SRC's KV heads: the exact copy
+    that checks a method and a layout end to end."""
     settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, effort=effort,
                                dtype=dtype,
                                max_shard_size=max_shard_size, seed=seed, calibration_data=calibration_data,
                                calibration_tokens=calibration_tokens, refit=options or {},
-                               group_encoder=group_encoder)
+                               group_encoder=group_encoder, force=force)
     return convert_folder(settings, out, overwrite=overwrite, device=device, progress=progress)
 
 
@@ -65,23 +68,28 @@ def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: st
                  seed: int = 0,
                  calibration_data: str | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
                  options: dict[str, Any] | None = None, device: str = "auto", progress: bool = True,
-                 dry_run: bool = False) -> Path | list[str]:
+                 dry_run: bool = False, force: bool = True) -> Path | list[str]:
     """Convert SRC.gguf to OUT.gguf with `num_kv_heads` KV heads: `convert_gguf_file` with the
-    settings built from these arguments."""
+    settings built from these arguments (`force` as in `convert_checkpoint`)."""
     settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, effort=effort,
                                seed=seed,
                                calibration_data=calibration_data, calibration_tokens=calibration_tokens,
-                               refit=options or {}, max_shard_size=None)
+                               refit=options or {}, max_shard_size=None, force=force)
     return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
                              progress=progress, dry_run=dry_run)
 
 
-def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: bool = True) -> list[str]:
-    """What `convert_folder` would do, as lines of text; nothing is written."""
+def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: bool = True,
+                  out: str | Path | None = None, overwrite: bool = False) -> list[str]:
+    """What `convert_folder` would do, as lines of text; nothing is written. With `out`, the
+    output rule is checked too, as the run would."""
     from gqakit.core.device import resolve_device
 
     if settings.staged:
         resolve_device(device)
+    if out is not None:
+        check_output_path(Path(out), overwrite=overwrite,
+                          inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
     plan = make_plan(open_checkpoint(settings.source, progress=progress), settings)
     s = plan.shape
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
@@ -181,7 +189,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     with folder as (tmp, resumed):
         state = load_checkpoint(tmp / RESUME_DIR) if resumed else None
         if resumed and progress:
-            tqdm.write(f"resuming the conversion in {tmp}" + (f" after layer {state['layers_done'] - 1}" if state else ""))
+            tqdm.write(resume_line(tmp, state, plan.shape.num_layers), file=sys.stderr)
         writer = ShardWriter(tmp, plan.tensors, settings.max_shard_bytes, {"gqakit": gqakit.__version__},
                              written=state["written"] if state else ())
         done = set(writer.written)
@@ -234,6 +242,16 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
         if calibration and progress:
             tqdm.write(drift_summary(calibration))
     return out.expanduser().resolve()
+
+
+def resume_line(folder: Path, state: dict[str, Any] | None, layers: int) -> str:
+    """The line a resumed conversion prints: layers counted from 1, as in the progress bar
+    (`state["layers_done"]`, the checkpoint's count of finished layers, is also the 0-based
+    index of the next one)."""
+    if not state:
+        return f"resuming the conversion in {folder}"
+    done = int(state["layers_done"])
+    return f"resuming the conversion in {folder} after layer {done}/{layers} (next: layer {done + 1}/{layers})"
 
 
 @contextmanager

@@ -108,6 +108,16 @@ def validate_g(shape: archmod.Shape, g: int, whose: str = "the model's") -> None
         raise GqakitError(f"--num-kv-heads {g} does not divide {whose} {kv} KV heads; valid: {valid}")
 
 
+def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, settings: ConvertSettings) -> None:
+    """Refuse a conversion that groups nothing (G equal to the KV heads of every attention it
+    converts: the output would be a copy) unless `settings.force`."""
+    g = settings.num_kv_heads
+    if settings.force or g != shape.num_kv_heads or (encoder_shape is not None and g != encoder_shape.num_kv_heads):
+        return
+    raise GqakitError(f"--num-kv-heads {g} is already SRC's KV head count: the conversion would write an "
+                      "unchanged copy; pass --force to write it anyway")
+
+
 def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:
     """The plan, with the settings resolved for this model (`Plan.settings`): what "auto"
     means depends on its parameters and context, and on the output kind (`gguf_out`)."""
@@ -123,6 +133,7 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
         shape_at["encoder"] = encoder_shape
         if settings.group_encoder:
             validate_g(encoder_shape, settings.num_kv_heads, "the encoder's")
+    check_changes(shape, encoder_shape if settings.group_encoder else None, settings)
     out_dtype = DTYPES.get(settings.dtype)
     src = opened.source
     names = src.names()

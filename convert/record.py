@@ -72,7 +72,8 @@ def drift_summary(cal: dict[str, Any]) -> str:
         return f"calibrated on {cal['tokens']:,} tokens"
     worst = max(range(len(d)), key=d.__getitem__)
     return (f"calibrated on {cal['tokens']:,} tokens; residual drift after the last layer {d[-1]:.3f} "
-            f"(mean {sum(d) / len(d):.3f}, worst {d[worst]:.3f} after layer {worst}; 0 = identical to the original)")
+            f"(mean {sum(d) / len(d):.3f}, worst {d[worst]:.3f} after layer {worst + 1}; "  # counted from 1
+            "0 = identical to the original)")
 
 
 def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSettings, seconds: float,

@@ -223,34 +223,25 @@ class ConvertSettings(BaseModel):
         DEFAULT_METHOD, json_schema_extra=_cli("--method", show_default=True),
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
                     "align (RoPE-aware head alignment, then mean; no data); align-scale (align + logit-scale "
-                    "restoration; no data); align-refit (align + ridge refit of queries and o_proj on calibration "
-                    "text: --calibration-data, or text sampled from SRC itself; then block-wise reconstruction, "
-                    "see --effort). Best quality: align-refit, whose defaults are the best measured settings for "
-                    "the model's size.")
+                    "restoration; no data); align-refit (align, then fits on calibration text; best quality).")
     grouping: str = Field(
         "auto", json_schema_extra=_cli("--grouping", show_default=True),
-        description="Which heads share a group: contiguous (the paper) or similarity (balanced groups of the most "
-                    "similar heads; queries and o_proj columns are reordered to match); auto: similarity for "
-                    "align-refit on a model under 20M parameters, else contiguous.")
+        description="Which heads share a group: contiguous (the paper), similarity (balanced groups of the most "
+                    "similar heads) or auto (similarity for align-refit under 20M parameters, else contiguous).")
     effort: Literal["fast", "best"] = Field(
         "best", json_schema_extra=_cli("--effort", choices=EFFORTS, show_default=True),
-        description="align-refit only. best: the closed-form fits, then block-wise reconstruction with the "
-                    "steps, lr and train measured best for the model's size. fast: the closed-form fits only "
-                    "(steps=0). Measured on SmolLM2-135M, 3->1 KV heads, 32,768 tokens, 2 CPU threads (AMD EPYC): "
-                    "best (400 steps) perplexity 72-75 in 1,534 s (122 s on an H100), fast 297 in 871 s; time "
-                    "grows with the tokens (both) and the steps (best). A 7B model (estimate, not measured: layers "
-                    "x parameters per layer is about 60x the 135M's) takes about 60x as long: about a day (best) "
-                    "or 15 hours (fast) on such a CPU, about 2 hours (best) on one H100.")
+        description="best: the closed-form fits, then block-wise reconstruction with the steps, lr and train "
+                    "chosen for the model's size; fast: the closed-form fits only (steps=0). What each costs: "
+                    "docs/benchmarks.md.")
     refit: RefitOptions = Field(default_factory=RefitOptions,
                                 description="settings of a method that calibrates (--refit-option KEY=VALUE)")
     calibration_tokens: int = Field(
         DEFAULT_CALIBRATION_TOKENS, json_schema_extra=_cli("--calibration-tokens", type=int, show_default=True),
-        description="Tokens of calibration text. Memory does not grow with the model's depth; time grows linearly.")
+        description="Tokens of calibration text; time grows with them, memory does not.")
     calibration_data: str | None = Field(
         None, json_schema_extra=_cli("--calibration-data"),
-        description="Text for methods that calibrate: a text file, or hf:NAME[:CONFIG][:SPLIT] from the local "
-                    "datasets cache (never your evaluation text). Without it, text is sampled from SRC, which "
-                    "needs the whole model in memory once.")
+        description="A text file, or hf:NAME[:CONFIG][:SPLIT] from the local datasets cache (never your "
+                    "evaluation text) [default: text sampled from SRC, which needs the whole model in memory once].")
     dtype: str = Field("auto", json_schema_extra=_cli("--dtype", choices=("auto", *DTYPE_NAMES), show_default=True),
                        description="Output dtype; auto keeps each tensor's dtype.")
     max_shard_size: str | None = Field(
@@ -260,10 +251,13 @@ class ConvertSettings(BaseModel):
                       description="Seed for random methods.")
     group_encoder: bool = Field(
         False, json_schema_extra=_cli("--group-encoder", is_flag=True),
-        description="Encoder-decoders only: group the encoder's self-attention too (same G). By default only the "
-                    "decoder's self- and cross-attention are grouped, as in the GQA paper, which keeps the encoder "
-                    "multi-head: it runs once per input, over all input tokens in parallel, so it is not bound by "
-                    "memory bandwidth and gains little from fewer KV heads.")
+        description="Encoder-decoders: group the encoder's self-attention too. By default only the decoder's "
+                    "attentions are grouped (the GQA paper): the encoder runs once per input, over its tokens in "
+                    "parallel, so it is not bound by memory bandwidth.")
+
+    force: bool = Field(
+        False, json_schema_extra=_cli("--force", is_flag=True),
+        description="Write OUT even when -g equals SRC's KV heads, which groups nothing (an unchanged copy).")
 
     @field_validator("source", mode="before")
     @classmethod

@@ -254,7 +254,10 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def check_not_an_input(out: Path, inputs: Inputs, flag: str = "output") -> Path:
-    """Rule 1: OUT is not, does not contain, and does not sit inside any input."""
+    """Rule 1: OUT is not, does not contain, and does not sit inside any input (and is not `-`,
+    which would name a file `-`, not standard output)."""
+    if str(out) == "-":
+        raise GqakitError(f"{flag} is '-': gqakit writes to a path, not to standard output; name a file or folder")
     out = _resolve(out)
     for label, path in inputs:
         if path is None:

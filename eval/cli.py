@@ -9,11 +9,22 @@ import click
 from click.core import ParameterSource
 
 from gqakit.core import trust
+from gqakit.core.clihelp import GroupedCommand
 from gqakit.core.errors import GqakitError
 from gqakit.eval.records import OBJECTIVES, UNSET
 
 if TYPE_CHECKING:
     from gqakit.eval.records import EvalResult
+
+# `gqakit eval --help`: its options under these headings, in this order
+EVAL_OPTION_GROUPS = (
+    ("Input and output", ("data", "max_chars", "text_field", "out", "overwrite")),
+    ("Perplexity", ("ppl", "context", "stride", "objective", "span_seed", "input_field", "target_field")),
+    ("Decode speed", ("speed", "batches", "prompt_lens", "input_lens", "output_lens", "new_tokens", "reps", "warmup",
+                      "compile_", "eager", "prefill_once", "max_batch_search", "max_batch_limit")),
+    ("Tasks (lm-evaluation-harness)", ("tasks", "num_fewshot", "limit", "tasks_path", "tasks_batch")),
+    ("Device and run", ("device", "dtype", "quiet", "trust_remote_code", "help")),
+)
 
 
 def command_line() -> list[str]:
@@ -41,7 +52,8 @@ def command_line() -> list[str]:
     return words
 
 
-@click.command("eval", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("eval", cls=GroupedCommand, option_groups=EVAL_OPTION_GROUPS,
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model")
 @click.option("--data", help="Text file, or hf:NAME[:CONFIG][:SPLIT] from the local datasets cache.")
 @click.option("--ppl/--no-ppl", default=None, help="Measure perplexity (default: on when --data is given).")

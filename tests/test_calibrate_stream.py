@@ -220,7 +220,7 @@ def test_convert_cli_refuses_bad_refit_input(tiny_model, tmp_path, capsys, args,
 
 
 @pytest.mark.parametrize("extra", [{}, {"steps": 6, "lr": 1e-2}], ids=["closed-form", "reconstruction"])
-def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, one_thread, extra):
+def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, capfd, one_thread, extra):
     """A run interrupted at layer 2 of 4 leaves no OUT, keeps its work in the partial folder,
     and the same command resumes there: layers 0-1 are not recomputed, and the result is
     bit-identical to an uninterrupted run."""
@@ -252,8 +252,13 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
     assert not out.exists() and partial_dir(out).is_dir()
     assert list(dict.fromkeys(loaded)) == [0, 1, 2]  # (each block is read twice: before and after its fit)
     loaded.clear()
-    convert_checkpoint(src, out, 1, "align-refit", **kw)
+    capfd.readouterr()
+    convert_checkpoint(src, out, 1, "align-refit", **{**kw, "progress": True})
     assert list(dict.fromkeys(loaded)) == [2, 3] and not partial_dir(out).exists()
+    # a person reads layers counted from 1: two of four done, the third is next
+    err = capfd.readouterr().err
+    assert "after layer 2/4 (next: layer 3/4)" in err and "calibrating layer 3/4" in err, err
+    assert "calibrating layer 2/4" not in err and "after layer 1" not in err, err
     a, b = load_file(out / "model.safetensors"), load_file(whole / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec = json.loads((out / "gqakit_convert.json").read_text())["calibration"]
@@ -343,11 +348,11 @@ def test_blockwise_reconstruction_lowers_the_drift(tiny_model, one_thread):
 
 def test_reconstruction_is_skipped_when_nothing_is_pooled(tiny_model, one_thread):
     src = tiny_model("llama", num_key_value_heads=4)
-    settings = ConvertSettings(source=src, num_kv_heads=4, method="align-refit",
+    settings = ConvertSettings(source=src, num_kv_heads=4, method="align-refit", force=True,
                                calibration_tokens=256, refit={"seq_len": 32, "steps": 5})
     got, summary, opened, plan = _streamed(src, settings)
     assert "reconstruction" not in summary
-    plain, _, _, _ = _streamed(src, ConvertSettings(source=src, num_kv_heads=4, method="align-refit",
+    plain, _, _, _ = _streamed(src, ConvertSettings(source=src, num_kv_heads=4, method="align-refit", force=True,
                                                     calibration_tokens=256,
                                                     refit={"seq_len": 32}))
     _assert_same_heads(got, plain, rtol=0, atol=0)

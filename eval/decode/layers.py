@@ -146,7 +146,7 @@ def verdict(r: SimpleNamespace, what: str = "fused layers") -> str | None:
         untouched = torch.equal(la.keys[:, :, p + 1:], lb.keys[:, :, p + 1:]) and torch.equal(
             la.values[:, :, p + 1:], lb.values[:, :, p + 1:])
         if not (err <= REL_TOL and untouched and int(la.cumulative_length) == int(lb.cumulative_length)):
-            return f"{what} wrote another cache slot than the model (layer {i}, relative error {err:.2g})"
+            return f"{what} wrote another cache slot than the model (layer {i + 1}, relative error {err:.2g})"
     return None
 
 

@@ -141,7 +141,7 @@ evaluate.__signature__ = evaluate_signature()  # type: ignore[attr-defined]
 
 
 def convert_model(model: Any, num_kv_heads: int, method: str = "mean", *, grouping: str = "auto",
-                  seed: int = 0) -> Any:
+                  seed: int = 0, force: bool = False) -> Any:
     """A transformers model in memory, converted to `num_kv_heads` K/V heads; nothing is written.
 
     The conversion is `gqakit convert`'s, on the model's weights: the same plan, grouping and
@@ -150,6 +150,8 @@ def convert_model(model: Any, num_kv_heads: int, method: str = "mean", *, groupi
     families whose transformers class has grouped-query attention only: for gpt2, gpt_neox, opt
     and the encoder-decoders, save the model and use `gqakit.convert`, which writes gqakit's
     modeling file beside the weights; align-refit calibrates on text, also `gqakit.convert`'s job.
+    `num_kv_heads` equal to the model's own is refused unless `force=True` (a copy), as on the
+    command line.
 
     Example:
 
@@ -160,4 +162,4 @@ def convert_model(model: Any, num_kv_heads: int, method: str = "mean", *, groupi
     """
     from gqakit.convert.memory import convert_in_memory
 
-    return convert_in_memory(model, num_kv_heads, method, grouping=grouping, seed=seed)
+    return convert_in_memory(model, num_kv_heads, method, grouping=grouping, seed=seed, force=force)

@@ -25,7 +25,7 @@ from gqakit.core.errors import GqakitError
 
 
 def convert_in_memory(model: Any, num_kv_heads: int, method: str = "mean", *, grouping: str = "auto",
-                      seed: int = 0) -> Any:
+                      seed: int = 0, force: bool = False) -> Any:
     """`model` (a transformers model) with `num_kv_heads` K/V heads per layer, as a new model of
     its class, dtype and device; `model` is not changed."""
     config = getattr(model, "config", None)
@@ -38,7 +38,8 @@ def convert_in_memory(model: Any, num_kv_heads: int, method: str = "mean", *, gr
                           "model (save_pretrained) and convert the folder with gqakit.convert, which writes gqakit's "
                           "modeling file beside the weights")
     name = getattr(config, "name_or_path", "") or "model"
-    settings = ConvertSettings(source=name, num_kv_heads=num_kv_heads, method=method, grouping=grouping, seed=seed)
+    settings = ConvertSettings(source=name, num_kv_heads=num_kv_heads, method=method, grouping=grouping, seed=seed,
+                               force=force)
     if settings.staged:
         raise GqakitError(f"convert_model: method {method} calibrates on text through the model; save the model "
                           "(save_pretrained) and convert the folder with gqakit.convert")

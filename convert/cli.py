@@ -14,6 +14,7 @@ from gqakit.core import arch as archmod
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
+from gqakit.core.hub import resolve_model_ref
 
 # `gqakit inspect` of an encoder-decoder: the default lengths its cache sizes are priced at
 SEQ2SEQ_INPUT_LEN, SEQ2SEQ_OUTPUT_LEN = 512, 128
@@ -60,7 +61,8 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     """Convert the checkpoint SRC to grouped-query attention, written to OUT.
 
     SRC is a Hugging Face model folder (safetensors, sharded or not, or
-    pytorch_model*.bin) or a .gguf file. OUT is a complete model folder that loads
+    pytorch_model*.bin), a .gguf file, or a Hub id org/name[@revision] in the Hugging
+    Face cache (a local path of the same name wins). OUT is a complete model folder that loads
     with stock transformers, or, when both SRC and OUT end in .gguf, one GGUF file for
     llama.cpp (unchanged tensors keep their quantised bytes; --gguf-type sets the type
     of the changed ones). SRC is never modified; OUT appears only when complete.
@@ -70,6 +72,7 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     \b
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
+      gqakit convert HuggingFaceTB/SmolLM2-135M ./smollm2-g1 -g 1
       gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt
       gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt --effort fast
       gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping contiguous \\
@@ -84,6 +87,8 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     """
     from gqakit.core.device import check_device
 
+    ref = resolve_model_ref(src)  # a Hub id: its snapshot in the Hugging Face cache
+    src = ref.path
     precheck_source(src)
     check_device(device)
     refit = RefitOptions.from_cli(refit_options)  # the one place --refit-option is parsed
@@ -97,7 +102,7 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
         fields["max_shard_size"] = None
     elif gguf_type is not None:
         raise GqakitError("--gguf-type applies only to an OUT ending in .gguf")
-    settings = ConvertSettings(source=src, refit=refit, **fields)
+    settings = ConvertSettings(source=src, source_hub=ref.record(), refit=refit, **fields)
     config = _folder_config(src)
     if config is not None and archmod.find(config) is not None:  # (make_plan asks again, for every caller)
         check_encoder_decoder(archmod.lookup(config), settings, gguf=to_gguf)
@@ -160,6 +165,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
                 dtype_bytes: int, as_json: bool) -> None:
     """Show a checkpoint's attention geometry and the KV cache at each valid G.
 
+    SRC is a model folder, a .gguf file or a Hub id org/name[@revision] in the Hugging Face cache.
+
     For an encoder-decoder: both caches of the decoder (self-attention, per output token;
     cross-attention, per input token) and the bytes saved at --input-len, --output-len and
     --batch.
@@ -172,7 +179,10 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     """
     if batch < 1 or any(v is not None and v < 1 for v in (context, input_len, output_len)) or dtype_bytes < 1:
         raise GqakitError("--batch, --context, --input-len, --output-len and --dtype-bytes must be positive")
+    ref = resolve_model_ref(src)  # a Hub id: its snapshot in the Hugging Face cache
+    src = ref.path
     precheck_source(src)
+    name = ref.hub_id or str(src)
     from gqakit.convert.plan import make_plan
     from gqakit.convert.source import open_checkpoint
 
@@ -182,7 +192,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
         if context is not None:
             raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "
                               "and --output-len")
-        _inspect_seq2seq(src, opened, batch, input_len or SEQ2SEQ_INPUT_LEN, output_len or SEQ2SEQ_OUTPUT_LEN,
+        _inspect_seq2seq(src, name, opened, batch, input_len or SEQ2SEQ_INPUT_LEN, output_len or SEQ2SEQ_OUTPUT_LEN,
                          dtype_bytes, as_json)
         return
     if input_len is not None or output_len is not None:
@@ -197,7 +207,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
         rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
                      "kv_cache_bytes": per_tok * batch * ctx,
                      "parameters_removed": plan.source_params - plan.output_params})
-    info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
+    info = {"source": name, "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
             "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
             "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads)).source_params,
@@ -205,7 +215,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
-    click.echo(f"{src}: {spec.family} ({'stock GQA support' if spec.native_gqa else 'GQA via written modeling file'})")
+    click.echo(f"{name}: {spec.family} ({'stock GQA support' if spec.native_gqa else 'GQA via written modeling file'})")
     click.echo(f"  layers {s.num_layers}, hidden {s.hidden_size}, query heads {s.num_heads}, KV heads "
                f"{s.num_kv_heads}, head_dim {s.head_dim}, parameters {info['parameters']:,}")
     click.echo(f"\n  KV cache at batch {batch}, context {ctx}, {dtype_bytes} bytes/element:")
@@ -215,7 +225,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
                    f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
 
 
-def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_len: int, dtype_bytes: int,
+def _inspect_seq2seq(src: Path, name: str, opened: Any, batch: int, input_len: int, output_len: int, dtype_bytes: int,
                      as_json: bool) -> None:
     """`inspect` of an encoder-decoder: the decoder's two caches at every valid G (the encoder
     keeps no cache), and what each G saves at this input length, output length and batch."""
@@ -236,7 +246,7 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
                      "self_attention_cache_bytes": self_b, "cross_attention_cache_bytes": cross_b,
                      "kv_cache_bytes": self_b + cross_b, "kv_cache_bytes_saved": sum(full) - self_b - cross_b,
                      "parameters_removed": plan.source_params - plan.output_params})
-    info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "encoder_decoder": True,
+    info = {"source": name, "family": spec.family, "native_gqa": spec.native_gqa, "encoder_decoder": True,
             "encoder": {"layers": enc.num_layers, "query_heads": enc.num_heads, "kv_heads": enc.num_kv_heads,
                         "head_dim": enc.head_dim},
             "decoder": {"layers": dec.num_layers, "query_heads": dec.num_heads, "kv_heads": dec.num_kv_heads,
@@ -246,7 +256,7 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
-    click.echo(f"{src}: {spec.family} encoder-decoder (GQA via written modeling file)")
+    click.echo(f"{name}: {spec.family} encoder-decoder (GQA via written modeling file)")
     click.echo(f"  encoder: layers {enc.num_layers}, query heads {enc.num_heads}, KV heads {enc.num_kv_heads}; "
                f"decoder: layers {dec.num_layers}, query heads {dec.num_heads}, KV heads {dec.num_kv_heads}; "
                f"head_dim {dec.head_dim}, hidden {dec.hidden_size}, parameters {plan.source_params:,}")

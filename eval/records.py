@@ -168,10 +168,19 @@ class EncoderInfo(Record):
     head_dim: StrictInt
 
 
+class HubInfo(Record):
+    """Where a model given as a Hub id came from: its repository, the revision asked for, the snapshot's commit."""
+
+    repo_id: StrictStr
+    revision: StrictStr
+    commit: StrictStr
+
+
 class ModelInfo(Record):
     """Shape facts of the measured model, and the KV-cache bytes one token costs."""
 
-    path: StrictStr
+    path: StrictStr  # the model as given: a local path, or a Hub id (`org/name[@revision]`)
+    hub: HubInfo = UNSET  # a Hub id's provenance (core/hub.py)
     model_type: StrictStr | None = UNSET
     parameters: StrictInt
     layers: StrictInt = UNSET

@@ -89,7 +89,8 @@ def hub_cache_dir() -> Path:
 
 
 def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUTHY
+    """True unless the user set HF_HUB_OFFLINE to something false (gqakit's default is offline)."""
+    return os.environ.get("HF_HUB_OFFLINE", "1").strip().lower() in TRUTHY
 
 
 def resolve_model_ref(ref: str | os.PathLike[str]) -> ModelRef:

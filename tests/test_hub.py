@@ -234,3 +234,28 @@ def test_base_model_of_a_local_source(tmp_path, tiny_model, capsys, monkeypatch)
     snap = put_in_cache(tmp_path / "cache", "org/snap-model", src)
     assert hub_id_of(snap) == "org/snap-model" and hub_id_of(snap / "model.gguf") == "org/snap-model"
     assert hub_id_of(src) is None and hub_id_of(src, {"_name_or_path": str(src)}) is None
+
+
+@pytest.mark.parametrize("env,local_only", [(None, True), ("1", True), ("0", False)])
+def test_the_network_only_when_the_user_allows_it(monkeypatch, tmp_path, env, local_only):
+    """gqakit is offline unless HF_HUB_OFFLINE=0; online, a failed download is the same one line."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake(repo_id, **kw):
+        calls.append(kw["local_files_only"])
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    if env is None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", env)
+    with pytest.raises(GqakitError, match=r"^model org/name is not in the Hugging Face cache .*; download it with: "
+                                          r"hf download org/name$") as e:
+        resolve_model_ref("org/name")
+    assert calls == [local_only]
+    assert ("the download failed: connection refused" in str(e.value)) is not local_only

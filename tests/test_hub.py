@@ -190,7 +190,7 @@ def test_eval_from_a_hub_id_records_the_id(hub, capsys):
     assert model["kv_heads"] == 8
 
 
-def test_uptrain_student_and_teacher_from_hub_ids(hub, tmp_path):
+def test_uptrain_student_and_teacher_from_hub_ids(hub, tmp_path, capsys):
     from gqakit.convert import convert_checkpoint
     from gqakit.uptrain import run_uptrain
     from gqakit.uptrain.preflight import preflight
@@ -205,6 +205,9 @@ def test_uptrain_student_and_teacher_from_hub_ids(hub, tmp_path):
            "train": {"tokens": 16 * 2 * 3, "seq_len": 16, "micro_batch": 2, "lr": 1e-3, "warmup_steps": 1,
                      "precision": "fp32"},
            "output": {"dir": str(work / "run"), "save_every": 100}, "logging": {"every": 1, "tensorboard": False}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    plan = ok(["uptrain", str(tmp_path / "c.yaml"), "--dry-run", "--device-memory", "24GB"], capsys)
+    assert "weights float32" in plan and "fits 24GB device" in plan, plan  # the memory plan of the cached model
     checked = preflight(cfg)
     assert checked.src == student.resolve() and checked.teacher == snap.resolve()
     final = run_uptrain(cfg, quiet=True)

@@ -56,10 +56,10 @@ def convert(src: str | Path, out: str | Path, **settings: Any) -> Path | list[st
 
 
 def _signature() -> inspect.Signature:
-    """src, out, then ConvertSettings' fields (but `source`) and RUN_OPTIONS, keyword-only."""
+    """src, out, then ConvertSettings' fields (but `source` and `source_hub`, the Hub id it resolves to) and RUN_OPTIONS, keyword-only."""
     positional = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str | Path)
                   for n in ("src", "out")]
-    fields = apicall.field_parameters(ConvertSettings.model_fields, skip=("source",),
+    fields = apicall.field_parameters(ConvertSettings.model_fields, skip=("source", "source_hub"),
                                       annotations={"refit": RefitOptions | Mapping[str, Any] | None})
     run = [inspect.Parameter(n, apicall.KEYWORD, annotation=a, default=d) for n, (a, d) in RUN_OPTIONS.items()]
     return inspect.Signature([*positional, *fields, *run], return_annotation=Path | list[str])

@@ -15,6 +15,7 @@ from gqakit.core import trust
 from gqakit.core.clihelp import GroupedCommand
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
+from gqakit.core.hub import resolve_model_ref
 
 # `gqakit convert --help`: its options under these headings, in this order
 CONVERT_OPTION_GROUPS = (
@@ -72,6 +73,7 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     \b
     Examples:
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
+      gqakit convert HuggingFaceTB/SmolLM2-135M ./smollm2-g1 -g 1
       gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt
       gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt --effort fast
       gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping contiguous \\
@@ -84,8 +86,9 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
       gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
       gqakit convert ./flan-t5-base ./flan-t5-g4 -g 4 --method mean
 
-    SRC is a Hugging Face model folder (safetensors or pytorch_model*.bin) or a .gguf
-    file; it is never modified. OUT is a model folder that loads with stock transformers
+    SRC is a Hugging Face model folder (safetensors or pytorch_model*.bin), a .gguf file,
+    or a Hub id org/name[@revision] in the Hugging Face cache (a local path of the same
+    name wins); it is never modified. OUT is a model folder that loads with stock transformers
     or, when SRC and OUT both end in .gguf, one GGUF file for llama.cpp. OUT appears only
     when complete; a killed align-refit run resumes when the same command runs again.
     """
@@ -105,7 +108,8 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
     calls it too. Returns OUT, or with `dry_run` the lines of the plan (nothing written)."""
     from gqakit.core.device import check_device
 
-    src, out = Path(src), Path(out)
+    ref = resolve_model_ref(str(src))  # a Hub id: its snapshot in the Hugging Face cache
+    src, out = ref.path, Path(out)
     precheck_source(src)
     check_device(device)
     # the one place --refit-option is parsed
@@ -120,7 +124,7 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
         fields["max_shard_size"] = None
     elif gguf_type is not None:
         raise GqakitError("--gguf-type applies only to an OUT ending in .gguf")
-    settings = ConvertSettings(source=src, refit=refit, **fields)
+    settings = ConvertSettings(source=src, source_hub=ref.record(), refit=refit, **fields)
     config = _folder_config(src)
     if config is not None and archmod.find(config) is not None:  # (make_plan asks again, for every caller)
         check_encoder_decoder(archmod.lookup(config), settings, gguf=to_gguf)
@@ -178,6 +182,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
                 dtype_bytes: int | None, as_json: bool) -> None:
     """Show a checkpoint's attention geometry and the KV cache at each valid G.
 
+    SRC is a model folder, a .gguf file or a Hub id org/name[@revision] in the Hugging Face cache.
+
     For an encoder-decoder: both caches of the decoder (self-attention, per output token;
     cross-attention, per input token) and the bytes saved at --input-len, --output-len and
     --batch.
@@ -190,7 +196,10 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     """
     if batch < 1 or any(v is not None and v < 1 for v in (context, input_len, output_len, dtype_bytes)):
         raise GqakitError("--batch, --context, --input-len, --output-len and --dtype-bytes must be positive")
+    ref = resolve_model_ref(src)  # a Hub id: its snapshot in the Hugging Face cache
+    src = ref.path
     precheck_source(src)
+    name = ref.hub_id or str(src)
     from gqakit.convert.plan import make_plan
     from gqakit.convert.source import open_checkpoint
 
@@ -204,7 +213,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
         if context is not None:
             raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "
                               "and --output-len")
-        _inspect_seq2seq(src, opened, batch, input_len or SEQ2SEQ_INPUT_LEN, output_len or SEQ2SEQ_OUTPUT_LEN,
+        _inspect_seq2seq(src, name, opened, batch, input_len or SEQ2SEQ_INPUT_LEN, output_len or SEQ2SEQ_OUTPUT_LEN,
                          dtype_bytes, dtype, as_json)
         return
     if input_len is not None or output_len is not None:
@@ -219,7 +228,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
         rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
                      "kv_cache_bytes": per_tok * batch * ctx,
                      "parameters_removed": plan.source_params - plan.output_params})
-    info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
+    info = {"source": name, "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
             "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
             "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads,
@@ -228,7 +237,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
-    click.echo(f"{src}: {spec.family} ({'stock GQA support' if spec.native_gqa else 'GQA via written modeling file'})")
+    click.echo(f"{name}: {spec.family} ({'stock GQA support' if spec.native_gqa else 'GQA via written modeling file'})")
     click.echo(f"  layers {s.num_layers}, hidden {s.hidden_size}, query heads {s.num_heads}, KV heads "
                f"{s.num_kv_heads}, head_dim {s.head_dim}, parameters {info['parameters']:,}")
     click.echo(f"\n  KV cache at batch {batch}, context {ctx}, {dtype_bytes} bytes/element ({dtype}):")
@@ -238,8 +247,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
                    f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
 
 
-def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_len: int, dtype_bytes: int,
-                     dtype: str, as_json: bool) -> None:
+def _inspect_seq2seq(src: Path, name: str, opened: Any, batch: int, input_len: int, output_len: int,
+                     dtype_bytes: int, dtype: str, as_json: bool) -> None:
     """`inspect` of an encoder-decoder: the decoder's two caches at every valid G (the encoder
     keeps no cache), and what each G saves at this input length, output length and batch."""
     from gqakit.convert.plan import make_plan
@@ -259,7 +268,7 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
                      "self_attention_cache_bytes": self_b, "cross_attention_cache_bytes": cross_b,
                      "kv_cache_bytes": self_b + cross_b, "kv_cache_bytes_saved": sum(full) - self_b - cross_b,
                      "parameters_removed": plan.source_params - plan.output_params})
-    info = {"source": str(src), "family": spec.family, "native_gqa": spec.native_gqa, "encoder_decoder": True,
+    info = {"source": name, "family": spec.family, "native_gqa": spec.native_gqa, "encoder_decoder": True,
             "encoder": {"layers": enc.num_layers, "query_heads": enc.num_heads, "kv_heads": enc.num_kv_heads,
                         "head_dim": enc.head_dim},
             "decoder": {"layers": dec.num_layers, "query_heads": dec.num_heads, "kv_heads": dec.num_kv_heads,
@@ -270,7 +279,7 @@ def _inspect_seq2seq(src: Path, opened: Any, batch: int, input_len: int, output_
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
-    click.echo(f"{src}: {spec.family} encoder-decoder (GQA via written modeling file)")
+    click.echo(f"{name}: {spec.family} encoder-decoder (GQA via written modeling file)")
     click.echo(f"  encoder: layers {enc.num_layers}, query heads {enc.num_heads}, KV heads {enc.num_kv_heads}; "
                f"decoder: layers {dec.num_layers}, query heads {dec.num_heads}, KV heads {dec.num_kv_heads}; "
                f"head_dim {dec.head_dim}, hidden {dec.hidden_size}, parameters {plan.source_params:,}")

@@ -16,6 +16,7 @@ from gqakit.convert.plan import Plan
 from gqakit.convert.settings import ConvertSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
+from gqakit.core.hub import hub_id_of
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.modelcard import render_model_card
 
@@ -111,7 +112,7 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
     if calibration:
         record["calibration"] = calibration
     (tmp / CONVERT_SETTINGS).write_text(json.dumps(record, indent=2) + "\n")
-    facts = {"source": f"`{settings.source}`", "family": plan.family, "method": settings.method,
+    facts = {"source": f"`{settings.source_name}`", "family": plan.family, "method": settings.method,
              "grouping": settings.grouping, "query heads": s.num_heads,
              "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → "
              f"{archmod.kv_bytes_text(after, dtype)}, the saved dtype ({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
@@ -138,9 +139,11 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
         facts["method"] = f"{settings.method}: {described}"
     summary = ("Grouped-query-attention conversion made with gqakit. Each group of K/V heads was pooled into "
                "one head; quality usually drops until the model is uptrained (`gqakit uptrain`).")
+    # the card names the source by its Hub id (or folder name), never by a local path
+    base = settings.source_name if settings.source_hub else hub_id_of(settings.source, plan.config)
     (tmp / "README.md").write_text(render_model_card(
-        title=f"{Path(settings.source).name} → GQA ({G} KV heads)", base_model=settings.source,
-        summary=summary, facts=facts, settings=settings.record()))
+        title=f"{settings.source_name.rsplit('/', 1)[-1]} → GQA ({G} KV heads)", base_model=base,
+        summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name}))
 
 
 def _attention_dtype(plan: Plan) -> Any:

@@ -216,7 +216,11 @@ class ConvertSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    source: str = Field(description="the source checkpoint: a model folder or a .gguf file")
+    source: str = Field(description="the source checkpoint: a model folder or a .gguf file (a Hub id given "
+                                    "here is resolved to its snapshot folder in the Hugging Face cache)")
+    source_hub: dict[str, str] | None = Field(
+        None, description="where SRC came from when it was given as a Hub id: repo_id, revision, commit "
+                          "(core.hub.ModelRef.record); None for a local path")
     num_kv_heads: int = Field(description="Target number of K/V heads G (must divide the current number).",
                               json_schema_extra=_cli("-g", "--num-kv-heads", type=int, required=True))
     method: str = Field(
@@ -258,6 +262,18 @@ class ConvertSettings(BaseModel):
     force: bool = Field(
         False, json_schema_extra=_cli("--force", is_flag=True),
         description="Write OUT even when -g equals SRC's KV heads, which groups nothing (an unchanged copy).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hub_source(cls, data: Any) -> Any:
+        """A `source` that is no local path but a Hub id: its snapshot folder in the cache."""
+        if isinstance(data, dict) and data.get("source") is not None and data.get("source_hub") is None:
+            from gqakit.core.hub import resolve_model_ref
+
+            ref = resolve_model_ref(data["source"])
+            if ref.repo_id is not None:
+                data = {**data, "source": ref.path, "source_hub": ref.record()}
+        return data
 
     @field_validator("source", mode="before")
     @classmethod
@@ -396,7 +412,17 @@ class ConvertSettings(BaseModel):
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
                 "seed": self.seed, "calibration_data": self.calibration_data,
                 "calibration_tokens": self.calibration_tokens, "options": self.refit.given(),
-                **({"group_encoder": True} if self.group_encoder else {}), **self._resolved_record()}
+                **({"group_encoder": True} if self.group_encoder else {}),
+                **({"source_hub": dict(self.source_hub)} if self.source_hub else {}), **self._resolved_record()}
+
+    @property
+    def source_name(self) -> str:
+        """How the source is named to others (model card, title): its Hub id (`org/name`, with
+        `@revision` unless main) when it came from the Hub, else the folder or file name."""
+        h = self.source_hub
+        if h:
+            return h["repo_id"] + (f"@{h['revision']}" if h.get("revision", "main") != "main" else "")
+        return Path(self.source).name
 
     def _resolved_record(self) -> dict[str, Any]:
         """For a resolved calibrating method: the effort, the values "auto" chose (after the given

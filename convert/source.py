@@ -1,4 +1,5 @@
-"""Opening a source checkpoint: a Hugging Face model folder, or a .gguf file.
+"""Opening a source checkpoint: a Hugging Face model folder, a .gguf file, or a Hub id
+`org/name[@revision]` in the Hugging Face cache (`core/hub.py`; a local path wins).
 
 A .gguf file is memory-mapped and read one tensor at a time (`gguf_in.stream_gguf`), so
 its tensors stream like a folder's. Only an architecture with no tensor-name map (neither
@@ -15,13 +16,14 @@ from tqdm import tqdm
 
 from gqakit.convert.io import DictSource, Opened, open_source
 from gqakit.core.errors import GqakitError
+from gqakit.core.hub import resolve_model_ref
 from gqakit.core.loading import read_config_json
 
 __all__ = ["Opened", "open_checkpoint", "source_path"]
 
 
 def open_checkpoint(src: str | Path, *, progress: bool = True) -> Opened:
-    src = Path(src).expanduser()
+    src = resolve_model_ref(src).path
     if not src.exists():
         raise GqakitError(f"source not found: {src}")
     if src.is_file() and src.suffix == ".gguf":

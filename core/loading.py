@@ -1,4 +1,7 @@
-"""Load models and tokenizers from a local folder or a .gguf file, offline.
+"""Load models and tokenizers from a local folder, a .gguf file or a Hub id in the cache, offline.
+
+A model argument that is no local path but is spelled `org/name[@revision]` is that
+repository's snapshot in the Hugging Face cache (`core/hub.py`); a local path always wins.
 
 Folders written by `gqakit convert` for families without stock GQA support carry a
 modeling file `gqakit_modeling_<family>.py` and an `auto_map` in config.json. Such a file
@@ -23,9 +26,11 @@ from typing import Any
 
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.hub import resolve_model_ref
 from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded, read_st_header  # noqa: F401 (re-exported)
 
-# Nothing in gqakit may reach the Hugging Face Hub.
+# Nothing in gqakit reaches the Hugging Face Hub unless the user sets HF_HUB_OFFLINE=0
+# (then a Hub id missing from the cache is downloaded: `core/hub.py`).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
@@ -93,8 +98,9 @@ def check_gguf(path: Path) -> None:
 
 
 def split_source(path: str | Path) -> tuple[Path, str | None]:
-    """(folder, gguf file name or None) for a folder or a .gguf path; config.json is checked."""
-    p = Path(path).expanduser()
+    """(folder, gguf file name or None) for a folder, a .gguf path or a Hub id in the cache;
+    config.json is checked."""
+    p = resolve_model_ref(path).path
     if p.suffix == ".gguf":
         if not p.is_file():
             raise GqakitError(f"GGUF file not found: {p}")

@@ -11,9 +11,15 @@ import yaml
 import gqakit
 
 
-def render_model_card(*, title: str, base_model: str, summary: str, facts: dict[str, Any], settings: dict[str, Any]) -> str:
-    """A Hugging Face model card: YAML front matter, a facts table and the exact settings."""
-    front = {"library_name": "transformers", "tags": ["gqa", "gqakit"], "base_model": base_model}
+def render_model_card(*, title: str, base_model: str | None, summary: str, facts: dict[str, Any],
+                      settings: dict[str, Any]) -> str:
+    """A Hugging Face model card: YAML front matter, a facts table and the exact settings.
+
+    `base_model` must be a Hub id (`org/name`, `@revision` when not main), as the model-card
+    spec reads it; None leaves it out (a local source with no Hub id: never a local path)."""
+    front: dict[str, Any] = {"library_name": "transformers", "tags": ["gqa", "gqakit"]}
+    if base_model:
+        front["base_model"] = base_model
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {title}", "", summary, ""]
     lines += ["| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in facts.items()]

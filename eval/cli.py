@@ -107,7 +107,8 @@ def eval_cmd(model, data, ppl, speed, out, context, stride, max_chars, text_fiel
              target_field, batches, prompt_lens, input_lens, output_lens, new_tokens, reps, warmup, compile_, eager,
              prefill_once, max_batch_search, max_batch_limit, tasks, num_fewshot, limit, tasks_path, tasks_batch,
              device, dtype, overwrite, quiet) -> None:
-    """Measure perplexity, decode speed and task accuracy of MODEL (a folder or a .gguf file).
+    """Measure perplexity, decode speed and task accuracy of MODEL (a folder, a .gguf file, or a Hub id
+    org/name[@revision] in the Hugging Face cache, recorded by that id).
 
     Perplexity is token-level over a sliding window (--context, --stride), plus bits per
     byte and word/byte perplexity, which compare models with different tokenizers.

@@ -180,10 +180,19 @@ class ConversionInfo(Record):
     uptrained: StrictBool = UNSET  # the folder is `gqakit uptrain`'s export of a conversion
 
 
+class HubInfo(Record):
+    """Where a model given as a Hub id came from: its repository, the revision asked for, the snapshot's commit."""
+
+    repo_id: StrictStr
+    revision: StrictStr
+    commit: StrictStr
+
+
 class ModelInfo(Record):
     """Shape facts of the measured model, and the KV-cache bytes one token costs (in the run's dtype)."""
 
-    path: StrictStr
+    path: StrictStr  # the model as given: a local path, or a Hub id (`org/name[@revision]`)
+    hub: HubInfo = UNSET  # a Hub id's provenance (core/hub.py)
     model_type: StrictStr | None = UNSET
     parameters: StrictInt
     layers: StrictInt = UNSET

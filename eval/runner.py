@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from gqakit.core.device import check_device, resolve_device
 from gqakit.core.errors import GqakitError
+from gqakit.core.hub import resolve_model_ref
 from gqakit.core.text import EvalText, TextSource
 from gqakit.eval.perplexity import PerplexitySettings
 from gqakit.eval.provenance import model_info, run_info
-from gqakit.eval.records import SCHEMA, EvalResult, write_results
+from gqakit.eval.records import SCHEMA, EvalResult, HubInfo, write_results
 
 if TYPE_CHECKING:
     from gqakit.eval.perplexity_seq2seq import Examples
@@ -89,6 +90,8 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
     existing file is replaced only with `overwrite`, and only when it is a gqakit results
     file; OUT is never the model, the data, or inside either.
     """
+    ref = resolve_model_ref(model_path)  # a Hub id: its snapshot in the Hugging Face cache
+    model_path = ref.path if ref.repo_id else model_path
     out = check_eval_inputs(model_path, perplexity=perplexity, speed=speed, tasks=tasks, device=device, dtype=dtype,
                             out=out, overwrite=overwrite)
     from gqakit.core.loading import is_encoder_decoder
@@ -129,6 +132,8 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
         results = measure(model_path, doc, perplexity=perplexity, speed=speed, tasks=tasks, device=device,
                           dtype=dtype, command=command, progress=progress and not quiet, quiet=quiet,
                           examples=examples, encoder_decoder=encoder_decoder)
+    if ref.repo_id:  # recorded by its Hub id, not by a path inside the cache
+        results.model.path, results.model.hub = ref.name, HubInfo(**ref.record())
     if seen:
         results.perplexity.data["seen_in_training"] = seen
         if not quiet:

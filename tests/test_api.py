@@ -48,7 +48,7 @@ def test_convert_signature_is_the_settings_fields():
     sig = inspect.signature(gqakit.convert)
     assert sig == inspect.signature(gqakit.convert.convert) == inspect.signature(gqakit.convert.__call__)
     assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values())
-    fields = {n: f for n, f in ConvertSettings.model_fields.items() if n != "source"}
+    fields = {n: f for n, f in ConvertSettings.model_fields.items() if n not in ("source", "source_hub")}  # the source, and the Hub id it resolved to
     assert list(sig.parameters) == ["src", "out", *fields, *RUN_OPTIONS]
     for name, f in fields.items():
         p = sig.parameters[name]

@@ -190,7 +190,9 @@ def test_output_folder_is_self_contained(tiny_model, tmp_path):
     assert record["settings"]["method"] == "mean" and record["num_kv_heads"] == 2
     assert record["kv_cache_bytes_per_token_before"] == 4 * record["kv_cache_bytes_per_token_after"]
     card = (out / "README.md").read_text()
-    assert "8 → 2" in card and str(src.resolve()) in card and "mean" in card
+    assert "8 → 2" in card and f"| source | `{src.name}` |" in card and "mean" in card
+    assert str(src.resolve()) not in card  # a card is for sharing: no local path (the record keeps it)
+    assert record["settings"]["source"] == str(src.resolve())
     assert AutoTokenizer.from_pretrained(out)("a b").input_ids == AutoTokenizer.from_pretrained(src)("a b").input_ids
     assert not [p for p in tmp_path.iterdir() if ".gqakit-tmp-" in p.name]
 

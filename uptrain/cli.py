@@ -65,8 +65,7 @@ def _dry_run(config: str, overrides: tuple[str, ...], device_memory: tuple[str, 
              accelerate_config: str | None) -> None:
     """The resolved config, then the memory plan as YAML comments (the output stays valid YAML).
     Writes nothing and loads no weights: the model is counted from its config.json."""
-    from pathlib import Path
-
+    from gqakit.core.hub import resolve_model_ref
     from gqakit.uptrain.config import load_config, to_yaml
     from gqakit.uptrain.plan import parse_size
 
@@ -74,7 +73,7 @@ def _dry_run(config: str, overrides: tuple[str, ...], device_memory: tuple[str, 
     for m in device_memory:
         parse_size(m)  # a bad size is one line before anything is printed
     click.echo(to_yaml(cfg), nl=False)
-    if not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+    if not (resolve_model_ref(cfg.model.path).path / "config.json").is_file():  # a Hub id: its cached snapshot
         click.echo(f"# memory plan: none; model.path {cfg.model.path} has no config.json")
         return
     from gqakit.uptrain.plan import plan_for_config

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.hub import resolve_model_ref
 from gqakit.uptrain.lora import short_targets
 
 GIB = 2**30
@@ -297,7 +298,7 @@ def _configs(cfg: Any) -> tuple[Any, Any, bool]:
     """The student's and the teacher's transformers configs (config.json only)."""
     from gqakit.core.loading import load_config as load_hf_config, remote_code, split_source
 
-    src = Path(cfg.model.path).expanduser()
+    src = resolve_model_ref(cfg.model.path).path  # a Hub id: its snapshot in the Hugging Face cache
     folder, gguf = split_source(src)
     hf = load_hf_config(src)
     te = cfg.teacher
@@ -327,7 +328,7 @@ def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_c
     if getattr(hf, "is_encoder_decoder", False):
         return [f"memory plan: none; it covers decoder-only models, and {Path(cfg.model.path).name} is an "
                 f"encoder-decoder ({getattr(hf, 'model_type', '?')})"], True
-    settings = _settings(cfg, target.device, Path(cfg.model.path).expanduser())
+    settings = _settings(cfg, target.device, resolve_model_ref(cfg.model.path).path)
     plan = make_plan(hf, settings, target, teacher_config=teacher, teacher=cfg.teacher.model_dump(),
                      trust_remote_code=trc)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.arch import max_positions
+from gqakit.core.hub import resolve_model_ref
 from gqakit.core.loading import UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, split_source
 from gqakit.core.outrule import MODEL, RUN, check_not_an_input, check_output_path
 from gqakit.core.yamlfile import YamlError, read_yaml
@@ -197,7 +198,10 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
     config_path = None if isinstance(config, Mapping) else Path(config).expanduser().resolve()
 
     # ---- the model and the teacher
-    src = Path(cfg.model.path).expanduser().resolve()
+    try:  # a Hub id: its snapshot in the Hugging Face cache
+        src = resolve_model_ref(cfg.model.path).path.resolve()
+    except GqakitError as e:
+        raise GqakitError(f"model.path: {e}") from None
     if not src.is_dir() or not (src / "config.json").is_file():
         raise GqakitError(f"model.path: {src} is not a model folder (no config.json)")
     if not is_gqakit_output(src):
@@ -210,8 +214,8 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
         raise GqakitError(f"train.seq_len: {t.seq_len} is longer than the model's {max_pos} positions")
     teacher = None
     if cfg.teacher.path:
-        teacher = Path(cfg.teacher.path).expanduser().resolve()
         try:
+            teacher = resolve_model_ref(cfg.teacher.path).path.resolve()
             split_source(teacher)
         except GqakitError as e:
             raise GqakitError(f"teacher.path: {e}") from None

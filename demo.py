@@ -129,7 +129,8 @@ def training_texts(limit_chars: int) -> list[str]:
 @click.option("--refit-steps", type=click.IntRange(min=0),
               help="Block-wise reconstruction steps per layer (calibrating methods) [default: the conversion's "
                    "own, scaled to the budget's calibration tokens].")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an earlier demo folder at --out (kept until the new one is complete).")
 def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refit_steps: int | None,
              overwrite: bool) -> None:
     """Convert SmolLM2-135M from 3 KV heads to 1, uptrain it, evaluate all three, report.

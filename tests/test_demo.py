@@ -1,4 +1,5 @@
-"""`gqakit demo`: help, the offline failure, and the text split (no full run: it takes minutes)."""
+"""`gqakit demo`: help, the offline failure, the text split, and runs on a pico model stopped part way
+(the real one, on SmolLM2, takes minutes)."""
 
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def pico(tmp_path_factory):
 
 
 def start_demo(model, out, pause="", *extra):
-    # no C++ kernel build: the decode timing of a pico model needs none
-    env = {**os.environ, "GQAKIT_NO_CPU_KERNELS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # no C++ kernel build: the decode timing of a pico model needs none; one thread is plenty
+    env = {**os.environ, "GQAKIT_NO_CPU_KERNELS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen([sys.executable, "-c", RUNNER, str(model), pause, "--out", str(out), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -154,8 +155,8 @@ def test_a_stopped_demo_leaves_nothing_and_the_next_run_is_not_refused(pico, tmp
     """Ctrl-C early (between the two text files), in the middle (between the two
     conversions) and late (the report written, the folder not yet in place): each leaves no
     --out and no hidden folder, and the next run, without --overwrite, is not refused; the
-    last one runs to the end. Then a run with --overwrite, stopped by SIGTERM once its report
-    is written, leaves the earlier demo folder whole."""
+    last one runs to the end. Then a run with --overwrite, stopped by SIGTERM between its
+    conversions, leaves the earlier demo folder whole."""
     out = tmp_path / "demo"
     for pause, method in (("texts", "mean"), ("convert", "align-refit"), ("report", "mean")):
         rc, err = stop_at(pico, out, pause, signal.SIGINT, "--method", method)
@@ -176,7 +177,7 @@ def test_a_stopped_demo_leaves_nothing_and_the_next_run_is_not_refused(pico, tmp
     assert str(out / "converted") in (out / "uptrain" / "gqakit_uptrain.yaml").read_text()
 
     before = sorted((str(f.relative_to(out)), f.stat().st_size) for f in out.rglob("*"))
-    rc, err = stop_at(pico, out, "report", signal.SIGTERM, "--overwrite", "--method", "mean")
+    rc, err = stop_at(pico, out, "convert", signal.SIGTERM, "--overwrite", "--method", "mean")
     assert rc == 130, err[-2000:]
     assert sorted((str(f.relative_to(out)), f.stat().st_size) for f in out.rglob("*")) == before
     assert leftovers(out) == ["demo"]

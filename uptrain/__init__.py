@@ -1,7 +1,7 @@
 """gqakit.uptrain: continue pre-training a converted GQA model on 🤗 accelerate.
 
     from gqakit.uptrain import run_uptrain
-    model_dir = run_uptrain("configs/stories260K-g2.yaml", ["train.tokens=500000"])
+    model_dir = run_uptrain("stories260K-g2", ["model.path=s260k-g2", "teacher.path=stories260K"])
 """
 
 from __future__ import annotations

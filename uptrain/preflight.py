@@ -29,6 +29,7 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.arch import max_positions
+from gqakit.core.modelfiles import weight_shapes
 from gqakit.core.loading import UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, split_source
 from gqakit.core.outrule import MODEL, RUN, check_not_an_input, check_output_path
 from gqakit.core.yamlfile import YamlError, read_yaml
@@ -232,6 +233,8 @@ def _check_model(cfg: UptrainConfig) -> tuple[Path, dict[str, Any]]:
     hf_cfg = read_config_json(src)
     split_source(src)  # its code, if not gqakit's own, needs --trust-remote-code
     check_weights(src)
+    if weight_shapes(src) is None:
+        raise GqakitError(f"model.path: {src} holds no weights (no .safetensors or .bin file)")
     return src, hf_cfg
 
 

@@ -52,7 +52,7 @@ def uptrain_cmd(config: str | None, overrides: tuple[str, ...], list_configs: bo
       gqakit uptrain --list-configs
       gqakit uptrain stories260K-g2 model.path=s260k-g2 teacher.path=stories260K --dry-run
       gqakit uptrain stories260K-g2 model.path=s260k-g2 teacher.path=stories260K data.eval_file=valid.txt
-      gqakit uptrain stories260K-g2 model.path=s260k-g2 teacher.path=stories260K train.tokens=500000 --resume
+      gqakit uptrain stories260K-g2 model.path=s260k-g2 teacher.path=stories260K --resume  # after Ctrl-C or a crash
       gqakit uptrain tiny-cpu model.path=tiny-g2 data.files=[input.txt] output.dir=tiny-run
       gqakit uptrain my-recipe.yaml train.tokens=2e6 train.seed=1
       gqakit uptrain smollm2-135M-g1 model.path=smol-g1 data.files=[wiki.txt] --dry-run --device-memory 24GB
@@ -66,10 +66,12 @@ def uptrain_cmd(config: str | None, overrides: tuple[str, ...], list_configs: bo
     if (device_memory or accelerate_config) and not dry_run:
         raise GqakitError("--device-memory and --accelerate-config plan a run: add --dry-run")
     if dry_run:
+        from gqakit.core.quiet import quiet_libraries
         from gqakit.uptrain.dryrun import dry_run as check_run, report
 
-        problems = check_run(config, overrides, device_memory=device_memory, accelerate_config=accelerate_config,
-                             resume=resume, overwrite=overwrite, echo=click.echo)
+        with quiet_libraries(quiet):
+            problems = check_run(config, overrides, device_memory=device_memory, accelerate_config=accelerate_config,
+                                 resume=resume, overwrite=overwrite, echo=click.echo)
         report(problems, lambda line: click.echo(line, err=True))
         return
     # Cheap checks first (config, paths, sizes, the run folder): no torch import yet.

@@ -60,7 +60,7 @@ def cli() -> None:
     Examples:
       gqakit inspect ./my-mha-model --context 4096 --batch 8
       gqakit convert ./my-mha-model ./my-gqa-model --num-kv-heads 4
-      gqakit uptrain configs/stories260K-g2.yaml train.tokens=2000000
+      gqakit uptrain stories260K-g2 model.path=./my-gqa-model teacher.path=./my-mha-model
       gqakit eval ./my-gqa-model --data text.txt --ppl --speed --out gqa.json
       gqakit compare mha.json gqa.json --out report/
       gqakit demo

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from bench.bench_methods import MODELS
-from bench.common import REPO, RESULTS, append_jsonl, perplexity
+from bench.common import REPO, RESULTS, SHARED, append_jsonl, perplexity
 
 # Before-training perplexity already measured by bench_methods.py (bench/results/methods.jsonl,
 # full evaluation protocol, G=1, contiguous; align-refit with 8,192 WikiText-2 valid tokens).
@@ -53,7 +53,9 @@ RECIPES = {
     # and a warm-up scaled to the budget (the recipe's 30 steps would exceed it).
     "smollm2": dict(config="configs/smollm2-135M-g1.yaml", calibration_tokens=8192,
                     overrides=lambda m: ["train.cpu=true", "train.seq_len=512", "train.micro_batch=2",
-                                         "train.grad_accum=1", "train.warmup_steps=4", "data.eval_file="]),
+                                         "train.grad_accum=1", "train.warmup_steps=4",
+                                         f"data.files=[{SHARED}/data/wikitext-2/valid.txt, "
+                                         f"{SHARED}/data/tinyshakespeare/input.txt]"]),
 }
 
 

@@ -44,7 +44,7 @@ def training_blocks(tok, teacher: Path) -> torch.Tensor:
     from gqakit.uptrain.config import load_config
     from gqakit.uptrain.data import default_cache_dir, teacher_samples_file
 
-    cfg = load_config(RECIPE, [f"teacher.path={teacher}"])
+    cfg = load_config(RECIPE, [f"model.path={teacher}", f"teacher.path={teacher}"])  # only data is read
     f = teacher_samples_file(cfg.data.teacher_samples, teacher, default_cache_dir(cfg.data))
     ids: list[int] = []
     for line in f.read_text().splitlines():

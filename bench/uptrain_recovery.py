@@ -76,6 +76,7 @@ def main() -> None:
             out = run_dir(work, tokens, mode)
             if not (out / "model" / "config.json").is_file() and not args.table_only:
                 cmd = [sys.executable, "-m", "gqakit", "uptrain", str(RECIPE), f"model.path={g2}", f"output.dir={out}",
+                       f"teacher.path={ORIGINAL}", f"data.eval_file={EVAL}",
                        f"train.tokens={tokens}", *MODES[mode], *args.overrides, "--overwrite"]
                 print("+", " ".join(cmd), flush=True)
                 t0 = time.time()

@@ -8,8 +8,9 @@ built from it: its size once every alias is expanded, its depth, and whether an 
 points into itself. A config is a few hundred values, so the limits are far above any
 real file and far below a harmful one.
 
-Every failure is one `YamlError` line naming the file (a `GqakitError`, and a `ValueError`
-for readers that skip what they cannot use).
+Every failure is one `YamlError` line naming the file, and for bad syntax the line and
+column (1-based, as editors count) where PyYAML stopped (a `GqakitError`, and a
+`ValueError` for readers that skip what they cannot use).
 """
 
 from __future__ import annotations
@@ -101,4 +102,20 @@ def read_yaml(path: str | Path) -> Any:
     except UnicodeDecodeError:
         raise YamlError(f"{path} is not valid YAML: not UTF-8 text (a binary or damaged file?)") from None
     except yaml.YAMLError as e:
-        raise YamlError(f"{path} is not valid YAML: {first_line(e, None)}") from None
+        raise YamlError(f"{path} is not valid YAML: {syntax_error(e)}") from None
+
+
+def syntax_error(e: yaml.YAMLError) -> str:
+    """PyYAML's error as one phrase with where it is: `line 3, column 7: mapping values are
+    not allowed here`, and where the construct it was reading began, when PyYAML says."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is None or not problem:
+        return first_line(e, None)
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and cmark is not None and (cmark.line, cmark.column) != (mark.line, mark.column):
+        text += f" ({context} that starts at line {cmark.line + 1}, column {cmark.column + 1})"
+    elif context:
+        text += f" ({context})"
+    return text

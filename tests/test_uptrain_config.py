@@ -82,6 +82,47 @@ def test_yaml_file_missing_and_invalid(tmp_path: Path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("text, where", [
+    ("model:\n  path: a\n   bad: 1\n", "line 3, column 7: mapping values are not allowed here"),
+    ("model: [unclosed\n", "line 2, column 1: expected ',' or ']', but got '<stream end>' "
+                           "(while parsing a flow sequence that starts at line 1, column 8)"),
+    ("train:\n  lr: 'open\n", "(while scanning a quoted scalar that starts at line 2, column 7)"),
+])
+def test_yaml_syntax_errors_give_line_and_column(tmp_path: Path, text: str, where: str):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(GqakitError) as e:
+        load_config(bad)
+    assert str(e.value).startswith(f"{bad} is not valid YAML: line ") and where in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lrr=1", "unknown config key 'train.lrr'; did you mean 'train.lr'?"),
+    ("train.warmup_step=1", "unknown config key 'train.warmup_step'; did you mean 'train.warmup_steps'?"),
+    ("trian.lr=1", "unknown config key 'trian'; did you mean 'train'?"),
+    ("teacher.kl_wieght=1", "unknown config key 'teacher.kl_wieght'; did you mean 'teacher.kl_weight'?"),
+    ("train.lora.alhpa=4", "unknown config key 'train.lora.alhpa'; did you mean 'train.lora.alpha'?"),
+    ("train.zzzzzz=1", "unknown config key 'train.zzzzzz'"),
+])
+def test_unknown_keys_suggest_the_closest_field_of_their_section(override: str, message: str):
+    tree = {**BASE, "train": {**BASE["train"], "lora": {}}} if ".lora." in override else BASE
+    with pytest.raises(GqakitError) as e:
+        load_config(tree, [override])
+    assert str(e.value) == message
+
+
+def test_an_unknown_key_is_named_before_the_required_one_it_misspells():
+    tree = {k: v for k, v in BASE.items() if k != "model"}
+    with pytest.raises(GqakitError) as e:
+        load_config(tree, ["model.pth=/m"])
+    assert str(e.value) == "unknown config key 'model.pth'; did you mean 'model.path'?"
+    with pytest.raises(GqakitError) as e:
+        load_config({"train": {"tokens": 5}}, ["teacher.kl_weight=1"])
+    assert str(e.value) == ("missing required settings: model.path, teacher.path, data.files, output.dir "
+                            "(give them as key=value overrides)")
+
+
 def test_cli_unknown_key_is_one_line_exit_2(tmp_path: Path):
     import yaml
 
@@ -91,6 +132,8 @@ def test_cli_unknown_key_is_one_line_exit_2(tmp_path: Path):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip() == "gqakit: error: unknown config key 'train.nope'"
+    # the config is valid, but model.path does not exist: a real run would not start
     r = subprocess.run([sys.executable, "-m", "gqakit", "uptrain", str(cfg), "train.seed=3", "--dry-run"],
                        capture_output=True, text=True)
-    assert r.returncode == 0 and "seed: 3" in r.stdout
+    assert r.returncode == 2 and "seed: 3" in r.stdout
+    assert r.stderr.strip() == "gqakit: error: model.path: /m is not a model folder (no config.json)"

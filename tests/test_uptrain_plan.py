@@ -55,7 +55,8 @@ def test_dry_run_prints_the_plan_without_weights_and_writes_nothing(converted: P
     out = tmp_path / "run"
     before = sorted(p.name for p in tmp_path.iterdir())
     r = dry_run(config(bare, out), tmp_path, "--device-memory", "24GB")
-    assert r.returncode == 0, r.stderr
+    # a run would not start without the weights: the dry run says so, after the whole plan
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "holds no weights" in r.stderr, r.stderr
     assert "seq_len: 16" in r.stdout  # the resolved config comes first
     yaml.safe_load(r.stdout)  # the plan lines are YAML comments: the output stays valid YAML
     plan = [ln for ln in r.stdout.splitlines() if ln.startswith("#")]
@@ -277,6 +278,9 @@ def test_dry_run_of_an_encoder_decoder_says_the_plan_is_for_decoder_only_models(
     folder.mkdir()
     T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=64).save_pretrained(folder)
     r = dry_run(config(folder, tmp_path / "run"), tmp_path)
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    # a bare config.json is no converted model (a problem), but the plan is still made from it
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"gqakit: error: model.path: {folder} is not a converted model (no gqakit_convert.json); " \
+        "run `gqakit convert` first"
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("# memory plan")]
     assert lines == ["# memory plan: none; it covers decoder-only models, and t5 is an encoder-decoder (t5)"], r.stdout

@@ -4,7 +4,7 @@ The package is callable: `gqakit.uptrain(config, overrides, ...)` runs `gqakit u
 `uptrain` below, or `help(gqakit.uptrain.__call__)`):
 
     import gqakit
-    model_dir = gqakit.uptrain("configs/stories260K-g2.yaml", {"train.tokens": 500000})
+    model_dir = gqakit.uptrain("stories260K-g2", {"model.path": "s260k-g2", "teacher.path": "stories260K"})
 """
 
 from __future__ import annotations

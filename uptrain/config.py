@@ -7,12 +7,20 @@ ignored setting, and every failure becomes one `GqakitError` line that names the
 
 Overrides on the command line use dotted keys: `train.tokens=2e6 output.dir=/tmp/x`.
 Values are parsed as YAML scalars (`true`, `3e-4`, `[a.txt, b.txt]`, `null`).
+
+The recipes shipped in `gqakit.configs` are named without `.yaml` (`stories260K-g2`): a
+CONFIG that is no existing file, has no path separator and no `.yaml` ending is one of
+them. They hold no path of any machine: what a run must be given (`model.path`, and
+`teacher.path` or `data.files` where the recipe needs them) is left null, and every such
+setting still missing after the overrides is named in one error line.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -188,19 +196,83 @@ class UptrainConfig(_Section):
 # --------------------------------------------------------------------------- loading
 
 
+def _section_fields(loc: Sequence[Any]) -> tuple[str, list[str]]:
+    """The dotted section LOC's last part lives in, and that section's field names."""
+    model: type[BaseModel] = UptrainConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        sub = _model_of(field.annotation) if field is not None else None
+        if sub is None:
+            return "", []
+        model = sub
+    prefix = ".".join(str(p) for p in loc[:-1])
+    return prefix, list(model.model_fields)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model of a field typed `Model` or `Model | None`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((a for a in getattr(annotation, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)),
+                None)
+
+
+def did_you_mean(loc: Sequence[Any]) -> str:
+    """`; did you mean 'train.lr'?` for an unknown key LOC close to a field of its section, else ''."""
+    prefix, names = _section_fields(loc)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?"
+
+
 def _format_error(e: ValidationError) -> str:
-    """One line: the first failing key and why."""
-    err = e.errors()[0]
+    """One line: the first failing key and why (an unknown key first: it explains the rest)."""
+    errors = e.errors()
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     key = ".".join(str(p) for p in err["loc"])
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        return f"unknown config key {key!r}"
+        return f"unknown config key {key!r}{did_you_mean(err['loc'])}"
     if err["type"] == "missing":
         return f"config key {key!r} is required"
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
         return msg if not key else f"{key}: {msg}"
     return f"config key {key!r}: {msg} (got {err.get('input')!r})"
+
+
+def _given(tree: Any, *keys: str) -> Any:
+    """tree[k1][k2]... or None where a level is missing or not a mapping."""
+    for k in keys:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(k)
+    return tree
+
+
+def _positive(value: Any) -> bool:
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False  # not a number: validation names it
+
+
+def missing_settings(tree: Mapping[str, Any]) -> list[str]:
+    """The settings a run must be given that TREE leaves out or null: `model.path`,
+    `output.dir`, `teacher.path` when a teacher term or teacher samples need it, and the
+    data (named `data.files`) when no source is given."""
+    def absent(*keys: str) -> bool:
+        return _given(tree, *keys) in (None, "", [])
+
+    te = _given(tree, "teacher") or {}
+    needs_teacher = any(_positive(_given(te, k)) for k in ("kl_weight", "hidden_weight", "layer_weight")) \
+        or not absent("data", "teacher_samples")
+    no_data = _given(tree, "data") is None or isinstance(_given(tree, "data"), dict) and all(
+        absent("data", k) for k in ("files", "texts", "hf_dataset", "teacher_samples"))
+    wanted = [("model.path", absent("model", "path")), ("teacher.path", needs_teacher and absent("teacher", "path")),
+              ("data.files", no_data), ("output.dir", absent("output", "dir"))]
+    return [k for k, gone in wanted if gone]
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -257,12 +329,55 @@ def _coerce_numbers(tree: Any) -> Any:
     return tree
 
 
+# --------------------------------------------------------------------------- shipped recipes
+
+
+def packaged_configs() -> dict[str, Path]:
+    """The recipes shipped with gqakit (`gqakit.configs`), by name (the file name without `.yaml`)."""
+    folder = Path(str(resources.files("gqakit.configs")))
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def config_summary(path: Path) -> str:
+    """A recipe's one-line description: its first comment line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    return line.strip().lstrip("#").strip() if line.lstrip().startswith("#") else ""
+    except (OSError, UnicodeDecodeError):
+        pass
+    return ""
+
+
+def is_config_name(config: str) -> bool:
+    """Whether CONFIG names a shipped recipe rather than a file: no existing file, no path
+    separator, no `.yaml`/`.yml` ending."""
+    return not (Path(config).expanduser().exists() or "/" in config or "\\" in config
+                or config.endswith((".yaml", ".yml")))
+
+
+def resolve_config(config: str | Path) -> Path:
+    """The file CONFIG stands for: the file itself, or the shipped recipe of that name."""
+    text = str(config)
+    if not is_config_name(text):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise GqakitError(f"config file not found: {path}")
+        return path
+    shipped = packaged_configs()
+    if text in shipped:
+        return shipped[text]
+    close = difflib.get_close_matches(text, list(shipped), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise GqakitError(f"no config file and no shipped config named {text!r}; {hint}shipped: {', '.join(shipped)} "
+                      "(gqakit uptrain --list-configs)")
+
+
 def read_tree(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
-    path = Path(config).expanduser()
-    if not path.is_file():
-        raise GqakitError(f"config file not found: {path}")
+    path = resolve_config(config)
     tree = read_yaml(path)  # size and alias limits: a hostile file is one line, not a hang
     if not isinstance(tree, dict):
         raise GqakitError(f"{path} must hold a mapping of sections (model, data, train, ...)")
@@ -270,12 +385,24 @@ def read_tree(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_config(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> UptrainConfig:
-    """Read, override and validate a config; every problem is one GqakitError naming the key."""
+    """Read, override and validate a config; every problem is one GqakitError naming the key.
+    An unknown key is named first (it may be a misspelt required one), then every required
+    setting still missing, then the first other problem."""
     tree = _coerce_numbers(apply_overrides(read_tree(config), overrides))
     try:
-        return UptrainConfig.model_validate(tree)
+        cfg = UptrainConfig.model_validate(tree)
     except ValidationError as e:
+        if not any(x["type"] == "extra_forbidden" for x in e.errors()):
+            _check_missing(tree)
         raise GqakitError(_format_error(e)) from None
+    _check_missing(tree)
+    return cfg
+
+
+def _check_missing(tree: dict[str, Any]) -> None:
+    missing = missing_settings(tree)
+    if missing:
+        raise GqakitError(f"missing required settings: {', '.join(missing)} (give them as key=value overrides)")
 
 
 def to_yaml(cfg: UptrainConfig) -> str:

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError, first_line
-from gqakit.core.hub import resolve_model_ref
 from gqakit.uptrain.lora import short_targets
 
 GIB = 2**30
@@ -294,24 +293,31 @@ def _settings(cfg: Any, device: str, src: Path) -> Settings:
                     tuple(t.trainable) if t.trainable else None, resolve_precision(t.precision, device), lora)
 
 
-def _configs(cfg: Any) -> tuple[Any, Any, bool]:
+def _configs(cfg: Any, src: Path, teacher_path: Path | None) -> tuple[Any, Any, bool]:
     """The student's and the teacher's transformers configs (config.json only)."""
     from gqakit.core.loading import load_config as load_hf_config, remote_code, split_source
 
-    src = resolve_model_ref(cfg.model.path).path  # a Hub id: its snapshot in the Hugging Face cache
     folder, gguf = split_source(src)
     hf = load_hf_config(src)
     te = cfg.teacher
     uses_teacher = te.kl_weight > 0 or te.hidden_weight > 0 or te.layer_weight > 0
-    teacher = load_hf_config(Path(te.path).expanduser()) if uses_teacher and te.path else None
+    teacher = load_hf_config(teacher_path) if uses_teacher and teacher_path is not None else None
     return hf, teacher, remote_code(folder, gguf)
 
 
-def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_config: str | None = None
-                    ) -> tuple[list[str], bool]:
+def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_config: str | None = None,
+                    src: Path | None = None, teacher: Path | None = None) -> tuple[list[str], bool]:
     """`--dry-run`: the plan's lines and whether it fits one of the devices named (or this
-    machine's device when none is named). Reads config.json files only."""
+    machine's device when none is named). Reads config.json files only. SRC and TEACHER are
+    the model and teacher as preflight resolved them (by default `model.path` and
+    `teacher.path` as local paths)."""
     import torch
+
+    from gqakit.core.hub import resolve_model_ref  # a Hub id: its snapshot in the Hugging Face cache
+
+    src = Path(src) if src is not None else resolve_model_ref(cfg.model.path).path
+    if teacher is None and cfg.teacher.path:
+        teacher = resolve_model_ref(cfg.teacher.path).path
 
     named = [(f"{m.strip()} device", parse_size(m)) for m in device_memory]
     gpu = torch.cuda.is_available() and not cfg.train.cpu
@@ -324,21 +330,21 @@ def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_c
     if not devices:
         devices = [(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)] if gpu \
             else [("host RAM", host_memory())]
-    hf, teacher, trc = _configs(cfg)
+    hf, teacher_config, trc = _configs(cfg, src, teacher)
     if getattr(hf, "is_encoder_decoder", False):
-        return [f"memory plan: none; it covers decoder-only models, and {Path(cfg.model.path).name} is an "
+        return [f"memory plan: none; it covers decoder-only models, and {src.name} is an "
                 f"encoder-decoder ({getattr(hf, 'model_type', '?')})"], True
-    settings = _settings(cfg, target.device, resolve_model_ref(cfg.model.path).path)
-    plan = make_plan(hf, settings, target, teacher_config=teacher, teacher=cfg.teacher.model_dump(),
+    settings = _settings(cfg, target.device, src)
+    plan = make_plan(hf, settings, target, teacher_config=teacher_config, teacher=cfg.teacher.model_dump(),
                      trust_remote_code=trc)
 
     def recount(patterns: list[str]) -> Any:
         s = replace(plan.settings, trainable=tuple(patterns))
-        return make_plan(hf, s, target, teacher_config=teacher, teacher=cfg.teacher.model_dump(),
+        return make_plan(hf, s, target, teacher_config=teacher_config, teacher=cfg.teacher.model_dump(),
                          trust_remote_code=trc).counts
 
     fits_with = {label: suggestions(plan, mem, recount=recount) for label, mem in devices if plan.peak > mem}
-    lines = describe(plan, Path(cfg.model.path).name, devices, fits_with)
+    lines = describe(plan, src.name, devices, fits_with)
     fits = any(plan.peak <= mem for _, mem in devices)
     if not fits and not any(fits_with.values()):
         raise GqakitError(f"the plan needs {gib(plan.peak)} per process and fits none of the devices named "

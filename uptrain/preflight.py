@@ -6,6 +6,12 @@ and globs, the eval file, the sizes against the model's positions, the output fo
 only replaces a run gqakit wrote) and, with `--resume`, the checkpoint and the settings
 that fix the data order. It deletes and writes nothing, and it imports neither torch
 nor transformers, so a wrong path or number is answered in a fraction of a second.
+A run stops at the first problem; `--dry-run` hands in a `Problems` collector and gets
+every problem at once (a check that needs what an earlier one refused is skipped).
+
+`model.path` and `teacher.path` become folders in one place, `model_source`. Relative
+paths (these, data files, `output.dir`) resolve against the working directory, whether
+the config is a file or a shipped recipe.
 
 The trainer then loads the model and data (more checks that need them) and only after
 all of that deletes an old run (`--overwrite`) and creates the run folder.
@@ -16,7 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +30,12 @@ from typing import Any
 from gqakit.core.errors import GqakitError
 from gqakit.core.arch import max_positions
 from gqakit.core.hub import resolve_model_ref
+from gqakit.core.modelfiles import weight_shapes
 from gqakit.core.loading import UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, split_source
 from gqakit.core.outrule import MODEL, RUN, check_not_an_input, check_output_path
 from gqakit.core.yamlfile import YamlError, read_yaml
 from gqakit.uptrain.checkpoint import CKPT_DIR, checkpoints, damage, damaged_message, file_sha256, read_state
-from gqakit.uptrain.config import DataCfg, UptrainConfig, load_config
+from gqakit.uptrain.config import DataCfg, UptrainConfig, is_config_name, load_config, resolve_config
 
 # Settings that fix the data order and the meaning of a step: a resumed run must match them.
 RESUME_KEYS = ("seq_len", "micro_batch", "grad_accum", "seed")
@@ -53,10 +60,11 @@ class Checked:
     resume_state: dict[str, Any] = field(default_factory=dict)
     config_path: Path | None = None
     overrides: tuple[str, ...] = ()
+    config_name: str | None = None  # a shipped recipe's name, as the command gave it
 
     def resume_command(self) -> str:
         """The command that continues this run."""
-        cfg = str(self.config_path) if self.config_path else "CONFIG.yaml"
+        cfg = self.config_name or (str(self.config_path) if self.config_path else "CONFIG.yaml")
         return " ".join(["gqakit uptrain", cfg, *self.overrides, "--resume"])
 
 
@@ -188,20 +196,41 @@ def _check_resume(cfg: UptrainConfig, out: Path) -> tuple[int, dict[str, Any]]:
     return step, state
 
 
-def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), *, overwrite: bool = False,
-              resume: bool = False) -> Checked:
-    """All the checks that need no torch; raises one GqakitError, writes nothing."""
-    if overwrite and resume:
-        raise GqakitError("--overwrite and --resume exclude each other")
-    cfg = load_config(config, overrides)
-    t, d = cfg.train, cfg.data
-    config_path = None if isinstance(config, Mapping) else Path(config).expanduser().resolve()
+class Problems:
+    """Collects the one-line problems of checks run through it (`--dry-run`); without
+    `collect` the first problem is raised as it is."""
 
-    # ---- the model and the teacher
-    try:  # a Hub id: its snapshot in the Hugging Face cache
-        src = resolve_model_ref(cfg.model.path).path.resolve()
+    def __init__(self, collect: bool = True):
+        self.collect = collect
+        self.found: list[str] = []
+
+    def run(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """CHECK's result, or None when it refused (the problem kept)."""
+        try:
+            return check(*args, **kwargs)
+        except GqakitError as e:
+            if not self.collect:
+                raise
+            self.found.append(e.one_line())
+            return None
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two loaded tokenizers map text to the same ids (vocabulary, BOS and EOS)."""
+    return a.get_vocab() == b.get_vocab() and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
+
+
+def model_source(value: str, key: str) -> Path:
+    """The local folder (or .gguf file) a `model.path` / `teacher.path` value names: a local
+    path, or a Hub id's snapshot in the Hugging Face cache (a local path of that name wins)."""
+    try:
+        return resolve_model_ref(value).path.expanduser().resolve()
     except GqakitError as e:
-        raise GqakitError(f"model.path: {e}") from None
+        raise GqakitError(f"{key}: {e}") from None
+
+
+def _check_model(cfg: UptrainConfig) -> tuple[Path, dict[str, Any]]:
+    src = model_source(cfg.model.path, "model.path")
     if not src.is_dir() or not (src / "config.json").is_file():
         raise GqakitError(f"model.path: {src} is not a model folder (no config.json)")
     if not is_gqakit_output(src):
@@ -209,25 +238,85 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
     hf_cfg = read_config_json(src)
     split_source(src)  # its code, if not gqakit's own, needs --trust-remote-code
     check_weights(src)
-    max_pos = max_positions(hf_cfg)
-    if max_pos is not None and t.seq_len > max_pos:
-        raise GqakitError(f"train.seq_len: {t.seq_len} is longer than the model's {max_pos} positions")
-    teacher = None
-    if cfg.teacher.path:
-        try:
-            teacher = resolve_model_ref(cfg.teacher.path).path.resolve()
-            split_source(teacher)
-        except GqakitError as e:
-            raise GqakitError(f"teacher.path: {e}") from None
-        if teacher.is_dir():
-            check_weights(teacher)
+    if weight_shapes(src) is None:
+        raise GqakitError(f"model.path: {src} holds no weights (no .safetensors or .bin file)")
+    return src, hf_cfg
 
-    # ---- data, and the objective it is trained on
-    files, eval_files = resolve_data(d)
-    d.objective = resolve_objective(cfg, bool(hf_cfg.get("is_encoder_decoder")), files, src, teacher)
-    for f in eval_files if d.objective == "paired" else []:
+
+def _check_seq_len(cfg: UptrainConfig, hf_cfg: dict[str, Any]) -> None:
+    max_pos = max_positions(hf_cfg)
+    if max_pos is not None and cfg.train.seq_len > max_pos:
+        raise GqakitError(f"train.seq_len: {cfg.train.seq_len} is longer than the model's {max_pos} positions")
+
+
+def _check_teacher(cfg: UptrainConfig) -> Path:
+    teacher = model_source(cfg.teacher.path, "teacher.path")
+    try:
+        split_source(teacher)
+    except GqakitError as e:
+        raise GqakitError(f"teacher.path: {e}") from None
+    if teacher.is_dir():
+        check_weights(teacher)
+    return teacher
+
+
+def _check_paired_eval(eval_files: list[Path]) -> None:
+    for f in eval_files:
         if f.suffix.lower() not in (".jsonl", ".json"):
             raise GqakitError(f"data.eval_file: paired data are JSON lines (.jsonl), not {f.name}")
+
+
+def _check_out_folder(out: Path, inputs: list[tuple[str, Path | None]]) -> bool:
+    check_not_an_input(out, inputs, "output.dir")
+    if out.exists() and not out.is_dir():
+        raise GqakitError(f"output.dir {out} is a file, not a folder")
+    return True
+
+
+def _check_existing_run(checked: Checked, inputs: list[tuple[str, Path | None]], overwrite: bool, resume: bool) -> None:
+    out = checked.out
+    if resume:
+        checked.mode = "resume"
+        checked.resume_step, checked.resume_state = _check_resume(checked.cfg, out)
+        if (out / "model").exists():  # the final export replaces it: only if gqakit wrote it
+            check_output_path(out / "model", overwrite=True, inputs=inputs, kind=MODEL, flag="output.dir/model")
+    elif out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise GqakitError(f"output.dir {out} is not empty; pass --overwrite to replace it or --resume to continue")
+        check_output_path(out, overwrite=True, inputs=inputs, kind=RUN, flag="output.dir")
+        checked.mode = "overwrite"
+
+
+def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), *, overwrite: bool = False,
+              resume: bool = False, problems: Problems | None = None) -> Checked:
+    """All the checks that need no torch; writes nothing. Raises the first problem as one
+    GqakitError, or with PROBLEMS collects them and goes on with every check that does not
+    need what failed (a config that does not validate is still raised: nothing else can be
+    read from it). `Checked.src` is None when the model was refused."""
+    if overwrite and resume:
+        raise GqakitError("--overwrite and --resume exclude each other")
+    p = problems if problems is not None else Problems(collect=False)
+    cfg = load_config(config, overrides)
+    d = cfg.data
+    config_path = None if isinstance(config, Mapping) else resolve_config(config).resolve()
+    config_name = str(config) if isinstance(config, (str, Path)) and is_config_name(str(config)) else None
+
+    # ---- the model and the teacher
+    src, hf_cfg = p.run(_check_model, cfg) or (None, None)
+    if hf_cfg is not None:
+        p.run(_check_seq_len, cfg, hf_cfg)
+    teacher = p.run(_check_teacher, cfg) if cfg.teacher.path else None
+    teacher_ok = teacher is not None or not cfg.teacher.path
+
+    # ---- data, and the objective it is trained on
+    data = p.run(resolve_data, d)
+    files, eval_files = data or ([], [])
+    if src is not None and data is not None and teacher_ok:
+        objective = p.run(resolve_objective, cfg, bool(hf_cfg.get("is_encoder_decoder")), files, src, teacher)
+        if objective is not None:
+            d.objective = objective
+            if objective == "paired":
+                p.run(_check_paired_eval, eval_files)
 
     # ---- the run folder: never an input, never around one
     out = Path(cfg.output.dir).expanduser().resolve()
@@ -237,20 +326,8 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
         inputs.append(("data.cache_dir", Path(d.cache_dir).expanduser()))
     if config_path is not None and not (resume and config_path == out / UPTRAIN_SETTINGS):
         inputs.append(("config file", config_path))
-    check_not_an_input(out, inputs, "output.dir")
-    if out.exists() and not out.is_dir():
-        raise GqakitError(f"output.dir {out} is a file, not a folder")
-
     checked = Checked(cfg, src, out, teacher, files, eval_files, "fresh", config_path=config_path,
-                      overrides=tuple(overrides))
-    if resume:
-        checked.mode = "resume"
-        checked.resume_step, checked.resume_state = _check_resume(cfg, out)
-        if (out / "model").exists():  # the final export replaces it: only if gqakit wrote it
-            check_output_path(out / "model", overwrite=True, inputs=inputs, kind=MODEL, flag="output.dir/model")
-    elif out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise GqakitError(f"output.dir {out} is not empty; pass --overwrite to replace it or --resume to continue")
-        check_output_path(out, overwrite=True, inputs=inputs, kind=RUN, flag="output.dir")
-        checked.mode = "overwrite"
+                      overrides=tuple(overrides), config_name=config_name)
+    if p.run(_check_out_folder, out, inputs):
+        p.run(_check_existing_run, checked, inputs, overwrite, resume)
     return checked

@@ -35,7 +35,8 @@ from gqakit.uptrain.data import BlockOrder, build_blocks
 from gqakit.uptrain.losses import LOSS_TERMS, batch_losses, evaluate, loss_card, loss_log, objective, predicted_tokens
 from gqakit.uptrain.memory import set_trainable
 from gqakit.uptrain.plan import log_plan
-from gqakit.uptrain.preflight import Checked, preflight
+from gqakit.uptrain.preflight import Checked, preflight, same_tokenizer
+from gqakit.uptrain.schedule import lr_at, resolve_warmup, total_steps
 
 LOG_FILE = "log.jsonl"
 MODEL_DIR = "model"
@@ -44,26 +45,11 @@ MODEL_DIR = "model"
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12, "4090": 165e12}
 
 
-def _same_tokenizer(a: Any, b: Any) -> bool:
-    return a.get_vocab() == b.get_vocab() and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
-
-
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
-
-
-def lr_at(step: int, cfg: UptrainConfig, total: int, warmup: int) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio (nanoGPT's schedule)."""
-    t = cfg.train
-    if step < warmup:
-        return t.lr * (step + 1) / (warmup + 1)
-    if t.decay == "constant" or total <= warmup:
-        return t.lr
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def train_step(accelerator: Any, model: Any, optimizer: Any, micro: list[Any], teacher: Any | None,
@@ -190,7 +176,7 @@ def _load(checked: Checked, accelerator: Any, precision: str, quiet: bool) -> _L
     tokenizer = load_tokenizer(src)
     teacher_path = checked.teacher
     if teacher_path is not None:
-        if not _same_tokenizer(tokenizer, load_tokenizer(teacher_path)):
+        if not same_tokenizer(tokenizer, load_tokenizer(teacher_path)):
             raise GqakitError(f"teacher.path: the tokenizer of {teacher_path} differs from the model's")
 
     set_seed(t.seed)
@@ -309,10 +295,7 @@ class UptrainRecipe:
         self.order = BlockOrder(len(self.data.train_blocks), seed=t.seed, micro=t.micro_batch, accum=t.grad_accum,
                                 world=acc.num_processes, rank=acc.process_index)
         self.tokens_per_step = self.order.global_batch * t.seq_len
-        self.total_steps = t.budget() // self.tokens_per_step
-        if self.total_steps < 1:
-            raise GqakitError(f"train.tokens: {t.budget()} is less than one optimizer step "
-                              f"({self.tokens_per_step} tokens)")
+        self.total_steps = total_steps(t, self.tokens_per_step)
 
         # ---- every check has passed: only now is the run folder replaced or created
         self.made = _prepare_run_folder(checked) if acc.is_main_process else []
@@ -323,8 +306,10 @@ class UptrainRecipe:
             model = torch.compile(model)
         self.model, self.optimizer = acc.prepare(model, _make_optimizer(model, t))
         self.model.train()
-        self.warmup = t.warmup_steps if t.warmup_steps is not None else int(t.warmup_ratio * self.total_steps)
+        self.warmup, scaled = resolve_warmup(t, self.total_steps)
         self._print_plan()
+        if scaled:
+            self.say("uptrain: " + scaled)
         if checked.mode == "resume":
             restore(acc, self.out, checked.resume_step)
             self.step, self.loss = checked.resume_state["step"], checked.resume_state.get("loss", float("nan"))
@@ -393,7 +378,7 @@ class UptrainRecipe:
         data_state = {"files": [str(f) for f in self.checked.files], "sha256": self.data.data_sha}
         try:
             while self.step < self.total_steps:
-                lr = lr_at(self.step, cfg, self.total_steps, self.warmup)
+                lr = lr_at(self.step, cfg.train, self.total_steps, self.warmup)
                 for g in self.optimizer.param_groups:
                     g["lr"] = lr
                 micro = [self._micro_batch(a) for a in range(t.grad_accum)]

@@ -19,9 +19,9 @@ import pytest
 from pydantic import ValidationError
 
 from gqakit.core import arch
+from test_layering import product_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIPPED = ("tests", "bench", ".venv")  # not product code; convert/remote is skipped below
 
 # (file, name): why that family name may appear there. Keep this short.
 ALLOWED: dict[tuple[str, str], str] = {}
@@ -43,13 +43,8 @@ def family_names() -> set[str]:
 
 
 def product_files() -> list[Path]:
-    out = []
-    for p in sorted(ROOT.rglob("*.py")):
-        rel = p.relative_to(ROOT)
-        if rel.parts[0] in SKIPPED or rel.parts[:2] == ("convert", "remote"):
-            continue
-        out.append(p)
-    return out
+    """Every product module (test_layering's list: not tests/, the benchmarks, convert/remote)."""
+    return sorted(product_modules().values())
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

@@ -52,8 +52,9 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                ids.add(id(first.value))
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                ids.add(id(value))
     return ids
 
 
@@ -189,7 +190,8 @@ def test_two_entries_cannot_claim_one_gguf_architecture(monkeypatch):
     llama = arch.registry()["llama"].model_dump()
     twin = llama | {"family": "twin", "model_types": ["twin"], "architectures": ["TwinForCausalLM"]}
     files = [File("llama.json", json.dumps(llama)), File("twin.json", json.dumps(twin))]
-    monkeypatch.setattr(arch.resources, "files", lambda pkg: Dir(files) if pkg == "gqakit.core.architectures" else real(pkg))
+    monkeypatch.setattr(arch.resources, "files",
+                        lambda pkg: Dir(files) if pkg == "gqakit.core.architectures" else real(pkg))
     arch.registry.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="two entries name one gguf.arch"):
@@ -197,3 +199,40 @@ def test_two_entries_cannot_claim_one_gguf_architecture(monkeypatch):
     finally:
         monkeypatch.undo()
         arch.registry.cache_clear()
+
+
+def test_the_fused_decode_layout_comes_from_the_entry(tiny_model, monkeypatch):
+    """The fused CPU step checks the layout the model's entry names: a Llama model qualifies as
+    `llama`, is refused when its entry names none, and is checked as GPT-2 when it names that."""
+    from gqakit.core.loading import load_causal_lm
+    from gqakit.eval.decode.families import layer_specs, layout_problem
+
+    model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
+    assert layout_problem(model) is None
+    assert len(layer_specs(model).layers) == model.config.num_hidden_layers
+    reg = arch.registry()
+    monkeypatch.setitem(reg, "llama", reg["llama"].model_copy(update={"decode": None}))
+    assert "names no decoder-layer layout" in layout_problem(model)
+    monkeypatch.setitem(reg, "llama", reg["llama"].model_copy(update={"decode": "gpt2"}))
+    assert layout_problem(model).startswith("not a GPT-2 stack")
+
+
+def test_the_t5_step_follows_the_entry(tmp_path, monkeypatch):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from gqakit.eval.decode.t5_step import t5_layout_problem
+    from tiny_models import build_seq2seq
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(build_seq2seq("t5", tmp_path / "t5")).eval()
+    assert t5_layout_problem(model) is None
+    reg = arch.registry()
+    monkeypatch.setitem(reg, "t5", reg["t5"].model_copy(update={"decode": None}))
+    assert t5_layout_problem(model) == ("the lean encoder-decoder step covers the T5 layout, "
+                                        "not T5ForConditionalGeneration")
+
+
+def test_gguf_architectures_come_from_the_entries():
+    from gqakit.convert import gguf_in
+
+    assert gguf_in.GGUF_ARCHS == arch.gguf_archs() == {
+        s.gguf.arch: s.gguf.permute_qk for s in arch.registry().values() if s.gguf}

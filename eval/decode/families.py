@@ -139,6 +139,8 @@ def _opt_problem(model: Any, dec: Any) -> str | None:
     """OPT (and gqakit's grouped OPT): learned positions (offset 2), pre-norm LayerNorms, biased
     q/k/v/out projections, ReLU MLP. The 350M variant (post-norm, project_in/out) is not fused."""
     cfg = model.config
+    if dec is None or not hasattr(dec, "layers"):
+        return "no OPT decoder stack where the architecture table's block says"
     if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
         return "OPT with norms after the blocks or projections in/out (opt-350m's layout)"
     if dec.final_layer_norm is None or cfg.activation_function != "relu":

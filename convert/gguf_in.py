@@ -8,7 +8,8 @@ the model folder (`source.open_checkpoint`) and the GGUF file (`gguf_out`).
           below); the config comes from transformers' GGUF metadata reader
 
 Which GGUF tensor is which transformers tensor:
-  - the architectures gqakit's GGUF writer knows (`GGUF_ARCHS`): gguf-py's own tensor-name
+  - the architectures gqakit's GGUF writer knows (`GGUF_ARCHS`, from the `gguf` of the
+    architecture table's entries, `core/arch.py`): gguf-py's own tensor-name
     table applied to the state-dict names of the model built on the meta device, with
     llama.cpp's q/k row permutation undone here;
   - any other: transformers' GGUF loader's own name map (`get_gguf_hf_weights_map`) and
@@ -22,7 +23,8 @@ float32 (`tests/test_convert_gguf.py` holds every output tensor to transformers'
 llama.cpp's `convert_hf_to_gguf.py` stores the rows of Llama q/k projections permuted for
 its interleaved ("NORM") RoPE: within each head, the two rotary halves are interleaved
 (row order h, i, j -> h, j, i for a [heads, 2, head_dim/2] view). transformers' GGUF
-loader reverses that for the `llama` architecture only. gqakit reverses it when reading
+loader reverses that for the `llama` GGUF architecture only (the table entry whose `gguf`
+says `permute_qk`). gqakit reverses it when reading
 (with the source head counts) and applies it again when writing (with H query heads and
 G key heads, `gguf_out`), so both engines see the converted heads correctly.
 """
@@ -38,11 +40,13 @@ import numpy as np
 import torch
 
 from gqakit.convert.io import Opened, Source
+from gqakit.core.arch import gguf_archs
 from gqakit.core.errors import GqakitError
 
 # GGUF architecture -> whether llama.cpp permutes its q/k rows (transformers' GGUF loader
-# un-permutes exactly these: LlamaTensorProcessor). Each entry is tested end to end.
-GGUF_ARCHS: dict[str, bool] = {"llama": True, "qwen2": False}
+# un-permutes exactly these: LlamaTensorProcessor), from the table entries' `gguf`. Each is
+# tested end to end.
+GGUF_ARCHS: dict[str, bool] = gguf_archs()
 
 # transformers' GGUF tensor processors that turn one GGUF tensor into one transformers
 # tensor of the same name (the others merge several tensors, e.g. MoE experts)

@@ -7,6 +7,10 @@ the decoder blocks are (`block`), where each block's attention tensors are and h
 are laid out (`attention`), which config.json keys hold the geometry (`config`, the
 context length included), how rotary embeddings rotate (`rotary`), and, for families whose
 stock transformers class has no GQA, the classes of gqakit's modeling file (`remote`).
+It also holds what the other stages decide per family: the decoder-layer layout of the fast
+CPU decode step (`decode`), and the GGUF architecture gqakit reads and writes with its own
+tensor-name map (`gguf`). No code outside the table names a family or tells families apart
+by their module names (`tests/test_family_seam.py`).
 An encoder-decoder's entry also names its decoder's cross-attention (`cross_attention`) and
 its encoder (`encoder`: blocks, layer and head keys, self-attention); `block`, `attention`
 and `config` then describe the decoder.
@@ -95,6 +99,21 @@ class Remote(_Strict):
     module: str | None = None  # the modeling file's module name; None: gqakit_modeling_<family>
 
 
+# The decoder-layer layouts the fast CPU decode step computes (`eval/decode/`): a layout's
+# name is the family it was written for, but any family whose modules have that layout names
+# it (Qwen2, Mistral, Gemma, Phi-3, ... use "llama"). "t5" is an encoder-decoder's decoder
+# step (`eval/decode/t5_step.py`); the others are decoder-only models' layers.
+DecodeLayout = Literal["llama", "gpt_neox", "gpt2", "opt", "phi", "t5"]
+
+
+class Gguf(_Strict):
+    """The GGUF architecture (`general.architecture`) of this family's GGUF files, for which
+    gqakit maps tensor names with gguf-py's own table and can write GGUF output."""
+
+    arch: str
+    permute_qk: bool  # llama.cpp stores q/k rows permuted for its interleaved RoPE (undone on read)
+
+
 class Encoder(_Strict):
     """An encoder-decoder's encoder: where its blocks and their self-attention are, and the
     config.json keys of its layer and head counts (head_dim and hidden size are the decoder's)."""
@@ -128,6 +147,8 @@ class ArchSpec(_Strict):
     cross_attention: Attention | None = None  # an encoder-decoder's: inside each decoder block
     encoder: Encoder | None = None            # an encoder-decoder's encoder
     first_block_only: list[str] = []  # tensors (relative to a block) that only block 0 of a stack holds
+    decode: DecodeLayout | None = None  # the fast CPU decode step's layout; None: the model's own step
+    gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
     reject_if: dict[str, Any] = {}
     notes: str | None = None
 
@@ -138,6 +159,11 @@ class ArchSpec(_Strict):
             _check_inside(self.block, self.cross_attention, "cross_attention")
         if (self.cross_attention is None) != (self.encoder is None):
             raise ValueError("an encoder-decoder names both cross_attention and encoder")
+        if self.decode is not None and (self.decode == "t5") != self.is_encoder_decoder:
+            raise ValueError(f"decode {self.decode!r} is " + ("an encoder-decoder's decoder step"
+                             if self.decode == "t5" else "a decoder-only model's layer layout"))
+        if self.gguf is not None and self.is_encoder_decoder:
+            raise ValueError("gguf: GGUF input and output are for decoder-only models")
         return self
 
     @property
@@ -178,7 +204,16 @@ def registry() -> dict[str, ArchSpec]:
         except (ValidationError, json.JSONDecodeError) as e:
             raise RuntimeError(f"invalid architecture table {ARCH_DIR}{f.name}: {e}") from e
         specs[spec.family] = spec
+    archs = [s.gguf.arch for s in specs.values() if s.gguf]
+    if len(archs) != len(set(archs)):
+        raise RuntimeError(f"invalid architecture table {ARCH_DIR}: two entries name one gguf.arch ({archs})")
     return specs
+
+
+def gguf_archs() -> dict[str, bool]:
+    """GGUF architecture -> whether llama.cpp permutes its q/k rows, for the families whose
+    entry names a `gguf` architecture (gqakit's own tensor-name map and GGUF output)."""
+    return {s.gguf.arch: s.gguf.permute_qk for s in registry().values() if s.gguf}
 
 
 def supported() -> list[str]:
@@ -343,13 +378,27 @@ def loaded_seq2seq_shape(hf_config: Any) -> Seq2SeqShape:
                         shape(dec_layers, dec_heads, cfg.get("num_key_value_heads")))
 
 
-def decoder_blocks(model: Any) -> Any:
-    """The model's ModuleList of decoder blocks, where its family's `block` says it is."""
+def _unwrapped(model: Any) -> Any:
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP / torch.compile wrappers
         model = getattr(model, "module", None) or model._orig_mod
     if hasattr(model, "get_base_model"):  # a peft (LoRA) wrapper
         model = model.get_base_model()
-    spec = lookup(model.config.to_dict() | {"architectures": [type(model).__name__]})
+    return model
+
+
+def _loaded_config(model: Any) -> dict[str, Any]:
+    return model.config.to_dict() | {"architectures": [type(model).__name__]}
+
+
+def find_loaded(model: Any) -> ArchSpec | None:
+    """The family of a loaded model (by its class, then its config's model_type), or None."""
+    return find(_loaded_config(_unwrapped(model)))
+
+
+def decoder_blocks(model: Any) -> Any:
+    """The model's ModuleList of decoder blocks, where its family's `block` says it is."""
+    model = _unwrapped(model)
+    spec = lookup(_loaded_config(model))
     return model.get_submodule(spec.blocks)
 
 

@@ -4,11 +4,14 @@
 (`cpu_kernels.cpp`) computes, or None; `layer_specs(model)` collects, per layer, the four
 matrices to pack (q/k/v stacked, output, the MLP's up (or gate/up stacked) and down), their
 biases, norms, head count and activation, and for the stack the embedding, rotary module,
-final norm and residual wiring. Which models qualify is read from the loaded modules, not
-from a family list: Llama-layout models (RMSNorm, or OLMo's LayerNorm without parameters
-and its clip_qkv, or StableLM's LayerNorms; q/k/v/o projections or Phi-3's stacked ones;
-per-head q/k RMSNorms as Qwen3 has, or none; gate/up/down MLP with SiLU or tanh-GELU and
-no biases; full attention), GPT-NeoX, GPT-2, OPT and Phi.
+final norm and residual wiring. Which layout's check and collection a model gets is its
+architecture table entry's `decode` (`core/arch.py`; a model whose family is not in the table
+is tried as the Llama layout, and none where the entry names none); whether the model has
+that layout is then read from its loaded modules: Llama-layout models (RMSNorm, or OLMo's
+LayerNorm without parameters and its clip_qkv, or StableLM's LayerNorms; q/k/v/o projections
+or Phi-3's stacked ones; per-head q/k RMSNorms as Qwen3 has, or none; gate/up/down MLP with
+SiLU or tanh-GELU and no biases; full attention), GPT-NeoX, GPT-2, OPT and Phi. The stack
+holding the decoder blocks is found where the entry's `block` says it is.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from gqakit.core.arch import find_loaded
 from gqakit.core.qkv_rows import split_grouped_qkv
+
+# The layout tried for a model whose family is not in the architecture table: the Llama
+# layout's structure check decides, as for any entry that names it.
+FALLBACK_LAYOUT = "llama"
 
 
 def _norm(module: Any) -> tuple[int, Any, Any, float] | None:
@@ -58,26 +66,37 @@ def _affine_norms_problem(layer: Any, names: tuple[str, ...]) -> str | None:
     return None
 
 
+def _layout(model: Any) -> tuple[str | None, Any]:
+    """(the `decode` layout of `model`'s table entry, the module holding its decoder blocks)."""
+    spec = find_loaded(model)
+    if spec is None:
+        return FALLBACK_LAYOUT, getattr(model, "model", None)
+    stack = spec.blocks.rpartition(".")[0]
+    try:
+        return spec.decode, model.get_submodule(stack) if stack else model
+    except AttributeError:
+        return spec.decode, None
+
+
 def _layout_problem(model: Any) -> str | None:
     """Why `model`'s decoder layers do not have a layout `decode_layer` computes, or None."""
     import torch
 
-    inner = getattr(model, "model", None)
-    why = (_neox_problem(model) if hasattr(model, "gpt_neox") else _gpt2_problem(model) if hasattr(model, "transformer")
-           else _opt_problem(model) if hasattr(inner, "decoder") else _phi_problem(model) if hasattr(inner, "final_layernorm")
-           else _llama_problem(model))
+    layout, inner = _layout(model)
+    if layout not in _PROBLEMS:
+        return f"its architecture table entry names no decoder-layer layout of the fused step ({layout})"
+    why = _PROBLEMS[layout](model, inner)
     if why is None and any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
         return "not an fp32 CPU model"
     return why
 
 
-def _neox_problem(model: Any) -> str | None:
+def _neox_problem(model: Any, inner: Any) -> str | None:
     """GPT-NeoX (Pythia, and gqakit's grouped version of it): LayerNorms with biases, one
     query_key_value projection, partial rotary, GELU MLP with biases, parallel or sequential
     residuals."""
     import torch
 
-    inner = model.gpt_neox
     if getattr(inner, "rotary_emb", None) is None or not isinstance(getattr(inner, "final_layer_norm", None), torch.nn.LayerNorm):
         return "GPT-NeoX stack without rotary embeddings or a final LayerNorm"
     if model.config.hidden_act != "gelu":
@@ -97,10 +116,9 @@ def _neox_problem(model: Any) -> str | None:
 _GELU = {"gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}  # activation -> decode_layer's mlp_kind
 
 
-def _gpt2_problem(model: Any) -> str | None:
+def _gpt2_problem(model: Any, inner: Any) -> str | None:
     """GPT-2 (and gqakit's grouped GPT-2): learned positions, LayerNorms with biases, Conv1D
     projections (c_attn: queries, keys, values side by side), GELU MLP, sequential residuals."""
-    inner = model.transformer
     cfg = model.config
     if not all(hasattr(inner, n) for n in ("h", "wte", "wpe", "ln_f")) or getattr(cfg, "add_cross_attention", False):
         return "not a GPT-2 stack (transformer.h, wte, wpe, ln_f) without cross-attention"
@@ -117,10 +135,12 @@ def _gpt2_problem(model: Any) -> str | None:
     return None
 
 
-def _opt_problem(model: Any) -> str | None:
+def _opt_problem(model: Any, dec: Any) -> str | None:
     """OPT (and gqakit's grouped OPT): learned positions (offset 2), pre-norm LayerNorms, biased
     q/k/v/out projections, ReLU MLP. The 350M variant (post-norm, project_in/out) is not fused."""
-    cfg, dec = model.config, model.model.decoder
+    cfg = model.config
+    if dec is None or not hasattr(dec, "layers"):
+        return "no OPT decoder stack where the architecture table's block says"
     if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
         return "OPT with norms after the blocks or projections in/out (opt-350m's layout)"
     if dec.final_layer_norm is None or cfg.activation_function != "relu":
@@ -135,10 +155,10 @@ def _opt_problem(model: Any) -> str | None:
     return None
 
 
-def _phi_problem(model: Any) -> str | None:
+def _phi_problem(model: Any, inner: Any) -> str | None:
     """Phi (-1, -1.5, -2): one LayerNorm per block feeding attention and MLP side by side, biased
     q/k/v/dense projections, partial rotary, a GELU MLP with biases."""
-    cfg, inner = model.config, model.model
+    cfg = model.config
     if cfg.hidden_act not in _GELU or getattr(cfg, "qk_layernorm", False):
         return "Phi with q/k LayerNorms or an activation other than GELU"
     if _affine_norms_problem(inner, ("final_layernorm",)):
@@ -155,8 +175,7 @@ def _phi_problem(model: Any) -> str | None:
     return None
 
 
-def _llama_problem(model: Any) -> str | None:
-    inner = getattr(model, "model", None)
+def _llama_problem(model: Any, inner: Any) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
         return "not a decoder stack with .model.layers, .rotary_emb and .norm"
@@ -198,13 +217,12 @@ def _llama_problem(model: Any) -> str | None:
     return None
 
 
-def _llama_layers(model: Any) -> SimpleNamespace:
+def _llama_layers(model: Any, inner: Any) -> SimpleNamespace:
     """What FusedDecode needs of a Llama-layout model: the stack's modules, and per layer the
     four matrices to pack (rows, columns, the matrix when asked for: stacked copies are made one
     at a time) and the rest of `decode_layer`'s arguments."""
     import torch
 
-    inner = model.model
     cfg = model.config.get_text_config(decoder=True)
     parallel = bool(getattr(cfg, "use_parallel_residual", False))
     layers = []
@@ -241,14 +259,13 @@ def _llama_layers(model: Any) -> SimpleNamespace:
                            parallel=parallel)
 
 
-def _neox_layers(model: Any) -> SimpleNamespace:
+def _neox_layers(model: Any, inner: Any) -> SimpleNamespace:
     """`_llama_layers` for GPT-NeoX. Its query_key_value rows are, per K/V group g, the group's
     H/G query heads, then its key head, then its value head ((G, H/G + 2, D); stock Pythia is
     G = H: (H, 3, D)); they are re-stacked as all queries, all keys, all values."""
     import torch
 
     cfg = model.config
-    inner = model.gpt_neox
     H = cfg.num_attention_heads
     D = cfg.hidden_size // H
     G = (inner.layers[0].attention.query_key_value.out_features // D - H) // 2  # rows: (H + 2G) D
@@ -300,9 +317,9 @@ def _biased_layer(qkv: tuple, o: Any, up: Any, down: Any, n1: Any, n2: Any, head
         qnorm=None, knorm=None, qk_eps=0.0, heads=heads, inter=up.out_features, mlp_kind=mlp_kind, scale=scale)
 
 
-def _opt_layers(model: Any) -> SimpleNamespace:
+def _opt_layers(model: Any, dec: Any) -> SimpleNamespace:
     """`_llama_layers` for OPT (pre-norm): q/k/v stacked, ReLU MLP, position embeddings offset by 2."""
-    cfg, dec = model.config, model.model.decoder
+    cfg = model.config
     layers = [_biased_layer((x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj), x.self_attn.out_proj,
                             x.fc1, x.fc2, x.self_attn_layer_norm, x.final_layer_norm, cfg.num_attention_heads, 3,
                             float(x.self_attn.scaling)) for x in dec.layers]
@@ -310,10 +327,10 @@ def _opt_layers(model: Any) -> SimpleNamespace:
                            rotary=None, final=dec.final_layer_norm, layers=layers, clip_qkv=0.0, parallel=False)
 
 
-def _phi_layers(model: Any) -> SimpleNamespace:
+def _phi_layers(model: Any, inner: Any) -> SimpleNamespace:
     """`_llama_layers` for Phi: q/k/v stacked, the block's one LayerNorm for both branches
     (decode_layer's parallel residual with norm 2 = norm 1), GELU MLP, biases everywhere."""
-    cfg, inner = model.config, model.model
+    cfg = model.config
     layers = [_biased_layer((x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj), x.self_attn.dense,
                             x.mlp.fc1, x.mlp.fc2, x.input_layernorm, x.input_layernorm, cfg.num_attention_heads,
                             _GELU[cfg.hidden_act], float(x.self_attn.scaling)) for x in inner.layers]
@@ -321,11 +338,10 @@ def _phi_layers(model: Any) -> SimpleNamespace:
                            final=inner.final_layernorm, layers=layers, clip_qkv=0.0, parallel=True)
 
 
-def _gpt2_layers(model: Any) -> SimpleNamespace:
+def _gpt2_layers(model: Any, inner: Any) -> SimpleNamespace:
     """`_llama_layers` for GPT-2: Conv1D weights are [in, out], so each matrix is transposed as
     it is packed; c_attn's outputs are already all queries, then keys, then values."""
     cfg = model.config
-    inner = model.transformer
     layers = []
     for block in inner.h:
         a, m = block.attn, block.mlp
@@ -342,6 +358,14 @@ def _gpt2_layers(model: Any) -> SimpleNamespace:
                            layers=layers, clip_qkv=0.0, parallel=False)
 
 
+# A table entry's `decode` layout -> (why a model's layers lack it, or None; what the fused step
+# needs of them). The keys are layout names (core.arch.DecodeLayout), which several families share.
+_PROBLEMS = {"llama": _llama_problem, "gpt_neox": _neox_problem, "gpt2": _gpt2_problem, "opt": _opt_problem,
+             "phi": _phi_problem}
+_LAYERS = {"llama": _llama_layers, "gpt_neox": _neox_layers, "gpt2": _gpt2_layers, "opt": _opt_layers,
+           "phi": _phi_layers}
+
+
 def layout_problem(model: Any) -> str | None:
     """Why `model`'s decoder layers do not have a layout `decode_layer` computes, or None."""
     return _layout_problem(model)
@@ -349,7 +373,7 @@ def layout_problem(model: Any) -> str | None:
 
 def layer_specs(model: Any) -> SimpleNamespace:
     """The stack (`embed`, `rotary`, `final`, `clip_qkv`, `parallel`) and per layer what
-    `decode_layer` takes (`layers`: `mats` to pack, biases, norms, heads, MLP kind, scale)."""
-    return (_neox_layers(model) if hasattr(model, "gpt_neox") else _gpt2_layers(model) if hasattr(model, "transformer")
-            else _opt_layers(model) if hasattr(model.model, "decoder")
-            else _phi_layers(model) if hasattr(model.model, "final_layernorm") else _llama_layers(model))
+    `decode_layer` takes (`layers`: `mats` to pack, biases, norms, heads, MLP kind, scale),
+    for a model `layout_problem` accepts."""
+    layout, inner = _layout(model)
+    return _LAYERS[layout](model, inner)

@@ -22,7 +22,8 @@ the per-op cost of each block's small ops goes, a cost the same at every G (docs
 `prepare(cache)`, after the prefix, lays the cross-attention keys out once in the transposed
 blocks the kernel's many-rows path reads (`key_blocks`), instead of transposing them per step.
 
-It is checked before use: one step from two equally filled caches, lean and the model's
+It is for the models whose architecture table entry names the `t5` decode layout
+(`core/arch.py`'s `decode`), and it is checked before use: one step from two equally filled caches, lean and the model's
 own, must give the same logits and write the same self-attention cache slot
 (`check_t5_step`); otherwise the model's own step runs.
 """
@@ -33,6 +34,7 @@ import weakref
 from types import SimpleNamespace
 from typing import Any
 
+from gqakit.core.arch import find_loaded
 from gqakit.eval.decode import grouped  # its functions looked up per call, so SdpaSpy sees them
 from gqakit.eval.decode.packed import pack_arena
 
@@ -41,7 +43,8 @@ def t5_layout_problem(model: Any) -> str | None:
     """None if `T5Step` computes `model`'s decoder step, else why not."""
     import torch
 
-    if not type(model).__name__.endswith("T5ForConditionalGeneration"):
+    spec = find_loaded(model)
+    if spec is None or spec.decode != "t5":  # the architecture table entry names the decoder step
         return f"the lean encoder-decoder step covers the T5 layout, not {type(model).__name__}"
     dec = getattr(model, "decoder", None)
     blocks = getattr(dec, "block", None)

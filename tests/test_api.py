@@ -70,8 +70,9 @@ def test_uptrain_signature_is_the_config_sections():
     sig = inspect.signature(gqakit.uptrain)
     assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values())
     assert list(sig.parameters) == ["config", "overrides", *UptrainConfig.model_fields, *RUN_OPTIONS]
-    # the command's options, but the memory plan of --dry-run (printed, not returned)
-    assert {p.name for p in uptrain_cmd.params} - {"device_memory", "accelerate_config"} \
+    # the command's options, but the memory plan of --dry-run (printed, not returned) and the
+    # listing of shipped configs (gqakit.uptrain.config.packaged_configs() in Python)
+    assert {p.name for p in uptrain_cmd.params} - {"device_memory", "accelerate_config", "list_configs"} \
         == {"config", "overrides", *RUN_OPTIONS}
     assert "Example" in gqakit.uptrain.__call__.__doc__
 

@@ -47,6 +47,6 @@ def lineage_body(steps: Sequence[Mapping[str, Any]]) -> str:
     and the facts that say how; `None` values are left out."""
     lines = ["How these weights were made, from the original model to this folder:", ""]
     for i, st in enumerate(steps, 1):
-        facts = "; ".join(f"{k} {v}" for k, v in st.items() if k != "step" and v is not None)
-        lines.append(f"{i}. **{st['step']}**" + (f": {facts}" if facts else ""))
+        facts = "; ".join(" ".join(f"{k} {v}".split()) for k, v in st.items() if k != "step" and v is not None)
+        lines.append(f"{i}. **{' '.join(str(st['step']).split())}**" + (f": {facts}" if facts else ""))
     return "\n".join(lines)

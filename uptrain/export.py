@@ -27,6 +27,7 @@ from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, UPTRAIN_SETTING
 from gqakit.core.modelcard import append_section, lineage_body, set_section
 from gqakit.core.modelfiles import side_files
 from gqakit.core.outdir import atomic_output_dir
+from gqakit.core.yamlfile import read_yaml
 
 # Files carried over from the converted folder when save_pretrained does not write them.
 CARRY = (CONVERT_SETTINGS, "README.md")
@@ -49,9 +50,11 @@ def frozen_from_source(state_dict: dict[str, torch.Tensor], src: Path) -> dict[s
 
 
 def _read(path: Path, parse: Any) -> Any:
+    """PATH parsed, or None when it is missing or not what gqakit writes (the lineage then
+    starts later; the run is not failed for a damaged record)."""
     try:
-        return parse(path.read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+        return parse(path) if path.is_file() else None
+    except (OSError, ValueError, yaml.YAMLError):  # read_yaml's limits raise a ValueError too
         return None
 
 
@@ -59,11 +62,11 @@ def source_lineage(src: Path) -> list[dict[str, Any]]:
     """The steps that made SRC, oldest first: the lineage its own `gqakit_uptrain.yaml`
     records (SRC was uptrained before), else the source and the conversion its
     `gqakit_convert.json` records, else SRC alone."""
-    up = _read(src / UPTRAIN_SETTINGS, yaml.safe_load) if src.is_dir() else None
+    up = _read(src / UPTRAIN_SETTINGS, read_yaml) if src.is_dir() else None
     steps = up.get("lineage") if isinstance(up, dict) else None
     if isinstance(steps, list) and steps and all(isinstance(st, dict) and "step" in st for st in steps):
         return steps
-    rec = _read(src / CONVERT_SETTINGS, json.loads) if src.is_dir() else None
+    rec = _read(src / CONVERT_SETTINGS, lambda p: json.loads(p.read_text())) if src.is_dir() else None
     if not isinstance(rec, dict) or not isinstance(rec.get("settings"), dict):
         return [{"step": "source", "model": str(src)}]
     s, before, g = rec["settings"], rec.get("num_kv_heads_before"), rec.get("num_kv_heads")

@@ -5,7 +5,6 @@ copied from the source, and the one-line drift summary of a calibrated conversio
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any

@@ -151,8 +151,8 @@ def _line_display(self: Any, msg: str | None = None, pos: int | None = None) -> 
         self._gqakit_line_t = last = now
         if not closing:
             return True
-    if not closing and now - last < LINE_SECONDS:
-        return True
+    if not closing and (now - last < LINE_SECONDS or (self.total is not None and self.n >= self.total)):
+        return True  # (a finished bar's line comes from `close`, once)
     self._gqakit_line_t = now
     line = " ".join((msg or self.format_meter(**{**self.format_dict, "ncols": 0})).split())
     self.fp.write(line if closing else line + "\n")

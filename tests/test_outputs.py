@@ -212,3 +212,22 @@ def test_uptrain_warning_on_a_terminal_is_not_inside_the_bar(tied_run: tuple[Pat
     pieces = re.split(r"[\r\n]", err)
     warned = [p for p in pieces if "Removed shared tensor" in p]
     assert len(warned) == 2 and all(re.match(r"(\[RANK 0\] )?Removed shared tensor", w) for w in warned), warned
+
+
+def test_a_long_bar_off_a_terminal_prints_a_line_now_and_then(monkeypatch):
+    """Off a terminal a running bar prints a line once LINE_SECONDS have passed since its
+    last one (here 0: at every redraw tqdm makes), and its end once, when it closes."""
+    from tqdm import tqdm
+
+    import gqakit.core.quiet as quiet
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(quiet, "LINE_SECONDS", 0.0)
+    with quiet_libraries(False, hf=False):
+        with tqdm(total=3, desc="layers", file=sys.stderr, mininterval=0, miniters=1) as bar:
+            for _ in range(3):
+                bar.update(1)
+    lines = err.getvalue().splitlines()
+    assert "\r" not in err.getvalue()
+    assert [line.split(" [")[0] for line in lines] == ["layers: 33% 1/3", "layers: 67% 2/3", "layers: 100% 3/3"]

@@ -5,7 +5,6 @@ copied from the source, and the one-line drift summary of a calibrated conversio
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,8 @@ from gqakit.core import arch as archmod
 from gqakit.core.hub import hub_id_of
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.modelcard import render_model_card
+from gqakit.core.modelfiles import side_files
 
-# files copied verbatim from SRC: tokenizer and generation settings
-COPY_PATTERNS = re.compile(
-    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|"
-    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|chat_template\.(jinja|json)|generation_config\.json)$"
-)
 
 QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h‖ between the converted and the original "
                   "model's hidden states on calibration text after each layer (0 = identical). It is the "
@@ -59,10 +54,9 @@ def copy_side_files(opened: Opened, tmp: Path) -> list[str]:
 
         load_tokenizer(opened.folder / opened.gguf).save_pretrained(tmp)
         return sorted(p.name for p in tmp.iterdir())
-    for p in sorted(opened.folder.iterdir()):
-        if p.is_file() and COPY_PATTERNS.match(p.name):
-            shutil.copy2(p, tmp / p.name)
-            copied.append(p.name)
+    for p in side_files(opened.folder):  # tokenizer and generation settings, verbatim
+        shutil.copy2(p, tmp / p.name)
+        copied.append(p.name)
     return copied
 
 

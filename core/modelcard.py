@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,27 @@ def append_section(card: Path, heading: str, body: str) -> None:
     """Append a `## heading` section to an existing model card (or start one)."""
     text = card.read_text() if card.exists() else f"# {card.parent.name}\n"
     card.write_text(text.rstrip() + f"\n\n## {heading}\n\n{body.strip()}\n")
+
+
+def set_section(card: Path, heading: str, body: str) -> None:
+    """Like `append_section`, but a `## heading` section the card already has is taken out
+    first (the text up to the next `## ` heading), so the card keeps one, at its end."""
+    if card.exists():
+        lines = card.read_text().rstrip().split("\n")
+        start = next((i for i, line in enumerate(lines) if line.strip() == f"## {heading}"), None)
+        if start is not None:
+            end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+            card.write_text("\n".join(lines[:start] + lines[end:]).rstrip() + "\n")
+    append_section(card, heading, body)
+
+
+def lineage_body(steps: Sequence[Mapping[str, Any]]) -> str:
+    """The `Lineage` section: one numbered line per step that made the weights, oldest first.
+
+    Each step is a mapping with `step` (what happened: "source", "conversion", "uptraining")
+    and the facts that say how; `None` values are left out."""
+    lines = ["How these weights were made, from the original model to this folder:", ""]
+    for i, st in enumerate(steps, 1):
+        facts = "; ".join(" ".join(f"{k} {v}".split()) for k, v in st.items() if k != "step" and v is not None)
+        lines.append(f"{i}. **{' '.join(str(st['step']).split())}**" + (f": {facts}" if facts else ""))
+    return "\n".join(lines)

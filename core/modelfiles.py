@@ -33,6 +33,20 @@ from gqakit.core.errors import GqakitError, first_line
 ST_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
+# A model folder's side files: the tokenizer (every format: tokenizer.json, a sentencepiece
+# `tokenizer.model`, vocab/merges, tiktoken) and the generation settings. Every output
+# model folder carries them verbatim from the folder it was made from (convert from SRC,
+# uptrain from the converted model).
+SIDE_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|"
+    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|chat_template\.(jinja|json)|generation_config\.json)$"
+)
+
+
+def side_files(folder: Path) -> list[Path]:
+    """The tokenizer and generation files of a model folder (`SIDE_FILES`), sorted by name."""
+    return [p for p in sorted(Path(folder).iterdir()) if p.is_file() and SIDE_FILES.match(p.name)]
+
 
 def read_st_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file, checked against the file's size.

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gqakit.core.errors import GqakitError, Interrupted
+from gqakit.core.files import follow_umask
 from gqakit.core.outrule import (  # noqa: F401  (the rule is importable from here too)
     CHECKPOINT_RECORD, CHECKPOINTS, DEMO, GGUF_FILE, KINDS, MANIFEST, MODEL, REPORT, RESULTS, RUN, RUN_ENTRIES,
     TMP_MARK, Inputs, Kind, check_not_an_input, check_output_path, read_json, why_not_ours, write_manifest)
@@ -102,7 +103,9 @@ def swap_in(tmp: Path, final: Path) -> None:
     free; otherwise FINAL is renamed aside, TMP takes its place and the old one is deleted.
     At every moment FINAL is either the old folder or the new one, never a mix, and a
     crash leaves at most a hidden `.FINAL.gqakit-tmp-*` beside it. The caller has checked
-    that FINAL may be replaced."""
+    that FINAL may be replaced. Every file in TMP first gets the mode the user's umask gives
+    (`core.files.follow_umask`: libraries that write through temporary files leave 0600)."""
+    follow_umask(tmp)
     if not (final.exists() or final.is_symlink()):
         os.rename(tmp, final)
         return
@@ -261,6 +264,7 @@ def write_file_atomic(out: Path, text: str) -> Path:
     try:
         made = make_dirs(out.parent)
         tmp.write_text(text)
+        follow_umask(tmp)
         tmp.replace(out)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -283,5 +287,6 @@ def atomic_output_file(out: Path, *, overwrite: bool = False, inputs: Inputs = (
     with _removed_on_failure(tmp, made, out):
         yield tmp / out.name, tmp / ".scratch"
         out = check_output_path(out, overwrite=overwrite, inputs=inputs, kind=kind, flag=flag)
+        follow_umask(tmp / out.name)
         os.replace(tmp / out.name, out)
         shutil.rmtree(tmp, ignore_errors=True)

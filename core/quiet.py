@@ -7,6 +7,14 @@ tensor" warning, Python warnings. `quiet_libraries()` turns all of them off whil
 active and restores the settings it changed afterwards. It imports nothing heavy: a
 library first imported inside the block reads the environment variables set here
 (and keeps those quiet defaults in this process).
+
+Without `-q` (`quiet_libraries(False)`), what the libraries print goes through the same
+place, so it never lands inside a progress bar: their log records (transformers,
+accelerate's "Removed shared tensor", torch, ...) and Python warnings (torch's
+UserWarnings) are written as whole lines with `tqdm.write`, which clears a bar on the
+terminal and redraws it below. When stderr is not a terminal (a log file, a pipe, a CI
+job), every tqdm bar, gqakit's and the libraries', is drawn as plain lines instead of
+`\r` redraws: one line when it ends, and one every `LINE_SECONDS` while it runs.
 """
 
 from __future__ import annotations
@@ -15,9 +23,11 @@ import functools
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 # Read by the libraries when they are first imported (inside the block), and by
 # `gguf_bars_off` (GQAKIT_QUIET).
@@ -120,14 +130,128 @@ def _hub() -> Iterator[None]:
             enable_progress_bars()
 
 
+LINE_SECONDS = 30.0  # a bar drawn as lines: at most one line this often while it runs
+
+
+def stderr_is_terminal() -> bool:
+    try:
+        return bool(sys.stderr.isatty())
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
+def _line_display(self: Any, msg: str | None = None, pos: int | None = None) -> bool:
+    """tqdm's `display` when stderr is not a terminal: a plain line, never a `\r`."""
+    if msg == "":  # a request to clear the bar: a line needs none (False: `close` adds no '\r')
+        return False
+    closing = self.disable  # `close` sets it before its last display, then ends the line itself
+    now = time.monotonic()
+    last = getattr(self, "_gqakit_line_t", None)
+    if last is None:  # the first call comes from tqdm's __init__: the bar has just started
+        self._gqakit_line_t = last = now
+        if not closing:
+            return True
+    if not closing and (now - last < LINE_SECONDS or (self.total is not None and self.n >= self.total)):
+        return True  # (a finished bar's line comes from `close`, once)
+    self._gqakit_line_t = now
+    line = " ".join((msg or self.format_meter(**{**self.format_dict, "ncols": 0})).split())
+    self.fp.write(line if closing else line + "\n")
+    getattr(self.fp, "flush", lambda: None)()
+    return True
+
+
+def _no_op(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def _line_bars() -> Iterator[None]:
+    """Every tqdm bar made while active (all derive from `tqdm.std.tqdm`) prints lines."""
+    from tqdm import std
+
+    cls = std.tqdm
+    new = {"display": _line_display, "clear": _no_op, "moveto": _no_op}
+    old = {name: cls.__dict__[name] for name in new}
+    for name, fn in new.items():
+        setattr(cls, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in old.items():
+            setattr(cls, name, fn)
+
+
+def write_line(text: str) -> None:
+    """TEXT on stderr as one line, around any progress bar (a bar on the terminal is
+    cleared and redrawn below it)."""
+    from tqdm import tqdm
+
+    tqdm.write(" ".join(str(text).split()), file=sys.stderr)
+
+
+class _BarSafeHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_line(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
+def _show_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    write_line(f"{os.path.basename(filename)}:{lineno}: {category.__name__}: {message}")
+
+
+def _replaceable(h: logging.Handler) -> bool:
+    """A handler that prints to the console (or an outer block's own), not to a file."""
+    return isinstance(h, _BarSafeHandler) or (
+        type(h) is logging.StreamHandler and getattr(h, "stream", None) in (sys.stderr, sys.stdout))
+
+
+@contextmanager
+def _routed(hf: bool) -> Iterator[None]:
+    """Log records (the root logger's and those of the libraries with their own console
+    handler) and Python warnings are written by `write_line`."""
+    if hf:
+        try:  # transformers' own console handler exists before it is replaced
+            import transformers.utils.logging  # noqa: F401
+        except ImportError:
+            pass
+    handler = _BarSafeHandler()
+    targets = [logging.getLogger()] + [lg for lg in map(logging.getLogger, LOGGERS) if lg.handlers]
+    saved = [(lg, list(lg.handlers)) for lg in targets]
+    for lg in targets:
+        lg.handlers = [h for h in lg.handlers if not _replaceable(h)] + [handler]
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            yield
+    finally:
+        for lg, handlers in saved:
+            lg.handlers = handlers
+
+
+@contextmanager
+def terminal_output(*, hf: bool = True) -> Iterator[None]:
+    """What `quiet_libraries(False)` does: library messages as whole lines, never inside a
+    bar, and bars as plain lines when stderr is not a terminal."""
+    with ExitStack() as stack:
+        if not stderr_is_terminal():
+            stack.enter_context(_line_bars())
+        stack.enter_context(_routed(hf))
+        yield
+
+
 @contextmanager
 def quiet_libraries(enabled: bool = True, *, hf: bool = True) -> Iterator[None]:
     """While active (and `enabled`), the libraries gqakit uses print nothing but errors.
 
     hf=False leaves the Hugging Face libraries unimported (a verb that never loads a
-    model, like `compare`, then silences only warnings and logs)."""
+    model, like `compare`, then silences only warnings and logs). Not `enabled`: their
+    messages and every progress bar respect the terminal (`terminal_output`)."""
     if not enabled:
-        yield
+        with terminal_output(hf=hf):
+            yield
         return
     with ExitStack() as stack:
         stack.enter_context(_env())

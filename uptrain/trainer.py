@@ -443,6 +443,7 @@ class UptrainRecipe:
             ppl = f"{math.exp(eval_loss):.3f}" if eval_loss is not None else "n/a"
             facts = {"tokens": f"{step * self.tokens_per_step:,}", "optimizer steps": step,
                      "tokens per step": f"{self.tokens_per_step:,}", "final train loss": f"{loss:.4f}",
+                     "held-out loss": f"{eval_loss:.4f}" if eval_loss is not None else "n/a",
                      "held-out perplexity": ppl, **loss_card(cfg, teacher is not None),
                      "processes": acc.num_processes, "precision": self.precision, **lora_card}
             export_model(model, state_dict, self.data.tokenizer, src=self.checked.src,

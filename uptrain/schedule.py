@@ -37,7 +37,9 @@ def resolve_warmup(train: Any, total: int) -> tuple[int, str | None]:
         return train.warmup_steps, None
     warmup = int(SCALED_WARMUP * total)
     return warmup, (f"train.warmup_steps {train.warmup_steps} is not shorter than the run's {total} optimizer steps; "
-                    f"warming up for {steps(warmup)} ({SCALED_WARMUP:.0%}) instead, so the lr reaches {train.lr:g}"
+                    + (f"warming up for {steps(warmup)} ({SCALED_WARMUP:.0%}) instead" if warmup
+                       else f"starting at the peak instead (a warm-up of {SCALED_WARMUP:.0%} is under one step)")
+                    + f", so the lr reaches {train.lr:g}"
                     + (" and the cosine decay runs" if train.decay == "cosine" else ""))
 
 

@@ -85,8 +85,20 @@ class Attention(_Strict):
 
 
 class Rotary(_Strict):
+    """How each head's leading dims are rotated: `rotate_half` pairs dim i with i + rotary_dim/2,
+    `interleaved` (rotate-every-two) pairs 2i with 2i + 1. The rotated dims come first in each
+    head; partial rotary names either the fraction of the head (`fraction_key`) or the number
+    of rotated dims (`dim_key`, where a null value in config.json means the whole head)."""
+
     style: Literal["rotate_half", "interleaved", "none"]
     fraction_key: str | None = None  # config key of the rotary fraction (partial rotary)
+    dim_key: str | None = None       # config key of the number of rotated dims (partial rotary)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> "Rotary":
+        if self.fraction_key and self.dim_key:
+            raise ValueError("rotary names fraction_key or dim_key, not both")
+        return self
 
 
 class Remote(_Strict):
@@ -426,6 +438,11 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
         frac = config.get(spec.rotary.fraction_key) if spec.rotary.fraction_key else None
         frac = frac if frac is not None else rope.get("partial_rotary_factor", 1.0)
         rot = int(head_dim * float(frac))
+        if spec.rotary.dim_key:
+            rot = int(config.get(spec.rotary.dim_key) or head_dim)
+            if rot > head_dim or rot % 2:
+                raise GqakitError(f"config.json's {spec.rotary.dim_key}={rot} must be even and at most "
+                                  f"the head size {head_dim}")
     if heads % kv:
         raise GqakitError(f"config has {heads} query heads and {kv} KV heads, which do not divide")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,

@@ -24,6 +24,7 @@ against a tiny model built from it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -64,9 +65,15 @@ class Attention(_Strict):
                    `transposed` for GPT-2's Conv1D, which stores [in, out]
       grouped_qkv  one qkv Linear whose output axis is (kv heads, H/kv + 2, head_dim):
                    each group's query heads, then its K head, then its V head (GPT-NeoX)
+      fused_blocks one qkv Linear whose output axis is `blocks` equal blocks (the shards of
+                   a model-parallel training run), each holding its share of the query heads,
+                   K heads and V heads in `order` (CodeGen: 4 blocks of [q | v | k]). A
+                   checkpoint with KV key/value heads uses gcd(blocks, KV) blocks, so a
+                   grouped checkpoint with fewer KV heads than blocks stays expressible
+                   (`block_count`); a source's heads must fill whole blocks
     """
 
-    layout: Literal["separate", "fused_concat", "grouped_qkv"]
+    layout: Literal["separate", "fused_concat", "grouped_qkv", "fused_blocks"]
     prefix: str  # with "{layer}"
     q: str | None = None
     k: str | None = None
@@ -74,14 +81,26 @@ class Attention(_Strict):
     qkv: str | None = None
     o: str
     transposed: bool = False
+    blocks: int | None = None                       # fused_blocks: the number of blocks
+    order: list[Literal["q", "k", "v"]] | None = None  # fused_blocks: the parts within a block
 
     @model_validator(mode="after")
     def _names_match_layout(self) -> "Attention":
         if "{layer}" not in self.prefix:
             raise ValueError("prefix must contain {layer}")
+        blocked = self.layout == "fused_blocks"
+        if blocked != (self.blocks is not None) or blocked != (self.order is not None):
+            raise ValueError("blocks and order are given with layout fused_blocks, and only with it")
+        if blocked and (self.blocks < 1 or sorted(self.order) != ["k", "q", "v"]):
+            raise ValueError("fused_blocks needs blocks >= 1 and an order of q, k and v, each once")
         if self.layout == "separate" and not (self.q and self.k and self.v) or self.layout != "separate" and not self.qkv:
             raise ValueError(f"layout {self.layout} needs " + ("q, k, v" if self.layout == "separate" else "qkv"))
         return self
+
+    def block_count(self, num_kv_heads: int) -> int:
+        """fused_blocks: the blocks of a checkpoint with KV key/value heads, gcd(blocks, KV)
+        (which divides the query heads too, since KV does)."""
+        return math.gcd(self.blocks or 1, num_kv_heads)
 
 
 class Rotary(_Strict):
@@ -445,6 +464,9 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
                                   f"the head size {head_dim}")
     if heads % kv:
         raise GqakitError(f"config has {heads} query heads and {kv} KV heads, which do not divide")
+    if spec.attention.layout == "fused_blocks" and int(kv) == heads and heads % (spec.attention.blocks or 1):
+        raise GqakitError(f"{spec.family} with {heads} heads is not supported: its fused "
+                          f"{spec.attention.qkv} holds {spec.attention.blocks} blocks, which must each hold whole heads")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
                  _positions(config, keys.max_positions))
 

@@ -60,6 +60,11 @@ def equalize_kv(model, family: str, group: int) -> None:
                 D = t.shape[0] // 3 // H  # rows [q heads | k heads | v heads] (MHA: H each)
                 for part in (1, 2):
                     tie(t[part * H * D:(part + 1) * H * D], 0, D)
+            elif family == "codegen" and name.endswith("qkv_proj.weight"):
+                D = t.shape[0] // 3 // H
+                v = t.view(4, 3, H // 4 * D, *t.shape[1:])  # 4 blocks of [q | v | k], H/4 heads each
+                for part in (1, 2):
+                    tie(v[:, part], 0, D)
             elif family == "gpt_neox" and "query_key_value" in name:
                 D = t.shape[0] // 3 // H
                 v = t.view(H, 3, D, *t.shape[1:])

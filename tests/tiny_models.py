@@ -74,6 +74,11 @@ def _configs() -> dict[str, Any]:
         "gptj": lambda **o: _transformers().GPTJConfig(**{**ids, "vocab_size": VOCAB, "n_positions": 128,
                                                           "n_embd": HIDDEN, "n_layer": LAYERS, "n_head": 4,
                                                           "rotary_dim": 4, "tie_word_embeddings": False, **o}),
+        # codegen: fused qkv_proj in 4 blocks of [q | v | k] (2 heads each), rotate-every-two on 2 of 4 dims
+        "codegen": lambda **o: _transformers().CodeGenConfig(**{**ids, "vocab_size": VOCAB, "n_positions": 128,
+                                                                "n_ctx": 128, "n_embd": HIDDEN, "n_layer": LAYERS,
+                                                                "n_head": 8, "rotary_dim": 2,
+                                                                "tie_word_embeddings": False, **o}),
     }
 
 

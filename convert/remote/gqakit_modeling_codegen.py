@@ -15,7 +15,6 @@ cache stores G heads (H/G times less cache memory).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -56,7 +55,10 @@ class GqakitCodeGenAttention(modeling_codegen.CodeGenAttention):
         self.num_key_value_heads = config.num_key_value_heads
         # Read by transformers' sdpa/flash/flex attention functions to take the GQA path.
         self.num_key_value_groups = self.num_attention_heads // self.num_key_value_heads
-        self.mp_num = math.gcd(4, self.num_key_value_heads)
+        blocks, g = 4, self.num_key_value_heads  # the blocks: gcd(4, G), by Euclid (no imports beyond torch)
+        while g:
+            blocks, g = g, blocks % g
+        self.mp_num = blocks
         out = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
         self.qkv_proj = torch.nn.Linear(self.embed_dim, out, bias=False)
 

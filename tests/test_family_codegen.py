@@ -16,8 +16,9 @@ import torch
 
 from gqakit.core import arch
 from gqakit.core.errors import GqakitError
-from test_family_gptj import (Family, check_align_on_rotated_heads, check_cache_holds_g_heads, check_every_verb,
-                              check_generate_at_g_equal_h, check_mean_is_the_mean)
+from test_family_gptj import (Family, check_align_on_rotated_heads, check_cache_holds_g_heads,
+                              check_carries_its_modeling_file, check_every_verb, check_generate_at_g_equal_h,
+                              check_mean_is_the_mean)
 
 H, D = 8, 4
 
@@ -57,6 +58,10 @@ def test_cache_holds_g_heads(tiny_model, tmp_path):
     check_cache_holds_g_heads(CODEGEN, tiny_model("codegen"), tmp_path)
 
 
+def test_carries_its_modeling_file(tiny_model, tmp_path):
+    check_carries_its_modeling_file(CODEGEN, tiny_model("codegen"), tmp_path / "out")
+
+
 def test_mean_pools_each_group(tiny_model, tmp_path):
     """G = 2: the written qkv_proj has gcd(4, 2) = 2 blocks, read here by hand."""
     check_mean_is_the_mean(CODEGEN, tiny_model("codegen"), tmp_path / "out")
@@ -94,3 +99,13 @@ def test_heads_that_do_not_fill_the_blocks_are_refused(tiny_model):
 
 def test_every_verb(tiny_model, tmp_path, capsys, one_thread):
     check_every_verb(CODEGEN, tiny_model("codegen"), tmp_path, capsys)
+
+
+def test_table_checks_the_blocks_layout():
+    entry = arch.registry()["codegen"].model_dump()
+    for change, match in (({"blocks": None}, "blocks and order are given with layout fused_blocks"),
+                          ({"order": ["q", "q", "k"]}, "an order of q, k and v, each once"),
+                          ({"blocks": 0}, "blocks >= 1"),
+                          ({"layout": "fused_concat"}, "only with it")):
+        with pytest.raises(ValueError, match=match):
+            arch.ArchSpec.model_validate({**entry, "attention": {**entry["attention"], **change}})

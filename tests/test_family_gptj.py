@@ -153,6 +153,19 @@ def _tie(fam: Family, k: torch.Tensor, v: torch.Tensor) -> None:
         t[1::2] = t[0::2]
 
 
+def check_carries_its_modeling_file(fam: Family, src: Path, out: Path) -> None:
+    """The output holds gqakit's modeling file and an auto_map to it; stock loading without
+    trust_remote_code refuses the folder instead of loading it as MHA with missing weights."""
+    convert_checkpoint(src, out, 2, "mean", progress=False)
+    assert (out / f"gqakit_modeling_{fam.name}.py").is_file()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == f"gqakit_{fam.name}" and cfg["num_key_value_heads"] == 2
+    assert cfg["auto_map"]["AutoModelForCausalLM"].startswith(f"gqakit_modeling_{fam.name}.")
+    with pytest.raises(Exception, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+    assert type(load_causal_lm(out)).__name__ == cfg["architectures"][0]  # gqakit trusts its own file
+
+
 def check_every_verb(fam: Family, src: Path, tmp_path: Path, capsys: Any) -> None:
     """convert (align), inspect, eval --data and a LoRA uptrain through the CLI and the API."""
     from gqakit.uptrain import run_uptrain
@@ -215,6 +228,10 @@ def test_generate_at_g_equal_h_is_the_original(tiny_model, tmp_path):
 
 def test_cache_holds_g_heads(tiny_model, tmp_path):
     check_cache_holds_g_heads(GPTJ, tiny_model("gptj"), tmp_path)
+
+
+def test_carries_its_modeling_file(tiny_model, tmp_path):
+    check_carries_its_modeling_file(GPTJ, tiny_model("gptj"), tmp_path / "out")
 
 
 def test_mean_pools_each_group(tiny_model, tmp_path):

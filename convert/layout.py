@@ -1,7 +1,7 @@
 """One layer's attention weights, read into and written from a canonical head-major form.
 
 Every family's tensors (separate q/k/v/o, GPT-2's transposed fused Conv1D, GPT-NeoX's
-per-group fused rows) map to the same `AttnHeads`, so the pooling math never sees a
+per-group fused rows, fused rows in model-parallel blocks) map to the same `AttnHeads`, so the pooling math never sees a
 family-specific layout:
 
     q [H, D, in]    k, v [KV, D, in]    o [out, H, D]    biases [heads, D] or None
@@ -72,13 +72,30 @@ def _split_rows(t: Tensor, a: Attention, shape: Shape) -> tuple[Tensor, Tensor, 
     H, KV, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
     if a.layout == "fused_concat":
         return t[: H * D], t[H * D : (H + KV) * D], t[(H + KV) * D :]
+    if a.layout == "fused_blocks":
+        return _split_blocks(t, a, H, KV, D)
     return split_grouped_qkv(t, H, KV, D)
 
 
 def _join_rows(q: Tensor, k: Tensor, v: Tensor, a: Attention, H: int, KV: int, D: int) -> Tensor:
     if a.layout == "fused_concat":
         return torch.cat([q, k, v], dim=0)
+    if a.layout == "fused_blocks":
+        n = a.block_count(KV)
+        parts = {"q": q.view(n, H // n * D, *q.shape[1:]), "k": k.view(n, KV // n * D, *k.shape[1:]),
+                 "v": v.view(n, KV // n * D, *v.shape[1:])}
+        return torch.cat([parts[p] for p in a.order], dim=1).flatten(0, 1)
     return join_grouped_qkv(q, k, v, H, KV, D)
+
+
+def _split_blocks(t: Tensor, a: Attention, H: int, KV: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
+    """fused_blocks rows: `block_count` blocks, each its H/n query, KV/n K and KV/n V heads in
+    `a.order`; block b holds query heads b*H/n ... and KV heads b*KV/n ... (head order kept)."""
+    n = a.block_count(KV)
+    rows = {"q": H // n * D, "k": KV // n * D, "v": KV // n * D}
+    blocks = t.reshape(n, -1, *t.shape[1:]).split([rows[p] for p in a.order], dim=1)
+    got = {p: b.flatten(0, 1) for p, b in zip(a.order, blocks)}
+    return got["q"], got["k"], got["v"]
 
 
 def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: int,

@@ -24,6 +24,7 @@ against a tiny model built from it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -64,9 +65,15 @@ class Attention(_Strict):
                    `transposed` for GPT-2's Conv1D, which stores [in, out]
       grouped_qkv  one qkv Linear whose output axis is (kv heads, H/kv + 2, head_dim):
                    each group's query heads, then its K head, then its V head (GPT-NeoX)
+      fused_blocks one qkv Linear whose output axis is `blocks` equal blocks (the shards of
+                   a model-parallel training run), each holding its share of the query heads,
+                   K heads and V heads in `order` (CodeGen: 4 blocks of [q | v | k]). A
+                   checkpoint with KV key/value heads uses gcd(blocks, KV) blocks, so a
+                   grouped checkpoint with fewer KV heads than blocks stays expressible
+                   (`block_count`); a source's heads must fill whole blocks
     """
 
-    layout: Literal["separate", "fused_concat", "grouped_qkv"]
+    layout: Literal["separate", "fused_concat", "grouped_qkv", "fused_blocks"]
     prefix: str  # with "{layer}"
     q: str | None = None
     k: str | None = None
@@ -74,19 +81,43 @@ class Attention(_Strict):
     qkv: str | None = None
     o: str
     transposed: bool = False
+    blocks: int | None = None                       # fused_blocks: the number of blocks
+    order: list[Literal["q", "k", "v"]] | None = None  # fused_blocks: the parts within a block
 
     @model_validator(mode="after")
     def _names_match_layout(self) -> "Attention":
         if "{layer}" not in self.prefix:
             raise ValueError("prefix must contain {layer}")
+        blocked = self.layout == "fused_blocks"
+        if blocked != (self.blocks is not None) or blocked != (self.order is not None):
+            raise ValueError("blocks and order are given with layout fused_blocks, and only with it")
+        if blocked and (self.blocks < 1 or sorted(self.order) != ["k", "q", "v"]):
+            raise ValueError("fused_blocks needs blocks >= 1 and an order of q, k and v, each once")
         if self.layout == "separate" and not (self.q and self.k and self.v) or self.layout != "separate" and not self.qkv:
             raise ValueError(f"layout {self.layout} needs " + ("q, k, v" if self.layout == "separate" else "qkv"))
         return self
 
+    def block_count(self, num_kv_heads: int) -> int:
+        """fused_blocks: the blocks of a checkpoint with KV key/value heads, gcd(blocks, KV)
+        (which divides the query heads too, since KV does)."""
+        return math.gcd(self.blocks or 1, num_kv_heads)
+
 
 class Rotary(_Strict):
+    """How each head's leading dims are rotated: `rotate_half` pairs dim i with i + rotary_dim/2,
+    `interleaved` (rotate-every-two) pairs 2i with 2i + 1. The rotated dims come first in each
+    head; partial rotary names either the fraction of the head (`fraction_key`) or the number
+    of rotated dims (`dim_key`, where a null value in config.json means the whole head)."""
+
     style: Literal["rotate_half", "interleaved", "none"]
     fraction_key: str | None = None  # config key of the rotary fraction (partial rotary)
+    dim_key: str | None = None       # config key of the number of rotated dims (partial rotary)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> "Rotary":
+        if self.fraction_key and self.dim_key:
+            raise ValueError("rotary names fraction_key or dim_key, not both")
+        return self
 
 
 class Remote(_Strict):
@@ -426,8 +457,16 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
         frac = config.get(spec.rotary.fraction_key) if spec.rotary.fraction_key else None
         frac = frac if frac is not None else rope.get("partial_rotary_factor", 1.0)
         rot = int(head_dim * float(frac))
+        if spec.rotary.dim_key:
+            rot = int(config.get(spec.rotary.dim_key) or head_dim)
+            if rot > head_dim or rot % 2:
+                raise GqakitError(f"config.json's {spec.rotary.dim_key}={rot} must be even and at most "
+                                  f"the head size {head_dim}")
     if heads % kv:
         raise GqakitError(f"config has {heads} query heads and {kv} KV heads, which do not divide")
+    if spec.attention.layout == "fused_blocks" and int(kv) == heads and heads % (spec.attention.blocks or 1):
+        raise GqakitError(f"{spec.family} with {heads} heads is not supported: its fused "
+                          f"{spec.attention.qkv} holds {spec.attention.blocks} blocks, which must each hold whole heads")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
                  _positions(config, keys.max_positions))
 

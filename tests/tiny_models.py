@@ -70,7 +70,22 @@ def _configs() -> dict[str, Any]:
                                         "hidden_size": HIDDEN, "ffn_dim": 64, "num_hidden_layers": LAYERS,
                                         "num_attention_heads": 4, "word_embed_proj_dim": HIDDEN,
                                         "enable_bias": True, **o}),
+        # gptj: separate q/k/v without biases, rotate-every-two on the first rotary_dim (4 of 8) dims
+        "gptj": lambda **o: _transformers().GPTJConfig(**{**ids, "vocab_size": VOCAB, "n_positions": 128,
+                                                          "n_embd": HIDDEN, "n_layer": LAYERS, "n_head": 4,
+                                                          "rotary_dim": 4, "tie_word_embeddings": False, **o}),
+        # codegen: fused qkv_proj in 4 blocks of [q | v | k] (2 heads each), rotate-every-two on 2 of 4 dims
+        "codegen": lambda **o: _transformers().CodeGenConfig(**{**ids, "vocab_size": VOCAB, "n_positions": 128,
+                                                                "n_ctx": 128, "n_embd": HIDDEN, "n_layer": LAYERS,
+                                                                "n_head": 8, "rotary_dim": 2,
+                                                                "tie_word_embeddings": False, **o}),
     }
+
+
+def _transformers() -> Any:
+    import transformers
+
+    return transformers
 
 
 def families(*, encoder_decoder: bool = False) -> list[str]:

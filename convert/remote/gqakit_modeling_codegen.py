@@ -1,0 +1,120 @@
+"""CodeGen with grouped-query attention, written by gqakit next to converted weights.
+
+Self-contained on purpose: this file is copied into model folders and imported by stock
+transformers (`trust_remote_code=True`), so it may import only torch and transformers.
+
+Only the attention module changes. `qkv_proj` (Linear, weight `[(H+2G)*D, hidden]`, no bias)
+has its output rows in n = gcd(4, G) equal blocks (stock CodeGen: 4 blocks, the shards of
+the model-parallel run it was trained with), each holding, in this order, H/n query heads,
+G/n V heads and G/n K heads; block b holds query heads b*H/n ... and KV heads b*G/n ..., so
+query head i reads KV head i // (H/G) as transformers' GQA assumes. With G = H (H a
+multiple of 4) that is the stock layout, and the model is numerically the stock model.
+Rotary (rotate-every-two on the first `rotary_dim` dims of each head) is stock. The KV
+cache stores G heads (H/G times less cache memory).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers import CodeGenConfig, CodeGenForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.codegen import modeling_codegen
+
+
+class GqakitCodeGenConfig(CodeGenConfig):
+    # Own model_type: stock transformers without trust_remote_code must refuse this folder.
+    model_type = "gqakit_codegen"
+
+    num_key_value_heads: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.n_head
+        if self.num_key_value_heads < 1 or self.n_head % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                             f"n_head ({self.n_head})")
+        super().__post_init__(**kwargs)
+
+
+def eager_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock CodeGen eager attention on K/V repeated to H heads (the cache keeps G heads)."""
+    n_rep = module.num_key_value_groups
+    return modeling_codegen.eager_attention_forward(
+        module, query, key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1), *args, **kwargs
+    )
+
+
+class GqakitCodeGenAttention(modeling_codegen.CodeGenAttention):
+    """CodeGenAttention with G key/value heads."""
+
+    def __init__(self, config: GqakitCodeGenConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.num_key_value_heads = config.num_key_value_heads
+        # Read by transformers' sdpa/flash/flex attention functions to take the GQA path.
+        self.num_key_value_groups = self.num_attention_heads // self.num_key_value_heads
+        blocks, g = 4, self.num_key_value_heads  # the blocks: gcd(4, G), by Euclid (no imports beyond torch)
+        while g:
+            blocks, g = g, blocks % g
+        self.mp_num = blocks
+        out = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+        self.qkv_proj = torch.nn.Linear(self.embed_dim, out, bias=False)
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        past = kwargs.pop("past_key_values", None)  # the cache's name before transformers 5.24
+        cache = cache if cache is not None else past
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q_rows = self.num_attention_heads // self.mp_num * self.head_dim
+        kv_rows = self.num_key_value_heads // self.mp_num * self.head_dim
+        qkv = self.qkv_proj(hidden_states).view(*input_shape, self.mp_num, -1)
+        query, value, key = qkv.split([q_rows, kv_rows, kv_rows], dim=-1)
+        query = query.reshape(hidden_shape)                                  # H heads
+        key = key.reshape(hidden_shape)                                      # G heads
+        value = value.reshape(hidden_shape).transpose(1, 2)
+
+        sin, cos = position_embeddings
+        rot = self.rotary_dim if self.rotary_dim is not None else self.head_dim
+        query = torch.cat([modeling_codegen.apply_rotary_pos_emb(query[..., :rot], sin, cos), query[..., rot:]], dim=-1)
+        key = torch.cat([modeling_codegen.apply_rotary_pos_emb(key[..., :rot], sin, cos), key[..., rot:]], dim=-1)
+        query, key = query.transpose(1, 2).to(value.dtype), key.transpose(1, 2).to(value.dtype)
+
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # G heads
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_gqa_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.resid_dropout(self.out_proj(attn_output)), attn_weights
+
+
+class GqakitCodeGenForCausalLM(CodeGenForCausalLM):
+    config_class = GqakitCodeGenConfig
+    config: GqakitCodeGenConfig
+
+    def __init__(self, config: GqakitCodeGenConfig) -> None:
+        super().__init__(config)
+        for i, block in enumerate(self.transformer.h):
+            block.attn = GqakitCodeGenAttention(config, layer_idx=i)
+        # Initialises only the new modules (the others are already flagged as initialised).
+        self.post_init()
+
+
+# save_pretrained copies this file and writes auto_map, also for models built directly from
+# these classes (not only those loaded through the Auto classes).
+GqakitCodeGenConfig.register_for_auto_class()
+GqakitCodeGenForCausalLM.register_for_auto_class("AutoModelForCausalLM")

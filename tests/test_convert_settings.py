@@ -20,8 +20,8 @@ GUIDE = Path(__file__).resolve().parents[1] / "docs" / "convert.md"  # the conve
 def test_readme_table_of_refit_options_is_the_models():
     text = GUIDE.read_text()
     table = refit_options_markdown()
-    assert table in text, ("docs/convert.md's align-refit option table differs from convert/settings.py; paste "
-                           "gqakit.convert.settings.refit_options_markdown() into it")
+    assert table in text, ("docs/convert.md's align-refit option table differs from convert/refit_options.py; paste "
+                           "gqakit.convert.refit_options.refit_options_markdown() into it")
     keys = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
     assert keys == list(RefitOptions.model_fields)
     assert {"steps", "lr", "guard_spans", "train", "sample_batch"} <= set(keys)
@@ -150,7 +150,7 @@ def test_readme_recommended_command_is_the_defaults(tmp_path):
 
     section = _readme_section("Conversion methods")
     assert auto_settings_markdown() in section, ("docs/convert.md's table of align-refit's automatic settings differs "
-                                                 "from convert/settings.py: paste auto_settings_markdown() into it")
+                                                 "from convert/refit_options.py: paste auto_settings_markdown() into it")
     cmd = re.search(r"```bash\n(gqakit convert [^\n]*--method align-refit[^\n]*)\n```", section).group(1)
     args = [a if a != "G" else "1" for a in shlex.split(cmd)[2:]]  # -g G: the user's number
     ctx = convert_cmd.make_context("convert", args)

@@ -102,6 +102,8 @@ class ResolvedSettings:
         effort, the values "auto" chose (after the given options) and the reasons, so the record
         states every setting that shaped the result."""
         out = {**self.asked.record(), "grouping": self.grouping}
+        if self.output == "gguf":
+            out["max_shard_size"] = "-"  # one file
         if self.spec.options is None:
             return out
         given = self.options.given()

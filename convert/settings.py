@@ -206,8 +206,8 @@ class ConvertSettings(BaseModel):
         return TextSource(self.calibration_data).file if self.calibration_data else None
 
     def record(self) -> dict[str, Any]:
-        """The settings as written to OUT (gqakit_convert.json, the card, GGUF metadata and the
-        resume fingerprint): the options as given, and "-" for a shard size that does not apply."""
+        """The settings as asked: the options as given, and "-" for a shard size that does not
+        apply. What OUT records is `ResolvedSettings.record`, which adds what "auto" chose."""
         return {"source": self.source, "num_kv_heads": self.num_kv_heads, "method": self.method,
                 "grouping": self.grouping, "dtype": self.dtype,
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,

@@ -86,8 +86,8 @@ def _encoder_decoder_targets(spec: Any, record: dict, changed: dict[str, list[st
     try:
         for name in record["grouped"]:
             site = site_of[name]
-            chosen.append((spec.attention_at(site), int(record["encoder_num_layers" if site == "encoder" else "num_layers"]),
-                           site))
+            layers = int(record["encoder_num_layers" if site == "encoder" else "num_layers"])
+            chosen.append((spec.attention_at(site), layers, site))
     except (KeyError, TypeError, ValueError):
         raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} does not say which attentions were grouped; "
                           "give train.lora.targets") from None

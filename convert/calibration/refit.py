@@ -65,8 +65,8 @@ def _clone_tree(x: Any) -> Any:
 class AlignRefit:
     """The `align-refit` fit (see the module docstring); one instance per conversion."""
 
-    def __init__(self, opts: ResolvedRefitOptions, *, grouping: str, seed: int, kv_from: int, kv_to: int, dtype: torch.dtype,
-                 device: str):
+    def __init__(self, opts: ResolvedRefitOptions, *, grouping: str, seed: int, kv_from: int, kv_to: int,
+                 dtype: torch.dtype, device: str):
         self.opts, self.grouping, self.seed, self.dtype, self.device = opts, grouping, seed, dtype, device
         # block-wise reconstruction steps per layer; none at G = KV heads (the conversion is exact)
         self.train_steps = opts.train_steps(kv_from, kv_to)

@@ -97,7 +97,9 @@ def test_auto_settings_follow_the_models_size_and_context():
     # fewer calibration tokens, fewer steps; a GGUF OUT never trains whole blocks; --effort fast: no steps
     few = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", calibration_tokens=2048)
     assert resolve_settings(few, source_params=135_000_000, max_positions=None).options.steps == 12
-    assert resolve_settings(s, source_params=300_000, max_positions=256, output="gguf").options.train == "attention"
+    gguf = resolve_settings(s, source_params=300_000, max_positions=256, output="gguf")
+    assert gguf.options.train == "attention" and gguf.output == "gguf" and gguf.max_shard_bytes is None
+    assert gguf.record()["max_shard_size"] == "-"  # the output kind says it, not a missing shard size
     fast = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", effort="fast")
     assert resolve_settings(fast, source_params=300_000, max_positions=256).options.steps == 0
     assert "--effort fast" in resolve_settings(fast, source_params=300_000, max_positions=256).auto_reasons()["steps"]

@@ -91,3 +91,20 @@ def test_a_registered_method_converts_end_to_end_and_lora_follows_the_record(toy
     trained = load_file(final / "model.safetensors")
     moved = {k.split(".")[-2] for k in after if not torch.equal(after[k], trained[k].to(after[k].dtype))}
     assert moved == {"k_proj", "v_proj"}
+
+
+def test_the_plan_carries_settings_resolved_once(tiny_model):
+    from gqakit.convert.plan import make_plan
+    from gqakit.convert.resolved import ResolvedSettings
+    from gqakit.convert.settings import ConvertSettings
+    from gqakit.convert.source import open_checkpoint
+
+    src = tiny_model("llama", num_key_value_heads=4)
+    asked = ConvertSettings(source=src, num_kv_heads=2, method="align-refit", max_shard_size="1MB")
+    plan = make_plan(open_checkpoint(src), asked)
+    got = plan.settings
+    assert isinstance(got, ResolvedSettings) and got.asked is asked and asked.grouping == "auto"
+    assert (got.grouping, got.output, got.max_shard_bytes, got.dtype) == ("similarity", "folder", 10**6, None)
+    assert got.options.steps == round(4500 * asked.calibration_tokens / 65536) and got.options.train == "block"
+    assert not any(v == "auto" for v in (got.options.seq_len, got.options.steps, got.options.lr, got.options.train))
+    assert make_plan(open_checkpoint(src), asked, gguf_out=True).settings.options.train == "attention"

@@ -39,7 +39,7 @@ DEMO_ENTRIES = ("eval-pydoc-topics.txt", "train-stdlib-docstrings.txt", "convert
 
 # Budgets: CPU (2 cores, minutes) and GPU (a real, still short, run). The conversion runs with
 # `gqakit convert`'s defaults, scaled down only in calibration tokens (the reconstruction steps
-# scale with them: `convert.settings.ConvertSettings.resolved`).
+# scale with them: `convert.refit_options.resolve_align_refit`).
 BUDGETS: dict[str, dict[str, Any]] = {
     "cpu": {"eval_chars": 12_000, "context": 256, "train_tokens": 16_384, "calib_tokens": 2_048,
             "seq_len": 256, "micro_batch": 4,

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gqakit.convert.settings import ConvertSettings, RefitOptions
+from gqakit.convert.refit_options import RefitOptions
+from gqakit.convert.settings import ConvertSettings
 from gqakit.core import apicall
 
 # The options of `gqakit convert` that are not conversion settings (ConvertSettings), with

@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from gqakit.convert.settings import ConvertSettings, RefitOptions, check_encoder_decoder, refit_options_help
+from gqakit.convert.refit_options import RefitOptions, refit_options_help
+from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
 from gqakit.core import arch as archmod
 from gqakit.core import trust
 from gqakit.core.clihelp import GroupedCommand

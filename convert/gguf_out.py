@@ -25,7 +25,7 @@ import gqakit
 from gqakit.convert.gguf_in import GGUFInput, field_value, permute_rows
 from gqakit.convert.layout import write_heads
 from gqakit.convert.plan import Plan
-from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.resolved import ResolvedSettings
 from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
 
@@ -152,7 +152,7 @@ def changed_tensors(inp: GGUFInput, plan: Plan, G: int, wanted: Any) -> dict[str
 class GGUFWriter:
     """Writes OUT.gguf in one pass: header, key/values, tensor infos, then the data in SRC's order."""
 
-    def __init__(self, path: Path, reader: Any, arch: str, G: int, plan: Plan, settings: ConvertSettings,
+    def __init__(self, path: Path, reader: Any, arch: str, G: int, plan: Plan, settings: ResolvedSettings,
                  changed: dict[str, Changed], staged: bool):
         from gguf import GGUFValueType
 

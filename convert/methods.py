@@ -1,32 +1,23 @@
-"""Conversion methods, by name: one explicit table, `METHODS`.
+"""The per-layer functions of the methods that need no data: `align`, `align-scale` (the
+pooling methods mean, first, random are in `pooling`).
 
-Each entry is a `MethodSpec`: the per-layer function (None for a method that calibrates
-on data), whether it needs calibration data, and whether it touches only K and V.
-
-  mean, first, random   the paper's pooling and its ablations (pooling.py)
-  align                 RoPE-aware alignment of each group's heads, then mean (no data)
-  align-scale           align, then per-query-head least-squares restoration of the
-                        logit scale/phase (RoPE-commuting) and of the value scale (no data)
-  align-refit           calibrated: input-weighted alignment, query refit and o_proj
-                        ridge refit against the original residual stream, layer by layer
-                        (--calibration-data, or text sampled from the source model)
-
-A method that needs data has no per-layer function: the pipeline runs the calibration
-stage (`calibration.CalibrationStage`, with the method's fit from `calibration.fits.FITS`) for it,
-one decoder block at a time. Every method first
-reorders heads into `ctx.groups` (a grouping, `grouping.py`), which preserves the function.
-To add a method: write `fn(heads, ctx) -> heads` and add one `MethodSpec` line here.
+The table of methods is `core.methods.METHODS` (re-exported here with `MethodSpec`,
+`method_spec`, `register_method` and `method_function`): it names these functions by dotted path, so
+that reading it imports no torch. A method that needs data has no per-layer function: the
+pipeline runs the calibration stage (`calibration.CalibrationStage`, with the method's `fit`)
+for it, one decoder block at a time. Every method first reorders heads into `ctx.groups`
+(a grouping, `grouping.py`), which preserves the function.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from gqakit.convert import align as A
 from gqakit.convert.layout import AttnHeads
-from gqakit.convert.pooling import (Method, PoolContext, first_method, mean_method, pool_contiguous, random_method,
-                                    regroup)
-from gqakit.core.errors import GqakitError
+from gqakit.convert.pooling import Method, PoolContext, pool_contiguous, regroup
+from gqakit.core.methods import METHODS, MethodSpec, load, method_spec, register_method
+
+__all__ = ["METHODS", "MethodSpec", "align_method", "align_scale_method", "align_transform", "method_function",
+           "method_spec", "register_method"]
 
 
 def align_transform(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
@@ -49,30 +40,8 @@ def align_scale_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
     return A.refit_outputs_local(al, pooled, ridge=0.0)
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str
-    fn: Method | None  # the per-layer conversion; None: computed by the calibration stage
-    needs_data: bool   # calibrates on text, through the model, one decoder block at a time
-    kv_only: bool      # reads and writes only K and V: q and o can be copied through as raw bytes
-
-    def __post_init__(self) -> None:
-        if (self.fn is None) != self.needs_data:
-            raise ValueError(f"method {self.name}: a per-layer function exactly when it needs no data")
-
-
-METHODS: dict[str, MethodSpec] = {m.name: m for m in (
-    MethodSpec("mean", mean_method, needs_data=False, kv_only=True),
-    MethodSpec("first", first_method, needs_data=False, kv_only=True),
-    MethodSpec("random", random_method, needs_data=False, kv_only=True),
-    MethodSpec("align", align_method, needs_data=False, kv_only=False),
-    MethodSpec("align-scale", align_scale_method, needs_data=False, kv_only=False),
-    MethodSpec("align-refit", None, needs_data=True, kv_only=False),
-)}
-
-
-def method_spec(name: str) -> MethodSpec:
-    """The named method, or a one-line error listing them."""
-    if name not in METHODS:
-        raise GqakitError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return METHODS[name]
+def method_function(name: str) -> Method:
+    """The per-layer function of the method `name` (one that needs no data)."""
+    spec = method_spec(name)
+    assert spec.fn is not None, f"method {name} calibrates: the calibration stage makes its layers"
+    return load(spec.fn)

@@ -30,10 +30,11 @@ import gqakit
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.io import ShardWriter
 from gqakit.convert.layout import AttnHeads, read_heads, write_heads
-from gqakit.convert.methods import method_spec
+from gqakit.convert.methods import method_function
 from gqakit.convert.plan import AttentionLayer, Plan, make_plan, trained_block_tensors
 from gqakit.convert.pooling import PoolContext
 from gqakit.convert.record import drift_summary, write_metadata
+from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.settings import DEFAULT_CALIBRATION_TOKENS, DEFAULT_METHOD, ConvertSettings
 from gqakit.convert.source import Opened, open_checkpoint
 from gqakit.core import arch as archmod
@@ -100,7 +101,7 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]
 
 
-def auto_lines(settings: ConvertSettings) -> list[str]:
+def auto_lines(settings: ResolvedSettings) -> list[str]:
     """One line on what the resolved settings' "auto" values are, or none."""
     reasons = settings.auto_reasons()
     return [f"{settings.method} settings: " + "; ".join(f"{k} {v}" for k, v in reasons.items())] if reasons else []
@@ -108,14 +109,13 @@ def auto_lines(settings: ConvertSettings) -> list[str]:
 
 # ----------------------------------------------------------------------------- where the layers come from
 
-def per_step_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> Steps:
+def per_step_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> Steps:
     """(step, converted heads) in the plan's layer order, for methods that need only the
     layer's weights; an encoder-decoder's steps are its layers' self-, cross- and (when
     grouped) encoder attentions."""
-    settings = settings.resolved(source_params=plan.source_params, max_positions=plan.shape.max_positions)
     spec = archmod.registry()[plan.family]
     gen = torch.Generator().manual_seed(settings.seed)
-    method_fn = method_spec(settings.method).fn
+    method_fn = method_function(settings.method)
     group_fn = GROUPINGS[settings.grouping]
     for step in plan.attention_layers():
         layer, shape = step.layer, plan.shape_at(step.site)
@@ -134,14 +134,14 @@ def per_step_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> Ste
         del new
 
 
-def per_layer_heads(opened: Opened, plan: Plan, settings: ConvertSettings) -> Layers:
+def per_layer_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> Layers:
     """(layer, converted heads) in layer order, for methods that need only the layer's weights
     (`per_step_heads` with each step's layer: for a decoder-only model, one step per layer)."""
     for step, new in per_step_heads(opened, plan, settings):
         yield step.layer, new
 
 
-def converted_layers(opened: Opened, plan: Plan, settings: ConvertSettings, *, device: str = "cpu",
+def converted_layers(opened: Opened, plan: Plan, settings: ResolvedSettings, *, device: str = "cpu",
                      progress: bool = True, scratch: Path | None = None, resume_dir: Path | None = None,
                      written: Callable[[], list[str]] | None = None) -> tuple[Steps, Any]:
     """(step, converted heads) in layer order, and the calibration stage that makes them
@@ -190,6 +190,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
         state = load_checkpoint(tmp / RESUME_DIR) if resumed else None
         if resumed and progress:
             tqdm.write(resume_line(tmp, state, plan.shape.num_layers), file=sys.stderr)
+        assert settings.max_shard_bytes is not None  # a model folder
         writer = ShardWriter(tmp, plan.tensors, settings.max_shard_bytes, {"gqakit": gqakit.__version__},
                              written=state["written"] if state else ())
         done = set(writer.written)
@@ -260,7 +261,7 @@ def _not_resumable(ctx: Any) -> Iterator[tuple[Path, bool]]:
         yield tmp, False
 
 
-def _fingerprint(opened: Opened, plan: Plan, settings: ConvertSettings) -> str:
+def _fingerprint(opened: Opened, plan: Plan, settings: ResolvedSettings) -> str:
     """What makes two runs the same conversion: settings, source files, plan, gqakit version."""
     files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in opened.source.files() if p.exists()]
     key = {"settings": settings.record(), "files": files, "version": gqakit.__version__,

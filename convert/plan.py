@@ -23,7 +23,7 @@ import torch
 
 from gqakit.convert.io import Planned
 from gqakit.convert.layout import SITES, layer_names, output_shapes
-from gqakit.convert.methods import method_spec
+from gqakit.convert.resolved import Output, ResolvedSettings, resolve_settings
 from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
@@ -62,7 +62,7 @@ class Plan:
     tensors: list[Planned]   # the output tensors, step by step
     source_params: int
     output_params: int
-    settings: ConvertSettings  # resolved: every "auto" decided from this model (`ConvertSettings.resolved`)
+    settings: ResolvedSettings  # every "auto" decided for this model (`resolved.resolve_settings`)
     encoder_shape: archmod.Shape | None = None  # an encoder-decoder's encoder (`shape` is its decoder)
     sites: tuple[str, ...] = ("self",)          # the attentions the conversion groups
 
@@ -119,8 +119,10 @@ def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, set
 
 
 def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:
-    """The plan, with the settings resolved for this model (`Plan.settings`): what "auto"
-    means depends on its parameters and context, and on the output kind (`gguf_out`)."""
+    """The plan, with the settings resolved for this model (`Plan.settings`, built here once):
+    what "auto" means depends on its parameters and context, and on the output kind (a GGUF
+    file with `gguf_out`, else a model folder)."""
+    output: Output = "gguf" if gguf_out else "folder"
     spec = archmod.lookup(opened.config)
     check_encoder_decoder(spec, settings, gguf=gguf_out or opened.gguf is not None)
     shape = archmod.shape_of(spec, opened.config)
@@ -134,17 +136,16 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
         if settings.group_encoder:
             validate_g(encoder_shape, settings.num_kv_heads, "the encoder's")
     check_changes(shape, encoder_shape if settings.group_encoder else None, settings)
-    out_dtype = DTYPES.get(settings.dtype)
     src = opened.source
     names = src.names()
     metas = {n: src.meta(n) for n in names}
     numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
     source_params = sum(numel(m[1]) for m in metas.values())
-    settings = settings.resolved(source_params=source_params, max_positions=archmod.max_positions(opened.config),
-                                 gguf_out=gguf_out)
+    resolved = resolve_settings(settings, source_params=source_params,
+                                max_positions=archmod.max_positions(opened.config), output=output)
+    out_dtype = DTYPES[resolved.dtype] if resolved.dtype is not None else None
     # methods that touch only K/V leave q and o to be copied through untouched
-    kv_only = (method_spec(settings.method).kv_only and settings.grouping == "contiguous"
-               and spec.attention.layout == "separate")
+    kv_only = resolved.spec.kv_only and resolved.grouping == "contiguous" and spec.attention.layout == "separate"
     layer_of: dict[str, tuple[int, str]] = {}
     for site in sites:
         for layer in range(shape_at[site].num_layers):
@@ -163,11 +164,11 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
             cast = out_dtype if (out_dtype is not None and dt.is_floating_point) else dt
             tensors.append(Planned(step.name, cast, metas[step.name][1]))
             continue
-        shapes = output_shapes(spec, shape_at[step.site], settings.num_kv_heads, step.layer,
+        shapes = output_shapes(spec, shape_at[step.site], resolved.num_kv_heads, step.layer,
                                {n: metas[n][1] for n in step.names}, site=step.site)
         tensors += [Planned(n, out_dtype if out_dtype is not None else metas[n][0], shapes[n]) for n in step.names]
     return Plan(spec.family, spec.native_gqa, shape, opened.config, steps, tensors,
-                source_params, sum(numel(p.shape) for p in tensors), settings, encoder_shape, sites)
+                source_params, sum(numel(p.shape) for p in tensors), resolved, encoder_shape, sites)
 
 
 def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, tuple[int, str]]) -> Iterator[Step]:
@@ -184,11 +185,12 @@ def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, tuple[in
                                  site)
 
 
-def trained_block_tensors(plan: Plan, settings: ConvertSettings) -> set[str]:
+def trained_block_tensors(plan: Plan, settings: ResolvedSettings) -> set[str]:
     """The pass-through tensors the calibration stage rewrites (`--refit-option train=block`
     with reconstruction steps: each converted block's MLP and norms), which the writer
     takes from the stage rather than from the source."""
-    if not settings.staged or not settings.refit.trains_block(plan.shape.num_kv_heads, settings.num_kv_heads):
+    trains_block = getattr(settings.options, "trains_block", None)
+    if not settings.staged or trains_block is None or not trains_block(plan.shape.num_kv_heads, settings.num_kv_heads):
         return set()
     spec = archmod.registry()[plan.family]
     prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers))

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import gqakit
-from gqakit.convert.methods import method_spec
 from gqakit.convert.plan import Plan
-from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
+from gqakit.core.arch import SITE_NAMES
 from gqakit.core.hub import hub_id_of
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
+from gqakit.core.methods import changed_projections, load
 from gqakit.core.modelcard import render_model_card
 from gqakit.core.modelfiles import side_files
 
@@ -27,7 +28,7 @@ QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h�
                   "the perplexity before uptraining is from the original's (docs/benchmarks.md pairs them)")
 
 
-def output_config(plan: Plan, settings: ConvertSettings) -> dict[str, Any]:
+def output_config(plan: Plan, settings: ResolvedSettings) -> dict[str, Any]:
     cfg = dict(plan.config)
     spec = archmod.registry()[plan.family]
     if plan.native_gqa:
@@ -38,7 +39,7 @@ def output_config(plan: Plan, settings: ConvertSettings) -> dict[str, Any]:
         enc = plan.encoder_shape
         encoder_kv = None if enc is None else settings.num_kv_heads if "encoder" in plan.sites else enc.num_kv_heads
         cfg.update(remote_config_updates(plan.family, settings.num_kv_heads, encoder_kv_heads=encoder_kv))
-    if settings.dtype != "auto":
+    if settings.dtype is not None:
         cfg["dtype"] = settings.dtype
         cfg.pop("torch_dtype", None)
     if plan.native_gqa:
@@ -71,7 +72,16 @@ def drift_summary(cal: dict[str, Any]) -> str:
             "0 = identical to the original)")
 
 
-def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSettings, seconds: float,
+def changed(plan: Plan, settings: ResolvedSettings) -> dict[str, list[str]]:
+    """The projections whose values the conversion changed, per grouped attention (by its
+    name, e.g. "decoder.self_attention"): the method's `changes` in the family's names. LoRA
+    uptraining puts its default adapters there."""
+    spec = archmod.registry()[plan.family]
+    return {SITE_NAMES[site]: changed_projections(spec.attention_at(site), settings.spec.changes)
+            for site in plan.sites}
+
+
+def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSettings, seconds: float,
                     calibration: dict[str, Any] | None = None, described: str | None = None) -> None:
     """Everything but the weights into the folder `tmp`. `calibration`: the calibration stage's
     record; `described`: what the method did, in one line (default: its function's docstring)."""
@@ -95,7 +105,7 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
               "parameters_before": plan.source_params, "parameters_after": plan.output_params,
               "kv_cache_bytes_per_token_before": before, "kv_cache_bytes_per_token_after": after,
               "kv_cache_dtype": dtype,
-              "seconds": round(seconds, 3), "copied_files": copied,
+              "changed": changed(plan, settings), "seconds": round(seconds, 3), "copied_files": copied,
               "loads_with": f"{auto}.from_pretrained(OUT)" if plan.native_gqa
               else f"{auto}.from_pretrained(OUT, trust_remote_code=True)"}
     enc = plan.encoder_shape
@@ -127,7 +137,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ConvertSetti
         facts["residual drift"] = drift_summary(calibration).split("; ", 1)[-1]
         facts["expected quality"] = QUALITY_SIGNAL
     if described is None:
-        doc = (getattr(method_spec(settings.method).fn, "__doc__", None) or "").strip().split("\n\n")[0]
+        fn = load(settings.spec.fn) if settings.spec.fn is not None else None
+        doc = (getattr(fn, "__doc__", None) or "").strip().split("\n\n")[0]
         described = " ".join(doc.split())
     if described:
         facts["method"] = f"{settings.method}: {described}"

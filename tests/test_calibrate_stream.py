@@ -13,7 +13,8 @@ from gqakit.convert.calibration import CalibrationStage, calibration_sequences
 from gqakit.convert.pipeline import convert_checkpoint
 from gqakit.convert.plan import make_plan
 from gqakit.convert.source import open_checkpoint
-from gqakit.convert.settings import ConvertSettings, RefitOptions
+from gqakit.convert.refit_options import RefitOptions
+from gqakit.convert.settings import ConvertSettings
 from gqakit.core.errors import GqakitError, Interrupted
 from reference_calibrate import reference_refit
 
@@ -21,7 +22,7 @@ from reference_calibrate import reference_refit
 def _streamed(src, settings, **kw):
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
-    stage = CalibrationStage(opened, plan, settings, device="cpu", progress=False, **kw)
+    stage = CalibrationStage(opened, plan, plan.settings, device="cpu", progress=False, **kw)
     return dict(stage.layers()), stage.summary, opened, plan
 
 
@@ -29,7 +30,7 @@ def _reference(src, settings):
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
     settings = plan.settings  # resolved for this model
-    opts = settings.refit
+    opts = settings.options
     seqs, _ = calibration_sequences(opened, settings.calibration_data, settings.calibration_tokens,
                                     opts.seq_len, settings.seed, sample_batch=opts.sample_batch,
                                     progress=False, source_params=plan.source_params)
@@ -458,11 +459,12 @@ def test_a_new_calibrated_method_is_a_new_fit(tiny_model, one_thread):
                                refit={"seq_len": 32})
     opened = open_checkpoint(src)
     plan = make_plan(opened, settings)
-    mean = dict(per_layer_heads(opened, plan, ConvertSettings(source=src, num_kv_heads=2, method="mean")))
+    mean_plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=2, method="mean"))
+    mean = dict(per_layer_heads(opened, mean_plan, mean_plan.settings))
     drifts = []
     for advance in (False, True):
         fit = MeanFit(advance)
-        stage = CalibrationStage(opened, plan, settings, fit, device="cpu", progress=False)
+        stage = CalibrationStage(opened, plan, plan.settings, fit, device="cpu", progress=False)
         got = dict(stage.layers())
         assert fit.seen == [0, 1, 2] and stage.summary["fit"] == "mean"
         assert stage.describe().startswith("mean pooling, drift")

@@ -7,8 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from gqakit.convert.settings import ConvertSettings, RefitOptions, refit_options_markdown
+from gqakit.convert.refit_options import RefitOptions, refit_options_markdown
+from gqakit.convert.resolved import ResolvedSettings, resolve_settings
+from gqakit.convert.settings import ConvertSettings
 from gqakit.core.errors import GqakitError
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "convert.md"  # the conversion reference
@@ -17,8 +20,8 @@ GUIDE = Path(__file__).resolve().parents[1] / "docs" / "convert.md"  # the conve
 def test_readme_table_of_refit_options_is_the_models():
     text = GUIDE.read_text()
     table = refit_options_markdown()
-    assert table in text, ("docs/convert.md's align-refit option table differs from convert/settings.py; paste "
-                           "gqakit.convert.settings.refit_options_markdown() into it")
+    assert table in text, ("docs/convert.md's align-refit option table differs from convert/refit_options.py; paste "
+                           "gqakit.convert.refit_options.refit_options_markdown() into it")
     keys = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
     assert keys == list(RefitOptions.model_fields)
     assert {"steps", "lr", "guard_spans", "train", "sample_batch"} <= set(keys)
@@ -75,34 +78,42 @@ def _readme_section(heading: str) -> str:
 
 def test_auto_settings_follow_the_models_size_and_context():
     s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit")
-    small = s.resolved(source_params=300_000, max_positions=256)
-    assert (small.grouping, small.refit.seq_len, small.refit.steps, small.refit.lr, small.refit.train) == \
+    small = resolve_settings(s, source_params=300_000, max_positions=256)
+    assert (small.grouping, small.options.seq_len, small.options.steps, small.options.lr, small.options.train) == \
         ("similarity", 256, 4500, 0.007, "block")
-    large = s.resolved(source_params=135_000_000, max_positions=8192)
-    assert (large.grouping, large.refit.seq_len, large.refit.steps, large.refit.lr, large.refit.train) == \
+    large = resolve_settings(s, source_params=135_000_000, max_positions=8192)
+    assert (large.grouping, large.options.seq_len, large.options.steps, large.options.lr, large.options.train) == \
         ("contiguous", 512, 400, 0.01, "attention")
     reasons = large.auto_reasons()
     assert set(reasons) == {"grouping", "seq_len", "steps", "lr", "train"}
     assert all(r.startswith("auto: ") for r in reasons.values()) and "135M parameters" in reasons["steps"]
-    assert large.resolved(source_params=1, max_positions=1) is large  # resolved once
-    assert s.auto_reasons() == {} and s.refit.steps == "auto"  # the settings asked for are untouched
+    assert s.refit.steps == "auto"  # the settings asked for are untouched
+    # resolved means typed: no field of the resolved options accepts "auto" any more
+    assert isinstance(large, ResolvedSettings) and large.output == "folder" and large.max_shard_bytes == 2 * 10**9
+    chosen = {k: getattr(large.options, k) for k in ("seq_len", "steps", "lr", "train")}
+    for key in chosen:
+        with pytest.raises(ValidationError):
+            type(large.options)(**{**chosen, key: "auto"})
     # fewer calibration tokens, fewer steps; a GGUF OUT never trains whole blocks; --effort fast: no steps
     few = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", calibration_tokens=2048)
-    assert few.resolved(source_params=135_000_000, max_positions=None).refit.steps == 12
-    assert s.resolved(source_params=300_000, max_positions=256, gguf_out=True).refit.train == "attention"
+    assert resolve_settings(few, source_params=135_000_000, max_positions=None).options.steps == 12
+    gguf = resolve_settings(s, source_params=300_000, max_positions=256, output="gguf")
+    assert gguf.options.train == "attention" and gguf.output == "gguf" and gguf.max_shard_bytes is None
+    assert gguf.record()["max_shard_size"] == "-"  # the output kind says it, not a missing shard size
     fast = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", effort="fast")
-    assert fast.resolved(source_params=300_000, max_positions=256).refit.steps == 0
-    assert "--effort fast" in fast.resolved(source_params=300_000, max_positions=256).auto_reasons()["steps"]
+    assert resolve_settings(fast, source_params=300_000, max_positions=256).options.steps == 0
+    assert "--effort fast" in resolve_settings(fast, source_params=300_000, max_positions=256).auto_reasons()["steps"]
     # other methods keep the paper's grouping and record nothing automatic
-    mean = ConvertSettings(source="m", num_kv_heads=1, method="mean").resolved(source_params=1000, max_positions=64)
+    mean = resolve_settings(ConvertSettings(source="m", num_kv_heads=1, method="mean"), source_params=1000,
+                            max_positions=64)
     assert mean.grouping == "contiguous" and mean.auto_reasons() == {} and "auto" not in mean.record()
 
 
 def test_explicit_settings_win_over_auto():
     s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", grouping="contiguous", effort="fast",
                         refit={"steps": 7, "lr": 0.02, "train": "attention", "seq_len": 64})
-    r = s.resolved(source_params=300_000, max_positions=256)
-    assert (r.grouping, r.refit.seq_len, r.refit.steps, r.refit.lr, r.refit.train) == \
+    r = resolve_settings(s, source_params=300_000, max_positions=256)
+    assert (r.grouping, r.options.seq_len, r.options.steps, r.options.lr, r.options.train) == \
         ("contiguous", 64, 7, 0.02, "attention")
     assert r.auto_reasons() == {} and r.record()["options"] == {"steps": 7, "lr": 0.02, "train": "attention",
                                                                 "seq_len": 64}
@@ -137,11 +148,11 @@ def test_readme_recommended_command_is_the_defaults(tmp_path):
     import shlex
 
     from gqakit.convert.cli import convert_cmd
-    from gqakit.convert.settings import BEST, auto_settings_markdown
+    from gqakit.convert.refit_options import BEST, auto_settings_markdown
 
     section = _readme_section("Conversion methods")
     assert auto_settings_markdown() in section, ("docs/convert.md's table of align-refit's automatic settings differs "
-                                                 "from convert/settings.py: paste auto_settings_markdown() into it")
+                                                 "from convert/refit_options.py: paste auto_settings_markdown() into it")
     cmd = re.search(r"```bash\n(gqakit convert [^\n]*--method align-refit[^\n]*)\n```", section).group(1)
     args = [a if a != "G" else "1" for a in shlex.split(cmd)[2:]]  # -g G: the user's number
     ctx = convert_cmd.make_context("convert", args)
@@ -153,7 +164,7 @@ def test_readme_recommended_command_is_the_defaults(tmp_path):
     readme = ConvertSettings(source="m", **{**params, "num_kv_heads": 1, "calibration_data": str(data)})
     default = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", calibration_data=str(data))
     for params_count, size in ((135_000_000, "large"), (300_000, "small")):
-        got = readme.resolved(source_params=params_count, max_positions=2048)
-        assert got.record() == default.resolved(source_params=params_count, max_positions=2048).record()
-        assert (got.refit.steps, got.refit.lr, got.refit.train, got.grouping) == \
+        got = resolve_settings(readme, source_params=params_count, max_positions=2048)
+        assert got.record() == resolve_settings(default, source_params=params_count, max_positions=2048).record()
+        assert (got.options.steps, got.options.lr, got.options.train, got.grouping) == \
             tuple(BEST[size][k] for k in ("steps", "lr", "train", "grouping"))

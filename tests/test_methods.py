@@ -154,7 +154,8 @@ def test_methods_registered():
     assert {"mean", "first", "random", "align", "align-scale", "align-refit"} <= set(METHODS)
     assert {"contiguous", "similarity"} <= set(GROUPINGS)
     # the paper's methods touch only K/V; the one that calibrates has no per-layer function
-    assert [m for m, s in METHODS.items() if s.kv_only] == ["mean", "first", "random"]
+    assert [m for m, s in METHODS.items() if s.changes == ("k", "v")] == ["mean", "first", "random"]
+    assert all(s.changes == ("q", "k", "v", "o") for m, s in METHODS.items() if m.startswith("align"))
     assert [m for m, s in METHODS.items() if s.needs_data] == ["align-refit"] and METHODS["align-refit"].fn is None
 
 
@@ -270,12 +271,14 @@ def test_a_layer_is_freed_before_the_next_layer_is_converted(tiny_model, tmp_pat
     import dataclasses
     import weakref
 
-    mean = METHODS["mean"]
+    from gqakit.convert.methods import method_function
+
+    mean, mean_fn = METHODS["mean"], method_function("mean")
     previous: list = []
 
     def watched(heads, ctx):
         assert all(ref() is None for ref in previous), f"layer {ctx.layer - 1}'s converted heads are still held"
-        new = mean.fn(heads, ctx)
+        new = mean_fn(heads, ctx)
         previous[:] = [weakref.ref(t) for t in (new.k, new.v)]
         return new
 

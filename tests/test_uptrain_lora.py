@@ -16,7 +16,7 @@ from gqakit.core.errors import GqakitError
 from gqakit.core.loading import load_causal_lm
 from gqakit.uptrain import run_uptrain
 from gqakit.uptrain.config import load_config
-from gqakit.uptrain.lora import KV_ONLY_METHODS, apply_lora, default_targets, merged_state_dict
+from gqakit.uptrain.lora import apply_lora, default_targets, merged_state_dict
 
 TEXTS = [" ".join(chr(33 + (i * 7 + j * 3) % 61) for j in range(40 + i % 9)) for i in range(60)]
 EVAL = [" ".join(chr(33 + (i * 5 + j) % 61) for j in range(50)) for i in range(8)]
@@ -124,14 +124,23 @@ def test_merge_reproduces_the_adapted_model(tiny_model, tmp_path: Path, family: 
 
 
 def test_default_targets_follow_the_conversion(mha: Path, tiny_model, tmp_path: Path):
-    from gqakit.convert.methods import METHODS
-
-    # The kv-only list here is convert.methods' own.
-    assert set(KV_ONLY_METHODS) == {m.name for m in METHODS.values() if m.kv_only}
-    assert default_targets(convert(mha, tmp_path / "mean")) == ["self_attn.k_proj", "self_attn.v_proj"]
+    mean = convert(mha, tmp_path / "mean")
+    assert json.loads((mean / "gqakit_convert.json").read_text())["changed"] == \
+        {"decoder.self_attention": ["k_proj", "v_proj"]}
+    assert default_targets(mean) == ["self_attn.k_proj", "self_attn.v_proj"]
     aligned = convert(mha, tmp_path / "align", method="align")
     assert default_targets(aligned) == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     gpt2 = convert(tiny_model("gpt2"), tmp_path / "gpt2", method="mean")
+    assert default_targets(gpt2) == ["attn.c_attn"]
+    # the targets are the record's, not the method name's: a record that says q changed gets q
+    record = json.loads((mean / "gqakit_convert.json").read_text())
+    (mean / "gqakit_convert.json").write_text(json.dumps({**record, "changed": {"decoder.self_attention": ["q_proj"]}}))
+    assert default_targets(mean) == ["self_attn.q_proj"]
+    # a record written before `changed` existed: the method table's `changes` for its method
+    (mean / "gqakit_convert.json").write_text(json.dumps({k: v for k, v in record.items() if k != "changed"}))
+    assert default_targets(mean) == ["self_attn.k_proj", "self_attn.v_proj"]
+    old = {k: v for k, v in json.loads((gpt2 / "gqakit_convert.json").read_text()).items() if k != "changed"}
+    (gpt2 / "gqakit_convert.json").write_text(json.dumps(old))
     assert default_targets(gpt2) == ["attn.c_attn"]
     # align: Q and O moved too.
     final = run_uptrain(cfg(aligned, tmp_path / "run", tokens=16 * 2 * 3), quiet=True)

@@ -11,10 +11,11 @@ the gathered state dict, so it works the same under DDP and FSDP): OUT is a plai
 with the stock names, and it loads without peft.
 
 The default targets are the projections the conversion changed, read from the folder's
-`gqakit_convert.json`: K and V for the pooling methods, also Q and O for the others (the
-`align` methods rewrite them too); for an encoder-decoder, those of the attentions it
-grouped, named in full layer by layer. Names follow peft's rule: a target matches a module
-whose name is the target or ends with "." + target.
+`gqakit_convert.json` (`changed`: per grouped attention, the projections whose values the
+method changed; a record written before it had that field names its method, whose `changes`
+in the method table `core.methods` say the same); for an encoder-decoder, those of the
+attentions it grouped, named in full layer by layer. Names follow peft's rule: a target
+matches a module whose name is the target or ends with "." + target.
 
 This module imports neither torch nor peft at import time: the config check needs neither.
 """
@@ -29,9 +30,8 @@ from typing import Any
 from gqakit.core.arch import SITE_NAMES, registry
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import CONVERT_SETTINGS
+from gqakit.core.methods import METHODS, changed_projections
 
-# Conversion methods that change only K and V (convert.methods' `kv_only`; a test keeps the two in step).
-KV_ONLY_METHODS = ("mean", "first", "random")
 PEFT_PREFIX = "base_model.model."  # where peft puts the wrapped model in its state dict
 ADAPTER_NAME = "default"
 
@@ -48,22 +48,36 @@ def default_targets(src: Path) -> list[str]:
     if spec is None:
         raise GqakitError(f"train.lora.targets: unknown family {family!r} in {CONVERT_SETTINGS}; "
                           "give train.lora.targets")
+    changed = _changed_by_site(record, spec, method)
     if spec.is_encoder_decoder:
-        return _encoder_decoder_targets(spec, record, method)
+        return _encoder_decoder_targets(spec, record, changed)
     att = spec.attention
     parent = att.prefix.rstrip(".").split(".")[-1]  # "self_attn", "attn", ...
-    return [f"{parent}.{name}" for name in _changed(att, method)]
+    targets = [f"{parent}.{name}" for name in changed.get(SITE_NAMES["self"], [])]
+    if not targets:
+        raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} says the conversion changed no projection; "
+                          "give train.lora.targets")
+    return targets
 
 
-def _changed(att: Any, method: str) -> list[str]:
-    """The projections of one attention that a conversion by `method` rewrote."""
-    changed = [att.k, att.v] if att.layout == "separate" else [att.qkv]
-    if method not in KV_ONLY_METHODS:
-        changed = ([att.q] if att.layout == "separate" else []) + changed + [att.o]
-    return changed
+def _changed_by_site(record: dict, spec: Any, method: str) -> dict[str, list[str]]:
+    """The record's `changed` (attention name -> projections); for a record without it, what
+    the method's entry in the table says it changes, in every attention."""
+    changed = record.get("changed")
+    if changed is not None:
+        if not (isinstance(changed, dict) and all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                  for v in changed.values())):
+            raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} has a malformed 'changed'; "
+                              "give train.lora.targets")
+        return changed
+    if method not in METHODS:
+        raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} names method {method!r}, which is not in the "
+                          "method table, and does not say which projections changed; give train.lora.targets")
+    sites = ["self", "cross", "encoder"] if spec.is_encoder_decoder else ["self"]
+    return {SITE_NAMES[s]: changed_projections(spec.attention_at(s), METHODS[method].changes) for s in sites}
 
 
-def _encoder_decoder_targets(spec: Any, record: dict, method: str) -> list[str]:
+def _encoder_decoder_targets(spec: Any, record: dict, changed: dict[str, list[str]]) -> list[str]:
     """Full module names, layer by layer: the attentions the conversion grouped (the decoder's
     self- and cross-attention; the encoder's too with --group-encoder). A short suffix would
     also match the attentions it left multi-head (T5 names both stacks' `SelfAttention`)."""
@@ -72,12 +86,13 @@ def _encoder_decoder_targets(spec: Any, record: dict, method: str) -> list[str]:
     try:
         for name in record["grouped"]:
             site = site_of[name]
-            chosen.append((spec.attention_at(site), int(record["encoder_num_layers" if site == "encoder" else "num_layers"])))
+            layers = int(record["encoder_num_layers" if site == "encoder" else "num_layers"])
+            chosen.append((spec.attention_at(site), layers, site))
     except (KeyError, TypeError, ValueError):
         raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} does not say which attentions were grouped; "
                           "give train.lora.targets") from None
     return [att.prefix.format(layer=L) + name
-            for att, layers in chosen for L in range(layers) for name in _changed(att, method)]
+            for att, layers, site in chosen for L in range(layers) for name in changed.get(SITE_NAMES[site], [])]
 
 
 def short_targets(targets: list[str]) -> str:

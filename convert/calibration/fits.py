@@ -1,8 +1,10 @@
-"""Which fit calibrates which method: one line per calibrated method.
+"""The calibration fits of the built-in methods that need data.
 
-A method that needs data (`methods.MethodSpec.needs_data`) is fitted by the calibration
-stage one block at a time; its fit is a `block.Fit`. To add one: write the fit (as
-`refit.AlignRefit` is written) and add its line to `FITS`. The stage does not change.
+A method that needs data (`core.methods.MethodSpec.needs_data`) is fitted by the calibration
+stage one block at a time; its entry's `fit` names a factory `fit(settings, plan, dtype,
+device) -> block.Fit` (this module's `align_refit_fit` for align-refit). To add one: write the
+fit (as `refit.AlignRefit` is written) and name its factory in the method's entry. The stage
+does not change.
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ import torch
 from gqakit.convert.calibration.block import Fit
 from gqakit.convert.calibration.refit import AlignRefit
 from gqakit.convert.plan import Plan
-from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.resolved import ResolvedSettings
+from gqakit.core.methods import load
 
-FitFactory = Callable[[ConvertSettings, Plan, torch.dtype, str], Fit]
-
-FITS: dict[str, FitFactory] = {
-    "align-refit": lambda settings, plan, dtype, device: AlignRefit(
-        settings.refit, grouping=settings.grouping, seed=settings.seed, kv_from=plan.shape.num_kv_heads,
-        kv_to=settings.num_kv_heads, dtype=dtype, device=device),
-}
+FitFactory = Callable[[ResolvedSettings, Plan, torch.dtype, str], Fit]
 
 
-def fit_for(settings: ConvertSettings, plan: Plan, *, dtype: torch.dtype, device: str) -> Fit:
-    """The fit of `settings.method`, computing in `dtype` on `device`."""
-    return FITS[settings.method](settings, plan, dtype, device)
+def align_refit_fit(settings: ResolvedSettings, plan: Plan, dtype: torch.dtype, device: str) -> Fit:
+    """align-refit's fit: input-weighted alignment, query refit, o_proj refit, reconstruction."""
+    return AlignRefit(settings.options, grouping=settings.grouping, seed=settings.seed,
+                      kv_from=plan.shape.num_kv_heads, kv_to=settings.num_kv_heads, dtype=dtype, device=device)
+
+
+def fit_for(settings: ResolvedSettings, plan: Plan, *, dtype: torch.dtype, device: str) -> Fit:
+    """The fit of `settings.method` (its entry's `fit`), computing in `dtype` on `device`."""
+    factory: FitFactory = load(settings.spec.fit)
+    return factory(settings, plan, dtype, device)

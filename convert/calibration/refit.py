@@ -38,7 +38,7 @@ from gqakit.convert.calibration.memory import trim
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, read_heads
 from gqakit.convert.pooling import pool_contiguous, regroup
-from gqakit.convert.settings import RefitOptions
+from gqakit.convert.refit_options import ResolvedRefitOptions
 from gqakit.core.errors import GqakitError
 
 
@@ -65,8 +65,8 @@ def _clone_tree(x: Any) -> Any:
 class AlignRefit:
     """The `align-refit` fit (see the module docstring); one instance per conversion."""
 
-    def __init__(self, opts: RefitOptions, *, grouping: str, seed: int, kv_from: int, kv_to: int, dtype: torch.dtype,
-                 device: str):
+    def __init__(self, opts: ResolvedRefitOptions, *, grouping: str, seed: int, kv_from: int, kv_to: int,
+                 dtype: torch.dtype, device: str):
         self.opts, self.grouping, self.seed, self.dtype, self.device = opts, grouping, seed, dtype, device
         # block-wise reconstruction steps per layer; none at G = KV heads (the conversion is exact)
         self.train_steps = opts.train_steps(kv_from, kv_to)

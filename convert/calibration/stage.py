@@ -40,7 +40,8 @@ from gqakit.convert.calibration.streams import Streams, choose_offload
 from gqakit.convert.calibration.tokens import calibration_sequences
 from gqakit.convert.layout import AttnHeads
 from gqakit.convert.plan import Plan
-from gqakit.convert.settings import SMALL_MODEL, ConvertSettings
+from gqakit.convert.refit_options import SMALL_MODEL
+from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.device import PeakMemory
@@ -77,19 +78,16 @@ class CalibrationStage:
     text came from, tokens, per-layer residual drift, device, peak memory and time.
     """
 
-    def __init__(self, opened: Opened, plan: Plan, settings: ConvertSettings, fit: Fit | None = None, *,
+    def __init__(self, opened: Opened, plan: Plan, settings: ResolvedSettings, fit: Fit | None = None, *,
                  device: str = "cpu", progress: bool = True, scratch: Path | None = None,
                  resume_dir: Path | None = None, written: Callable[[], list[str]] | None = None):
         """`fit`: the method's fit (default: the one `settings.method` names); `resume_dir`: where
         checkpoints go (and are resumed from); `written`: the names of the tensors the writer
         holds, recorded with each checkpoint."""
-        # resolved for this model (as the pipeline's plan already did; resolving twice changes nothing)
-        settings = settings.resolved(source_params=plan.source_params,
-                                     max_positions=archmod.max_positions(opened.config))
         self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
         self.progress, self.scratch = progress, scratch
         self.resume_dir, self.written = resume_dir, written
-        self.opts = settings.refit
+        self.opts = settings.options
         self.spec = archmod.registry()[plan.family]
         self.dtype = compute_dtype(self.opts.dtype, plan.source_params, device)
         # sequences per block forward: 4 on the CPU, 8 on a GPU, at most 1,024 and 2,048 tokens

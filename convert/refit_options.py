@@ -1,0 +1,260 @@
+"""align-refit's options (`--refit-option KEY=VALUE`): `RefitOptions` as asked,
+`ResolvedRefitOptions` with every "auto" that depends on the model decided, and the resolver
+that decides them (`resolve_align_refit`, named by align-refit's entry in `core.methods`).
+
+The `--help` section and docs/convert.md's tables are generated from here. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt, ValidationError, model_validator
+
+from gqakit.core.errors import GqakitError
+
+if TYPE_CHECKING:
+    from gqakit.convert.settings import ConvertSettings
+
+SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
+
+# What align-refit's "auto" settings resolve to (`resolve_align_refit`), from the
+# measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400 steps at
+# lr 0.01 on q, k, v, o; on stories260K, 4,500 steps at lr 0.007 on the whole block with
+# similarity grouping: each the best measured for its size.
+MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
+REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
+BEST = {"small": {"steps": 4500, "lr": 0.007, "train": "block", "grouping": "similarity"},
+        "large": {"steps": 400, "lr": 0.01, "train": "attention", "grouping": "contiguous"}}
+
+Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
+
+
+class RefitOptions(BaseModel):
+    """The settings of a calibrated conversion (`--refit-option KEY=VALUE`), with their defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    seq_len: Literal["auto"] | StrictInt = Field(
+        "auto", ge=2, description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
+    batch: Literal["auto"] | StrictInt = Field(
+        "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU, fewer for "
+                                  "sequences over 256 tokens: at most 1,024 and 2,048 tokens)")
+    sample_batch: StrictInt = Field(
+        64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
+    q_ridge: Number = Field(1e-2, description="ridge strength of the query refit, relative to the mean diagonal "
+                                             "of its normal matrix; < 0 skips that refit")
+    o_ridge: Number = Field(3e-2, description="ridge strength of the o_proj refit, relative to the mean diagonal "
+                                             "of its normal matrix; < 0 skips that refit")
+    target: Literal["residual", "local"] = Field(
+        "residual", description="what o_proj is refitted towards: the original model's residual stream after "
+                                "the attention (residual) or the original attention output (local)")
+    skip_first: StrictInt = Field(0, ge=0, description="leave the first n positions of every sequence out of the fits")
+    row_weight: Literal["relative", "none"] = Field(
+        "relative", description="o_proj rows weighted by 1/|original residual|^2, so that outsized rows do not "
+                                "dominate (relative), or all alike (none)")
+    holdout: Number = Field(0.0, ge=0, lt=1, description="fraction of the sequences kept out of the fits; the "
+                                                         "reported residual drift is then measured on them")
+    dtype: Literal["auto", "float32", "float64"] = Field(
+        "auto", description="block compute dtype: auto (float64 for models under 20M parameters on the CPU, "
+                            "else float32), float32 or float64")
+    stream_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto", description="storage dtype of the two hidden-state streams: auto (the compute dtype), float32, "
+                            "float64, bfloat16 or float16")
+    offload: Literal["auto", "device", "cpu", "disk"] = Field(
+        "auto", description="where the streams live: device, cpu (host memory), disk (files beside OUT) or auto "
+                            "(the device when they fit, else host memory, else disk)")
+    checkpoint_seconds: Number = Field(
+        120.0, ge=0, description="how often, at most, the streams and the finished layers are saved, so that a "
+                                 "killed run resumes")
+    steps: Literal["auto"] | StrictInt = Field(
+        "auto", ge=0, description=f"block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
+                                  f"{BEST['large']['steps']}, or {BEST['small']['steps']} for a model under "
+                                  f"{SMALL_MODEL // 10**6}M parameters, fewer in proportion below "
+                                  f"{REFERENCE_TOKENS:,} calibration tokens; 0 with --effort fast)")
+    lr: Literal["auto"] | Number = Field(
+        "auto", gt=0, description=f"the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
+                                  f"auto: {BEST['large']['lr']}, or {BEST['small']['lr']} for a model under "
+                                  f"{SMALL_MODEL // 10**6}M parameters)")
+    guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
+                                                        "closed-form fit when the steps do not help)")
+    train: Literal["auto", "attention", "block"] = Field(
+        "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
+                            f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "
+                            f"a model under {SMALL_MODEL // 10**6}M parameters written to a folder, else "
+                            f"{BEST['large']['train']})")
+
+    _given: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_order(cls, data: Any, handler: Any) -> RefitOptions:
+        model = handler(data)
+        if isinstance(data, Mapping):
+            model._given = tuple(data)
+        return model
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | RefitOptions | None) -> RefitOptions:
+        """`options` validated; an unknown key or a bad value is a one-line `GqakitError`."""
+        if isinstance(options, RefitOptions):
+            return options
+        options = dict(options or {})
+        unknown = [k for k in options if k not in cls.model_fields]
+        if unknown:
+            raise GqakitError(f"unknown align-refit option(s) {', '.join(sorted(unknown))}; "
+                              f"known: {', '.join(cls.model_fields)}")
+        try:
+            return cls(**options)
+        except ValidationError as e:
+            key = str(e.errors()[0]["loc"][0])
+            raise GqakitError(_option_error(key, options[key])) from None
+
+    @classmethod
+    def from_cli(cls, items: Iterable[str]) -> RefitOptions:
+        """`--refit-option KEY=VALUE` items: values are read as JSON where they parse (numbers), else as text."""
+        out: dict[str, Any] = {}
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise GqakitError(f"--refit-option expects KEY=VALUE, got {item!r}")
+            try:
+                out[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key.strip()] = value
+        return cls.parse(out)
+
+    def given(self) -> dict[str, Any]:
+        """The options that were asked for, in the order they were given (the rest are defaults)."""
+        return {k: getattr(self, k) for k in self._given}
+
+    def train_steps(self, kv_from: int | None = None, kv_to: int | None = None) -> int:
+        """Block-wise reconstruction steps per layer: none when the conversion keeps every K/V head
+        (kv_to >= kv_from: it is exact); with the head counts unknown (None), the steps asked for."""
+        if kv_from is not None and kv_to is not None and kv_to >= kv_from:
+            return 0
+        return 0 if self.steps == "auto" else self.steps
+
+    def trains_block(self, kv_from: int | None = None, kv_to: int | None = None) -> bool:
+        """Whether the steps train every weight of each converted block (`train=block` with steps),
+        so that the writer takes the blocks' MLP and norms from the calibration stage."""
+        return self.train_steps(kv_from, kv_to) > 0 and self.train == "block"
+
+
+def _option_error(key: str, value: Any) -> str:
+    """The one line for a refused align-refit option, from the field's type and limits."""
+    field = RefitOptions.model_fields[key]
+    kinds = _base_types(field.annotation)
+    limits = {name: getattr(m, name) for m in field.metadata for name in ("gt", "ge", "lt") if hasattr(m, name)}
+    auto = " or auto" if "auto" in _choices(field) else ""
+    if float in kinds:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"align-refit option {key} must be a finite number{auto}, got {value!r}"
+        if "ge" in limits and "lt" in limits:
+            return f"align-refit option {key} must be in [{limits['ge']}, {limits['lt']}), got {value!r}"
+        op = ">" if "gt" in limits else ">="
+        return f"align-refit option {key} must be {op} {limits.get('gt', limits.get('ge'))}{auto}, got {value!r}"
+    if int in kinds:
+        return f"align-refit option {key} must be an integer >= {limits['ge']}{auto}, got {value!r}"
+    return f"align-refit option {key}={value!r}; choose from {', '.join(_choices(field))}"
+
+
+def _base_types(annotation: Any) -> set[Any]:
+    """The plain types inside an annotation (through unions and Annotated)."""
+    args = get_args(annotation)
+    if not args:
+        return {annotation}
+    return set().union(*(_base_types(a) for a in args if not isinstance(a, str)))
+
+
+def _choices(field: Any) -> list[str]:
+    """The strings a Literal field (or a Literal inside a union) accepts."""
+    return [c for a in (field.annotation, *get_args(field.annotation)) for c in get_args(a) if isinstance(c, str)]
+
+
+class ResolvedRefitOptions(RefitOptions):
+    """align-refit's options for one model: what "auto" meant for its size, context and output
+    kind decided (`resolve_align_refit`). `batch`, `dtype`, `stream_dtype` and `offload` keep
+    "auto" as a rule the calibration stage applies to the device it runs on."""
+
+    seq_len: StrictInt = Field(ge=2, description=RefitOptions.model_fields["seq_len"].description)
+    steps: StrictInt = Field(ge=0, description=RefitOptions.model_fields["steps"].description)
+    lr: Number = Field(gt=0, description=RefitOptions.model_fields["lr"].description)
+    train: Literal["attention", "block"] = Field(description=RefitOptions.model_fields["train"].description)
+
+
+def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_positions: int | None,
+                        output: str) -> tuple[str, ResolvedRefitOptions, dict[str, str]]:
+    """align-refit's "auto" settings decided from the model's parameters and context and the
+    output kind: (grouping, options, the reason for each value "auto" chose). Explicit values
+    are kept as given."""
+    reasons: dict[str, str] = {}
+    grouping, refit = settings.grouping, settings.refit
+    small = source_params < SMALL_MODEL
+    count = f"{source_params / 1e6:,.0f}M" if source_params >= 10**7 else f"{source_params:,}"
+    size = f"{count} parameters, {'under' if small else 'at least'} 20M"
+    best = BEST["small" if small else "large"]
+    r: dict[str, Any] = {}
+    if grouping == "auto":
+        grouping = str(best["grouping"])
+        reasons["grouping"] = f"auto: {grouping} ({size})"
+    if refit.seq_len == "auto":
+        r["seq_len"] = min(MAX_SEQ_LEN, max_positions or MAX_SEQ_LEN)
+        reasons["seq_len"] = (f"auto: {r['seq_len']} (the model's context {max_positions}, at most "
+                              f"{MAX_SEQ_LEN})" if max_positions else f"auto: {r['seq_len']}")
+    if refit.steps == "auto":
+        if settings.effort == "fast":
+            r["steps"] = 0
+            reasons["steps"] = "auto: 0 (--effort fast: the closed-form fits only)"
+        else:
+            share = min(1.0, settings.calibration_tokens / REFERENCE_TOKENS)
+            r["steps"] = max(1, round(best["steps"] * share))
+            reasons["steps"] = f"auto: {r['steps']} (--effort best, {size}" + (
+                f"; {best['steps']} scaled to {settings.calibration_tokens:,} of {REFERENCE_TOKENS:,} "
+                "calibration tokens)" if share < 1 else ")")
+    if refit.lr == "auto":
+        r["lr"] = best["lr"]
+        reasons["lr"] = f"auto: {r['lr']} ({size})"
+    if refit.train == "auto":
+        gguf = output == "gguf"
+        r["train"] = "attention" if gguf else best["train"]
+        reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)"
+                                                      if gguf else f"{size})")
+    # the fields not given keep their defaults, as in `refit`
+    resolved = ResolvedRefitOptions(**{**{k: getattr(refit, k) for k in refit.model_fields_set}, **r})
+    resolved._given = refit._given
+    return grouping, resolved, reasons
+
+
+def refit_options_markdown() -> str:
+    """The README's table of align-refit options (`tests/test_convert_settings.py` keeps them equal)."""
+    rows = ["| option | default | what |", "|---|---|---|"]
+    for key, f in RefitOptions.model_fields.items():
+        rows.append(f"| `{key}` | `{f.default}` | {f.description.replace('|', '&#124;')} |")
+    return "\n".join(rows)
+
+
+def auto_settings_markdown() -> str:
+    """The README's table of what align-refit's "auto" settings resolve to (`resolve_align_refit`;
+    `tests/test_convert_settings.py` keeps them equal)."""
+    rows = ["| model | `--grouping` | `seq_len` | `steps` at 65,536 tokens | `lr` | `train` |",
+            "|---|---|---|---|---|---|"]
+    for key, what in (("small", "under 20M parameters"), ("large", "20M parameters or more")):
+        b = BEST[key]
+        rows.append(f"| {what} | {b['grouping']} | the model's context, at most {MAX_SEQ_LEN} | {b['steps']:,} | "
+                    f"{b['lr']} | {b['train']} |")
+    return "\n".join(rows)
+
+
+def refit_options_help() -> str:
+    """The `--help` section listing every align-refit option with its default."""
+    lines = ["\b", "align-refit options (--refit-option KEY=VALUE, repeatable; KEY=default: what):"]
+    for key, f in RefitOptions.model_fields.items():
+        lines += textwrap.wrap(f"{key}={f.default}: {f.description}", width=78, initial_indent="  ",
+                               subsequent_indent="      ", break_on_hyphens=False, break_long_words=False)
+    return "\n".join(lines)
+

@@ -1,0 +1,131 @@
+"""The settings of one conversion with every "auto" decided: `ResolvedSettings`.
+
+`plan.make_plan` builds them once (`resolve_settings`), when the model's parameters and
+context and the output kind are known, and everything after it (the per-layer methods, the
+calibration stage, the writers, the record, the resume fingerprint) takes this object: the
+grouping is a grouping's name, the method's options are its resolved model (align-refit's
+`refit_options.ResolvedRefitOptions`), the output dtype is a dtype or None (each tensor's
+own), and the output kind is a field. `reasons` says what each "auto" became and why.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gqakit.convert.settings import ConvertSettings, parse_size
+from gqakit.core.errors import GqakitError
+from gqakit.core.methods import MethodSpec, load, method_spec
+from gqakit.core.text import TextSource
+
+Output = Literal["folder", "gguf"]
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    asked: ConvertSettings          # the settings as given (the record's "options" are these)
+    grouping: str                   # a name in `grouping.GROUPINGS`
+    options: Any                    # the method's options, resolved (NoOptions for a method without)
+    output: Output                  # a model folder or one GGUF file
+    dtype: str | None               # the output dtype; None keeps each tensor's
+    max_shard_bytes: int | None     # a folder's largest shard; None for a GGUF file
+    reasons: dict[str, str] = field(default_factory=dict)  # what each "auto" chose, and why
+
+    def __post_init__(self) -> None:
+        if self.grouping == "auto" or (self.output == "folder") != (self.max_shard_bytes is not None):
+            raise GqakitError(f"settings not resolved: grouping {self.grouping}, output {self.output}, "
+                              f"shard size {self.max_shard_bytes}")
+
+    # the settings as asked, where "auto" never applied
+    @property
+    def source(self) -> str:
+        return self.asked.source
+
+    @property
+    def source_hub(self) -> dict[str, str] | None:
+        return self.asked.source_hub
+
+    @property
+    def source_name(self) -> str:
+        return self.asked.source_name
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.asked.num_kv_heads
+
+    @property
+    def method(self) -> str:
+        return self.asked.method
+
+    @property
+    def spec(self) -> MethodSpec:
+        return method_spec(self.asked.method)
+
+    @property
+    def effort(self) -> str:
+        return self.asked.effort
+
+    @property
+    def seed(self) -> int:
+        return self.asked.seed
+
+    @property
+    def calibration_tokens(self) -> int:
+        return self.asked.calibration_tokens
+
+    @property
+    def calibration_data(self) -> str | None:
+        return self.asked.calibration_data
+
+    @property
+    def calibration_file(self) -> Path | None:
+        return TextSource(self.calibration_data).file if self.calibration_data else None
+
+    @property
+    def group_encoder(self) -> bool:
+        return self.asked.group_encoder
+
+    @property
+    def staged(self) -> bool:
+        """True when the method calibrates on data: the calibration stage makes its layers."""
+        return self.spec.needs_data
+
+    def auto_reasons(self) -> dict[str, str]:
+        """What each "auto" setting resolved to, and why."""
+        return dict(self.reasons)
+
+    def record(self) -> dict[str, Any]:
+        """The settings as written to OUT (gqakit_convert.json, the card, GGUF metadata and the
+        resume fingerprint): as asked, with the grouping resolved; for a method with options, the
+        effort, the values "auto" chose (after the given options) and the reasons, so the record
+        states every setting that shaped the result."""
+        out = {**self.asked.record(), "grouping": self.grouping}
+        if self.output == "gguf":
+            out["max_shard_size"] = "-"  # one file
+        if self.spec.options is None:
+            return out
+        given = self.options.given()
+        chosen = {k: getattr(self.options, k) for k in self.reasons if k in type(self.options).model_fields}
+        return {**out, "effort": self.effort, "options": {**given, **chosen}, "auto": dict(self.reasons)}
+
+
+def resolve_settings(settings: ConvertSettings, *, source_params: int, max_positions: int | None,
+                     output: Output = "folder") -> ResolvedSettings:
+    """`settings` with every "auto" decided for a model of `source_params` parameters and a
+    context of `max_positions` (None: unknown), written as `output`: the method's resolver
+    (`core.methods.MethodSpec.resolver`) decides its options and the grouping; a method without
+    one groups contiguously (the paper)."""
+    spec = method_spec(settings.method)
+    if output == "folder" and settings.max_shard_size is None:
+        raise GqakitError("a model folder OUT needs a largest shard size (--max-shard-size)")
+    grouping, options, reasons = settings.grouping, settings.refit, {}
+    if spec.resolver is not None:
+        grouping, options, reasons = load(spec.resolver)(settings, source_params=source_params,
+                                                         max_positions=max_positions, output=output)
+    if grouping == "auto":
+        grouping = "contiguous"
+    return ResolvedSettings(settings, grouping, options, output, None if settings.dtype == "auto" else settings.dtype,
+                            parse_size(settings.max_shard_size) if output == "folder" and settings.max_shard_size
+                            is not None else None, reasons)

@@ -5,7 +5,7 @@ positions (sinusoidal for pegasus / m2m100 / marian, learned for mbart), layer n
 embedding scale and the LM head's `final_logits_bias`. The family-wide tests
 (test_convert_seq2seq.py, test_remote_seq2seq.py, test_architectures.py) run on their pico
 models; here: each one end to end through the CLI (convert with mean and align, inspect, eval's
-paired perplexity and decode speed, a short uptrain), a cached generate at G = H on inputs with
+paired perplexity and decode speed, a short LoRA uptrain), a cached generate at G = H on inputs with
 real padding tokens (M2M100 counts its positions past the padding), the caches at G < H, mean
 pooling by hand, and the tensors that must pass through bit for bit.
 """
@@ -146,7 +146,7 @@ def test_end_to_end_convert_inspect_eval_uptrain(kind: str, stock: dict[str, Pat
     pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     results = tmp_path / "r.json"
     code, _ = cli(["eval", out, "--data", pairs, "--objective", "paired", "--context", 24,
-                   "--speed", "--eager", "--batch", 1, "--input-len", 8, "--output-len", 2, "--new-tokens", 2,
+                   "--speed", "--batch", 1, "--input-len", 8, "--output-len", 2, "--new-tokens", 2,
                    "--reps", 1, "--warmup", 0, "--device", "cpu", "--out", results, "-q"], capsys)
     assert code == 0
     res = json.loads(results.read_text())
@@ -166,7 +166,7 @@ def test_end_to_end_convert_inspect_eval_uptrain(kind: str, stock: dict[str, Pat
         "model": {"path": str(out)},
         "data": {"files": [str(pairs)], "eval_file": str(held_out)},
         "train": {"tokens": 4 * 2 * 16, "seq_len": 16, "micro_batch": 2, "lr": 1e-2, "warmup_steps": 1,
-                  "precision": "fp32", "seed": 3},
+                  "precision": "fp32", "seed": 3, "lora": {"r": 4}},
         "output": {"dir": str(run)},
         "logging": {"every": 1, "tensorboard": False},
     }, quiet=True)
@@ -174,5 +174,10 @@ def test_end_to_end_convert_inspect_eval_uptrain(kind: str, stock: dict[str, Pat
     assert type(trained).__name__ == arch.registry()[kind].remote.model_class
     assert trained.config.num_key_value_heads == 2
     assert (final / "gqakit_modeling_bart.py").read_bytes() == (out / "gqakit_modeling_bart.py").read_bytes()
+    # LoRA's default targets come from the record: the decoder's self- and cross-attention
+    # projections that `align` changed, merged at export; nothing else moves
     before = load(out).state_dict()
-    assert any(not torch.equal(before[k], v) for k, v in trained.state_dict().items())
+    changed = {k for k, v in trained.state_dict().items() if not torch.equal(before[k], v)}
+    site = re.compile(r"model\.decoder\.layers\.\d\.(self_attn|encoder_attn)\.(q|k|v|out)_proj\.weight")
+    assert changed and all(site.fullmatch(k) for k in changed), changed
+    assert any(".encoder_attn.k_proj." in k for k in changed) and any(".self_attn.v_proj." in k for k in changed)

@@ -268,3 +268,4 @@ for _config, _model in ((GqakitBartConfig, GqakitBartForConditionalGeneration),
                         (GqakitMarianConfig, GqakitMarianMTModel)):
     _config.register_for_auto_class()
     _model.register_for_auto_class("AutoModelForSeq2SeqLM")
+del _config, _model

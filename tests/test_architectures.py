@@ -20,7 +20,7 @@ from gqakit.convert.remote import modeling_file
 from gqakit.core import arch
 from gqakit.core.errors import GqakitError
 from test_convert import equalize_kv, load, logits, num_heads
-from tiny_models import (FAMILIES, LAYERS, SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, SEQ2SEQ_KINDS, _configs,
+from tiny_models import (BART_LIKE, FAMILIES, LAYERS, SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, SEQ2SEQ_KINDS, _configs,
                          _seq2seq_configs)
 
 
@@ -96,10 +96,11 @@ def test_encoder_decoder_entry_matches_the_model_on_meta(kind):
                 assert len(weights) == 4 and all(n in sd for n in weights), [n for n in weights if n not in sd]
                 assert all(n.startswith(stack.format(layer=L) + ".") for n in names.values())
                 biases = [n for role, n in names.items() if role.endswith("bias")]
-                assert all(n in sd for n in biases) == (kind == "bart")
+                assert all(n in sd for n in biases) == (kind in BART_LIKE)
             for n in spec.first_block_only:
                 assert (f"{stack.format(layer=L)}.{n}" in sd) == (L == 0)
-    assert spec.first_block_only == ([] if kind == "bart" else ["layer.0.SelfAttention.relative_attention_bias.weight"])
+    assert spec.first_block_only == ([] if kind in BART_LIKE
+                                     else ["layer.0.SelfAttention.relative_attention_bias.weight"])
     text = modeling_file(spec.family).read_text()
     for cls in (spec.remote.config_class, spec.remote.model_class):
         assert re.search(rf"^class {cls}\b", text, re.M), f"{modeling_file(spec.family).name} lacks {cls}"

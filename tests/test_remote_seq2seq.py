@@ -1,4 +1,5 @@
-"""GQA modeling files for encoder-decoders (convert/remote/gqakit_modeling_t5.py, _bart.py).
+"""GQA modeling files for encoder-decoders (convert/remote/gqakit_modeling_t5.py; _bart.py, which also
+holds the BART-like families).
 
 The GQA checkpoints are built here by hand from the stock pico models: each group of H/G
 neighbouring K/V heads is mean-pooled into one head (decoder self- and cross-attention, and
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import SEQ2SEQ_KINDS, build_seq2seq
+from tiny_models import BART_LIKE, SEQ2SEQ_KINDS, build_seq2seq
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 import gqakit.convert.remote as remote
@@ -33,6 +34,12 @@ REMOTE = {
     "t5": ("gqakit_modeling_t5", "GqakitT5Config", "GqakitT5ForConditionalGeneration", "gqakit_t5"),
     "mt5": ("gqakit_modeling_t5", "GqakitMT5Config", "GqakitMT5ForConditionalGeneration", "gqakit_mt5"),
     "bart": ("gqakit_modeling_bart", "GqakitBartConfig", "GqakitBartForConditionalGeneration", "gqakit_bart"),
+    "pegasus": ("gqakit_modeling_bart", "GqakitPegasusConfig", "GqakitPegasusForConditionalGeneration",
+                "gqakit_pegasus"),
+    "mbart": ("gqakit_modeling_bart", "GqakitMBartConfig", "GqakitMBartForConditionalGeneration", "gqakit_mbart"),
+    "m2m100": ("gqakit_modeling_bart", "GqakitM2M100Config", "GqakitM2M100ForConditionalGeneration",
+               "gqakit_m2m100"),
+    "marian": ("gqakit_modeling_bart", "GqakitMarianConfig", "GqakitMarianMTModel", "gqakit_marian"),
 }
 REMOTE["t5_v1_1"] = REMOTE["t5"]
 MODULES = {"gqakit_modeling_t5": gqakit_modeling_t5, "gqakit_modeling_bart": gqakit_modeling_bart}
@@ -236,12 +243,12 @@ def test_stock_loading_without_remote_code_refuses(kind: str, stock: Any, tmp_pa
         AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=False)
 
 
-@pytest.mark.parametrize("kind", ["t5", "mt5", "bart"])
+@pytest.mark.parametrize("kind", ["t5", "mt5", *BART_LIKE])
 @pytest.mark.parametrize("key", ["num_key_value_heads", "encoder_num_key_value_heads"])
 def test_kv_heads_that_do_not_divide_are_refused(kind: str, key: str, stock: Any, tmp_path: Path) -> None:
     module, config_class, _, _ = REMOTE[kind]
     cls = getattr(MODULES[module], config_class)
-    heads = {"num_heads": H} if kind != "bart" else {"encoder_attention_heads": H, "decoder_attention_heads": H}
+    heads = {"num_heads": H} if kind not in BART_LIKE else {"encoder_attention_heads": H, "decoder_attention_heads": H}
     assert getattr(cls(**heads), key) == H  # absent: one KV head per query head
     assert getattr(cls(**heads, **{key: 2}), key) == 2
     for bad in (3, 0, 8):

@@ -150,11 +150,16 @@ SEQ2SEQ_VOCAB, SENTINELS = 64, 16
 
 
 def _seq2seq_configs() -> dict[str, Any]:
-    from transformers import BartConfig, MT5Config, T5Config
+    from transformers import BartConfig, M2M100Config, MarianConfig, MBartConfig, MT5Config, PegasusConfig, T5Config
 
     t5 = dict(vocab_size=SEQ2SEQ_VOCAB, d_model=HIDDEN, d_ff=64, num_layers=LAYERS, num_decoder_layers=LAYERS,
               num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
               pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.0)
+    bart_like = dict(vocab_size=SEQ2SEQ_VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                     max_position_embeddings=128, bos_token_id=0, pad_token_id=1, eos_token_id=2,
+                     decoder_start_token_id=2, forced_eos_token_id=2, dropout=0.0, attention_dropout=0.0,
+                     activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
     return {
         # T5 1.0: ReLU MLP, head tied to the embedding (T5 then scales the decoder output by d_model**-0.5)
         "t5": lambda **o: T5Config(**{**t5, "d_kv": 8, "feed_forward_proj": "relu", "tie_word_embeddings": True, **o}),
@@ -172,11 +177,24 @@ def _seq2seq_configs() -> dict[str, Any]:
                                           "decoder_start_token_id": 2, "forced_eos_token_id": 2,
                                           "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
                                           **o}),
+        # Pegasus: pre-layer-norm, sinusoidal positions, scaled embeddings
+        "pegasus": lambda **o: PegasusConfig(**{**bart_like, "scale_embedding": True, **o}),
+        # mBART: pre-layer-norm, learned positions, scaled embeddings
+        "mbart": lambda **o: MBartConfig(**{**bart_like, "scale_embedding": True, **o}),
+        # M2M100 / NLLB: pre-layer-norm, sinusoidal positions counted past the padding, scaled embeddings
+        "m2m100": lambda **o: M2M100Config(**{**bart_like, "scale_embedding": True, **o}),
+        # Marian: post-layer-norm, sinusoidal positions, scaled embeddings, one shared vocabulary
+        "marian": lambda **o: MarianConfig(**{**bart_like, "scale_embedding": True, "decoder_start_token_id": 1,
+                                              **o}),
     }
 
 
 SEQ2SEQ_KINDS = ("t5", "t5_v1_1", "mt5", "bart")  # t5_v1_1 is the `t5` family in its 1.1 layout
 SEQ2SEQ_FAMILY = {"t5": "t5", "t5_v1_1": "t5", "mt5": "mt5", "bart": "bart"}  # kind -> table family
+SEQ2SEQ_KINDS += ("pegasus", "mbart", "m2m100", "marian")
+SEQ2SEQ_FAMILY.update({"pegasus": "pegasus", "mbart": "mbart", "m2m100": "m2m100", "marian": "marian"})
+# Kinds with BART's attention (biases on every projection) and its tokenizer (<s> <pad> </s> <unk>, no sentinels)
+BART_LIKE = ("bart", "pegasus", "mbart", "m2m100", "marian")
 
 
 def seq2seq_tokenizer(kind: str) -> Any:
@@ -187,7 +205,7 @@ def seq2seq_tokenizer(kind: str) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     alphabet = list("abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;")
-    if kind == "bart":
+    if kind in BART_LIKE:
         special = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
         symbols = alphabet + [chr(c) for c in range(0x41, 0x41 + SEQ2SEQ_VOCAB - len(special) - len(alphabet))]
         sentinels: list[str] = []
@@ -204,7 +222,7 @@ def seq2seq_tokenizer(kind: str) -> Any:
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     names = dict(unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
-    if kind == "bart":
+    if kind in BART_LIKE:
         names["bos_token"] = "<s>"
     return PreTrainedTokenizerFast(tokenizer_object=tok, **names, additional_special_tokens=sentinels or None)
 

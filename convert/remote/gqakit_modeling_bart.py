@@ -1,15 +1,17 @@
-"""BART with grouped-query attention, written by gqakit next to converted weights.
+"""BART and the BART-like encoder-decoders (Marian, mBART, M2M100 / NLLB, Pegasus) with
+grouped-query attention, written by gqakit next to converted weights.
 
 Self-contained on purpose: this file is copied into model folders and imported by stock
 transformers (`trust_remote_code=True`), so it may import only torch and transformers.
 
-Only the attention modules change. `k_proj` / `v_proj` have KV*head_dim output features
-(+bias), head-major; `q_proj` / `out_proj` are stock, and the queries are scaled by
-head_dim**-0.5 as stock does. The decoder's self- and cross-attention have
-`num_key_value_heads` KV heads, the encoder `encoder_num_key_value_heads` (each None = the
-stack's attention heads). Both caches of the decoder (`EncoderDecoderCache`) hold KV heads;
-K/V reach the query heads only inside the attention computation. With KV = heads the model
-is numerically the stock model.
+The five families share BART's attention module; they differ in positions, layer norms,
+embedding scale and LM head, which stay stock. Only the attention modules change. `k_proj` /
+`v_proj` have KV*head_dim output features (+bias), head-major; `q_proj` / `out_proj` are
+stock, and the queries are scaled by head_dim**-0.5 as stock does. The decoder's self- and
+cross-attention have `num_key_value_heads` KV heads, the encoder `encoder_num_key_value_heads`
+(each None = the stack's attention heads). Both caches of the decoder (`EncoderDecoderCache`)
+hold KV heads; K/V reach the query heads only inside the attention computation. With KV =
+heads the model is numerically the stock model.
 """
 
 from __future__ import annotations
@@ -17,10 +19,30 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from transformers import BartConfig, BartForConditionalGeneration
+from transformers import (BartConfig, BartForConditionalGeneration, M2M100Config, M2M100ForConditionalGeneration,
+                          MarianConfig, MarianMTModel, MBartConfig, MBartForConditionalGeneration, PegasusConfig,
+                          PegasusForConditionalGeneration)
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bart import modeling_bart
+from transformers.models.m2m_100 import modeling_m2m_100
+from transformers.models.marian import modeling_marian
+from transformers.models.mbart import modeling_mbart
+from transformers.models.pegasus import modeling_pegasus
+
+
+def resolve_kv_heads(config: Any) -> None:
+    """Set each KV key of CONFIG that is None to its stack's attention heads; refuse a count
+    that does not divide them."""
+    for key, heads in (("num_key_value_heads", config.decoder_attention_heads),
+                       ("encoder_num_key_value_heads", config.encoder_attention_heads)):
+        kv = getattr(config, key)
+        if kv is None:
+            kv = heads
+            setattr(config, key, kv)
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or heads % kv:
+            raise ValueError(f"{key} ({kv!r}) must be a positive divisor of the number of attention heads "
+                             f"({heads})")
 
 
 class GqakitBartConfig(BartConfig):
@@ -31,29 +53,63 @@ class GqakitBartConfig(BartConfig):
     encoder_num_key_value_heads: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
-        for key, heads in (("num_key_value_heads", self.decoder_attention_heads),
-                           ("encoder_num_key_value_heads", self.encoder_attention_heads)):
-            kv = getattr(self, key)
-            if kv is None:
-                kv = heads
-                setattr(self, key, kv)
-            if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or heads % kv:
-                raise ValueError(f"{key} ({kv!r}) must be a positive divisor of the number of attention heads "
-                                 f"({heads})")
+        resolve_kv_heads(self)
         super().__post_init__(**kwargs)
 
 
-def eager_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                value: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stock BART eager attention on K/V repeated to the query heads (the cache keeps KV heads)."""
-    n_rep = module.num_key_value_groups
-    if n_rep > 1:  # with one KV head per query head, the stock tensors as they are
-        key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
-    return modeling_bart.eager_attention_forward(module, query, key, value, *args, **kwargs)
+class GqakitPegasusConfig(PegasusConfig):
+    model_type = "gqakit_pegasus"
+
+    num_key_value_heads: int | None = None
+    encoder_num_key_value_heads: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        resolve_kv_heads(self)
+        super().__post_init__(**kwargs)
 
 
-class GqakitBartAttention(modeling_bart.BartAttention):
-    """BartAttention with `num_key_value_heads` KV heads."""
+class GqakitMBartConfig(MBartConfig):
+    model_type = "gqakit_mbart"
+
+    num_key_value_heads: int | None = None
+    encoder_num_key_value_heads: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        resolve_kv_heads(self)
+        super().__post_init__(**kwargs)
+
+
+class GqakitM2M100Config(M2M100Config):
+    model_type = "gqakit_m2m100"
+
+    num_key_value_heads: int | None = None
+    encoder_num_key_value_heads: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        resolve_kv_heads(self)
+        super().__post_init__(**kwargs)
+
+
+class GqakitMarianConfig(MarianConfig):
+    model_type = "gqakit_marian"
+
+    num_key_value_heads: int | None = None
+    encoder_num_key_value_heads: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        resolve_kv_heads(self)
+        super().__post_init__(**kwargs)
+
+
+class GqaBartAttentionMixin:
+    """A BART-layout attention (BartAttention and its copies) with `num_key_value_heads` KV
+    heads; `stock_eager` is the family's eager attention function, which gets K/V repeated to
+    the query heads."""
+
+    stock_eager: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    num_heads: int
+    head_dim: int
+    embed_dim: int
 
     def __init__(self, *args: Any, num_key_value_heads: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -65,7 +121,15 @@ class GqakitBartAttention(modeling_bart.BartAttention):
         self.k_proj = torch.nn.Linear(self.embed_dim, kv_dim, bias=bias)
         self.v_proj = torch.nn.Linear(self.embed_dim, kv_dim, bias=bias)
 
-    def forward(  # type: ignore[override]  # the stock forward, with the GQA eager function as the default
+    def eager_gqa(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's eager attention on K/V repeated to the query heads (the cache keeps KV heads)."""
+        n_rep = self.num_key_value_groups
+        if n_rep > 1:  # with one KV head per query head, the stock tensors as they are
+            key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+        return type(self).stock_eager(module, query, key, value, *args, **kwargs)
+
+    def forward(  # the stock forward, with the GQA eager function as the default
         self,
         hidden_states: torch.Tensor,
         key_value_states: torch.Tensor | None = None,
@@ -99,7 +163,7 @@ class GqakitBartAttention(modeling_bart.BartAttention):
                     cache.is_updated[self.layer_idx] = True
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_gqa_attention_forward
+            self.config._attn_implementation, self.eager_gqa
         )
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
@@ -109,11 +173,39 @@ class GqakitBartAttention(modeling_bart.BartAttention):
         return self.out_proj(attn_output), attn_weights
 
 
-def grouped(old: modeling_bart.BartAttention, kv: int) -> GqakitBartAttention:
-    """A GQA attention module with OLD's settings and KV key/value heads."""
-    return GqakitBartAttention(old.embed_dim, old.num_heads, dropout=old.dropout, is_decoder=old.is_decoder,
+class GqakitBartAttention(GqaBartAttentionMixin, modeling_bart.BartAttention):
+    stock_eager = staticmethod(modeling_bart.eager_attention_forward)
+
+
+class GqakitPegasusAttention(GqaBartAttentionMixin, modeling_pegasus.PegasusAttention):
+    stock_eager = staticmethod(modeling_pegasus.eager_attention_forward)
+
+
+class GqakitMBartAttention(GqaBartAttentionMixin, modeling_mbart.MBartAttention):
+    stock_eager = staticmethod(modeling_mbart.eager_attention_forward)
+
+
+class GqakitM2M100Attention(GqaBartAttentionMixin, modeling_m2m_100.M2M100Attention):
+    stock_eager = staticmethod(modeling_m2m_100.eager_attention_forward)
+
+
+class GqakitMarianAttention(GqaBartAttentionMixin, modeling_marian.MarianAttention):
+    stock_eager = staticmethod(modeling_marian.eager_attention_forward)
+
+
+def group_attention(model: Any, attention_class: type) -> None:
+    """Replace every attention module of MODEL (encoder self, decoder self and cross) by
+    ATTENTION_CLASS with the stack's KV heads; each keeps its stock settings and config."""
+    def grouped(old: Any, kv: int) -> Any:
+        return attention_class(old.embed_dim, old.num_heads, dropout=old.dropout, is_decoder=old.is_decoder,
                                bias=old.q_proj.bias is not None, is_causal=old.is_causal, config=old.config,
                                layer_idx=old.layer_idx, num_key_value_heads=kv)
+
+    for layer in model.model.encoder.layers:
+        layer.self_attn = grouped(layer.self_attn, model.config.encoder_num_key_value_heads)
+    for layer in model.model.decoder.layers:
+        layer.self_attn = grouped(layer.self_attn, model.config.num_key_value_heads)
+        layer.encoder_attn = grouped(layer.encoder_attn, model.config.num_key_value_heads)
 
 
 class GqakitBartForConditionalGeneration(BartForConditionalGeneration):
@@ -122,16 +214,58 @@ class GqakitBartForConditionalGeneration(BartForConditionalGeneration):
 
     def __init__(self, config: GqakitBartConfig) -> None:
         super().__init__(config)
-        for layer in self.model.encoder.layers:
-            layer.self_attn = grouped(layer.self_attn, config.encoder_num_key_value_heads)
-        for layer in self.model.decoder.layers:
-            layer.self_attn = grouped(layer.self_attn, config.num_key_value_heads)
-            layer.encoder_attn = grouped(layer.encoder_attn, config.num_key_value_heads)
+        group_attention(self, GqakitBartAttention)
         # Initialises only the new modules (the others are already flagged as initialised).
+        self.post_init()
+
+
+class GqakitPegasusForConditionalGeneration(PegasusForConditionalGeneration):
+    config_class = GqakitPegasusConfig
+    config: GqakitPegasusConfig
+
+    def __init__(self, config: GqakitPegasusConfig) -> None:
+        super().__init__(config)
+        group_attention(self, GqakitPegasusAttention)
+        self.post_init()
+
+
+class GqakitMBartForConditionalGeneration(MBartForConditionalGeneration):
+    config_class = GqakitMBartConfig
+    config: GqakitMBartConfig
+
+    def __init__(self, config: GqakitMBartConfig) -> None:
+        super().__init__(config)
+        group_attention(self, GqakitMBartAttention)
+        self.post_init()
+
+
+class GqakitM2M100ForConditionalGeneration(M2M100ForConditionalGeneration):
+    config_class = GqakitM2M100Config
+    config: GqakitM2M100Config
+
+    def __init__(self, config: GqakitM2M100Config) -> None:
+        super().__init__(config)
+        group_attention(self, GqakitM2M100Attention)
+        self.post_init()
+
+
+class GqakitMarianMTModel(MarianMTModel):
+    config_class = GqakitMarianConfig
+    config: GqakitMarianConfig
+
+    def __init__(self, config: GqakitMarianConfig) -> None:
+        super().__init__(config)
+        group_attention(self, GqakitMarianAttention)
         self.post_init()
 
 
 # save_pretrained copies this file and writes auto_map, also for models built directly from
 # these classes (not only those loaded through the Auto classes).
-GqakitBartConfig.register_for_auto_class()
-GqakitBartForConditionalGeneration.register_for_auto_class("AutoModelForSeq2SeqLM")
+for _config, _model in ((GqakitBartConfig, GqakitBartForConditionalGeneration),
+                        (GqakitPegasusConfig, GqakitPegasusForConditionalGeneration),
+                        (GqakitMBartConfig, GqakitMBartForConditionalGeneration),
+                        (GqakitM2M100Config, GqakitM2M100ForConditionalGeneration),
+                        (GqakitMarianConfig, GqakitMarianMTModel)):
+    _config.register_for_auto_class()
+    _model.register_for_auto_class("AutoModelForSeq2SeqLM")
+del _config, _model

@@ -63,7 +63,10 @@ class Attention(_Strict):
       fused_concat one qkv weight whose output axis is [q heads | k heads | v heads];
                    `transposed` for GPT-2's Conv1D, which stores [in, out]
       grouped_qkv  one qkv Linear whose output axis is (kv heads, H/kv + 2, head_dim):
-                   each group's query heads, then its K head, then its V head (GPT-NeoX)
+                   each group's query heads, then its K head, then its V head; with
+                   kv = H that is the per-head interleaved (H, 3, head_dim) layout of
+                   GPT-NeoX's and BLOOM's query_key_value, so a converted fused weight
+                   keeps the layout its entry names
     """
 
     layout: Literal["separate", "fused_concat", "grouped_qkv"]
@@ -87,6 +90,15 @@ class Attention(_Strict):
 class Rotary(_Strict):
     style: Literal["rotate_half", "interleaved", "none"]
     fraction_key: str | None = None  # config key of the rotary fraction (partial rotary)
+
+
+# A position scheme bound to each query head's index: "alibi" adds a linear bias to the scores
+# whose slope is a function of the head's index. A conversion that reorders query heads
+# (a grouping that moves heads together) records, per layer, which source head each query head
+# is (`QUERY_HEAD_ORDER` in config.json), and the family's modeling file gives each head the
+# slope of that source head.
+PositionBias = Literal["alibi"]
+QUERY_HEAD_ORDER = "gqakit_query_head_order"
 
 
 class Remote(_Strict):
@@ -149,6 +161,7 @@ class ArchSpec(_Strict):
     first_block_only: list[str] = []  # tensors (relative to a block) that only block 0 of a stack holds
     decode: DecodeLayout | None = None  # the fast CPU decode step's layout; None: the model's own step
     gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
+    position_bias: PositionBias | None = None  # per-query-head position bias (see PositionBias)
     reject_if: dict[str, Any] = {}
     notes: str | None = None
 
@@ -164,6 +177,9 @@ class ArchSpec(_Strict):
                              if self.decode == "t5" else "a decoder-only model's layer layout"))
         if self.gguf is not None and self.is_encoder_decoder:
             raise ValueError("gguf: GGUF input and output are for decoder-only models")
+        if self.position_bias is not None and (self.remote is None or self.is_encoder_decoder):
+            raise ValueError("position_bias: the family's own decoder-only modeling file (remote) reads the "
+                             "query head order")
         return self
 
     @property

@@ -70,6 +70,10 @@ def _configs() -> dict[str, Any]:
                                         "hidden_size": HIDDEN, "ffn_dim": 64, "num_hidden_layers": LAYERS,
                                         "num_attention_heads": 4, "word_embed_proj_dim": HIDDEN,
                                         "enable_bias": True, **o}),
+        # bloom: ALiBi (no rotary), per-head interleaved fused qkv with biases
+        "bloom": lambda **o: __import__("transformers").BloomConfig(**{**ids, "vocab_size": VOCAB,
+                                                                       "hidden_size": HIDDEN, "n_layer": LAYERS,
+                                                                       "n_head": 4, "seq_length": 128, **o}),
     }
 
 

@@ -162,3 +162,39 @@ def test_align_refit_keeps_the_slopes_of_moved_heads(tiny_model, tmp_path, monke
     assert json.loads((out / "config.json").read_text())["gqakit_query_head_order"] == [[2, 3, 0, 1]] * LAYERS
     # the tolerance of test_architectures' align-refit exactness test (float64 fits, float32 streams)
     torch.testing.assert_close(generated(load(out))[1], generated(model)[1], rtol=0, atol=2e-4)
+
+
+TEXTS = [" ".join(chr(33 + (i * 7 + j * 3) % 61) for j in range(40 + i % 9)) for i in range(24)]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_convert_inspect_eval_uptrain_from_the_command_line(tiny_model, tmp_path, capsys, lora):
+    """The verbs end to end; uptraining keeps the query head order (its model has the same heads)."""
+    from gqakit.cli import main
+    from gqakit.uptrain import run_uptrain
+
+    def run(*args) -> str:
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            assert exc.code in (0, None), capsys.readouterr().err
+        return capsys.readouterr().out
+
+    src, out = tiny_model("bloom"), tmp_path / "g2"
+    run("convert", src, out, "--num-kv-heads", 2, "--method", "align", "--grouping", "similarity", "-q")
+    order = json.loads((out / "config.json").read_text())["gqakit_query_head_order"]
+    assert order != [list(range(H))] * LAYERS  # similarity moves query heads in this model
+    assert "bloom" in run("inspect", out) and "KV heads 2" in run("inspect", out)
+    (tmp_path / "text.txt").write_text("\n".join(TEXTS))
+    run("eval", out, "--data", tmp_path / "text.txt", "--context", 32, "--out", tmp_path / "res.json", "-q")
+    assert json.loads((tmp_path / "res.json").read_text())["perplexity"]["token_perplexity"] > 1
+    train = {"tokens": 16 * 2 * 4, "seq_len": 16, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 1,
+             "precision": "fp32", **({"lora": {"r": 4, "alpha": 8}} if lora else {})}
+    final = run_uptrain({"model": {"path": str(out)}, "data": {"texts": TEXTS}, "train": train,
+                         "output": {"dir": str(tmp_path / "run"), "save_every": 4},
+                         "logging": {"every": 1, "tensorboard": False}}, quiet=True)
+    assert json.loads((final / "config.json").read_text())["gqakit_query_head_order"] == order
+    model = load(final)
+    with torch.no_grad():
+        cache = model(IDS, use_cache=True).past_key_values
+    assert [layer.keys.shape[1] for layer in cache.layers] == [2] * LAYERS

@@ -162,7 +162,7 @@ class ArchSpec(_Strict):
     decode: DecodeLayout | None = None  # the fast CPU decode step's layout; None: the model's own step
     gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
     position_bias: PositionBias | None = None  # per-query-head position bias (see PositionBias)
-    reject_if: dict[str, Any] = {}
+    reject_if: dict[str, Any] = {}  # config key (dotted: in a nested section) -> a value gqakit refuses
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -418,6 +418,18 @@ def decoder_blocks(model: Any) -> Any:
     return model.get_submodule(spec.blocks)
 
 
+def _config_value(config: Mapping[str, Any], key: str) -> Any:
+    """config[key]; a dotted key reads a nested section ("attn_config.qk_ln"). None if absent."""
+    if key in config:
+        return config[key]
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
 def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
     keys = spec.config
 
@@ -427,7 +439,7 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
         return int(config[key])
 
     for key, bad in spec.reject_if.items():
-        if config.get(key) == bad:
+        if _config_value(config, key) == bad:
             raise GqakitError(f"{spec.family} with {key}={bad} is not supported ({spec.notes})")
     heads = need(keys.num_heads)
     hidden = need(keys.hidden_size)

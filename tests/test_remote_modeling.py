@@ -31,7 +31,7 @@ H = 4  # heads of the pico models in tests/tiny_models.py
 # families whose fused query_key_value rows are (H, 3, D) in the stock model: its name per layer
 NEOX_ROWS = {"gpt_neox": "gpt_neox.layers.{layer}.attention.query_key_value",
              "bloom": "transformer.h.{layer}.self_attention.query_key_value"}
-EAGER_ONLY = {"bloom"}  # stock transformers has only eager attention for these
+EAGER_ONLY = {"bloom", "mpt"}  # stock transformers has only eager attention for these
 
 
 # --- per-family views of one layer's K and V heads, and the GQA layouts (by hand) ----------
@@ -52,6 +52,12 @@ def _kv_head_views(family: str, sd: dict[str, torch.Tensor], layer: int) -> list
         # Linear weight [3*hidden, hidden]: rows (H, 3, D), per head q, k, v.
         wv, bv = w.view(H, 3, hid // H, hid), b.view(H, 3, hid // H)
         return [wv[:, 1], wv[:, 2], bv[:, 1], bv[:, 2]]
+    if family == "mpt":
+        w = sd[f"transformer.blocks.{layer}.attn.Wqkv.weight"]
+        hid = w.shape[1]
+        # Linear weight [3*hidden, hidden]: rows [q | k | v], each H heads of D; no biases.
+        wv = w.view(3, H, hid // H, hid)
+        return [wv[1], wv[2]]
     p = f"model.decoder.layers.{layer}.self_attn"
     out: list[torch.Tensor] = []
     for name in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"):
@@ -61,7 +67,7 @@ def _kv_head_views(family: str, sd: dict[str, torch.Tensor], layer: int) -> list
 
 
 def _num_layers(sd: dict[str, torch.Tensor]) -> int:
-    return 1 + max(int(m.group(1)) for k in sd if (m := re.search(r"\.(?:h|layers)\.(\d+)\.", k)))
+    return 1 + max(int(m.group(1)) for k in sd if (m := re.search(r"\.(?:h|layers|blocks)\.(\d+)\.", k)))
 
 
 def tie_kv_within_groups(family: str, sd: dict[str, torch.Tensor], g: int) -> None:
@@ -100,6 +106,11 @@ def gqa_state_dict(family: str, sd: dict[str, torch.Tensor], g: int) -> dict[str
                 q = per_head[:, 0].reshape(g, n_rep, d, *t.shape[1:])
                 k, v = per_head[::n_rep, 1:2], per_head[::n_rep, 2:3]
                 out[f"{p}.{name}"] = torch.cat([q, k, v], dim=1).reshape(-1, *t.shape[1:]).contiguous()
+        elif family == "mpt":
+            p = f"transformer.blocks.{layer}.attn.Wqkv.weight"
+            hid = sd[p].shape[1]
+            q, k, v = sd[p].view(3, H, hid // H, hid)
+            out[p] = torch.cat([q, k[::n_rep], v[::n_rep]]).reshape(-1, hid).contiguous()  # [q | k | v]
         else:
             p = f"model.decoder.layers.{layer}.self_attn"
             for name in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"):
@@ -162,7 +173,7 @@ def tied_stock(tiny_model: Callable[..., Path]) -> Callable[..., Path]:
 # --- tests ----------------------------------------------------------------------------------
 
 def test_api() -> None:
-    assert set(FAMILIES) == {"gpt2", "gpt_neox", "opt", "bloom"}
+    assert set(FAMILIES) == {"gpt2", "gpt_neox", "opt", "bloom", "mpt"}
     for family in FAMILIES:
         upd = remote_config_updates(family, 2)
         assert upd["model_type"] == f"gqakit_{family}" and upd["num_key_value_heads"] == 2

@@ -169,6 +169,10 @@ TEXTS = [" ".join(chr(33 + (i * 7 + j * 3) % 61) for j in range(40 + i % 9)) for
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_convert_inspect_eval_uptrain_from_the_command_line(tiny_model, tmp_path, capsys, lora):
+    verbs_end_to_end("bloom", tiny_model, tmp_path, capsys, lora)
+
+
+def verbs_end_to_end(family, tiny_model, tmp_path, capsys, lora):
     """The verbs end to end; uptraining keeps the query head order (its model has the same heads)."""
     from gqakit.cli import main
     from gqakit.uptrain import run_uptrain
@@ -180,11 +184,11 @@ def test_convert_inspect_eval_uptrain_from_the_command_line(tiny_model, tmp_path
             assert exc.code in (0, None), capsys.readouterr().err
         return capsys.readouterr().out
 
-    src, out = tiny_model("bloom"), tmp_path / "g2"
+    src, out = tiny_model(family), tmp_path / "g2"
     run("convert", src, out, "--num-kv-heads", 2, "--method", "align", "--grouping", "similarity", "-q")
     order = json.loads((out / "config.json").read_text())["gqakit_query_head_order"]
     assert order != [list(range(H))] * LAYERS  # similarity moves query heads in this model
-    assert "bloom" in run("inspect", out) and "KV heads 2" in run("inspect", out)
+    assert family in run("inspect", out) and "KV heads 2" in run("inspect", out)
     (tmp_path / "text.txt").write_text("\n".join(TEXTS))
     run("eval", out, "--data", tmp_path / "text.txt", "--context", 32, "--out", tmp_path / "res.json", "-q")
     assert json.loads((tmp_path / "res.json").read_text())["perplexity"]["token_perplexity"] > 1

@@ -202,3 +202,14 @@ def verbs_end_to_end(family, tiny_model, tmp_path, capsys, lora):
     with torch.no_grad():
         cache = model(IDS, use_cache=True).past_key_values
     assert [layer.keys.shape[1] for layer in cache.layers] == [2] * LAYERS
+
+
+def test_a_second_conversion_composes_the_orders(tiny_model, tmp_path, monkeypatch):
+    """Converting a converted model: the recorded order still names the original heads."""
+    monkeypatch.setitem(GROUPINGS, "reversed", reversed_groups)
+    src = tiny_model("bloom")
+    once = convert_checkpoint(src, tmp_path / "once", H, "mean", grouping="reversed", progress=False)
+    twice = convert_checkpoint(once, tmp_path / "twice", 2, "mean", grouping="reversed", progress=False)
+    # the second reversal of two groups of two puts heads (3, 2 | 1, 0) back as (1, 0 | 3, 2)
+    assert json.loads((twice / "config.json").read_text())["gqakit_query_head_order"] == [[1, 0, 3, 2]] * LAYERS
+    assert source_heads(src, twice) == [[1, 0, 3, 2]] * LAYERS

@@ -142,3 +142,14 @@ def test_clip_qkv_is_kept(tiny_model, tmp_path):
 
 def test_convert_inspect_eval_uptrain_from_the_command_line(tiny_model, tmp_path, capsys):
     verbs_end_to_end("mpt", tiny_model, tmp_path, capsys, lora=True)
+
+
+def test_the_table_refuses_a_position_bias_without_a_modeling_file_to_read_it():
+    """The query head order is read by gqakit's modeling file: a stock class would ignore it."""
+    from pydantic import ValidationError
+
+    from gqakit.core.arch import ArchSpec, registry
+
+    entry = registry()["mpt"].model_dump() | {"remote": None}
+    with pytest.raises(ValidationError, match="position_bias"):
+        ArchSpec.model_validate(entry)

@@ -134,7 +134,7 @@ def align_heads(h: AttnHeads, num_groups: int, *, rotary_style: str, rotary_dim:
     qb = None if h.q_bias is None else (rq @ h.q_bias.unsqueeze(-1)).squeeze(-1)
     rvq = rv.repeat_interleave(r, dim=0)
     o = torch.einsum("ohd,hed->ohe", h.o, rvq)              # o_h U^T
-    return AttnHeads(q=q, k=k, v=v, o=o, q_bias=qb, k_bias=kb, v_bias=vb)
+    return AttnHeads(q=q, k=k, v=v, o=o, q_bias=qb, k_bias=kb, v_bias=vb, q_order=h.q_order)
 
 
 def expand_kv(h: AttnHeads, num_kv_heads: int) -> AttnHeads:

@@ -7,7 +7,9 @@ family-specific layout:
     q [H, D, in]    k, v [KV, D, in]    o [out, H, D]    biases [heads, D] or None
 
 `o` is the output projection's weight viewed by input head; its bias is untouched by
-every transform and passes through unchanged.
+every transform and passes through unchanged. `q_order` says which source query head each
+query head is, once a grouping has moved them (None: the source order); a family whose
+position scheme is bound to the head index (`ArchSpec.position_bias`) records it.
 
 `site` says which attention of a layer: "self" (a decoder's self-attention, the only one
 of a decoder-only model), "cross" (an encoder-decoder's cross-attention, in the same
@@ -34,6 +36,7 @@ class AttnHeads:
     q_bias: Tensor | None = None
     k_bias: Tensor | None = None
     v_bias: Tensor | None = None
+    q_order: list[int] | None = None  # source index of each query head; None: unchanged
 
     @property
     def num_heads(self) -> int:
@@ -48,7 +51,8 @@ class AttnHeads:
 
     def to(self, dtype: torch.dtype) -> "AttnHeads":
         return AttnHeads(*[None if t is None else t.to(dtype) for t in
-                           (self.q, self.k, self.v, self.o, self.q_bias, self.k_bias, self.v_bias)])
+                           (self.q, self.k, self.v, self.o, self.q_bias, self.k_bias, self.v_bias)],
+                         q_order=self.q_order)
 
 
 SITES = ("self", "cross", "encoder")

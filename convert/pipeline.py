@@ -217,8 +217,11 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress,
                                              scratch=tmp / ".scratch", resume_dir=tmp / RESUME_DIR,
                                              written=lambda: writer.written)
+            orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
             for step, new in layers:
                 layer = step.layer
+                if step.site == "self":
+                    orders[layer] = new.q_order
                 out_dtypes = {n: planned_dtype[n] for n in step.names}
                 for n, t in write_heads(spec, new, layer, out_dtypes, site=step.site).items():
                     if n in done:  # already in the shards (a resumed run restarts after its checkpoint)
@@ -238,8 +241,10 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             opened.source.close()
             shutil.rmtree(tmp / ".scratch", ignore_errors=True)
         calibration = stage.summary if stage is not None else None
+        if stage is not None:  # a resumed calibration yields only the layers after its checkpoint
+            orders = {**stage.q_orders, **orders}
         write_metadata(tmp, opened, plan, settings, time.perf_counter() - t0, calibration,
-                       described=stage.describe() if stage is not None else None)
+                       described=stage.describe() if stage is not None else None, query_orders=orders)
         if calibration and progress:
             tqdm.write(drift_summary(calibration))
     return out.expanduser().resolve()

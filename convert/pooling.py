@@ -46,15 +46,18 @@ def regroup(h: AttnHeads, groups: Groups) -> AttnHeads:
     """Reorder heads so that `groups` become contiguous blocks; function-preserving.
 
     KV heads are permuted into group order, each query head moves with the KV head it
-    reads, and o_proj's input columns move with the query heads.
+    reads, and o_proj's input columns move with the query heads; `q_order` records where
+    each query head came from.
     """
     if [i for g in groups for i in g] == list(range(h.num_kv_heads)):
         return h  # already contiguous: nothing moves
     kv_perm = torch.tensor([i for g in groups for i in g])
     q_perm = torch.tensor(query_order(groups, h.num_heads, h.num_kv_heads))
     pick = lambda t, p: None if t is None else t[p]  # noqa: E731
+    before = h.q_order or list(range(h.num_heads))
     return AttnHeads(q=h.q[q_perm], k=h.k[kv_perm], v=h.v[kv_perm], o=h.o[:, q_perm],
-                     q_bias=pick(h.q_bias, q_perm), k_bias=pick(h.k_bias, kv_perm), v_bias=pick(h.v_bias, kv_perm))
+                     q_bias=pick(h.q_bias, q_perm), k_bias=pick(h.k_bias, kv_perm), v_bias=pick(h.v_bias, kv_perm),
+                     q_order=[before[i] for i in q_perm.tolist()])
 
 
 def _pool(t: Tensor | None, G: int, how: str) -> Tensor | None:

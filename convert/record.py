@@ -28,9 +28,14 @@ QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h�
                   "the perplexity before uptraining is from the original's (docs/benchmarks.md pairs them)")
 
 
-def output_config(plan: Plan, settings: ResolvedSettings) -> dict[str, Any]:
+def output_config(plan: Plan, settings: ResolvedSettings,
+                  query_orders: dict[int, list[int] | None] | None = None) -> dict[str, Any]:
+    """config.json of the output. `query_orders`: each layer's query head order (`AttnHeads.q_order`),
+    recorded for a family whose position scheme follows the head index (`ArchSpec.position_bias`)."""
     cfg = dict(plan.config)
     spec = archmod.registry()[plan.family]
+    if spec.position_bias is not None:
+        cfg[archmod.QUERY_HEAD_ORDER] = query_head_order(plan, query_orders or {})
     if plan.native_gqa:
         cfg[spec.config.num_kv_heads or "num_key_value_heads"] = settings.num_kv_heads
     else:
@@ -46,6 +51,14 @@ def output_config(plan: Plan, settings: ResolvedSettings) -> dict[str, Any]:
         cfg.pop("auto_map", None)  # stock class: any source remote code does not apply
     cfg.pop("_name_or_path", None)
     return cfg
+
+
+def query_head_order(plan: Plan, orders: dict[int, list[int] | None]) -> list[list[int]]:
+    """Per layer, the source index of each query head of the output: the source's own order
+    composed with the conversion's (a source converted before may carry one already)."""
+    H, layers = plan.shape.num_heads, plan.shape.num_layers
+    before = plan.config.get(archmod.QUERY_HEAD_ORDER) or [list(range(H))] * layers
+    return [[before[L][i] for i in (orders.get(L) or range(H))] for L in range(layers)]
 
 
 def copy_side_files(opened: Opened, tmp: Path) -> list[str]:
@@ -82,10 +95,12 @@ def changed(plan: Plan, settings: ResolvedSettings) -> dict[str, list[str]]:
 
 
 def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSettings, seconds: float,
-                    calibration: dict[str, Any] | None = None, described: str | None = None) -> None:
+                    calibration: dict[str, Any] | None = None, described: str | None = None,
+                    query_orders: dict[int, list[int] | None] | None = None) -> None:
     """Everything but the weights into the folder `tmp`. `calibration`: the calibration stage's
-    record; `described`: what the method did, in one line (default: its function's docstring)."""
-    cfg = output_config(plan, settings)
+    record; `described`: what the method did, in one line (default: its function's docstring);
+    `query_orders`: each layer's query head order (`output_config`)."""
+    cfg = output_config(plan, settings, query_orders)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     copied = copy_side_files(opened, tmp)
     if not plan.native_gqa:

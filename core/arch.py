@@ -64,7 +64,10 @@ class Attention(_Strict):
       fused_concat one qkv weight whose output axis is [q heads | k heads | v heads];
                    `transposed` for GPT-2's Conv1D, which stores [in, out]
       grouped_qkv  one qkv Linear whose output axis is (kv heads, H/kv + 2, head_dim):
-                   each group's query heads, then its K head, then its V head (GPT-NeoX)
+                   each group's query heads, then its K head, then its V head; with
+                   kv = H that is the per-head interleaved (H, 3, head_dim) layout of
+                   GPT-NeoX's and BLOOM's query_key_value, so a converted fused weight
+                   keeps the layout its entry names
       fused_blocks one qkv Linear whose output axis is `blocks` equal blocks (the shards of
                    a model-parallel training run), each holding its share of the query heads,
                    K heads and V heads in `order` (CodeGen: 4 blocks of [q | v | k]). A
@@ -118,6 +121,15 @@ class Rotary(_Strict):
         if self.fraction_key and self.dim_key:
             raise ValueError("rotary names fraction_key or dim_key, not both")
         return self
+
+
+# A position scheme bound to each query head's index: "alibi" adds a linear bias to the scores
+# whose slope is a function of the head's index. A conversion that reorders query heads
+# (a grouping that moves heads together) records, per layer, which source head each query head
+# is (`QUERY_HEAD_ORDER` in config.json), and the family's modeling file gives each head the
+# slope of that source head.
+PositionBias = Literal["alibi"]
+QUERY_HEAD_ORDER = "gqakit_query_head_order"
 
 
 class Remote(_Strict):
@@ -180,7 +192,8 @@ class ArchSpec(_Strict):
     first_block_only: list[str] = []  # tensors (relative to a block) that only block 0 of a stack holds
     decode: DecodeLayout | None = None  # the fast CPU decode step's layout; None: the model's own step
     gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
-    reject_if: dict[str, Any] = {}
+    position_bias: PositionBias | None = None  # per-query-head position bias (see PositionBias)
+    reject_if: dict[str, Any] = {}  # config key (dotted: in a nested section) -> a value gqakit refuses
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -195,6 +208,9 @@ class ArchSpec(_Strict):
                              if self.decode == "t5" else "a decoder-only model's layer layout"))
         if self.gguf is not None and self.is_encoder_decoder:
             raise ValueError("gguf: GGUF input and output are for decoder-only models")
+        if self.position_bias is not None and (self.remote is None or self.is_encoder_decoder):
+            raise ValueError("position_bias: the family's own decoder-only modeling file (remote) reads the "
+                             "query head order")
         return self
 
     @property
@@ -433,6 +449,18 @@ def decoder_blocks(model: Any) -> Any:
     return model.get_submodule(spec.blocks)
 
 
+def _config_value(config: Mapping[str, Any], key: str) -> Any:
+    """config[key]; a dotted key reads a nested section ("attn_config.qk_ln"). None if absent."""
+    if key in config:
+        return config[key]
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
 def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
     keys = spec.config
 
@@ -442,7 +470,7 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
         return int(config[key])
 
     for key, bad in spec.reject_if.items():
-        if config.get(key) == bad:
+        if _config_value(config, key) == bad:
             raise GqakitError(f"{spec.family} with {key}={bad} is not supported ({spec.notes})")
     heads = need(keys.num_heads)
     hidden = need(keys.hidden_size)

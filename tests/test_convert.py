@@ -70,6 +70,15 @@ def equalize_kv(model, family: str, group: int) -> None:
                 v = t.view(H, 3, D, *t.shape[1:])
                 for part in (1, 2):
                     tie(v[:, part], 0, D)
+            elif family == "bloom" and "query_key_value" in name:  # rows (H, 3, D), as GPT-NeoX's
+                D = t.shape[0] // 3 // H
+                v = t.view(H, 3, D, *t.shape[1:])
+                for part in (1, 2):
+                    tie(v[:, part], 0, D)
+            elif family == "mpt" and name.endswith("attn.Wqkv.weight"):  # rows [q | k | v] (MHA: H each)
+                D = t.shape[0] // 3 // H
+                for part in (1, 2):
+                    tie(t[part * H * D:(part + 1) * H * D], 0, D)
             elif any(name.endswith(f"attn.{p}_proj.{w}") for p in "kv" for w in ("weight", "bias")):
                 D = t.shape[0] // (model.config.num_key_value_heads if hasattr(model.config, "num_key_value_heads") else H)
                 tie(t, 0, D)

@@ -28,8 +28,12 @@ from gqakit.core.loading import is_gqakit_remote
 # the decoder families whose table entry names a gqakit modeling file
 REMOTE = [f for f, spec in registry().items() if spec.remote is not None and not spec.is_encoder_decoder]
 # those whose GQA layouts this file builds by hand (each other family's own test file covers it)
-FAMILIES = ["gpt2", "gpt_neox", "opt"]
+FAMILIES = ["gpt2", "gpt_neox", "opt", "bloom", "mpt"]
 H = 4  # heads of the pico models in tests/tiny_models.py
+# families whose fused query_key_value rows are (H, 3, D) in the stock model: its name per layer
+NEOX_ROWS = {"gpt_neox": "gpt_neox.layers.{layer}.attention.query_key_value",
+             "bloom": "transformer.h.{layer}.self_attention.query_key_value"}
+EAGER_ONLY = {"bloom", "mpt"}  # stock transformers has only eager attention for these
 
 
 # --- per-family views of one layer's K and V heads, and the GQA layouts (by hand) ----------
@@ -43,13 +47,19 @@ def _kv_head_views(family: str, sd: dict[str, torch.Tensor], layer: int) -> list
         wv = w.view(hid, 3, H, hid // H).permute(1, 2, 0, 3)  # (3, H, hidden, D)
         bv = b.view(3, H, hid // H)
         return [wv[1], wv[2], bv[1], bv[2]]
-    if family == "gpt_neox":
-        p = f"gpt_neox.layers.{layer}.attention.query_key_value"
+    if family in NEOX_ROWS:
+        p = NEOX_ROWS[family].format(layer=layer)
         w, b = sd[f"{p}.weight"], sd[f"{p}.bias"]
         hid = w.shape[1]
         # Linear weight [3*hidden, hidden]: rows (H, 3, D), per head q, k, v.
         wv, bv = w.view(H, 3, hid // H, hid), b.view(H, 3, hid // H)
         return [wv[:, 1], wv[:, 2], bv[:, 1], bv[:, 2]]
+    if family == "mpt":
+        w = sd[f"transformer.blocks.{layer}.attn.Wqkv.weight"]
+        hid = w.shape[1]
+        # Linear weight [3*hidden, hidden]: rows [q | k | v], each H heads of D; no biases.
+        wv = w.view(3, H, hid // H, hid)
+        return [wv[1], wv[2]]
     p = f"model.decoder.layers.{layer}.self_attn"
     out: list[torch.Tensor] = []
     for name in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"):
@@ -59,7 +69,7 @@ def _kv_head_views(family: str, sd: dict[str, torch.Tensor], layer: int) -> list
 
 
 def _num_layers(sd: dict[str, torch.Tensor]) -> int:
-    return 1 + max(int(m.group(1)) for k in sd if (m := re.search(r"\.(?:h|layers)\.(\d+)\.", k)))
+    return 1 + max(int(m.group(1)) for k in sd if (m := re.search(r"\.(?:h|layers|blocks)\.(\d+)\.", k)))
 
 
 def tie_kv_within_groups(family: str, sd: dict[str, torch.Tensor], g: int) -> None:
@@ -88,8 +98,8 @@ def gqa_state_dict(family: str, sd: dict[str, torch.Tensor], g: int) -> dict[str
 
             out[f"{p}.weight"] = torch.cat([q, pick(k), pick(v)], dim=1).contiguous()  # [q | k | v]
             out[f"{p}.bias"] = torch.cat([qb, pick(kb), pick(vb)]).contiguous()
-        elif family == "gpt_neox":
-            p = f"gpt_neox.layers.{layer}.attention.query_key_value"
+        elif family in NEOX_ROWS:
+            p = NEOX_ROWS[family].format(layer=layer)
             for name in ("weight", "bias"):
                 t = sd[f"{p}.{name}"]
                 d = t.shape[0] // (3 * H)
@@ -98,6 +108,11 @@ def gqa_state_dict(family: str, sd: dict[str, torch.Tensor], g: int) -> dict[str
                 q = per_head[:, 0].reshape(g, n_rep, d, *t.shape[1:])
                 k, v = per_head[::n_rep, 1:2], per_head[::n_rep, 2:3]
                 out[f"{p}.{name}"] = torch.cat([q, k, v], dim=1).reshape(-1, *t.shape[1:]).contiguous()
+        elif family == "mpt":
+            p = f"transformer.blocks.{layer}.attn.Wqkv.weight"
+            hid = sd[p].shape[1]
+            q, k, v = sd[p].view(3, H, hid // H, hid)
+            out[p] = torch.cat([q, k[::n_rep], v[::n_rep]]).reshape(-1, hid).contiguous()  # [q | k | v]
         else:
             p = f"model.decoder.layers.{layer}.self_attn"
             for name in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"):
@@ -179,7 +194,7 @@ def test_g_equals_h_is_stock(family: str, tiny_model: Callable[..., Path], tmp_p
     folder = write_gqa_folder(src, tmp_path / "gqa", family, H)
     assert is_gqakit_remote(folder)
     inputs = _inputs()
-    for attn in ("eager", "sdpa"):
+    for attn in ("eager",) if family in EAGER_ONLY else ("eager", "sdpa"):
         gqa = _load(folder, attn, trust_remote_code=True)
         assert type(gqa).__name__ == registry()[family].remote.model_class
         torch.testing.assert_close(_logits(gqa, inputs), _logits(_load(src, attn), inputs))
@@ -190,6 +205,8 @@ def test_g_equals_h_is_stock(family: str, tiny_model: Callable[..., Path], tmp_p
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grouped_exact(family: str, g: int, attn: str, tied_stock: Callable[..., Path],
                        tmp_path: Path) -> None:
+    if attn != "eager" and family in EAGER_ONLY:
+        pytest.skip(f"{family} has only eager attention")
     src = tied_stock(family, g)
     folder = write_gqa_folder(src, tmp_path / "gqa", family, g)
     gqa = _load(folder, attn, trust_remote_code=True)
@@ -225,7 +242,8 @@ def test_gpt2_attention_options(attn: str, tied_stock: Callable[..., Path], tmp_
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_roundtrip(family: str, tied_stock: Callable[..., Path], tmp_path: Path) -> None:
     folder = write_gqa_folder(tied_stock(family, 2), tmp_path / "gqa", family, 2)
-    gqa = _load(folder, trust_remote_code=True)
+    attn = "eager" if family in EAGER_ONLY else "sdpa"
+    gqa = _load(folder, attn, trust_remote_code=True)
     # What uptrain does after training: save the remote-code model, which must stay loadable.
     gqa.save_pretrained(tmp_path / "saved")
     saved = tmp_path / "saved"
@@ -235,7 +253,7 @@ def test_save_pretrained_roundtrip(family: str, tied_stock: Callable[..., Path],
         assert cfg[key] == remote_config_updates(family, 2)[key], key
     assert is_gqakit_remote(saved)
     inputs = _inputs()
-    torch.testing.assert_close(_logits(_load(saved, trust_remote_code=True), inputs), _logits(gqa, inputs))
+    torch.testing.assert_close(_logits(_load(saved, attn, trust_remote_code=True), inputs), _logits(gqa, inputs))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

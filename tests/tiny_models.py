@@ -79,6 +79,14 @@ def _configs() -> dict[str, Any]:
                                                                 "n_ctx": 128, "n_embd": HIDDEN, "n_layer": LAYERS,
                                                                 "n_head": 8, "rotary_dim": 2,
                                                                 "tie_word_embeddings": False, **o}),
+        # bloom: ALiBi (no rotary), per-head interleaved fused qkv with biases
+        "bloom": lambda **o: __import__("transformers").BloomConfig(**{**ids, "vocab_size": VOCAB,
+                                                                       "hidden_size": HIDDEN, "n_layer": LAYERS,
+                                                                       "n_head": 4, "seq_length": 128, **o}),
+        # mpt: ALiBi (no rotary), fused Wqkv [q | k | v] without biases
+        "mpt": lambda **o: __import__("transformers").MptConfig(**{**ids, "vocab_size": VOCAB, "d_model": HIDDEN,
+                                                                   "n_layers": LAYERS, "n_heads": 4,
+                                                                   "max_seq_len": 128, "expansion_ratio": 2, **o}),
     }
 
 

@@ -80,8 +80,36 @@ class Block:
         return params[rel].data.to(torch.float64) if rel in params else None
 
     def attention_tensors(self, heads: AttnHeads) -> dict[str, Tensor]:
-        """`heads` as this block's attention tensors (K/V repeated back to the block's head count)."""
-        return write_heads(self.spec, expand_kv(heads, self.kv_heads), self.L, {n: self.dtype for n in self.attn_rel})
+        """`heads` as this block's attention tensors (K/V repeated back to the block's head count;
+        for a position scheme bound to the head index, every head back at its source index)."""
+        heads = expand_kv(heads, self.kv_heads)
+        back = self._source_order(heads)
+        if back is not None:
+            q_back, kv_back = back
+            pick = lambda t, p: None if t is None else t[p]  # noqa: E731
+            heads = AttnHeads(q=heads.q[q_back], k=heads.k[kv_back], v=heads.v[kv_back], o=heads.o[:, q_back],
+                              q_bias=pick(heads.q_bias, q_back), k_bias=pick(heads.k_bias, kv_back),
+                              v_bias=pick(heads.v_bias, kv_back))
+        return write_heads(self.spec, heads, self.L, {n: self.dtype for n in self.attn_rel})
+
+    def _source_order(self, heads: AttnHeads) -> tuple[Tensor, Tensor] | None:
+        """The permutations (query heads, KV heads) that put `heads` (with KV heads expanded to the
+        block's count) back in source order, where the block's position scheme follows the head
+        index (`ArchSpec.position_bias`) and a grouping moved them; None otherwise."""
+        order = heads.q_order
+        if self.spec.position_bias is None or order is None or order == list(range(len(order))):
+            return None
+        r = len(order) // self.kv_heads
+        kv_order = [order[j * r] // r for j in range(self.kv_heads)]
+        return torch.tensor(order).argsort(), torch.tensor(kv_order).argsort()
+
+    def in_head_order(self, rows: Tensor, heads: AttnHeads) -> Tensor:
+        """Rows of o_proj's input as the block computed them with `attention_tensors(heads)`, with
+        their columns in the order of `heads`' query heads."""
+        if self._source_order(heads) is None:
+            return rows
+        order = torch.tensor(heads.q_order, device=rows.device)
+        return rows.reshape(rows.shape[0], len(heads.q_order), -1)[:, order].reshape(rows.shape[0], -1)
 
     def weights(self, heads: AttnHeads) -> dict[str, Tensor]:
         """`attention_tensors` on the device."""

@@ -204,7 +204,7 @@ class AlignRefit:
                         blk.run(sl, "new")
                     finally:
                         g.remove()
-                    z = g.rows[keep].to(f64) * w
+                    z = blk.in_head_order(g.rows[keep], pooled).to(f64) * w
                     zz.addmm_(z.T, z)
                     zt.addmm_(z.T, target * w)
                     del z, target, w

@@ -103,6 +103,7 @@ class CalibrationStage:
         self.skeleton: Skeleton | None = None
         self.drift: list[float] = []
         self.drift_first: list[float] = []
+        self.q_orders: dict[int, list[int] | None] = {}  # each layer's query head order, resumed ones too
         self._block_out: dict[int, dict[str, Tensor]] = {}  # other trained tensors, by layer
 
     def layers(self) -> Iterator[tuple[int, AttnHeads]]:
@@ -131,11 +132,13 @@ class CalibrationStage:
                                      + (f", drift {self.drift[-1]:.3f}" if self.drift else ""))
             if L == start and self.progress:  # measured, not guessed: this device, these settings
                 tqdm.write(expected_time(time.perf_counter() - t0, secs, L_n - L - 1, L_n), file=sys.stderr)
+            self.q_orders[L] = fitted.heads.q_order
             yield L, fitted.heads
             if (self.resume_dir is not None and L + 1 < L_n
                     and time.perf_counter() - last_checkpoint >= float(self.opts.checkpoint_seconds)):
                 state = {"layers_done": L + 1, "where": self.where, "drift": self.drift,
-                         "drift_first": self.drift_first, "written": self.written() if self.written else []}
+                         "drift_first": self.drift_first, "written": self.written() if self.written else [],
+                         "q_orders": {str(k): v for k, v in self.q_orders.items()}}
                 save_checkpoint(self.resume_dir, self.seqs, self.streams, state)
                 last_checkpoint = time.perf_counter()
         self.bar.close()
@@ -169,6 +172,7 @@ class CalibrationStage:
             assert self.resume_dir is not None
             self.seqs, self.where = load_tokens(self.resume_dir), state["where"]
             start, self.drift, self.drift_first = state["layers_done"], state["drift"], state["drift_first"]
+            self.q_orders = {int(k): v for k, v in state.get("q_orders", {}).items()}
         else:
             self.seqs, self.where = calibration_sequences(
                 self.opened, self.settings.calibration_data, self.settings.calibration_tokens,

@@ -29,9 +29,7 @@ from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.arch import SITE_NAMES
 from gqakit.core.errors import GqakitError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from gqakit.core.units import torch_dtype
 
 @dataclass(frozen=True)
 class PassThrough:
@@ -134,7 +132,7 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
         if settings.group_encoder:
             validate_g(encoder_shape, settings.num_kv_heads, "the encoder's")
     check_changes(shape, encoder_shape if settings.group_encoder else None, settings)
-    out_dtype = DTYPES.get(settings.dtype)
+    out_dtype = None if settings.dtype == "auto" else torch_dtype(settings.dtype)
     src = opened.source
     names = src.names()
     metas = {n: src.meta(n) for n in names}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, St
 from gqakit.core.arch import ArchSpec
 from gqakit.core.errors import GqakitError
 from gqakit.core.text import TextSource
+from gqakit.core.units import COMPUTE_DTYPES, parse_size
 
 # The default method, chosen from the numbers (docs/benchmarks.md, README "Methods"): of the
 # methods that need nothing but the checkpoint and take seconds, `align` beats the paper's
@@ -34,7 +34,7 @@ DEFAULT_METHOD = "align"
 # hidden-state streams at a time), so the default budget is set by time, not memory:
 # docs/benchmarks.md shows align-refit keeps improving well past 16k tokens.
 DEFAULT_CALIBRATION_TOKENS = 65536
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = COMPUTE_DTYPES
 SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
 
 # What align-refit's "auto" settings resolve to (`ConvertSettings.resolved`), from the
@@ -190,16 +190,6 @@ def _base_types(annotation: Any) -> set[Any]:
 def _choices(field: Any) -> list[str]:
     """The strings a Literal field (or a Literal inside a union) accepts."""
     return [c for a in (field.annotation, *get_args(field.annotation)) for c in get_args(a) if isinstance(c, str)]
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in '2GB', '500MB', '10KB' (powers of 1000) or an int."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text).upper())
-    if not m:
-        raise GqakitError(f"invalid size {text!r}; use e.g. 2GB or 500MB")
-    return int(float(m.group(1)) * 1000 ** " KMGT".index(m.group(2) or " "))
 
 
 def _cli(*decls: str, **kw: Any) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.units import DTYPES
 
 ARCH_DIR = "core/architectures/"
 # context-length keys tried for a model whose family is not in the table (eval of any model)
@@ -269,8 +270,6 @@ class Shape:
         return 2 * self.num_layers * kv * self.head_dim * bytes_per_elem
 
 
-# Bytes per element of the float dtypes a config.json names for its weights.
-DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _WIDTHS = {8: "64-bit", 4: "32-bit", 2: "16-bit", 1: "8-bit"}
 
 
@@ -279,7 +278,7 @@ def config_dtype(config: Mapping[str, Any]) -> str | None:
     `torch_dtype`), or None where it names none."""
     for key in ("dtype", "torch_dtype"):
         v = config.get(key)
-        if isinstance(v, str) and v.removeprefix("torch.") in DTYPE_BYTES:
+        if isinstance(v, str) and v.removeprefix("torch.") in DTYPES:
             return v.removeprefix("torch.")
     return None
 

@@ -14,6 +14,7 @@ from gqakit.core.device import check_device, resolve_device
 from gqakit.core.errors import GqakitError
 from gqakit.core.hub import resolve_model_ref
 from gqakit.core.text import EvalText, TextSource
+from gqakit.core.units import COMPUTE_DTYPES, dtype_named, torch_dtype
 from gqakit.eval.perplexity import PerplexitySettings
 from gqakit.eval.provenance import model_info, run_info
 from gqakit.eval.records import SCHEMA, EvalResult, HubInfo, write_results
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
     from gqakit.eval.speed import SpeedSettings
     from gqakit.eval.tasks import TaskSettings
 
-DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# The names --dtype accepts: each compute dtype and its short alias (bf16, fp16, fp32).
+DTYPES = tuple(n for d in COMPUTE_DTYPES for n in (d, *dtype_named(d).aliases))
 
 
 def resolve_dtype(dtype: str | None, device: str) -> Any:
@@ -34,7 +35,7 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
     check_dtype(dtype)
     if dtype in (None, "auto"):
         return torch.float32 if device == "cpu" else torch.bfloat16
-    return getattr(torch, DTYPES[dtype])
+    return torch_dtype(dtype)
 
 
 def check_dtype(dtype: str | None) -> None:

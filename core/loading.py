@@ -116,12 +116,6 @@ def split_source(path: str | Path) -> tuple[Path, str | None]:
     return p, None
 
 
-def is_gqakit_remote(folder: Path) -> bool:
-    """True when the model folder's `auto_map` names only gqakit's own modeling files,
-    byte-identical to the ones this version ships (they load without --trust-remote-code)."""
-    return trust.only_gqakit_code(trust.code_files(Path(folder)))
-
-
 def remote_code(folder: Path, gguf: str | None) -> bool:
     """`trust_remote_code` for transformers: a GGUF file carries no code; a folder's code
     runs when it is gqakit's own or the user allowed it (`core.trust.check_folder`)."""

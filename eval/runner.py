@@ -51,7 +51,7 @@ def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings 
     The settings were checked when they were built (PerplexitySettings, SpeedSettings,
     TaskSettings); here: that there is something to measure, the model, device, dtype and OUT."""
     from gqakit.core.loading import is_encoder_decoder, split_source
-    from gqakit.core.outdir import RESULTS, check_output_path
+    from gqakit.core.outrule import RESULTS, check_output_path
 
     if perplexity is None and speed is None and tasks is None:
         raise GqakitError("nothing to measure: pass --data (perplexity), --speed, --tasks, or several")
@@ -143,7 +143,7 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
             click.echo(f"gqakit: warning: the evaluation text is part of {seen[0]['file']}, which this model was "
                        f"trained on ({seen[0]['as']}): its perplexity is not a held-out number", err=True)
     if out is not None:
-        from gqakit.core.outdir import RESULTS, check_output_path
+        from gqakit.core.outrule import RESULTS, check_output_path
 
         # again: the file may have appeared while the model ran
         check_output_path(out, overwrite=overwrite, inputs=eval_inputs(model_path, perplexity, tasks), kind=RESULTS,

@@ -27,7 +27,7 @@ from typing import Any
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.hub import resolve_model_ref
-from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded, read_st_header  # noqa: F401 (re-exported)
+from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded
 
 # Nothing in gqakit reaches the Hugging Face Hub unless the user sets HF_HUB_OFFLINE=0
 # (then a Hub id missing from the cache is downloaded: `core/hub.py`).

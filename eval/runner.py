@@ -212,8 +212,7 @@ def seen_in_training(model_path: str | Path, doc: EvalText) -> list[dict[str, st
 
     Reads `gqakit_uptrain.yaml` (data.files) and `gqakit_convert.json` (calibration data)
     of a gqakit model folder; files that are gone or larger than 2 GB are skipped."""
-    import json
-
+    from gqakit.core.convrecord import read_conversion_record
     from gqakit.core.globs import bounded_glob
 
     folder = Path(model_path).expanduser()
@@ -229,9 +228,9 @@ def seen_in_training(model_path: str | Path, doc: EvalText) -> list[dict[str, st
         pats = (((up or {}).get("settings") or {}).get("data") or {}).get("files") or []
         candidates += [(f, "uptrain data.files") for pat in pats if isinstance(pat, str)
                        for f in bounded_glob(pat)[0]]  # a folder's own record: no walk of the whole disk
-        conv = json.loads((folder / "gqakit_convert.json").read_text()) if (folder / "gqakit_convert.json").is_file() else {}
-        calib = ((conv or {}).get("settings") or {}).get("calibration_data")
-        if isinstance(calib, str) and not TextSource(calib).is_dataset:
+        conv = read_conversion_record(folder)
+        calib = conv.settings.calibration_data if conv is not None else None
+        if calib is not None and not TextSource(calib).is_dataset:
             candidates.append((calib, "convert --calibration-data"))
     except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
         return []

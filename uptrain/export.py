@@ -23,6 +23,7 @@ import torch
 import yaml
 
 import gqakit
+from gqakit.core.convrecord import read_conversion_record
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, UPTRAIN_SETTINGS
 from gqakit.core.modelcard import append_section, lineage_body, set_section
 from gqakit.core.modelfiles import side_files
@@ -66,15 +67,15 @@ def source_lineage(src: Path) -> list[dict[str, Any]]:
     steps = up.get("lineage") if isinstance(up, dict) else None
     if isinstance(steps, list) and steps and all(isinstance(st, dict) and "step" in st for st in steps):
         return steps
-    rec = _read(src / CONVERT_SETTINGS, lambda p: json.loads(p.read_text())) if src.is_dir() else None
-    if not isinstance(rec, dict) or not isinstance(rec.get("settings"), dict):
+    rec = read_conversion_record(src) if src.is_dir() else None
+    if rec is None or not rec.has_settings:
         return [{"step": "source", "model": str(src)}]
-    s, before, g = rec["settings"], rec.get("num_kv_heads_before"), rec.get("num_kv_heads")
-    calibration = rec.get("calibration") if isinstance(rec.get("calibration"), dict) else {}
-    return [{"step": "source", "model": s.get("source"), "family": rec.get("family"),
-             "query heads": rec.get("num_heads"), "KV heads": before},
-            {"step": "conversion", "tool": f"gqakit convert (gqakit {rec.get('gqakit_version')})",
-             "output": str(src), "method": s.get("method"), "grouping": s.get("grouping"),
+    s, before, g = rec.settings, rec.num_kv_heads_before, rec.num_kv_heads
+    calibration = rec.calibration or {}
+    return [{"step": "source", "model": s.source, "family": rec.family,
+             "query heads": rec.num_heads, "KV heads": before},
+            {"step": "conversion", "tool": f"gqakit convert (gqakit {rec.gqakit_version})",
+             "output": str(src), "method": s.method, "grouping": s.grouping,
              "KV heads": f"{before} → {g}", "G": g, "calibration tokens": calibration.get("tokens"),
              "record": CONVERT_SETTINGS}]
 

@@ -21,12 +21,12 @@ This module imports neither torch nor peft at import time: the config check need
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from gqakit.core.arch import SITE_NAMES, registry
+from gqakit.core.convrecord import ConversionRecord, read_conversion_record
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import CONVERT_SETTINGS
 
@@ -38,12 +38,11 @@ ADAPTER_NAME = "default"
 
 def default_targets(src: Path) -> list[str]:
     """The attention projections the conversion of SRC changed, as peft target names."""
-    try:
-        record = json.loads((Path(src) / CONVERT_SETTINGS).read_text())
-        family, method = record["family"], record["settings"]["method"]
-    except (OSError, ValueError, KeyError, TypeError):
+    record = read_conversion_record(src)
+    family, method = (record.family, record.settings.method) if record is not None else (None, None)
+    if family is None or method is None:
         raise GqakitError(f"train.lora.targets: {Path(src) / CONVERT_SETTINGS} does not say the family and method; "
-                          "give train.lora.targets") from None
+                          "give train.lora.targets")
     spec = registry().get(family)
     if spec is None:
         raise GqakitError(f"train.lora.targets: unknown family {family!r} in {CONVERT_SETTINGS}; "
@@ -63,19 +62,18 @@ def _changed(att: Any, method: str) -> list[str]:
     return changed
 
 
-def _encoder_decoder_targets(spec: Any, record: dict, method: str) -> list[str]:
+def _encoder_decoder_targets(spec: Any, record: ConversionRecord, method: str) -> list[str]:
     """Full module names, layer by layer: the attentions the conversion grouped (the decoder's
     self- and cross-attention; the encoder's too with --group-encoder). A short suffix would
     also match the attentions it left multi-head (T5 names both stacks' `SelfAttention`)."""
     site_of = {name: site for site, name in SITE_NAMES.items()}
     chosen = []
-    try:
-        for name in record["grouped"]:
-            site = site_of[name]
-            chosen.append((spec.attention_at(site), int(record["encoder_num_layers" if site == "encoder" else "num_layers"])))
-    except (KeyError, TypeError, ValueError):
-        raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} does not say which attentions were grouped; "
-                          "give train.lora.targets") from None
+    for name in record.grouped if record.grouped is not None else [None]:
+        layers = record.encoder_num_layers if site_of.get(name) == "encoder" else record.num_layers
+        if name not in site_of or layers is None:
+            raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} does not say which attentions were grouped; "
+                              "give train.lora.targets")
+        chosen.append((spec.attention_at(site_of[name]), layers))
     return [att.prefix.format(layer=L) + name
             for att, layers in chosen for L in range(layers) for name in _changed(att, method)]
 

@@ -14,6 +14,7 @@ from gqakit.core.device import check_device, resolve_device
 from gqakit.core.errors import GqakitError
 from gqakit.core.hub import resolve_model_ref
 from gqakit.core.text import EvalText, TextSource
+from gqakit.core.run import current, running
 from gqakit.core.units import COMPUTE_DTYPES, dtype_named, torch_dtype
 from gqakit.eval.perplexity import PerplexitySettings
 from gqakit.eval.provenance import model_info, run_info
@@ -129,10 +130,9 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
                 examples = prepare_span_corruption(tok, doc, perplexity, model_path)
     seen = seen_in_training(model_path, doc) if doc is not None else []
 
-    with quiet_libraries(quiet):
+    with quiet_libraries(quiet), running(progress=progress, quiet=quiet):
         results = measure(model_path, doc, perplexity=perplexity, speed=speed, tasks=tasks, device=device,
-                          dtype=dtype, command=command, progress=progress and not quiet, quiet=quiet,
-                          examples=examples, encoder_decoder=encoder_decoder)
+                          dtype=dtype, command=command, examples=examples, encoder_decoder=encoder_decoder)
     if ref.repo_id:  # recorded by its Hub id, not by a path inside the cache
         results.model.path, results.model.hub = ref.name, HubInfo(**ref.record())
     if seen:
@@ -166,14 +166,16 @@ def perplexity_of_file(model_path: str | Path, settings: PerplexitySettings, *, 
 
 def measure(model_path: str | Path, doc: EvalText | None, *, perplexity: PerplexitySettings | None = None,
             speed: SpeedSettings | None = None, tasks: TaskSettings | None = None, device: str | None = None,
-            dtype: str | None = None, command: list[str] | None = None, progress: bool = True,
-            quiet: bool = False, examples: Examples | None = None, encoder_decoder: bool | None = None) -> EvalResult:
+            dtype: str | None = None, command: list[str] | None = None, examples: Examples | None = None,
+            encoder_decoder: bool | None = None) -> EvalResult:
     """Load the model once and run each measurement whose settings are given (inputs already checked).
-    An encoder-decoder's perplexity scores `examples` (eval.perplexity_seq2seq.prepare_*), a decoder's `doc`."""
+    An encoder-decoder's perplexity scores `examples` (eval.perplexity_seq2seq.prepare_*), a decoder's `doc`.
+    Bars and messages follow the run context (`core.run`) that `run_eval` set."""
     import torch
 
     from gqakit.core.loading import is_encoder_decoder, load_causal_lm, load_seq2seq_lm, load_tokenizer
 
+    progress, quiet = current().progress, current().quiet
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if encoder_decoder is None:

@@ -44,6 +44,7 @@ from gqakit.convert.settings import SMALL_MODEL, ConvertSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.device import PeakMemory
+from gqakit.core.run import show_bars
 
 
 def compute_dtype(opts_dtype: str, source_params: int, device: str) -> torch.dtype:
@@ -78,7 +79,7 @@ class CalibrationStage:
     """
 
     def __init__(self, opened: Opened, plan: Plan, settings: ConvertSettings, fit: Fit | None = None, *,
-                 device: str = "cpu", progress: bool = True, scratch: Path | None = None,
+                 device: str = "cpu", progress: bool | None = None, scratch: Path | None = None,
                  resume_dir: Path | None = None, written: Callable[[], list[str]] | None = None):
         """`fit`: the method's fit (default: the one `settings.method` names); `resume_dir`: where
         checkpoints go (and are resumed from); `written`: the names of the tensors the writer
@@ -87,7 +88,7 @@ class CalibrationStage:
         settings = settings.resolved(source_params=plan.source_params,
                                      max_positions=archmod.max_positions(opened.config))
         self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
-        self.progress, self.scratch = progress, scratch
+        self.progress, self.scratch = show_bars(progress), scratch  # None: as the run context says
         self.resume_dir, self.written = resume_dir, written
         self.opts = settings.refit
         self.spec = archmod.registry()[plan.family]

@@ -1,7 +1,7 @@
 """Architecture knowledge as data: the one source of model geometry for every stage.
 
 Each model family is one JSON file in `core/architectures/` (validated here with
-`extra="forbid"`, so stale or misspelt keys fail loudly). A checkpoint's family is found
+`extra="forbid"`, so stale or misspelt keys fail loudly). A model's family is found
 from `config.architectures[0]`, falling back to `config.model_type`. An entry says where
 the decoder blocks are (`block`), where each block's attention tensors are and how they
 are laid out (`attention`), which config.json keys hold the geometry (`config`, the
@@ -249,7 +249,7 @@ def lookup(config: Mapping[str, Any]) -> ArchSpec:
 
 @dataclass(frozen=True)
 class Shape:
-    """The attention geometry of one checkpoint."""
+    """The attention geometry of one model."""
 
     num_layers: int
     num_heads: int

@@ -60,3 +60,26 @@ def test_the_table_imports_no_torch():
             "assert dtype_named('bf16').bytes == 2 and parse_size('1KB') == 1000")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_uptrain_export_saves_in_the_sources_dtype(tmp_path):
+    """The export reads SRC's saved dtype (`dtype`, as transformers now writes it) through the one table."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from tiny_models import build
+
+    from gqakit.core.loading import load_causal_lm, load_tokenizer
+    from gqakit.uptrain.export import export_model
+
+    src = build("llama", tmp_path / "src", dtype=torch.bfloat16)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "bfloat16"
+    (src / "config.json").write_text(json.dumps(cfg))
+    model = load_causal_lm(src, dtype=torch.float32, device="cpu")
+    out = export_model(model, model.state_dict(), load_tokenizer(src), src=src, out=tmp_path / "out",
+                       settings={}, facts={})
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}

@@ -23,11 +23,13 @@ import torch
 import yaml
 
 import gqakit
+from gqakit.core.arch import config_dtype
 from gqakit.core.convrecord import read_conversion_record
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, UPTRAIN_SETTINGS
 from gqakit.core.modelcard import append_section, lineage_body, set_section
 from gqakit.core.modelfiles import side_files
 from gqakit.core.outdir import atomic_output_dir
+from gqakit.core.units import torch_dtype
 from gqakit.core.yamlfile import read_yaml
 
 # Files carried over from the converted folder when save_pretrained does not write them.
@@ -116,7 +118,7 @@ def export_model(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any
     """Save `model` (with `state_dict`, gathered from all processes) to `out`; returns `out`."""
     src_cfg = json.loads((src / "config.json").read_text())
     state_dict = frozen_from_source(state_dict, src)
-    dtype = getattr(torch, str(src_cfg.get("dtype") or src_cfg.get("torch_dtype") or "float32"), torch.float32)
+    dtype = torch_dtype(config_dtype(src_cfg) or "float32")  # the dtype SRC's weights are saved in
     if dtype in (torch.float16, torch.bfloat16):
         # Training keeps fp32 master weights; hand back the precision the input came in.
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}

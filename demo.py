@@ -145,7 +145,8 @@ def demo_cmd(out: Path, method: str, budget: str, train_tokens: int | None, refi
       gqakit demo --budget gpu --train-tokens 20000000
       gqakit demo --refit-steps 0           # closed-form conversion only (faster)
     """
-    from gqakit.core.outdir import DEMO, atomic_output_dir, check_output_path
+    from gqakit.core.outdir import atomic_output_dir
+    from gqakit.core.outrule import DEMO, check_output_path
 
     # --overwrite replaces only an earlier demo folder (never the model cache, never a
     # folder of the user's), checked before anything is fetched or loaded.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from gqakit.uptrain.plan import (ATTENTION, LoraPlan, Settings, Target, describe, gib, make_plan, parse_size,
+from gqakit.uptrain.plan import (ATTENTION, LoraPlan, Settings, Target, describe, gib, make_plan, device_memory_size,
                                  suggestions)
 
 # The published shapes, converted to 8 KV heads (Llama-2-70B's own GQA; 7B: G = 8 too).
@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import LlamaConfig
 
-    mem = parse_size(args.device_memory)
+    mem = device_memory_size(args.device_memory)
     targets = {f"1 x {args.device_memory}": Target(1, "none", "cuda"),
                f"8 x {args.device_memory}, FSDP": Target(8, "fsdp", "cuda")}
     print(f"seq_len {args.seq_len} x micro_batch {args.micro_batch}, bf16 autocast, AdamW; peak per GPU without / "

@@ -79,7 +79,8 @@ def main() -> None:
     model.model.layers[args.layer].self_attn.requires_grad_(True)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
+    from gqakit.core.text import read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity
 
     text = read_text(str(m["data"]))
 

@@ -17,6 +17,7 @@ from gqakit.core.clihelp import GroupedCommand
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
 from gqakit.core.hub import resolve_model_ref
+from gqakit.core.units import DTYPE_BYTES
 
 # `gqakit convert --help`: its options under these headings, in this order
 CONVERT_OPTION_GROUPS = (
@@ -208,8 +209,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     spec = archmod.lookup(opened.config)
     saved = archmod.config_dtype(opened.config)
     if dtype_bytes is None:  # the cache in the dtype the weights are saved (and load) in
-        dtype_bytes = archmod.DTYPE_BYTES[saved] if saved else 2
-    dtype = archmod.dtype_label(dtype_bytes, saved if saved and archmod.DTYPE_BYTES[saved] == dtype_bytes else None)
+        dtype_bytes = DTYPE_BYTES[saved] if saved else 2
+    dtype = archmod.dtype_label(dtype_bytes, saved if saved and DTYPE_BYTES[saved] == dtype_bytes else None)
     if spec.is_encoder_decoder:
         if context is not None:
             raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "

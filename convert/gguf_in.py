@@ -262,7 +262,8 @@ def _stream(path: Path, reader: Any, arch: Any) -> GGUFInput | NoStream:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from gqakit.core.loading import check_loaded, load_config
+    from gqakit.core.loading import load_config
+    from gqakit.core.modelfiles import check_loaded
 
     config = load_config(path)
     if getattr(config, "is_encoder_decoder", False):

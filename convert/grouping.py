@@ -30,12 +30,6 @@ def contiguous_groups(num_kv_heads: int, num_groups: int) -> Groups:
     return [list(range(g * r, (g + 1) * r)) for g in range(num_groups)]
 
 
-def check_groups(groups: Groups, num_kv_heads: int) -> None:
-    flat = sorted(h for g in groups for h in g)
-    if flat != list(range(num_kv_heads)) or len({len(g) for g in groups}) != 1:
-        raise ValueError(f"groups {groups} must partition {num_kv_heads} KV heads into equal sizes")
-
-
 def contiguous(h: AttnHeads, num_groups: int, *, rotary_style: str = "none", rotary_dim: int = 0,
                whiten: Tensor | None = None) -> Groups:
     return contiguous_groups(h.num_kv_heads, num_groups)

@@ -39,8 +39,8 @@ from gqakit.convert.settings import DEFAULT_CALIBRATION_TOKENS, DEFAULT_METHOD, 
 from gqakit.convert.source import Opened, open_checkpoint
 from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
-from gqakit.core.outdir import (GGUF_FILE, RESUME_DIR, atomic_output_dir, atomic_output_file, check_output_path,
-                                resumable_output_dir)
+from gqakit.core.outdir import RESUME_DIR, atomic_output_dir, atomic_output_file, resumable_output_dir
+from gqakit.core.outrule import GGUF_FILE, check_output_path
 
 Layers = Iterator[tuple[int, AttnHeads]]
 Steps = Iterator[tuple[AttentionLayer, AttnHeads]]

@@ -29,9 +29,7 @@ from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.arch import SITE_NAMES
 from gqakit.core.errors import GqakitError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from gqakit.core.units import torch_dtype
 
 @dataclass(frozen=True)
 class PassThrough:
@@ -143,7 +141,7 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
     source_params = sum(numel(m[1]) for m in metas.values())
     resolved = resolve_settings(settings, source_params=source_params,
                                 max_positions=archmod.max_positions(opened.config), output=output)
-    out_dtype = DTYPES[resolved.dtype] if resolved.dtype is not None else None
+    out_dtype = torch_dtype(resolved.dtype) if resolved.dtype is not None else None
     # methods that touch only K/V leave q and o to be copied through untouched
     kv_only = resolved.spec.kv_only and resolved.grouping == "contiguous" and spec.attention.layout == "separate"
     layer_of: dict[str, tuple[int, str]] = {}

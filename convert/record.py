@@ -20,6 +20,7 @@ from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.methods import changed_projections, load
 from gqakit.core.modelcard import render_model_card
 from gqakit.core.modelfiles import side_files
+from gqakit.core.units import DTYPE_BYTES
 
 
 QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h‖ between the converted and the original "
@@ -111,7 +112,7 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
         shutil.copy2(f, tmp / f.name)
     s, G = plan.shape, settings.num_kv_heads
     dtype = archmod.config_dtype(cfg) or str(_attention_dtype(plan)).removeprefix("torch.")  # as saved
-    elem = archmod.DTYPE_BYTES.get(dtype) or _attention_dtype(plan).itemsize
+    elem = DTYPE_BYTES.get(dtype) or _attention_dtype(plan).itemsize
     before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, G)
     auto = "AutoModelForSeq2SeqLM" if plan.is_encoder_decoder else "AutoModelForCausalLM"
     record = {"gqakit_version": gqakit.__version__, "settings": settings.record(), "family": plan.family,

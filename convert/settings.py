@@ -13,7 +13,6 @@ This module imports neither torch nor the conversion math (the method table is
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +23,7 @@ from gqakit.core.arch import ArchSpec
 from gqakit.core.errors import GqakitError
 from gqakit.core.methods import load, method_spec
 from gqakit.core.text import TextSource
+from gqakit.core.units import COMPUTE_DTYPES, parse_size
 
 # The default method, chosen from the numbers (docs/benchmarks.md, README "Methods"): of the
 # methods that need nothing but the checkpoint and take seconds, `align` beats the paper's
@@ -33,7 +33,7 @@ DEFAULT_METHOD = "align"
 # hidden-state streams at a time), so the default budget is set by time, not memory:
 # docs/benchmarks.md shows align-refit keeps improving well past 16k tokens.
 DEFAULT_CALIBRATION_TOKENS = 65536
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = COMPUTE_DTYPES
 EFFORTS = ("fast", "best")
 
 
@@ -48,16 +48,6 @@ class NoOptions(BaseModel):
 
     def given(self) -> dict[str, Any]:
         return {}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in '2GB', '500MB', '10KB' (powers of 1000) or an int."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text).upper())
-    if not m:
-        raise GqakitError(f"invalid size {text!r}; use e.g. 2GB or 500MB")
-    return int(float(m.group(1)) * 1000 ** " KMGT".index(m.group(2) or " "))
 
 
 def _cli(*decls: str, **kw: Any) -> dict[str, Any]:

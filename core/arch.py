@@ -1,7 +1,7 @@
 """Architecture knowledge as data: the one source of model geometry for every stage.
 
 Each model family is one JSON file in `core/architectures/` (validated here with
-`extra="forbid"`, so stale or misspelt keys fail loudly). A checkpoint's family is found
+`extra="forbid"`, so stale or misspelt keys fail loudly). A model's family is found
 from `config.architectures[0]`, falling back to `config.model_type`. An entry says where
 the decoder blocks are (`block`), where each block's attention tensors are and how they
 are laid out (`attention`), which config.json keys hold the geometry (`config`, the
@@ -34,6 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.units import DTYPES
 
 ARCH_DIR = "core/architectures/"
 # context-length keys tried for a model whose family is not in the table (eval of any model)
@@ -295,7 +296,7 @@ def lookup(config: Mapping[str, Any]) -> ArchSpec:
 
 @dataclass(frozen=True)
 class Shape:
-    """The attention geometry of one checkpoint."""
+    """The attention geometry of one model."""
 
     num_layers: int
     num_heads: int
@@ -316,8 +317,6 @@ class Shape:
         return 2 * self.num_layers * kv * self.head_dim * bytes_per_elem
 
 
-# Bytes per element of the float dtypes a config.json names for its weights.
-DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _WIDTHS = {8: "64-bit", 4: "32-bit", 2: "16-bit", 1: "8-bit"}
 
 
@@ -326,7 +325,7 @@ def config_dtype(config: Mapping[str, Any]) -> str | None:
     `torch_dtype`), or None where it names none."""
     for key in ("dtype", "torch_dtype"):
         v = config.get(key)
-        if isinstance(v, str) and v.removeprefix("torch.") in DTYPE_BYTES:
+        if isinstance(v, str) and v.removeprefix("torch.") in DTYPES:
             return v.removeprefix("torch.")
     return None
 

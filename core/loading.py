@@ -27,7 +27,7 @@ from typing import Any
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.hub import resolve_model_ref
-from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded, read_st_header  # noqa: F401 (re-exported)
+from gqakit.core.modelfiles import check_folder, check_gguf_metadata, check_loaded
 
 # Nothing in gqakit reaches the Hugging Face Hub unless the user sets HF_HUB_OFFLINE=0
 # (then a Hub id missing from the cache is downloaded: `core/hub.py`).
@@ -114,12 +114,6 @@ def split_source(path: str | Path) -> tuple[Path, str | None]:
     read_config_json(p)
     trust.check_folder(p)  # code that claims to be gqakit's and is not: refused before anything loads
     return p, None
-
-
-def is_gqakit_remote(folder: Path) -> bool:
-    """True when the model folder's `auto_map` names only gqakit's own modeling files,
-    byte-identical to the ones this version ships (they load without --trust-remote-code)."""
-    return trust.only_gqakit_code(trust.code_files(Path(folder)))
 
 
 def remote_code(folder: Path, gguf: str | None) -> bool:

@@ -5,8 +5,7 @@ when complete (`swap_in`, the one place that does it). A crash, Ctrl-C or SIGKIL
 therefore never leaves a folder at OUT that looks finished; at worst a hidden
 `.OUT.gqakit-tmp-*` remains, and the next run removes it once the process that made it is
 gone. A failed run removes any parent folder it created, so nothing empty is left behind.
-Before anything is written or replaced, the output rule (`core.outrule`) is applied;
-its names are importable from here too.
+Before anything is written or replaced, the output rule (`core.outrule`) is applied.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from pathlib import Path
 
 from gqakit.core.errors import GqakitError, Interrupted
 from gqakit.core.files import follow_umask
-from gqakit.core.outrule import (  # noqa: F401  (the rule is importable from here too)
-    CHECKPOINT_RECORD, CHECKPOINTS, DEMO, GGUF_FILE, KINDS, MANIFEST, MODEL, REPORT, RESULTS, RUN, RUN_ENTRIES,
-    TMP_MARK, Inputs, Kind, check_not_an_input, check_output_path, read_json, why_not_ours, write_manifest)
+from gqakit.core.outrule import (GGUF_FILE, MODEL, TMP_MARK, Inputs, Kind, check_output_path, read_json,
+                                 write_manifest)
 
 
 def _within(p: Path, roots: Iterable[Path]) -> bool:

@@ -55,12 +55,10 @@ class Kind:
 
     name: str                                   # in messages: "model folder", "uptrain run", ...
     folder: bool = True
-    legacy: Callable[[Path], bool] | None = None  # recognises outputs written before manifests
     file_ok: Callable[[Path], bool] | None = None  # file kinds: is this file one gqakit wrote?
     # A manifest entry `name/` covers a sub-folder only as far as its part says: another kind
     # of output (with its own manifest), or a function listing what in it gqakit did not write.
     parts: Mapping[str, "Kind | Callable[[Path], list[str]]"] = field(default_factory=dict)
-    entries: tuple[str, ...] = ()               # the entries of a legacy folder (no manifest)
 
 
 def _files(folder: Path) -> list[str]:
@@ -89,8 +87,6 @@ def _foreign_part(sub: Path, part: "Kind | Callable[[Path], list[str]] | None") 
         if isinstance(man, dict) and man.get("kind") == part.name and isinstance(entries, list) and all(
                 isinstance(e, str) for e in entries):
             return _foreign(sub, entries, part)
-        if man is None and part.legacy is not None and part.legacy(sub):
-            return _foreign(sub, list(part.entries), part) if part.entries else []
         return _files(sub)
     return part(sub)
 
@@ -167,24 +163,11 @@ def _foreign_results(folder: Path) -> list[str]:
 RUN_ENTRIES = ("gqakit_uptrain.yaml", "log.jsonl", f"{CHECKPOINTS}/", "model/", "uptrain/")
 
 
-def _legacy_run(p: Path) -> bool:
-    tops = {e.rstrip("/") for e in RUN_ENTRIES}
-    return (p / "gqakit_uptrain.yaml").is_file() and not (p / "config.json").exists() and all(
-        c.name in tops for c in p.iterdir())
-
-
-def _legacy_report(p: Path) -> bool:
-    return _schema(p / "report.json") == "gqakit.compare/1" and all(
-        c.name in ("report.json", "report.md") or c.suffix == ".png" for c in p.iterdir())
-
-
-MODEL = Kind("model folder", legacy=lambda p: (p / "gqakit_convert.json").is_file())
-RUN = Kind("uptrain run", legacy=_legacy_run, entries=RUN_ENTRIES,
-           parts={CHECKPOINTS: _foreign_checkpoints, "model": MODEL, "uptrain": _foreign_tensorboard})
-REPORT = Kind("compare report", legacy=_legacy_report)
-DEMO = Kind("demo folder", legacy=lambda p: (p / "converted" / "gqakit_convert.json").is_file()
-            and (p / "report").is_dir(),
-            parts={"converted": MODEL, "mean": MODEL, "uptrain": RUN, "results": _foreign_results, "report": REPORT})
+MODEL = Kind("model folder")
+RUN = Kind("uptrain run", parts={CHECKPOINTS: _foreign_checkpoints, "model": MODEL, "uptrain": _foreign_tensorboard})
+REPORT = Kind("compare report")
+DEMO = Kind("demo folder", parts={"converted": MODEL, "mean": MODEL, "uptrain": RUN, "results": _foreign_results,
+                                  "report": REPORT})
 RESULTS = Kind("results file", folder=False, file_ok=lambda p: _schema(p) == "gqakit.eval/1")
 KINDS = {k.name: k for k in (MODEL, RUN, REPORT, DEMO, RESULTS)}
 
@@ -214,8 +197,6 @@ def why_not_ours(out: Path, kind: Kind) -> str | None:
             if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
                 return f"its manifest {MANIFEST} is damaged"
             foreign = _foreign(out, entries, kind)
-        elif kind.legacy is not None and kind.legacy(out):
-            foreign = _foreign(out, list(kind.entries), kind) if kind.entries else []
         else:
             return f"it was not written by gqakit (no {MANIFEST})"
         if foreign:

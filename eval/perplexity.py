@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.spans import SpanCorruption
-from gqakit.core.text import EvalText, TextSource, read_text  # noqa: F401  (read_text re-exported)
+from gqakit.core.text import EvalText, TextSource
 from gqakit.core.tokens import bos_id
 from gqakit.eval.records import Objective, PerplexityResult
 

@@ -74,19 +74,17 @@ def run_info(*, command: list[str] | None, device: Any, dtype: Any) -> RunInfo:
 def conversion_info(path: str | Path) -> ConversionInfo | None:
     """How gqakit made the model in folder `path`: its `gqakit_convert.json`'s method, G and grouping
     (and whether `gqakit uptrain` exported it); None where the folder has no readable record."""
-    import json
-
-    from gqakit.core.loading import CONVERT_SETTINGS, UPTRAIN_SETTINGS
+    from gqakit.core.convrecord import read_conversion_record
+    from gqakit.core.loading import UPTRAIN_SETTINGS
 
     folder = Path(path)
-    try:
-        record = json.loads((folder / CONVERT_SETTINGS).read_text())
-        settings = record.get("settings") or {}
-        return ConversionInfo(method=settings["method"], num_kv_heads=record["num_kv_heads"],
-                              **({"grouping": settings["grouping"]} if "grouping" in settings else {}),
-                              uptrained=(folder / UPTRAIN_SETTINGS).is_file())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    record = read_conversion_record(folder)
+    if record is None or record.settings.method is None or record.num_kv_heads is None:
         return None
+    grouping = record.settings.grouping
+    return ConversionInfo(method=record.settings.method, num_kv_heads=record.num_kv_heads,
+                          **({"grouping": grouping} if grouping is not None else {}),
+                          uptrained=(folder / UPTRAIN_SETTINGS).is_file())
 
 
 def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:

@@ -15,7 +15,8 @@ from typing import Any
 
 from gqakit.core.arch import kv_bytes_text
 from gqakit.core.errors import GqakitError
-from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
+from gqakit.core.outdir import atomic_output_dir
+from gqakit.core.outrule import REPORT, check_output_path
 from gqakit.eval.records import SCHEMA, UNSET, EvalResult, ModelInfo, SpeedPoint, TaskRow, opt, read_results
 from gqakit.eval.report_speed import memory_bound_sentence, point_label, speed_entry, speed_section, speedup_text
 

@@ -14,6 +14,8 @@ from gqakit.core.device import check_device, resolve_device
 from gqakit.core.errors import GqakitError
 from gqakit.core.hub import resolve_model_ref
 from gqakit.core.text import EvalText, TextSource
+from gqakit.core.run import current, running
+from gqakit.core.units import COMPUTE_DTYPES, dtype_named, torch_dtype
 from gqakit.eval.perplexity import PerplexitySettings
 from gqakit.eval.provenance import model_info, run_info
 from gqakit.eval.records import SCHEMA, EvalResult, HubInfo, write_results
@@ -23,8 +25,8 @@ if TYPE_CHECKING:
     from gqakit.eval.speed import SpeedSettings
     from gqakit.eval.tasks import TaskSettings
 
-DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# The names --dtype accepts: each compute dtype and its short alias (bf16, fp16, fp32).
+DTYPES = tuple(n for d in COMPUTE_DTYPES for n in (d, *dtype_named(d).aliases))
 
 
 def resolve_dtype(dtype: str | None, device: str) -> Any:
@@ -34,7 +36,7 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
     check_dtype(dtype)
     if dtype in (None, "auto"):
         return torch.float32 if device == "cpu" else torch.bfloat16
-    return getattr(torch, DTYPES[dtype])
+    return torch_dtype(dtype)
 
 
 def check_dtype(dtype: str | None) -> None:
@@ -50,7 +52,7 @@ def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings 
     The settings were checked when they were built (PerplexitySettings, SpeedSettings,
     TaskSettings); here: that there is something to measure, the model, device, dtype and OUT."""
     from gqakit.core.loading import is_encoder_decoder, split_source
-    from gqakit.core.outdir import RESULTS, check_output_path
+    from gqakit.core.outrule import RESULTS, check_output_path
 
     if perplexity is None and speed is None and tasks is None:
         raise GqakitError("nothing to measure: pass --data (perplexity), --speed, --tasks, or several")
@@ -128,10 +130,9 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
                 examples = prepare_span_corruption(tok, doc, perplexity, model_path)
     seen = seen_in_training(model_path, doc) if doc is not None else []
 
-    with quiet_libraries(quiet):
+    with quiet_libraries(quiet), running(progress=progress, quiet=quiet):
         results = measure(model_path, doc, perplexity=perplexity, speed=speed, tasks=tasks, device=device,
-                          dtype=dtype, command=command, progress=progress and not quiet, quiet=quiet,
-                          examples=examples, encoder_decoder=encoder_decoder)
+                          dtype=dtype, command=command, examples=examples, encoder_decoder=encoder_decoder)
     if ref.repo_id:  # recorded by its Hub id, not by a path inside the cache
         results.model.path, results.model.hub = ref.name, HubInfo(**ref.record())
     if seen:
@@ -142,7 +143,7 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
             click.echo(f"gqakit: warning: the evaluation text is part of {seen[0]['file']}, which this model was "
                        f"trained on ({seen[0]['as']}): its perplexity is not a held-out number", err=True)
     if out is not None:
-        from gqakit.core.outdir import RESULTS, check_output_path
+        from gqakit.core.outrule import RESULTS, check_output_path
 
         # again: the file may have appeared while the model ran
         check_output_path(out, overwrite=overwrite, inputs=eval_inputs(model_path, perplexity, tasks), kind=RESULTS,
@@ -165,14 +166,16 @@ def perplexity_of_file(model_path: str | Path, settings: PerplexitySettings, *, 
 
 def measure(model_path: str | Path, doc: EvalText | None, *, perplexity: PerplexitySettings | None = None,
             speed: SpeedSettings | None = None, tasks: TaskSettings | None = None, device: str | None = None,
-            dtype: str | None = None, command: list[str] | None = None, progress: bool = True,
-            quiet: bool = False, examples: Examples | None = None, encoder_decoder: bool | None = None) -> EvalResult:
+            dtype: str | None = None, command: list[str] | None = None, examples: Examples | None = None,
+            encoder_decoder: bool | None = None) -> EvalResult:
     """Load the model once and run each measurement whose settings are given (inputs already checked).
-    An encoder-decoder's perplexity scores `examples` (eval.perplexity_seq2seq.prepare_*), a decoder's `doc`."""
+    An encoder-decoder's perplexity scores `examples` (eval.perplexity_seq2seq.prepare_*), a decoder's `doc`.
+    Bars and messages follow the run context (`core.run`) that `run_eval` set."""
     import torch
 
     from gqakit.core.loading import is_encoder_decoder, load_causal_lm, load_seq2seq_lm, load_tokenizer
 
+    progress, quiet = current().progress, current().quiet
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if encoder_decoder is None:
@@ -211,8 +214,7 @@ def seen_in_training(model_path: str | Path, doc: EvalText) -> list[dict[str, st
 
     Reads `gqakit_uptrain.yaml` (data.files) and `gqakit_convert.json` (calibration data)
     of a gqakit model folder; files that are gone or larger than 2 GB are skipped."""
-    import json
-
+    from gqakit.core.convrecord import read_conversion_record
     from gqakit.core.globs import bounded_glob
 
     folder = Path(model_path).expanduser()
@@ -228,9 +230,9 @@ def seen_in_training(model_path: str | Path, doc: EvalText) -> list[dict[str, st
         pats = (((up or {}).get("settings") or {}).get("data") or {}).get("files") or []
         candidates += [(f, "uptrain data.files") for pat in pats if isinstance(pat, str)
                        for f in bounded_glob(pat)[0]]  # a folder's own record: no walk of the whole disk
-        conv = json.loads((folder / "gqakit_convert.json").read_text()) if (folder / "gqakit_convert.json").is_file() else {}
-        calib = ((conv or {}).get("settings") or {}).get("calibration_data")
-        if isinstance(calib, str) and not TextSource(calib).is_dataset:
+        conv = read_conversion_record(folder)
+        calib = conv.settings.calibration_data if conv is not None else None
+        if calib is not None and not TextSource(calib).is_dataset:
             candidates.append((calib, "convert --calibration-data"))
     except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
         return []

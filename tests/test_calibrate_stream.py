@@ -77,7 +77,7 @@ def test_streamed_matches_in_memory_reference(tiny_model, one_thread, family, ov
     assert len(summary["residual_drift"]) == plan.shape.num_layers - 1
 
 
-@pytest.mark.shared
+@pytest.mark.assets
 def test_streamed_matches_in_memory_reference_on_stories260k(shared, one_thread):
     """Real trained weights, both calibration sources: text sampled from the model, and a file."""
     src = shared / "models" / "stories260K"

@@ -211,7 +211,7 @@ def test_output_folder_is_self_contained(tiny_model, tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".gqakit-tmp-" in p.name]
 
 
-@pytest.mark.shared
+@pytest.mark.assets
 def test_stories260k_round_trip_and_real_conversions(shared, tmp_path):
     """Expand the real GQA model to MHA, convert back to 4: same logits; 2 and 1 load and generate."""
     src = shared / "models" / "stories260K"

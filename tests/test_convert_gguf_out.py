@@ -251,7 +251,7 @@ def _sha(path: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.shared
+@pytest.mark.assets
 def test_smollm2_q4_1_to_one_kv_head(smollm2_gguf, tmp_path):
     before = _sha(smollm2_gguf)
     out = convert_gguf(smollm2_gguf, tmp_path / "g1.gguf", 1, progress=False)
@@ -270,7 +270,7 @@ def test_smollm2_q4_1_to_one_kv_head(smollm2_gguf, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.shared
+@pytest.mark.assets
 def test_llama_cpp_runs_the_converted_smollm2_as_transformers_does(smollm2_gguf, tmp_path):
     """llama.cpp itself (llama-cpp-python, the gqakit[llama] extra) loads the 3 -> 1 conversion,
     generates with it, and scores text as the folder output of the same conversion does in

@@ -9,7 +9,8 @@ import torch
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import load_causal_lm, load_tokenizer
-from gqakit.eval.perplexity import Window, count_words, evaluate_perplexity, read_text, tokenize_document, window_plan
+from gqakit.core.text import read_text
+from gqakit.eval.perplexity import Window, count_words, evaluate_perplexity, tokenize_document, window_plan
 
 
 @pytest.mark.parametrize("n,context,stride", [(10, 4, 4), (10, 4, 2), (100, 16, 5), (5, 8, 8), (17, 16, 1)])

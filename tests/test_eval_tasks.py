@@ -176,7 +176,7 @@ def test_damaged_tasks_block_is_one_line(evaluated, tmp_path, capsys):
     assert not (tmp_path / "rep").exists()
 
 
-@pytest.mark.shared
+@pytest.mark.assets
 def test_stories260k_equals_the_harness(shared, tmp_path, capsys, monkeypatch):
     """The real model: few-shot prompts over the local task, gqakit's CLI against the harness."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed (pip install 'gqakit[tasks]')")

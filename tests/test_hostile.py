@@ -573,6 +573,7 @@ def test_disk_full_leaves_no_folder_behind(world, capfd, monkeypatch):
 
     from gqakit.convert import io as convert_io
     from gqakit.core import outdir
+    from gqakit.core.outrule import TMP_MARK
 
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -581,7 +582,7 @@ def test_disk_full_leaves_no_folder_behind(world, capfd, monkeypatch):
     refused(world, ["convert", world / "mha", world / "new" / "deep" / "g4", "-g", 4, "-q"], capfd,
             "no space left", str(world / "new" / "deep" / "g4"))
     real = outdir.Path.write_text
-    monkeypatch.setattr(outdir.Path, "write_text", lambda self, *a, **k: full() if outdir.TMP_MARK in self.name
+    monkeypatch.setattr(outdir.Path, "write_text", lambda self, *a, **k: full() if TMP_MARK in self.name
                         else real(self, *a, **k))
     refused(world, ["eval", world / "g2", "--data", world / "data" / "eval.txt", "--context", 16,
                     "--out", world / "new" / "r.json", "-q"], capfd, "no space left", "r.json")

@@ -53,13 +53,13 @@ def test_overwrite_refuses_a_run_holding_a_file_of_the_users(world, assets, capf
             "which gqakit did not write")
 
 
-def test_overwrite_refuses_foreign_content_in_a_run_without_manifest(world, assets, capfd):
-    """A run written before manifests is recognised by its settings file, and checked as deep."""
+def test_overwrite_refuses_a_run_without_its_manifest(world, assets, capfd):
+    """Only the manifest says gqakit wrote a folder: a run's own files without it (its
+    settings file, log and checkpoints) are not enough to replace it."""
     (world / "run" / ".gqakit-output.json").unlink()
-    (world / "run" / "model" / ".gqakit-output.json").unlink()
-    (world / "run" / "checkpoints" / "step-2" / "notes.txt").write_text("mine")
     refused(world, ["uptrain", write_cfg(world, assets), "--overwrite", "-q"], capfd,
-            "checkpoints/step-2/notes.txt", "which gqakit did not write")
+            "output.dir", "was not written by gqakit (no .gqakit-output.json)")
+    assert (world / "run" / "gqakit_uptrain.yaml").is_file()
 
 
 def test_overwrite_replaces_a_run_with_its_tensorboard_logs_and_checkpoints(world, assets, capfd):

@@ -249,7 +249,8 @@ def test_refit_missing_calibration_file(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_stories260k_beats_mean_pooling(shared, tmp_path):
     """Real trained weights: the issue's targets (original ppl 5.54; mean pooling 136 at G=2)."""
-    from gqakit.eval.perplexity import Window, evaluate_perplexity, read_text
+    from gqakit.core.text import read_text
+    from gqakit.eval.perplexity import Window, evaluate_perplexity
     from gqakit.core.loading import load_causal_lm, load_tokenizer
 
     src = shared / "models" / "stories260K"

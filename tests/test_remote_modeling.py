@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from gqakit.convert.remote import modeling_file, remote_config_updates
 from gqakit.core.arch import registry
-from gqakit.core.loading import is_gqakit_remote
+from gqakit.core.trust import code_files, only_gqakit_code
 
 # the decoder families whose table entry names a gqakit modeling file
 REMOTE = [f for f, spec in registry().items() if spec.remote is not None and not spec.is_encoder_decoder]
@@ -192,7 +192,7 @@ def test_api() -> None:
 def test_g_equals_h_is_stock(family: str, tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     src = tiny_model(family)
     folder = write_gqa_folder(src, tmp_path / "gqa", family, H)
-    assert is_gqakit_remote(folder)
+    assert only_gqakit_code(code_files(folder))
     inputs = _inputs()
     for attn in ("eager",) if family in EAGER_ONLY else ("eager", "sdpa"):
         gqa = _load(folder, attn, trust_remote_code=True)
@@ -251,7 +251,7 @@ def test_save_pretrained_roundtrip(family: str, tied_stock: Callable[..., Path],
     cfg = json.loads((saved / "config.json").read_text())
     for key in ("model_type", "num_key_value_heads", "auto_map", "architectures"):
         assert cfg[key] == remote_config_updates(family, 2)[key], key
-    assert is_gqakit_remote(saved)
+    assert only_gqakit_code(code_files(saved))
     inputs = _inputs()
     torch.testing.assert_close(_logits(_load(saved, attn, trust_remote_code=True), inputs), _logits(gqa, inputs))
 

@@ -19,7 +19,7 @@ import yaml
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import load_config as load_hf_config
 from gqakit.uptrain.losses import token_losses
-from gqakit.uptrain.plan import Settings, Target, compose, make_plan, parse_size
+from gqakit.uptrain.plan import Settings, Target, compose, device_memory_size, make_plan
 
 TEXTS = [" ".join(chr(33 + (i * 7 + j * 3) % 61) for j in range(40 + i % 9)) for i in range(60)]
 
@@ -100,10 +100,12 @@ def test_unknown_config_key_is_still_refused(converted: Path, tmp_path: Path):
 
 
 def test_sizes_parse():
-    assert parse_size("80GB") == parse_size("80GiB") == parse_size("80") == 80 * 2**30
-    assert parse_size("512MiB") == 2**29
-    with pytest.raises(GqakitError):
-        parse_size("-3GB")
+    assert device_memory_size("80GB") == device_memory_size("80GiB") == device_memory_size("80") == 80 * 2**30
+    assert device_memory_size("512MiB") == 2**29
+    with pytest.raises(GqakitError, match="is not a size"):
+        device_memory_size("-3GB")
+    with pytest.raises(GqakitError, match="--device-memory: '0GB' must be more than zero"):
+        device_memory_size("0GB")
 
 
 def _real_saved_bytes(model, x, trainable_dtype=None) -> int:

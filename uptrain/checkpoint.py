@@ -26,7 +26,7 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.files import file_sha256
-from gqakit.core.loading import read_st_header
+from gqakit.core.modelfiles import read_st_header
 from gqakit.core.outdir import describe_oserror, swap_in
 from gqakit.core.outrule import CHECKPOINT_RECORD, CHECKPOINTS
 

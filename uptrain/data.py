@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from gqakit.core.errors import GqakitError, first_line
-from gqakit.core.tokens import SAMPLER_VERSION, bos_id, sample_tokens  # noqa: F401  (sample_tokens re-exported)
+from gqakit.core.tokens import SAMPLER_VERSION, bos_id, sample_tokens
 from gqakit.uptrain.config import DataCfg, TeacherSamplesCfg
 from gqakit.uptrain.preflight import resolve_data
 

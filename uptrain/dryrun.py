@@ -62,10 +62,10 @@ def dry_run(config: Any, overrides: Sequence[str], *, device_memory: Sequence[st
             echo: Callable[[str], None] = print) -> list[str]:
     """Print the resolved config, the schedule and the plan through ECHO; return the problems
     (empty when a run would start). A bad option or config raises at once."""
-    from gqakit.uptrain.plan import parse_size, target_from_accelerate_config, target_from_environment
+    from gqakit.uptrain.plan import device_memory_size, target_from_accelerate_config, target_from_environment
 
     for m in device_memory:
-        parse_size(m)  # a bad size is one line before anything is printed
+        device_memory_size(m)  # a bad size is one line before anything is printed
     target = target_from_accelerate_config(accelerate_config, "cuda") if accelerate_config else \
         target_from_environment("cuda")
     problems = Problems()

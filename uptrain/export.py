@@ -23,10 +23,13 @@ import torch
 import yaml
 
 import gqakit
+from gqakit.core.arch import config_dtype
+from gqakit.core.convrecord import read_conversion_record
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, UPTRAIN_SETTINGS
 from gqakit.core.modelcard import append_section, lineage_body, set_section
 from gqakit.core.modelfiles import side_files
 from gqakit.core.outdir import atomic_output_dir
+from gqakit.core.units import torch_dtype
 from gqakit.core.yamlfile import read_yaml
 
 # Files carried over from the converted folder when save_pretrained does not write them.
@@ -66,15 +69,15 @@ def source_lineage(src: Path) -> list[dict[str, Any]]:
     steps = up.get("lineage") if isinstance(up, dict) else None
     if isinstance(steps, list) and steps and all(isinstance(st, dict) and "step" in st for st in steps):
         return steps
-    rec = _read(src / CONVERT_SETTINGS, lambda p: json.loads(p.read_text())) if src.is_dir() else None
-    if not isinstance(rec, dict) or not isinstance(rec.get("settings"), dict):
+    rec = read_conversion_record(src) if src.is_dir() else None
+    if rec is None or not rec.has_settings:
         return [{"step": "source", "model": str(src)}]
-    s, before, g = rec["settings"], rec.get("num_kv_heads_before"), rec.get("num_kv_heads")
-    calibration = rec.get("calibration") if isinstance(rec.get("calibration"), dict) else {}
-    return [{"step": "source", "model": s.get("source"), "family": rec.get("family"),
-             "query heads": rec.get("num_heads"), "KV heads": before},
-            {"step": "conversion", "tool": f"gqakit convert (gqakit {rec.get('gqakit_version')})",
-             "output": str(src), "method": s.get("method"), "grouping": s.get("grouping"),
+    s, before, g = rec.settings, rec.num_kv_heads_before, rec.num_kv_heads
+    calibration = rec.calibration or {}
+    return [{"step": "source", "model": s.source, "family": rec.family,
+             "query heads": rec.num_heads, "KV heads": before},
+            {"step": "conversion", "tool": f"gqakit convert (gqakit {rec.gqakit_version})",
+             "output": str(src), "method": s.method, "grouping": s.grouping,
              "KV heads": f"{before} → {g}", "G": g, "calibration tokens": calibration.get("tokens"),
              "record": CONVERT_SETTINGS}]
 
@@ -115,7 +118,7 @@ def export_model(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any
     """Save `model` (with `state_dict`, gathered from all processes) to `out`; returns `out`."""
     src_cfg = json.loads((src / "config.json").read_text())
     state_dict = frozen_from_source(state_dict, src)
-    dtype = getattr(torch, str(src_cfg.get("dtype") or src_cfg.get("torch_dtype") or "float32"), torch.float32)
+    dtype = torch_dtype(config_dtype(src_cfg) or "float32")  # the dtype SRC's weights are saved in
     if dtype in (torch.float16, torch.bfloat16):
         # Training keeps fp32 master weights; hand back the precision the input came in.
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}

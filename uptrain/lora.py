@@ -22,12 +22,12 @@ This module imports neither torch nor peft at import time: the config check need
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from gqakit.core.arch import SITE_NAMES, registry
+from gqakit.core.convrecord import ConversionRecord, read_conversion_record
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import CONVERT_SETTINGS
 from gqakit.core.methods import METHODS, changed_projections
@@ -38,12 +38,11 @@ ADAPTER_NAME = "default"
 
 def default_targets(src: Path) -> list[str]:
     """The attention projections the conversion of SRC changed, as peft target names."""
-    try:
-        record = json.loads((Path(src) / CONVERT_SETTINGS).read_text())
-        family, method = record["family"], record["settings"]["method"]
-    except (OSError, ValueError, KeyError, TypeError):
+    record = read_conversion_record(src)
+    family, method = (record.family, record.settings.method) if record is not None else (None, None)
+    if family is None or method is None:
         raise GqakitError(f"train.lora.targets: {Path(src) / CONVERT_SETTINGS} does not say the family and method; "
-                          "give train.lora.targets") from None
+                          "give train.lora.targets")
     spec = registry().get(family)
     if spec is None:
         raise GqakitError(f"train.lora.targets: unknown family {family!r} in {CONVERT_SETTINGS}; "
@@ -60,16 +59,11 @@ def default_targets(src: Path) -> list[str]:
     return targets
 
 
-def _changed_by_site(record: dict, spec: Any, method: str) -> dict[str, list[str]]:
-    """The record's `changed` (attention name -> projections); for a record without it, what
-    the method's entry in the table says it changes, in every attention."""
-    changed = record.get("changed")
-    if changed is not None:
-        if not (isinstance(changed, dict) and all(isinstance(v, list) and all(isinstance(n, str) for n in v)
-                                                  for v in changed.values())):
-            raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} has a malformed 'changed'; "
-                              "give train.lora.targets")
-        return changed
+def _changed_by_site(record: ConversionRecord, spec: Any, method: str) -> dict[str, list[str]]:
+    """The record's `changed` (attention name -> projections); for a record without it (or with
+    a malformed one), what the method's entry in the table says it changes, in every attention."""
+    if record.changed is not None:
+        return record.changed
     if method not in METHODS:
         raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} names method {method!r}, which is not in the "
                           "method table, and does not say which projections changed; give train.lora.targets")
@@ -77,20 +71,18 @@ def _changed_by_site(record: dict, spec: Any, method: str) -> dict[str, list[str
     return {SITE_NAMES[s]: changed_projections(spec.attention_at(s), METHODS[method].changes) for s in sites}
 
 
-def _encoder_decoder_targets(spec: Any, record: dict, changed: dict[str, list[str]]) -> list[str]:
+def _encoder_decoder_targets(spec: Any, record: ConversionRecord, changed: dict[str, list[str]]) -> list[str]:
     """Full module names, layer by layer: the attentions the conversion grouped (the decoder's
     self- and cross-attention; the encoder's too with --group-encoder). A short suffix would
     also match the attentions it left multi-head (T5 names both stacks' `SelfAttention`)."""
     site_of = {name: site for site, name in SITE_NAMES.items()}
     chosen = []
-    try:
-        for name in record["grouped"]:
-            site = site_of[name]
-            layers = int(record["encoder_num_layers" if site == "encoder" else "num_layers"])
-            chosen.append((spec.attention_at(site), layers, site))
-    except (KeyError, TypeError, ValueError):
-        raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} does not say which attentions were grouped; "
-                          "give train.lora.targets") from None
+    for name in record.grouped if record.grouped is not None else [None]:
+        layers = record.encoder_num_layers if site_of.get(name) == "encoder" else record.num_layers
+        if name not in site_of or layers is None:
+            raise GqakitError(f"train.lora.targets: {CONVERT_SETTINGS} does not say which attentions were grouped; "
+                              "give train.lora.targets")
+        chosen.append((spec.attention_at(site_of[name]), layers, site_of[name]))
     return [att.prefix.format(layer=L) + name
             for att, layers, site in chosen for L in range(layers) for name in changed.get(SITE_NAMES[site], [])]
 

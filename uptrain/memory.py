@@ -25,10 +25,8 @@ import torch
 
 from gqakit.core.arch import decoder_blocks
 from gqakit.core.errors import GqakitError
+from gqakit.core.units import torch_dtype
 from gqakit.uptrain.losses import token_losses
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def set_trainable(model: Any, patterns: Sequence[str] | None, precision: str | None = None) -> None:
     """Train the parameters whose names match one of `patterns` (regexes; None = all). The
@@ -40,7 +38,7 @@ def set_trainable(model: Any, patterns: Sequence[str] | None, precision: str | N
     if not any(p.requires_grad for p in model.parameters()):
         raise GqakitError(f"train.trainable: no parameter name matches {list(patterns)}")
     if precision is not None:
-        freeze_to(model, DTYPES[precision])
+        freeze_to(model, torch_dtype(precision))
 
 
 def freeze_to(model: Any, dtype: torch.dtype) -> None:
@@ -126,7 +124,7 @@ def count_model(hf_config: Any, *, trainable: Sequence[str] | None, seq_len: int
     if getattr(hf_config, "is_encoder_decoder", False):
         raise GqakitError(f"the memory plan covers decoder-only models; this is an encoder-decoder "
                           f"({getattr(hf_config, 'model_type', '?')})")
-    compute = DTYPES[precision]
+    compute = torch_dtype(precision)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build(hf_config, trust_remote_code)
         model.train()

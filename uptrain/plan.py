@@ -27,18 +27,17 @@ scratch) and the optimizer step (gradients and step scratch).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.units import dtype_named, parse_size
 from gqakit.uptrain.lora import short_targets
 
 GIB = 2**30
 ATTENTION = ["self_attn"]   # the weights conversion changed: train.trainable for attention only
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Settings:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     settings: Settings
     target: Target
     params: int
@@ -102,16 +101,9 @@ class Plan:
 # ----------------------------------------------------------------------------- sizes
 
 
-def parse_size(text: str) -> int:
-    """'80', '80G', '80GB', '80GiB', '24576MiB' -> bytes (G and GB are GiB, as GPUs are sold)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
-    if not m:
-        raise GqakitError(f"--device-memory: {text!r} is not a size such as 80GB or 24GiB")
-    unit = (m.group(2) or "G").upper()
-    n = float(m.group(1)) * 1024 ** "KMGT".index(unit) * 1024
-    if n <= 0:
-        raise GqakitError(f"--device-memory: {text!r} must be more than zero")
-    return int(n)
+def device_memory_size(text: str) -> int:
+    """--device-memory: '80', '80G', '80GB', '80GiB', '24576MiB' -> bytes (G and GB are GiB, as GPUs are sold)."""
+    return parse_size(text, gb=1024, default_unit="G", what="--device-memory")
 
 
 def gib(n: int | float) -> str:
@@ -158,7 +150,7 @@ def resolve_precision(precision: str, device: str) -> str:
     return ("bf16" if device == "cuda" else "fp32") if precision == "auto" else precision
 
 
-def compose(counts: Any, settings: Settings, target: Target, counted_micro_batch: int) -> Plan:
+def compose(counts: Any, settings: Settings, target: Target, counted_micro_batch: int) -> MemoryPlan:
     """The plan from counts made at `counted_micro_batch` (activations scale with the batch)."""
     n = target.processes if target.sharding == "fsdp" else 1
     t = counts.trained
@@ -178,19 +170,19 @@ def compose(counts: Any, settings: Settings, target: Target, counted_micro_batch
     if target.sharding == "ddp":
         parts["DDP gradient buckets"] = 4 * t
     if target.sharding == "fsdp":
-        cbytes = BYTES[settings.precision]
+        cbytes = dtype_named(settings.precision).bytes
         parts["FSDP gathered blocks"] = (2 * counts.largest_block + counts.outside_blocks) * cbytes \
             + 4 * counts.largest_block
     state = sum(v for k, v in parts.items() if k.startswith(("weights", "optimizer state", "teacher", "DDP", "FSDP")))
     backward = parts["activations"] + parts["backward scratch"]
     step = parts["gradients fp32"] + parts["optimizer step scratch"]
-    plan = Plan(settings, target, counts.params, t, parts, state + max(backward, step))
+    plan = MemoryPlan(settings, target, counts.params, t, parts, state + max(backward, step))
     plan.activations_other = int(act_full if settings.checkpointing else act_ckpt)
     return plan
 
 
 def make_plan(hf_config: Any, settings: Settings, target: Target, *, teacher_config: Any = None,
-              teacher: dict[str, Any] | None = None, trust_remote_code: bool = False) -> Plan:
+              teacher: dict[str, Any] | None = None, trust_remote_code: bool = False) -> MemoryPlan:
     """Count the model (fake tensors, no weights) and compose the plan."""
     from gqakit.uptrain.memory import count_model
 
@@ -226,7 +218,7 @@ def _variants(s: Settings, target: Target) -> list[tuple[list[str], Settings, Ta
     return out
 
 
-def suggestions(plan: Plan, memory: int, *, recount: Any = None, limit: int = 1) -> list[str]:
+def suggestions(plan: MemoryPlan, memory: int, *, recount: Any = None, limit: int = 1) -> list[str]:
     """The cheapest changes that bring the peak under `memory`, as text."""
     counts = plan.counts
     found: list[str] = []
@@ -256,7 +248,7 @@ def suggestions(plan: Plan, memory: int, *, recount: Any = None, limit: int = 1)
 # ----------------------------------------------------------------------------- text
 
 
-def describe(plan: Plan, name: str, devices: Sequence[tuple[str, int]], fits_with: dict[str, list[str]]) -> list[str]:
+def describe(plan: MemoryPlan, name: str, devices: Sequence[tuple[str, int]], fits_with: dict[str, list[str]]) -> list[str]:
     """The plan as lines of text."""
     s, t = plan.settings, plan.target
     how = f" (LoRA r {s.lora.r} on {short_targets(list(s.lora.targets))})" if s.lora else ""
@@ -319,7 +311,7 @@ def plan_for_config(cfg: Any, *, device_memory: Sequence[str] = (), accelerate_c
     if teacher is None and cfg.teacher.path:
         teacher = resolve_model_ref(cfg.teacher.path).path
 
-    named = [(f"{m.strip()} device", parse_size(m)) for m in device_memory]
+    named = [(f"{m.strip()} device", device_memory_size(m)) for m in device_memory]
     gpu = torch.cuda.is_available() and not cfg.train.cpu
     device = "cuda" if named or gpu else "cpu"
     if accelerate_config:

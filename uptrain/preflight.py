@@ -42,7 +42,6 @@ RESUME_KEYS = ("seq_len", "micro_batch", "grad_accum", "seed")
 # Data settings that change the token stream: a resumed run must match them too.
 RESUME_DATA_KEYS = ("texts", "hf_dataset", "hf_config", "hf_split", "text_field", "sample_by", "add_bos", "add_eos",
                     "teacher_samples", "objective", "noise_density", "mean_span_length", "input_field", "target_field")
-SEQ2SEQ_OBJECTIVES = ("span_corruption", "paired")
 
 
 @dataclass

@@ -45,6 +45,7 @@ from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.device import PeakMemory
+from gqakit.core.run import show_bars
 
 
 def compute_dtype(opts_dtype: str, source_params: int, device: str) -> torch.dtype:
@@ -79,13 +80,13 @@ class CalibrationStage:
     """
 
     def __init__(self, opened: Opened, plan: Plan, settings: ResolvedSettings, fit: Fit | None = None, *,
-                 device: str = "cpu", progress: bool = True, scratch: Path | None = None,
+                 device: str = "cpu", progress: bool | None = None, scratch: Path | None = None,
                  resume_dir: Path | None = None, written: Callable[[], list[str]] | None = None):
         """`fit`: the method's fit (default: the one `settings.method` names); `resume_dir`: where
         checkpoints go (and are resumed from); `written`: the names of the tensors the writer
         holds, recorded with each checkpoint."""
         self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
-        self.progress, self.scratch = progress, scratch
+        self.progress, self.scratch = show_bars(progress), scratch  # None: as the run context says
         self.resume_dir, self.written = resume_dir, written
         self.opts = settings.options
         self.spec = archmod.registry()[plan.family]

@@ -17,6 +17,7 @@ from gqakit.convert.source import Opened, source_path
 from gqakit.core import arch as archmod
 from gqakit.core.device import available_memory
 from gqakit.core.errors import GqakitError
+from gqakit.core.run import show_bars
 from gqakit.core.tokens import bos_id, sample_tokens
 
 
@@ -37,9 +38,10 @@ def _generation_config(opened: Opened) -> dict[str, Any]:
 
 
 def calibration_sequences(opened: Opened, data: str | None, tokens: int, seq_len: int, seed: int, *,
-                          sample_batch: int = 64, device: str = "cpu", progress: bool = True,
+                          sample_batch: int = 64, device: str = "cpu", progress: bool | None = None,
                           source_params: int = 0) -> tuple[Tensor, str]:
     """Token ids [n_seq, seq_len] (each sequence starts with BOS) and where they came from."""
+    progress = show_bars(progress)
     path = source_path(opened)
     cfg = {**opened.config, **{k: v for k, v in _generation_config(opened).items() if v is not None}}
     max_pos = archmod.max_positions(opened.config)

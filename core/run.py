@@ -1,0 +1,46 @@
+"""The run context: whether this run draws progress bars and whether it is quiet (`-q`).
+
+A verb sets it once, where it starts (`running`), and the code that draws a bar or prints
+a message reads it (`current`, `show_bars`) instead of receiving `progress`/`quiet` through
+every call in between. A function that takes `progress=` keeps it as an override: None (its
+default) means "as the run says". Outside any verb (a library call, a test) the context is
+the default: bars on, not quiet. It is a context variable, so threads and asyncio tasks
+started inside a run see that run's context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunContext:
+    progress: bool = True   # draw progress bars (never when quiet)
+    quiet: bool = False     # nothing on stderr but errors
+
+
+_CURRENT: ContextVar[RunContext] = ContextVar("gqakit_run", default=RunContext())
+
+
+def current() -> RunContext:
+    """The context of the run in progress (the default outside one)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def running(*, progress: bool = True, quiet: bool = False) -> Iterator[RunContext]:
+    """The context of one run, for as long as the block lasts (a quiet run draws no bars)."""
+    ctx = RunContext(progress=progress and not quiet, quiet=quiet)
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def show_bars(progress: bool | None = None) -> bool:
+    """Whether to draw a bar: `progress` when the caller gives one, else the run's setting."""
+    return current().progress if progress is None else progress

@@ -17,7 +17,7 @@ from gqakit.core.clihelp import GroupedCommand
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
 from gqakit.core.hub import resolve_model_ref
-from gqakit.core.units import DTYPE_BYTES
+from gqakit.core.units import DTYPE_BYTES, config_dtype, dtype_label, kv_bytes_text
 
 # `gqakit convert --help`: its options under these headings, in this order
 CONVERT_OPTION_GROUPS = (
@@ -207,10 +207,10 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
 
     opened = open_checkpoint(src, progress=False)
     spec = archmod.lookup(opened.config)
-    saved = archmod.config_dtype(opened.config)
+    saved = config_dtype(opened.config)
     if dtype_bytes is None:  # the cache in the dtype the weights are saved (and load) in
         dtype_bytes = DTYPE_BYTES[saved] if saved else 2
-    dtype = archmod.dtype_label(dtype_bytes, saved if saved and DTYPE_BYTES[saved] == dtype_bytes else None)
+    dtype = dtype_label(dtype_bytes, saved if saved and DTYPE_BYTES[saved] == dtype_bytes else None)
     if spec.is_encoder_decoder:
         if context is not None:
             raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "
@@ -245,7 +245,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     click.echo(f"\n  KV cache at batch {batch}, context {ctx}, {dtype_bytes} bytes/element ({dtype}):")
     click.echo(f"  {'G':>4} {'q/kv':>5} {'KV bytes/token':>28} {'KV cache':>14} {'params removed':>15}")
     for r in rows:
-        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {archmod.kv_bytes_text(r['kv_bytes_per_token'], dtype):>28} "
+        click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {kv_bytes_text(r['kv_bytes_per_token'], dtype):>28} "
                    f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
 
 
@@ -292,7 +292,7 @@ def _inspect_seq2seq(src: Path, name: str, opened: Any, batch: int, input_len: i
                f"{'saved':>12} {'params removed':>15}")
     for r in rows:
         click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} "
-                   f"{archmod.kv_bytes_text(r['self_attention_bytes_per_output_token'], dtype):>28} "
+                   f"{kv_bytes_text(r['self_attention_bytes_per_output_token'], dtype):>28} "
                    f"{format_bytes(r['self_attention_cache_bytes']):>12} "
                    f"{format_bytes(r['cross_attention_cache_bytes']):>12} "
                    f"{format_bytes(r['kv_cache_bytes_saved']):>12} {r['parameters_removed']:>15,}")

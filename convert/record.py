@@ -20,7 +20,7 @@ from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.methods import changed_projections, load
 from gqakit.core.modelcard import render_model_card
 from gqakit.core.modelfiles import side_files
-from gqakit.core.units import DTYPE_BYTES
+from gqakit.core.units import DTYPE_BYTES, config_dtype, kv_bytes_text
 
 
 QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h‖ between the converted and the original "
@@ -111,7 +111,7 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
         assert f.name.startswith(REMOTE_PREFIX)
         shutil.copy2(f, tmp / f.name)
     s, G = plan.shape, settings.num_kv_heads
-    dtype = archmod.config_dtype(cfg) or str(_attention_dtype(plan)).removeprefix("torch.")  # as saved
+    dtype = config_dtype(cfg) or str(_attention_dtype(plan)).removeprefix("torch.")  # as saved
     elem = DTYPE_BYTES.get(dtype) or _attention_dtype(plan).itemsize
     before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, G)
     auto = "AutoModelForSeq2SeqLM" if plan.is_encoder_decoder else "AutoModelForCausalLM"
@@ -135,14 +135,14 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
     facts = {"source": f"`{settings.source_name}`", "family": plan.family, "method": settings.method,
              "grouping": settings.grouping, "query heads": s.num_heads,
              "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → "
-             f"{archmod.kv_bytes_text(after, dtype)}, the saved dtype ({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
+             f"{kv_bytes_text(after, dtype)}, the saved dtype ({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
     if enc is not None:
         facts["grouped attentions"] = ", ".join(plan.grouped)
         facts["KV heads"] = f"{s.num_kv_heads} → {G} (decoder self- and cross-attention)"
         facts["encoder KV heads"] = (f"{enc.num_kv_heads} → {G}" if "encoder" in plan.sites else
                                      f"{enc.num_kv_heads} (multi-head, as in the GQA paper; --group-encoder groups it)")
-        facts["KV cache per token"] = (f"{before:,} → {archmod.kv_bytes_text(after, dtype)}, the saved dtype "
+        facts["KV cache per token"] = (f"{before:,} → {kv_bytes_text(after, dtype)}, the saved dtype "
                                        f"({s.num_kv_heads // G}× smaller): the "
                                        "self-attention cache per output token, and the cross-attention cache "
                                        "per input token")

@@ -34,7 +34,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.units import DTYPES
 
 ARCH_DIR = "core/architectures/"
 # context-length keys tried for a model whose family is not in the table (eval of any model)
@@ -315,30 +314,6 @@ class Shape:
         instead of this shape's own, to price a conversion target)."""
         kv = self.num_kv_heads if kv_heads is None else kv_heads
         return 2 * self.num_layers * kv * self.head_dim * bytes_per_elem
-
-
-_WIDTHS = {8: "64-bit", 4: "32-bit", 2: "16-bit", 1: "8-bit"}
-
-
-def config_dtype(config: Mapping[str, Any]) -> str | None:
-    """The float dtype a config.json says its weights are saved in (`dtype`, or the older
-    `torch_dtype`), or None where it names none."""
-    for key in ("dtype", "torch_dtype"):
-        v = config.get(key)
-        if isinstance(v, str) and v.removeprefix("torch.") in DTYPES:
-            return v.removeprefix("torch.")
-    return None
-
-
-def dtype_label(bytes_per_elem: int, dtype: str | None = None) -> str:
-    """How a KV-cache size names its element type: the dtype when known, else its width ("16-bit")."""
-    return dtype or _WIDTHS.get(bytes_per_elem, f"{bytes_per_elem} bytes/element")
-
-
-def kv_bytes_text(nbytes: float, dtype: str) -> str:
-    """KV-cache bytes per token as gqakit prints them everywhere: '640 B/token (bfloat16)'.
-    `nbytes` comes from `Shape.kv_bytes_per_token`, the one definition."""
-    return f"{nbytes:,.0f} B/token ({dtype})"
 
 
 def _positions(config: Mapping[str, Any], keys: Sequence[str]) -> int | None:

@@ -6,6 +6,7 @@ Torch-free: a dtype's torch object is looked up by name only when asked for (`DT
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,3 +88,29 @@ def torch_dtype(name: str) -> Any:
     if d is None:
         raise KeyError(name)
     return d.torch()
+
+
+# ---- how a size names its dtype
+
+_WIDTHS = {8: "64-bit", 4: "32-bit", 2: "16-bit", 1: "8-bit"}
+
+
+def config_dtype(config: Mapping[str, Any]) -> str | None:
+    """The float dtype a config.json says its weights are saved in (`dtype`, or the older
+    `torch_dtype`), or None where it names none."""
+    for key in ("dtype", "torch_dtype"):
+        v = config.get(key)
+        if isinstance(v, str) and v.removeprefix("torch.") in DTYPES:
+            return v.removeprefix("torch.")
+    return None
+
+
+def dtype_label(bytes_per_elem: int, dtype: str | None = None) -> str:
+    """How a KV-cache size names its element type: the dtype when known, else its width ("16-bit")."""
+    return dtype or _WIDTHS.get(bytes_per_elem, f"{bytes_per_elem} bytes/element")
+
+
+def kv_bytes_text(nbytes: float, dtype: str) -> str:
+    """KV-cache bytes per token as gqakit prints them everywhere: '640 B/token (bfloat16)'.
+    `nbytes` comes from `Shape.kv_bytes_per_token`, the one definition."""
+    return f"{nbytes:,.0f} B/token ({dtype})"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gqakit.core.arch import kv_bytes_text
+from gqakit.core.units import kv_bytes_text
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import atomic_output_dir
 from gqakit.core.outrule import REPORT, check_output_path

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gqakit.cli import main
-from gqakit.core.arch import kv_bytes_text
+from gqakit.core.units import kv_bytes_text
 from gqakit.eval.records import (SCHEMA, ConversionInfo, EvalResult, ModelInfo, RunInfo, SpeedPoint, SpeedResult,
                                  read_results, write_results)
 from gqakit.eval.report import build_report, render_markdown

@@ -23,13 +23,12 @@ import torch
 import yaml
 
 import gqakit
-from gqakit.core.arch import config_dtype
 from gqakit.core.convrecord import read_conversion_record
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX, UPTRAIN_SETTINGS
 from gqakit.core.modelcard import append_section, lineage_body, set_section
 from gqakit.core.modelfiles import side_files
 from gqakit.core.outdir import atomic_output_dir
-from gqakit.core.units import torch_dtype
+from gqakit.core.units import config_dtype, torch_dtype
 from gqakit.core.yamlfile import read_yaml
 
 # Files carried over from the converted folder when save_pretrained does not write them.

@@ -123,6 +123,10 @@ class Encoder(_Strict):
     num_heads: str
     num_kv_heads: str          # written by a conversion that groups the encoder (absent: multi-head)
     attention: Attention
+    # what the encoder reads: token ids (`input_ids`), or audio features (`input_features`
+    # [batch, bins, frames], e.g. log-mel spectrograms) which eval and uptrain take as paired
+    # feature/target files instead of text
+    input: Literal["tokens", "features"] = "tokens"
 
     @model_validator(mode="after")
     def _attention_inside_block(self) -> "Encoder":
@@ -368,7 +372,8 @@ def loaded_seq2seq_shape(hf_config: Any) -> Seq2SeqShape:
     enc_heads, dec_heads = first("encoder_heads"), first("decoder_heads")
     enc_layers = first("encoder_layers")
     dec_layers = int(cfg.get("num_decoder_layers") or cfg.get("decoder_layers") or enc_layers)
-    positions = _positions(cfg, ("max_position_embeddings", "n_positions"))
+    spec = find(cfg)  # the decoder's context length: its family's keys (Whisper: max_target_positions)
+    positions = _positions(cfg, ("max_position_embeddings", "n_positions", *(spec.config.max_positions if spec else ())))
 
     def shape(layers: int, heads: int, kv: Any) -> Shape:
         head_dim = int(cfg.get("d_kv") or hidden // heads)

@@ -203,6 +203,18 @@ def seq2seq_auto_class(path: str | Path) -> str:
     return "AutoModelForSeq2SeqLM"
 
 
+def encoder_input(path: str | Path) -> str:
+    """What the encoder of the model at PATH reads, from its architecture table entry: "features"
+    (audio features, `input_features`) or "tokens" (token ids; also every model not in the table)."""
+    from gqakit.core import arch
+
+    folder, gguf = split_source(path)
+    if gguf:
+        return "tokens"
+    spec = arch.find(read_config_json(folder))
+    return spec.encoder.input if spec is not None and spec.encoder is not None else "tokens"
+
+
 def is_encoder_decoder(path: str | Path) -> bool:
     """True for an encoder-decoder model folder: `is_encoder_decoder` in its config.json, or, where
     the file does not say, a model type transformers lists as sequence-to-sequence. A .gguf is not one."""

@@ -260,3 +260,73 @@ def test_refusals_are_one_line(stock: Path, tmp_path: Path, capsys: Any) -> None
     code, err = run_cli(["convert", stock, tmp_path / "out.gguf", "-g", "2", "-q"], capsys)
     assert code == 2 and len(err) == 1 and "GGUF input and output are for decoder-only models" in err[0]
     assert list(tmp_path.iterdir()) == []  # nothing written, no temp folder
+
+
+# --- eval: the decoder's target perplexity on paired audio features and texts ----------------------
+
+TARGETS = ["hello world", "a cat sat on the mat.", "ok"]
+
+
+def feature_pairs(path: Path, n: int = len(TARGETS), **meta: str) -> Path:
+    """A paired data file as the docs describe it: features [examples, bins, frames] and a JSON
+    list of target texts in the metadata."""
+    feats = torch.randn(n, WHISPER_MELS, WHISPER_FRAMES, generator=torch.Generator().manual_seed(3))
+    save_file({"input": feats}, str(path), metadata=meta or {"target": json.dumps(TARGETS)})
+    return path
+
+
+def perplexity_by_hand(folder: Path, data: Path) -> tuple[float, int]:
+    """exp(mean NLL) of every target token, each example alone, with the stock class and the
+    folder's own tokenizer: written here, not through gqakit."""
+    from safetensors.torch import load_file as load_tensors
+    from transformers import AutoTokenizer
+
+    model, tok = load_stock(folder), AutoTokenizer.from_pretrained(folder)
+    feats = load_tensors(str(data))["input"]
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for x, text in zip(feats, TARGETS):
+            y = torch.tensor([tok(text_target=text)["input_ids"]])
+            out = model(input_features=x[None], labels=y)
+            nll += torch.nn.functional.cross_entropy(out.logits[0], y[0], reduction="sum").item()
+            count += y.shape[1]
+    return float(torch.tensor(nll / count).exp()), count
+
+
+def test_eval_scores_targets_given_audio(stock: Path, tmp_path: Path) -> None:
+    data = feature_pairs(tmp_path / "pairs.safetensors")
+    out = convert(stock, tmp_path / "g4", H, "mean", group_encoder=True)  # the same function, in gqakit's class
+    want, count = perplexity_by_hand(stock, data)
+    for folder in (stock, out):
+        res = CliRunner().invoke(cli, ["eval", str(folder), "--data", str(data), "--out",
+                                       str(tmp_path / f"{folder.name}.json"), "-q"])
+        assert res.exit_code == 0, res.output
+        ppl = json.loads((tmp_path / f"{folder.name}.json").read_text())["perplexity"]
+        assert (ppl["objective"], ppl["tokens"], ppl["examples"]) == ("paired", count, len(TARGETS))
+        assert (ppl["context"], ppl["input_tokens"]) == (WHISPER_FRAMES, len(TARGETS) * WHISPER_FRAMES)
+        assert ppl["fields"] == {"input": "input", "target": "target"}
+        assert ppl["data"]["feature_frames"] == WHISPER_FRAMES and ppl["words"] > 0
+        # one sum of a few dozen float32 NLLs, in another order: far below 1e-5 relative
+        assert ppl["token_perplexity"] == pytest.approx(want, rel=1e-5)
+
+
+def test_eval_refusals_are_one_line(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    text = tmp_path / "valid.txt"
+    text.write_text("some text to score\n" * 20)
+    pairs = feature_pairs(tmp_path / "pairs.safetensors")
+    for args, want in (
+        (["--data", text], "reads audio features: --data must be a .safetensors file"),
+        (["--data", pairs, "--objective", "span_corruption"], "its perplexity is --objective paired"),
+        (["--data", feature_pairs(tmp_path / "few.safetensors", target=json.dumps(TARGETS[:2]))],
+         "2 targets for 3 examples"),
+        (["--data", feature_pairs(tmp_path / "none.safetensors", other="[]")], "no 'target' metadata entry"),
+        (["--data", pairs, "--input-field", "mel"], "no 'mel' tensor of input features"),
+    ):
+        code, err = run_cli(["eval", stock, *args, "--out", tmp_path / "r.json", "-q"], capsys)
+        assert code == 2 and len(err) == 1 and want in err[0], err
+    bart = build_seq2seq("bart", tmp_path / "bart")
+    code, err = run_cli(["eval", bart, "--data", pairs, "--objective", "paired", "--out", tmp_path / "r.json", "-q"],
+                        capsys)
+    assert code == 2 and err == [f"gqakit: error: {pairs} holds audio features, and {bart} reads token ids: its "
+                                 "paired data is a JSONL file of input/target objects"]
+    assert not (tmp_path / "r.json").exists()

@@ -114,6 +114,16 @@ class Gguf(_Strict):
     permute_qk: bool  # llama.cpp stores q/k rows permuted for its interleaved RoPE (undone on read)
 
 
+class Features(_Strict):
+    """An encoder that reads audio features (`input_features` [batch, bins, frames], e.g.
+    log-mel spectrograms) instead of token ids: eval and uptrain then take paired feature/target
+    files instead of text, and the speed grid's input lengths are frames."""
+
+    bins: str                  # config key: feature bins per frame
+    positions: str             # config key: the encoder's output positions for its longest input
+    frames_per_position: int   # frames the encoder's front end folds into one output position
+
+
 class Encoder(_Strict):
     """An encoder-decoder's encoder: where its blocks and their self-attention are, and the
     config.json keys of its layer and head counts (head_dim and hidden size are the decoder's)."""
@@ -123,10 +133,7 @@ class Encoder(_Strict):
     num_heads: str
     num_kv_heads: str          # written by a conversion that groups the encoder (absent: multi-head)
     attention: Attention
-    # what the encoder reads: token ids (`input_ids`), or audio features (`input_features`
-    # [batch, bins, frames], e.g. log-mel spectrograms) which eval and uptrain take as paired
-    # feature/target files instead of text
-    input: Literal["tokens", "features"] = "tokens"
+    features: Features | None = None  # None: the encoder reads token ids (`input_ids`)
 
     @model_validator(mode="after")
     def _attention_inside_block(self) -> "Encoder":

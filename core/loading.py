@@ -212,7 +212,7 @@ def encoder_input(path: str | Path) -> str:
     if gguf:
         return "tokens"
     spec = arch.find(read_config_json(folder))
-    return spec.encoder.input if spec is not None and spec.encoder is not None else "tokens"
+    return "features" if spec is not None and spec.encoder is not None and spec.encoder.features else "tokens"
 
 
 def is_encoder_decoder(path: str | Path) -> bool:

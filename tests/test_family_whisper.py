@@ -330,3 +330,47 @@ def test_eval_refusals_are_one_line(stock: Path, tmp_path: Path, capsys: Any) ->
     assert code == 2 and err == [f"gqakit: error: {pairs} holds audio features, and {bart} reads token ids: its "
                                  "paired data is a JSONL file of input/target objects"]
     assert not (tmp_path / "r.json").exists()
+
+
+# --- decode speed: audio length x output length x batch, both caches in the bytes ------------------
+
+def test_speed_grid_over_audio_prices_both_caches(stock: Path, tmp_path: Path, one_thread: Any) -> None:
+    from gqakit.eval.speed import evaluate_speed
+    from gqakit.eval.speed.settings import SpeedSettings
+
+    g = 2
+    model = load_gqa(convert(stock, tmp_path / "g2", g, "mean"))
+    settings = SpeedSettings(batches=(1, 2), output_lens=(1, 3), new_tokens=3, reps=1, warmup=0)
+    res = evaluate_speed(model, settings, device="cpu", dtype=torch.float32, progress=False)
+    # no --input-len: the encoder's whole window, in feature frames
+    assert res.settings["input_lens"] == [WHISPER_FRAMES] and "audio features" in res.settings["prompts"]
+    assert [p.key for p in res.grid] == [(1, WHISPER_FRAMES, 1), (2, WHISPER_FRAMES, 1), (1, WHISPER_FRAMES, 3),
+                                         (2, WHISPER_FRAMES, 3)]
+    per_position = 2 * LAYERS * g * D * 4  # K and V of G heads, every decoder layer, float32
+    assert res.kv_bytes_per_input_token == res.kv_bytes_per_token == per_position
+    for p in res.grid:
+        assert p.ok, p.reason
+        cross = per_position * POSITIONS * p.batch  # the encoder's output positions: frames / 2
+        own = per_position * (p.output_len + (3 + 1) / 2) * p.batch  # mean output position over the steps
+        assert p.bytes_per_step["cross_attention_kv"] == cross and p.bytes_per_step["self_attention_kv"] == own
+        assert p.bytes_per_step["total"] == res.weight_bytes_per_step + cross + own
+        assert p.kv_cache_bytes == p.kv_cache_bytes_analytic == per_position * p.batch * (
+            POSITIONS + p.output_len + 3)  # the caches the point allocated
+    with pytest.raises(GqakitError, match=f"the encoder refuses an input of 16 feature frames"):
+        evaluate_speed(model, SpeedSettings(input_lens=(16,), batches=(1,), new_tokens=1, reps=1, warmup=0),
+                       device="cpu", dtype=torch.float32, progress=False)
+    with pytest.raises(GqakitError, match=f"input length 48 exceeds the encoder's {WHISPER_FRAMES}"):
+        evaluate_speed(model, SpeedSettings(input_lens=(48,)), device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_timed_steps_give_the_models_own_tokens(stock: Path, tmp_path: Path, one_thread: Any) -> None:
+    """The bench's steps (both caches static, packed weights, folded attention) give the greedy
+    tokens of the model's own generate."""
+    from gqakit.eval.speed import Seq2SeqBench
+
+    model = load_gqa(convert(stock, tmp_path / "g1", 1, "mean"))
+    bench = Seq2SeqBench(model, device="cpu", dtype=torch.float32)
+    got = bench.generate(features(), 1, 5)  # the prefix is the start token alone
+    with torch.no_grad():
+        want = model.generate(input_features=features(), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want[:, -5:])

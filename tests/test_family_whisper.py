@@ -374,3 +374,19 @@ def test_timed_steps_give_the_models_own_tokens(stock: Path, tmp_path: Path, one
     with torch.no_grad():
         want = model.generate(input_features=features(), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert torch.equal(got, want[:, -5:])
+
+
+def test_feature_extractor_settings_travel_with_the_model(stock: Path, tmp_path: Path) -> None:
+    """preprocessor_config.json (the log-mel feature extractor) and normalizer.json are side files:
+    the converted folder carries them verbatim, so the model's processor loads from it."""
+    import shutil
+
+    from transformers import WhisperFeatureExtractor
+
+    src = shutil.copytree(stock, tmp_path / "src")
+    WhisperFeatureExtractor(feature_size=WHISPER_MELS).save_pretrained(src)
+    (src / "normalizer.json").write_text('{"colour": "color"}')
+    out = convert(src, tmp_path / "out", 2)
+    for name in ("preprocessor_config.json", "normalizer.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert WhisperFeatureExtractor.from_pretrained(out).feature_size == WHISPER_MELS

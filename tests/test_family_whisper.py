@@ -390,3 +390,23 @@ def test_feature_extractor_settings_travel_with_the_model(stock: Path, tmp_path:
     for name in ("preprocessor_config.json", "normalizer.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert WhisperFeatureExtractor.from_pretrained(out).feature_size == WHISPER_MELS
+
+
+# --- uptrain: refused in one line, before anything is loaded or written ----------------------------
+
+def test_uptrain_refuses_audio_features_in_one_line(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    import yaml
+
+    out = convert(stock, tmp_path / "g2", 2)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"input": "a b", "target": "b a"}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"path": str(out)}, "data": {"files": [str(pairs)]},
+        "train": {"tokens": 96, "seq_len": 24, "micro_batch": 4, "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "run")}}))
+    code, err = run_cli(["uptrain", recipe, "-q"], capsys)
+    assert code == 2 and err == [f"gqakit: error: model.path: {out} reads audio features (whisper); uptrain trains "
+                                 "encoder-decoders on text (span_corruption or paired JSON lines) and does not take "
+                                 "paired audio features"]
+    assert not (tmp_path / "run").exists()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.arch import max_positions
+from gqakit.core.arch import find as find_family, max_positions
 from gqakit.core.hub import resolve_model_ref
 from gqakit.core.modelfiles import weight_shapes
 from gqakit.core.loading import UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, split_source
@@ -134,6 +134,10 @@ def resolve_objective(cfg: UptrainConfig, encoder_decoder: bool, files: list[Pat
             raise GqakitError(f"data.objective: {obj} trains encoder-decoders, and {src} is a decoder-only model "
                               "(use causal_lm)")
         return obj
+    spec = find_family(read_config_json(src))
+    if spec is not None and spec.encoder is not None and spec.encoder.features is not None:
+        raise GqakitError(f"model.path: {src} reads audio features ({spec.family}); uptrain trains encoder-decoders "
+                          "on text (span_corruption or paired JSON lines) and does not take paired audio features")
     if obj == "causal_lm":
         raise GqakitError(f"data.objective: causal_lm trains decoder-only models, and {src} is an encoder-decoder "
                           "(use span_corruption or paired)")

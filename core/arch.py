@@ -380,7 +380,8 @@ def loaded_seq2seq_shape(hf_config: Any) -> Seq2SeqShape:
     enc_layers = first("encoder_layers")
     dec_layers = int(cfg.get("num_decoder_layers") or cfg.get("decoder_layers") or enc_layers)
     spec = find(cfg)  # the decoder's context length: its family's keys (Whisper: max_target_positions)
-    positions = _positions(cfg, ("max_position_embeddings", "n_positions", *(spec.config.max_positions if spec else ())))
+    keys = ("max_position_embeddings", "n_positions", *(spec.config.max_positions if spec else ()))
+    positions = _positions(cfg, keys)
 
     def shape(layers: int, heads: int, kv: Any) -> Shape:
         head_dim = int(cfg.get("d_kv") or hidden // heads)

@@ -99,7 +99,8 @@ def test_encoder_decoder_entry_matches_the_model_on_meta(kind):
                     kind, set())
             for n in spec.first_block_only:
                 assert (f"{stack.format(layer=L)}.{n}" in sd) == (L == 0)
-    assert spec.first_block_only == ([] if kind in ("bart", "whisper") else ["layer.0.SelfAttention.relative_attention_bias.weight"])
+    assert spec.first_block_only == ([] if kind in ("bart", "whisper")
+                                     else ["layer.0.SelfAttention.relative_attention_bias.weight"])
     text = modeling_file(spec.family).read_text()
     for cls in (spec.remote.config_class, spec.remote.model_class):
         assert re.search(rf"^class {cls}\b", text, re.M), f"{modeling_file(spec.family).name} lacks {cls}"

@@ -1,8 +1,9 @@
 """Decode speed of an encoder-decoder (T5, mT5, BART, Whisper and gqakit's grouped versions of them).
 
 A grid point is batch x input length x output length. When it opens, the encoder reads a
-random input once (token ids, or audio features whose length is in frames: `encoder_input`); the decoder prefix (the start token and `output_len - 1` random tokens)
-goes through the decoder in one call, which fills the cross-attention cache (K and V of the
+random input once (token ids, or audio features whose length is in frames: `encoder_input`);
+the decoder prefix (the start token and `output_len - 1` random tokens) goes through the
+decoder in one call, which fills the cross-attention cache (K and V of the
 encoder's output, every decoder layer) and the self-attention cache. Then `new_tokens`
 greedy decode steps are timed; each reads both caches. Repetitions rewind the
 self-attention cache to the prefix; the cross-attention cache, like the encoder's output, is
@@ -427,7 +428,8 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
         settings={"batches": list(settings.batches), "input_lens": list(settings.input_lens),
                   "output_lens": list(settings.output_lens), "new_tokens": settings.new_tokens,
                   "reps": settings.reps, "warmup": settings.warmup, "eager": settings.eager,
-                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids (input and decoder prefix)" if not bench.input.features
+                  "torch_threads": torch.get_num_threads(),
+                  "prompts": "random token ids (input and decoder prefix)" if not bench.input.features
                   else f"random audio features (input lengths in {bench.input.unit}), random decoder prefix",
                   "encoder": "once per point"},
         attention=attention,

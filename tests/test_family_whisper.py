@@ -392,21 +392,68 @@ def test_feature_extractor_settings_travel_with_the_model(stock: Path, tmp_path:
     assert WhisperFeatureExtractor.from_pretrained(out).feature_size == WHISPER_MELS
 
 
-# --- uptrain: refused in one line, before anything is loaded or written ----------------------------
+# --- uptrain: paired audio features and target texts ----------------------------------------------
 
-def test_uptrain_refuses_audio_features_in_one_line(stock: Path, tmp_path: Path, capsys: Any) -> None:
+WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+
+
+def audio_pairs(path: Path, n: int, seed: int) -> Path:
+    """Features that say which two words to write: word a's bins light up in the first half of
+    the frames, word b's in the second, so the targets can be learnt from the audio."""
+    g = torch.Generator().manual_seed(seed)
+    feats = 0.1 * torch.randn(n, WHISPER_MELS, WHISPER_FRAMES, generator=g)
+    texts = []
+    for i in range(n):
+        a, b = (int(v) for v in torch.randint(0, len(WORDS), (2,), generator=g))
+        feats[i, a % WHISPER_MELS, : WHISPER_FRAMES // 2] += 2.0
+        feats[i, b % WHISPER_MELS, WHISPER_FRAMES // 2:] += 2.0
+        texts.append(f"{WORDS[a]} {WORDS[b]}")
+    save_file({"input": feats}, str(path), metadata={"target": json.dumps(texts)})
+    return path
+
+
+def recipe(model: Path, out: Path, data: dict[str, Any], steps: int) -> dict[str, Any]:
+    return {"model": {"path": str(model)}, "data": data,
+            "train": {"tokens": steps * 4 * 24, "seq_len": 24, "micro_batch": 4, "lr": 1e-2, "warmup_steps": 1,
+                      "precision": "fp32", "seed": 3},
+            "output": {"dir": str(out)}, "logging": {"every": 1, "tensorboard": False}}
+
+
+def test_uptrain_on_paired_audio_lowers_held_out_loss(stock: Path, tmp_path: Path, one_thread: Any) -> None:
     import yaml
 
-    out = convert(stock, tmp_path / "g2", 2)
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"input": "a b", "target": "b a"}) + "\n")
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": {"path": str(out)}, "data": {"files": [str(pairs)]},
-        "train": {"tokens": 96, "seq_len": 24, "micro_batch": 4, "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "run")}}))
-    code, err = run_cli(["uptrain", recipe, "-q"], capsys)
-    assert code == 2 and err == [f"gqakit: error: model.path: {out} reads audio features (whisper); uptrain trains "
-                                 "encoder-decoders on text (span_corruption or paired JSON lines) and does not take "
-                                 "paired audio features"]
+    from gqakit.uptrain import run_uptrain
+
+    g2 = convert(stock, tmp_path / "g2", 2, "mean")
+    data = {"files": [str(audio_pairs(tmp_path / "train.safetensors", 64, 1))],
+            "eval_file": str(audio_pairs(tmp_path / "eval.safetensors", 8, 2))}
+    out = tmp_path / "run"
+    final = run_uptrain(recipe(g2, out, data, 16), quiet=True)
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert evals[-1] < evals[0] - 0.3, evals  # the targets are learnt from the features
+    assert yaml.safe_load((out / "gqakit_uptrain.yaml").read_text())["data"]["objective"] == "paired"
+    model = load_gqa(final)  # the trained GQA model loads as the converted one did, with G heads
+    assert model.config.num_key_value_heads == 2 and generate(model).sequences.shape == (2, 1 + 6)
+
+
+def test_uptrain_paired_audio_refusals_are_one_line(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    import yaml
+
+    g2 = convert(stock, tmp_path / "g2", 2)
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text(json.dumps({"input": "a b", "target": "b a"}) + "\n")
+    audio = audio_pairs(tmp_path / "train.safetensors", 8, 1)
+    for data, want in (
+        ({"files": [str(jsonl)]}, "data.files: paired data are features and target texts (.safetensors), not "
+                                  "pairs.jsonl"),
+        ({"files": [str(audio)], "objective": "span_corruption"}, f"data.objective: span_corruption; {g2} reads "
+                                                                  "audio features"),
+        ({"files": [str(audio)], "eval_file": str(jsonl)}, "data.eval_file: paired data are features and target "
+                                                            "texts (.safetensors), not pairs.jsonl"),
+    ):
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe(g2, tmp_path / "run", data, 4)))
+        code, err = run_cli(["uptrain", path, "-q"], capsys)
+        assert code == 2 and len(err) == 1 and want in err[0], err
     assert not (tmp_path / "run").exists()

@@ -157,6 +157,16 @@ class Gguf(_Strict):
     permute_qk: bool  # llama.cpp stores q/k rows permuted for its interleaved RoPE (undone on read)
 
 
+class Features(_Strict):
+    """An encoder that reads audio features (`input_features` [batch, bins, frames], e.g.
+    log-mel spectrograms) instead of token ids: eval and uptrain then take paired feature/target
+    files instead of text, and the speed grid's input lengths are frames."""
+
+    bins: str                  # config key: feature bins per frame
+    positions: str             # config key: the encoder's output positions for its longest input
+    frames_per_position: int   # frames the encoder's front end folds into one output position
+
+
 class Encoder(_Strict):
     """An encoder-decoder's encoder: where its blocks and their self-attention are, and the
     config.json keys of its layer and head counts (head_dim and hidden size are the decoder's)."""
@@ -166,6 +176,7 @@ class Encoder(_Strict):
     num_heads: str
     num_kv_heads: str          # written by a conversion that groups the encoder (absent: multi-head)
     attention: Attention
+    features: Features | None = None  # None: the encoder reads token ids (`input_ids`)
 
     @model_validator(mode="after")
     def _attention_inside_block(self) -> "Encoder":
@@ -389,7 +400,9 @@ def loaded_seq2seq_shape(hf_config: Any) -> Seq2SeqShape:
     enc_heads, dec_heads = first("encoder_heads"), first("decoder_heads")
     enc_layers = first("encoder_layers")
     dec_layers = int(cfg.get("num_decoder_layers") or cfg.get("decoder_layers") or enc_layers)
-    positions = _positions(cfg, ("max_position_embeddings", "n_positions"))
+    spec = find(cfg)  # the decoder's context length: its family's keys (Whisper: max_target_positions)
+    keys = ("max_position_embeddings", "n_positions", *(spec.config.max_positions if spec else ()))
+    positions = _positions(cfg, keys)
 
     def shape(layers: int, heads: int, kv: Any) -> Shape:
         head_dim = int(cfg.get("d_kv") or hidden // heads)

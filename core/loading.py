@@ -172,9 +172,41 @@ def load_causal_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
 def load_seq2seq_lm(path: str | Path, *, dtype: Any = None, device: Any = "cpu",
                     trust_remote_code: bool | None = None, progress: bool = True, **kwargs: Any) -> Any:
     """`AutoModelForSeq2SeqLM.from_pretrained` for an encoder-decoder folder (T5, mT5, BART, and
-    gqakit's GQA versions of them, whose shipped modeling files are trusted as for decoders), in eval mode."""
-    return _load_auto("AutoModelForSeq2SeqLM", path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                      progress=progress, **kwargs)
+    gqakit's GQA versions of them, whose shipped modeling files are trusted as for decoders), in eval mode;
+    `AutoModelForSpeechSeq2Seq` for a stock model type transformers lists only there (audio input)."""
+    return _load_auto(seq2seq_auto_class(path), path, dtype=dtype, device=device,
+                      trust_remote_code=trust_remote_code, progress=progress, **kwargs)
+
+
+def seq2seq_auto_class(path: str | Path) -> str:
+    """The transformers Auto class that loads the encoder-decoder at PATH: `AutoModelForSeq2SeqLM`
+    (text in, and every folder whose `auto_map` names it, as gqakit's converted folders do), or
+    `AutoModelForSpeechSeq2Seq` for a stock model type transformers lists only as speech-to-text."""
+    folder, gguf = split_source(path)
+    if gguf:
+        return "AutoModelForSeq2SeqLM"
+    cfg = read_config_json(folder)
+    if "AutoModelForSeq2SeqLM" in (cfg.get("auto_map") or {}):
+        return "AutoModelForSeq2SeqLM"
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+
+    mtype = cfg.get("model_type")
+    if mtype in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES and mtype not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "AutoModelForSpeechSeq2Seq"
+    return "AutoModelForSeq2SeqLM"
+
+
+def encoder_input(path: str | Path) -> str:
+    """What the encoder of the model at PATH reads, from its architecture table entry: "features"
+    (audio features, `input_features`) or "tokens" (token ids; also every model not in the table)."""
+    from gqakit.core import arch
+
+    folder, gguf = split_source(path)
+    if gguf:
+        return "tokens"
+    spec = arch.find(read_config_json(folder))
+    return "features" if spec is not None and spec.encoder is not None and spec.encoder.features else "tokens"
 
 
 def is_encoder_decoder(path: str | Path) -> bool:

@@ -34,12 +34,14 @@ ST_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 # A model folder's side files: the tokenizer (every format: tokenizer.json, a sentencepiece
-# `tokenizer.model`, vocab/merges, tiktoken) and the generation settings. Every output
-# model folder carries them verbatim from the folder it was made from (convert from SRC,
-# uptrain from the converted model).
+# `tokenizer.model`, vocab/merges, tiktoken), the generation settings, and an audio model's
+# feature extractor / processor settings and text normalizer. Every output model folder
+# carries them verbatim from the folder it was made from (convert from SRC, uptrain from the
+# converted model).
 SIDE_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|"
-    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|chat_template\.(jinja|json)|generation_config\.json)$"
+    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|chat_template\.(jinja|json)|generation_config\.json|"
+    r"preprocessor_config\.json|processor_config\.json|normalizer\.json)$"
 )
 
 

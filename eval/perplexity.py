@@ -126,8 +126,27 @@ class PerplexitySettings(BaseModel):
             if self.max_chars is not None:
                 raise GqakitError("--max-chars applies to plain text, not to paired data")
 
-    def objective_for(self, encoder_decoder: bool, model: str | Path) -> str:
-        """The objective for this model (one line when it cannot take the one asked for)."""
+    def objective_for(self, encoder_decoder: bool, model: str | Path, *, features: bool = False) -> str:
+        """The objective for this model (one line when it cannot take the one asked for).
+        `features`: the model's encoder reads audio features, so its data is paired features
+        and target texts in a .safetensors file (core.pairs.read_feature_pairs)."""
+        from gqakit.core.pairs import is_feature_file
+
+        if features:
+            if self.objective not in (None, "paired"):
+                raise GqakitError(f"{model} reads audio features: its perplexity is --objective paired on a "
+                                  f".safetensors file of input features and target texts, not {self.objective}")
+            if self.data.is_dataset or not is_feature_file(self.data.spec):
+                raise GqakitError(f"{model} reads audio features: --data must be a .safetensors file of input "
+                                  f"features ({self.input_field!r}) and target texts (metadata {self.target_field!r}); "
+                                  f"got {self.data}")
+            if self.window.stride is not None or self.max_chars is not None:
+                raise GqakitError("--stride and --max-chars apply to text, not to paired audio features")
+            return "paired"
+        if self.objective == "paired" and is_feature_file(self.data.spec):
+            raise GqakitError(f"{self.data} holds audio features, and {model} reads "
+                              + ("token ids: its paired data is a JSONL file of input/target objects"
+                                 if encoder_decoder else "text: it is decoder-only (its perplexity is causal_lm)"))
         if self.objective is None:
             if encoder_decoder:
                 self.check_seq2seq()

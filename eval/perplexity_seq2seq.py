@@ -8,7 +8,10 @@ Two sources of (input, target) examples:
   run is scored too (from 2 tokens).
 - `paired`: a JSONL file of input/target objects (core.pairs), each side tokenized as the
   model's tokenizer does for training (special tokens included); an input longer than
-  `context` tokens is cut to it (and counted), a target never is.
+  `context` tokens is cut to it (and counted), a target never is. An encoder that reads audio
+  features takes a .safetensors file of features and target texts instead (core.pairs.
+  read_feature_pairs): each example's features go to the encoder as they are (`context` is
+  then their frames), the target tokenized as for training.
 
 Perplexity = exp(total NLL of the target tokens / their count), each example scored alone
 (batch 1: no padding), the decoder teacher-forced on the target (`labels`). Paired data also
@@ -26,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gqakit.core.errors import GqakitError
-from gqakit.core.pairs import PairedData
+from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.pairs import FeaturePairs, PairedData
 from gqakit.core.spans import SpanCorruption, sentinel_ids
 from gqakit.core.text import EvalText
 from gqakit.eval.perplexity import PerplexitySettings, count_words
@@ -40,7 +43,7 @@ class Examples:
 
     objective: str
     context: int
-    examples: list[tuple[list[int], list[int]]]
+    examples: list[tuple[Any, list[int]]]  # (input ids, or audio features [bins, frames]; target ids)
     data: dict[str, Any]
     tokenizer: dict[str, Any]
     lines: list[int] = field(default_factory=list)  # paired: each example's line in the file
@@ -142,15 +145,40 @@ def prepare_paired(tokenizer: Any, data: PairedData, settings: PerplexitySetting
                     fields=PairFields(input=data.input_field, target=data.target_field), source=data.doc.source)
 
 
+def prepare_feature_pairs(tokenizer: Any, data: FeaturePairs) -> Examples:
+    """Audio features and their tokenized targets (before the model loads)."""
+    examples, words, nbytes = [], 0, 0
+    for i, target in enumerate(data.targets):
+        tgt = _quiet_tokenize(tokenizer, text_target=target)
+        if not tgt:
+            raise GqakitError(f"{data.doc.source} example {i}: the {data.target_field} has no tokens")
+        examples.append((data.features[i], tgt))
+        words += count_words(target)
+        nbytes += len(target.encode("utf-8"))
+    return Examples("paired", int(data.features.shape[-1]), examples, data.describe(), _tokenizer_info(tokenizer),
+                    words=words, bytes=nbytes, fields=PairFields(input=data.input_field, target=data.target_field),
+                    source=data.doc.source)
+
+
+def _input_length(inp: Any) -> int:
+    """Tokens of an input, or frames of audio features."""
+    return len(inp) if isinstance(inp, list) else int(inp.shape[-1])
+
+
 def score(model: Any, ex: Examples, *, device: Any = "cpu", max_positions: int | None = None,
           progress: bool = True) -> PerplexityResult:
     """Perplexity of the examples' target tokens under `model`. `max_positions`: a limit of learned
-    position embeddings (BART's), which inputs and targets must not pass; None for relative ones (T5's)."""
+    position embeddings (BART's), which inputs and targets must not pass; None for relative ones (T5's).
+    Audio features are checked against the model's own input length by the model."""
     import torch
     from tqdm.auto import tqdm
 
+    features = bool(ex.examples) and not isinstance(ex.examples[0][0], list)
+    if features != (getattr(model, "main_input_name", "input_ids") == "input_features"):
+        raise GqakitError("the model reads " + ("token ids, and the data is audio features" if features else
+                                                "audio features, and the data is token ids"))
     if max_positions is not None:
-        if ex.context > max_positions:
+        if ex.context > max_positions and not features:
             raise GqakitError(f"--context {ex.context} is larger than the model's {max_positions} positions")
         for i, (_, tgt) in enumerate(ex.examples):
             if len(tgt) > max_positions:
@@ -160,13 +188,20 @@ def score(model: Any, ex: Examples, *, device: Any = "cpu", max_positions: int |
     nll, count = 0.0, 0
     with torch.inference_mode():
         for inp, tgt in tqdm(ex.examples, desc="perplexity", unit="example", disable=not progress):
-            x = torch.tensor([inp], dtype=torch.long, device=device)
             y = torch.tensor([tgt], dtype=torch.long, device=device)
-            logits = model(input_ids=x, labels=y, use_cache=False).logits[0].float()
+            if features:
+                x = inp[None].to(device=device, dtype=model.dtype)
+                try:
+                    logits = model(input_features=x, labels=y, use_cache=False).logits[0].float()
+                except ValueError as e:  # e.g. features of another length than the model's
+                    raise GqakitError(f"{ex.source}: the model refuses the input features: {first_line(e)}") from None
+            else:
+                x = torch.tensor([inp], dtype=torch.long, device=device)
+                logits = model(input_ids=x, labels=y, use_cache=False).logits[0].float()
             nll += torch.nn.functional.cross_entropy(logits, y[0], reduction="sum").item()
             count += len(tgt)
     res: dict[str, Any] = dict(objective=ex.objective, context=ex.context, tokens=count, examples=len(ex.examples),
-                               input_tokens=sum(len(i) for i, _ in ex.examples), nll_sum=nll,
+                               input_tokens=sum(_input_length(i) for i, _ in ex.examples), nll_sum=nll,
                                token_perplexity=math.exp(nll / count), tokenizer=ex.tokenizer, data=ex.data)
     if ex.truncated is not None:
         res["inputs_truncated"] = ex.truncated

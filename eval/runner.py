@@ -96,19 +96,29 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
     model_path = ref.path if ref.repo_id else model_path
     out = check_eval_inputs(model_path, perplexity=perplexity, speed=speed, tasks=tasks, device=device, dtype=dtype,
                             out=out, overwrite=overwrite)
-    from gqakit.core.loading import is_encoder_decoder
+    from gqakit.core.loading import encoder_input, is_encoder_decoder
     from gqakit.core.quiet import quiet_libraries
 
     doc, pairs = None, None
-    if perplexity is not None and perplexity.objective == "paired":
-        from gqakit.core.pairs import read_pairs
+    encoder_decoder = is_encoder_decoder(model_path)
+    features = encoder_decoder and encoder_input(model_path) == "features"
+    if perplexity is not None and features:
+        from gqakit.core.pairs import read_feature_pairs
 
+        perplexity.objective_for(encoder_decoder, model_path, features=True)  # the data's kind, in one line
+        pairs = read_feature_pairs(perplexity.data.spec, input_field=perplexity.input_field,
+                                   target_field=perplexity.target_field)
+    elif perplexity is not None and perplexity.objective == "paired":
+        from gqakit.core.pairs import is_feature_file, read_pairs
+
+        if is_feature_file(perplexity.data.spec):  # audio features for a model that reads text: one line
+            perplexity.objective_for(encoder_decoder, model_path)
         pairs = read_pairs(perplexity.data.spec, input_field=perplexity.input_field,
                            target_field=perplexity.target_field)
     elif perplexity is not None:
         doc = perplexity.read()  # fail on bad data before loading
-    encoder_decoder = is_encoder_decoder(model_path)
-    objective = perplexity.objective_for(encoder_decoder, model_path) if perplexity is not None else None
+    objective = (perplexity.objective_for(encoder_decoder, model_path, features=features)
+                 if perplexity is not None else None)
     if tasks is not None:
         from gqakit.eval.tasks import check_seq2seq_tasks, check_tasks, load_tasks
 
@@ -120,11 +130,13 @@ def run_eval(model_path: str | Path, *, perplexity: PerplexitySettings | None = 
     examples = None
     if objective in ("span_corruption", "paired"):
         from gqakit.core.loading import load_tokenizer
-        from gqakit.eval.perplexity_seq2seq import prepare_paired, prepare_span_corruption
+        from gqakit.eval.perplexity_seq2seq import prepare_feature_pairs, prepare_paired, prepare_span_corruption
 
         with quiet_libraries(quiet):  # tokenized (and span-corrupted) before the model loads
             tok = load_tokenizer(model_path)
-            if pairs is not None:
+            if features:
+                doc, examples = pairs.doc, prepare_feature_pairs(tok, pairs)
+            elif pairs is not None:
                 doc, examples = pairs.doc, prepare_paired(tok, pairs, perplexity)
             else:
                 examples = prepare_span_corruption(tok, doc, perplexity, model_path)

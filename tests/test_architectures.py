@@ -21,7 +21,7 @@ from gqakit.core import arch
 from gqakit.core.errors import GqakitError
 from test_convert import equalize_kv, load, logits, num_heads
 from tiny_models import (BART_LIKE, FAMILIES, LAYERS, SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, SEQ2SEQ_KINDS, _configs,
-                         _seq2seq_configs)
+                         _seq2seq_configs, seq2seq_auto)
 
 
 def test_every_family_has_a_pico_model():
@@ -69,11 +69,9 @@ def test_encoder_decoder_entry_matches_the_model_on_meta(kind):
     """Every tensor and block an encoder-decoder's entry names exists in the model built on
     the meta device: decoder self- and cross-attention, encoder self-attention, and the
     tensors only block 0 holds; its geometry is `loaded_seq2seq_shape`'s."""
-    from transformers import AutoModelForSeq2SeqLM
-
     cfg = _seq2seq_configs()[kind]()
     with torch.device("meta"):
-        model = AutoModelForSeq2SeqLM.from_config(cfg)
+        model = seq2seq_auto(kind).from_config(cfg)
     config = cfg.to_dict() | {"architectures": [type(model).__name__]}
     spec = arch.lookup(config)
     assert spec.family == SEQ2SEQ_FAMILY[kind] and spec.is_encoder_decoder
@@ -95,11 +93,13 @@ def test_encoder_decoder_entry_matches_the_model_on_meta(kind):
                 weights = [n for role, n in names.items() if role.endswith("weight")]
                 assert len(weights) == 4 and all(n in sd for n in weights), [n for n in weights if n not in sd]
                 assert all(n.startswith(stack.format(layer=L) + ".") for n in names.values())
-                biases = [n for role, n in names.items() if role.endswith("bias")]
-                assert all(n in sd for n in biases) == (kind in BART_LIKE)
+                biases = {role for role, n in names.items() if role.endswith("bias") and n in sd}
+                # BART-like: every projection has a bias; Whisper: all but k_proj; T5: none
+                assert biases == ({"q.bias", "k.bias", "v.bias"} if kind in BART_LIKE
+                                  else {"q.bias", "v.bias"} if kind == "whisper" else set())
             for n in spec.first_block_only:
                 assert (f"{stack.format(layer=L)}.{n}" in sd) == (L == 0)
-    assert spec.first_block_only == ([] if kind in BART_LIKE
+    assert spec.first_block_only == ([] if kind in (*BART_LIKE, "whisper")
                                      else ["layer.0.SelfAttention.relative_attention_bias.weight"])
     text = modeling_file(spec.family).read_text()
     for cls in (spec.remote.config_class, spec.remote.model_class):

@@ -1,6 +1,7 @@
 """`gqakit convert` and `gqakit inspect` on encoder-decoders (t5 in its 1.0 and 1.1 layouts,
-mt5, bart and the BART-like pegasus, mbart, m2m100, marian), over every family the architecture
-table marks as one.
+mt5, bart and the BART-like pegasus, mbart, m2m100, marian), over every text-input family the
+architecture table marks as one (the audio-input ones, whose encoder reads features instead of
+token ids, in tests/test_family_<name>.py).
 
 The references are written here, from the stock tensors and the stock classes, not through
 gqakit: K/V heads pooled by hand, K/V heads made equal within groups by hand, and the stock
@@ -27,7 +28,7 @@ from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.methods import METHODS
 from gqakit.core import arch
 from gqakit.core.errors import GqakitError
-from tiny_models import BART_LIKE, SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, SEQ2SEQ_KINDS, build, build_seq2seq
+from tiny_models import BART_LIKE, SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, TEXT_SEQ2SEQ_KINDS, build, build_seq2seq
 
 H = 4  # heads of every attention of the pico encoder-decoders
 PER_LAYER = [m for m, spec in METHODS.items() if not spec.needs_data]
@@ -45,7 +46,7 @@ CROSS = re.compile(r"\.(EncDecAttention|encoder_attn)\.")
 
 def test_every_encoder_decoder_family_is_covered():
     assert set(SEQ2SEQ_FAMILY.values()) == set(SEQ2SEQ_FAMILIES) == {"t5", "mt5", "bart", "pegasus", "mbart", "m2m100",
-                                                                      "marian"}
+                                                                      "marian", "whisper"}
     assert all(arch.registry()[f].is_encoder_decoder for f in SEQ2SEQ_FAMILIES)
 
 
@@ -122,7 +123,7 @@ def stock(tmp_path: Path):
 
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
 @pytest.mark.parametrize("method", PRESERVING)
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_g_equals_h_is_exact(kind, method, grouping, stock, tmp_path, one_thread):
     src = stock(kind)
     out = convert(src, tmp_path / "out", H, method, grouping=grouping, group_encoder=True)
@@ -135,7 +136,7 @@ def test_g_equals_h_is_exact(kind, method, grouping, stock, tmp_path, one_thread
 
 
 @pytest.mark.parametrize("method", PRESERVING)
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_equal_heads_convert_exactly(kind, method, tmp_path, one_thread):
     """K/V heads equal within each pair in all three attentions: G = H/2 (encoder grouped too)
     keeps the logits and the greedy generation, for every method."""
@@ -150,7 +151,7 @@ def test_equal_heads_convert_exactly(kind, method, tmp_path, one_thread):
 # --- G < H: both caches hold G heads; mean is the paper's pooling ------------------------------
 
 @pytest.mark.parametrize("g", [2, 1])
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_grouped_caches_hold_g_heads(kind, g, stock, tmp_path, one_thread):
     src = stock(kind)
     out = convert(src, tmp_path / "out", g, "align")
@@ -172,7 +173,7 @@ def test_grouped_caches_hold_g_heads(kind, g, stock, tmp_path, one_thread):
 
 @pytest.mark.parametrize("group_encoder", [False, True])
 @pytest.mark.parametrize("g", [2, 1])
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_mean_pools_neighbouring_heads(kind, g, group_encoder, stock, tmp_path):
     """mean = each group's K/V heads averaged (by hand here); every other tensor (the encoder's
     unless --group-encoder, the queries, the relative position bias) is kept bit for bit."""
@@ -197,7 +198,7 @@ def test_mean_pools_neighbouring_heads(kind, g, group_encoder, stock, tmp_path):
                       for m in enc_k} == {g if group_encoder else H}
 
 
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_random_draws_fresh_heads_in_every_grouped_attention(kind, stock, tmp_path, one_thread):
     src = stock(kind)
     before = weights(src)
@@ -253,7 +254,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, list[str]]:
     return e.value.code, capsys.readouterr().err.strip().splitlines()
 
 
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_refusals_are_one_line(kind, stock, tmp_path, capsys):
     src = stock(kind)
     family = SEQ2SEQ_FAMILY[kind]
@@ -342,7 +343,7 @@ def test_inspect_lengths_apply_to_encoder_decoders(tmp_path, capsys):
 
 # --- the converted folder against its config (every verb checks a folder before it loads it) ----
 
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_model_files_check_both_stacks(kind, stock, tmp_path):
     from gqakit.core.loading import check_weights
 

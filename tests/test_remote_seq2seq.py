@@ -1,5 +1,5 @@
-"""GQA modeling files for encoder-decoders (convert/remote/gqakit_modeling_t5.py; _bart.py, which also
-holds the BART-like families).
+"""GQA modeling files for text-input encoder-decoders (convert/remote/gqakit_modeling_t5.py; _bart.py,
+which also holds the BART-like families; the audio-input ones in tests/test_family_<name>.py).
 
 The GQA checkpoints are built here by hand from the stock pico models: each group of H/G
 neighbouring K/V heads is mean-pooled into one head (decoder self- and cross-attention, and
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import BART_LIKE, SEQ2SEQ_KINDS, build_seq2seq
+from tiny_models import BART_LIKE, TEXT_SEQ2SEQ_KINDS, build_seq2seq
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 import gqakit.convert.remote as remote
@@ -138,7 +138,7 @@ def test_files_are_self_contained_and_shipped(module: str) -> None:
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_same_heads_is_stock(kind: str, attn: str, stock: Any, tmp_path: Path) -> None:
     src = stock(kind)
     gqa = load(write_folder(src, tmp_path / "gqa", kind, H, H), attn, trust_remote_code=True)
@@ -150,7 +150,7 @@ def test_same_heads_is_stock(kind: str, attn: str, stock: Any, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("g", [2, 1])
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_grouped_caches_hold_g_heads(kind: str, g: int, stock: Any, tmp_path: Path) -> None:
     src = stock(kind)
     gqa = load(write_folder(src, tmp_path / "gqa", kind, g, g), trust_remote_code=True)
@@ -176,7 +176,7 @@ def test_grouped_caches_hold_g_heads(kind: str, g: int, stock: Any, tmp_path: Pa
 
 
 @pytest.mark.parametrize(("g", "encoder_g"), [(2, H), (2, 2), (1, 1)])
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_grouped_equals_stock_with_repeated_heads(kind: str, g: int, encoder_g: int, stock: Any,
                                                   tmp_path: Path) -> None:
     src = stock(kind)
@@ -194,7 +194,7 @@ def test_grouped_equals_stock_with_repeated_heads(kind: str, g: int, encoder_g: 
     torch.testing.assert_close(by_attn["eager"], by_attn["sdpa"], **tight)
 
 
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_train_mode_and_gradient_checkpointing(kind: str, stock: Any, tmp_path: Path) -> None:
     folder = write_folder(stock(kind), tmp_path / "gqa", kind, 2, 2)
     batch = {**inputs(), "labels": torch.randint(3, 40, (2, 5), generator=torch.Generator().manual_seed(3))}
@@ -215,7 +215,7 @@ def test_train_mode_and_gradient_checkpointing(kind: str, stock: Any, tmp_path: 
         torch.testing.assert_close(grads_a[key], grads_b[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_save_pretrained_roundtrip(kind: str, stock: Any, tmp_path: Path) -> None:
     module, config_class, model_class, _ = REMOTE[kind]
     expected = remote_config(kind, 2, 1)
@@ -236,7 +236,7 @@ def test_save_pretrained_roundtrip(kind: str, stock: Any, tmp_path: Path) -> Non
         torch.testing.assert_close(logits(again, inputs()), logits(gqa, inputs()), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
+@pytest.mark.parametrize("kind", TEXT_SEQ2SEQ_KINDS)
 def test_stock_loading_without_remote_code_refuses(kind: str, stock: Any, tmp_path: Path) -> None:
     folder = write_folder(stock(kind), tmp_path / "gqa", kind, 2, 2)
     with pytest.raises(Exception, match="trust_remote_code"):

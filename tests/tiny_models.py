@@ -158,7 +158,8 @@ SEQ2SEQ_VOCAB, SENTINELS = 64, 16
 
 
 def _seq2seq_configs() -> dict[str, Any]:
-    from transformers import BartConfig, M2M100Config, MarianConfig, MBartConfig, MT5Config, PegasusConfig, T5Config
+    from transformers import (BartConfig, M2M100Config, MarianConfig, MBartConfig, MT5Config, PegasusConfig, T5Config,
+                              WhisperConfig)
 
     t5 = dict(vocab_size=SEQ2SEQ_VOCAB, d_model=HIDDEN, d_ff=64, num_layers=LAYERS, num_decoder_layers=LAYERS,
               num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
@@ -194,15 +195,31 @@ def _seq2seq_configs() -> dict[str, Any]:
         # Marian: post-layer-norm, sinusoidal positions, scaled embeddings, one shared vocabulary
         "marian": lambda **o: MarianConfig(**{**bart_like, "scale_embedding": True, "decoder_start_token_id": 1,
                                               **o}),
+        # Whisper: log-mel features in (WHISPER_FRAMES frames of WHISPER_MELS bins, halved by the conv
+        # front end), k_proj without bias, queries scaled before the product
+        "whisper": lambda **o: WhisperConfig(**{"vocab_size": SEQ2SEQ_VOCAB, "num_mel_bins": WHISPER_MELS,
+                                                "d_model": HIDDEN, "encoder_layers": LAYERS,
+                                                "decoder_layers": LAYERS, "encoder_attention_heads": 4,
+                                                "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
+                                                "decoder_ffn_dim": 64, "max_source_positions": WHISPER_FRAMES // 2,
+                                                "max_target_positions": 64, "bos_token_id": 0,
+                                                "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0,
+                                                "begin_suppress_tokens": None, "suppress_tokens": None,
+                                                "dropout": 0.0, "attention_dropout": 0.0,
+                                                "activation_dropout": 0.0, **o}),
     }
 
 
+WHISPER_MELS, WHISPER_FRAMES = 8, 24  # the pico Whisper's input features: [batch, mels, frames]
 SEQ2SEQ_KINDS = ("t5", "t5_v1_1", "mt5", "bart")  # t5_v1_1 is the `t5` family in its 1.1 layout
 SEQ2SEQ_FAMILY = {"t5": "t5", "t5_v1_1": "t5", "mt5": "mt5", "bart": "bart"}  # kind -> table family
-SEQ2SEQ_KINDS += ("pegasus", "mbart", "m2m100", "marian")
-SEQ2SEQ_FAMILY.update({"pegasus": "pegasus", "mbart": "mbart", "m2m100": "m2m100", "marian": "marian"})
+SEQ2SEQ_KINDS += ("pegasus", "mbart", "m2m100", "marian", "whisper")
+SEQ2SEQ_FAMILY.update({"pegasus": "pegasus", "mbart": "mbart", "m2m100": "m2m100", "marian": "marian",
+                       "whisper": "whisper"})
 # Kinds with BART's attention (biases on every projection) and its tokenizer (<s> <pad> </s> <unk>, no sentinels)
 BART_LIKE = ("bart", "pegasus", "mbart", "m2m100", "marian")
+AUDIO_KINDS = ("whisper",)  # input_features in, not input_ids: tests/test_family_whisper.py covers them
+TEXT_SEQ2SEQ_KINDS = tuple(k for k in SEQ2SEQ_KINDS if k not in AUDIO_KINDS)
 
 
 def seq2seq_tokenizer(kind: str) -> Any:
@@ -213,7 +230,7 @@ def seq2seq_tokenizer(kind: str) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     alphabet = list("abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;")
-    if kind in BART_LIKE:
+    if kind in (*BART_LIKE, "whisper"):
         special = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
         symbols = alphabet + [chr(c) for c in range(0x41, 0x41 + SEQ2SEQ_VOCAB - len(special) - len(alphabet))]
         sentinels: list[str] = []
@@ -230,7 +247,7 @@ def seq2seq_tokenizer(kind: str) -> Any:
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     names = dict(unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
-    if kind in BART_LIKE:
+    if kind in (*BART_LIKE, "whisper"):
         names["bos_token"] = "<s>"
     return PreTrainedTokenizerFast(tokenizer_object=tok, **names, additional_special_tokens=sentinels or None)
 
@@ -239,7 +256,13 @@ def build_seq2seq(kind: str, folder: Path, *, seed: int = 0, dtype: torch.dtype 
                   **overrides: Any) -> Path:
     """Save a randomly initialised pico encoder-decoder of `kind` (one of SEQ2SEQ_KINDS) and
     its tokenizer to `folder`."""
-    from transformers import AutoModelForSeq2SeqLM
-
-    return _save_random(AutoModelForSeq2SeqLM, _seq2seq_configs()[kind](**overrides), seq2seq_tokenizer(kind),
+    return _save_random(seq2seq_auto(kind), _seq2seq_configs()[kind](**overrides), seq2seq_tokenizer(kind),
                         folder, seed, dtype)
+
+
+def seq2seq_auto(kind: str) -> Any:
+    """The transformers Auto class of a stock pico encoder-decoder: speech-to-text for the
+    audio kinds (AUDIO_KINDS), else AutoModelForSeq2SeqLM."""
+    from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    return AutoModelForSpeechSeq2Seq if kind in AUDIO_KINDS else AutoModelForSeq2SeqLM

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError
-from gqakit.core.arch import max_positions
+from gqakit.core.arch import find as find_family, max_positions
 from gqakit.core.hub import resolve_model_ref
 from gqakit.core.modelfiles import weight_shapes
 from gqakit.core.loading import UPTRAIN_SETTINGS, check_weights, is_gqakit_output, read_config_json, split_source
@@ -116,12 +116,24 @@ def _first_row(files: list[Path]) -> Any:
         return None
 
 
+# paired data: (suffixes, what they are) for a text encoder and an audio one
+PAIRED_TEXT = ((".jsonl", ".json"), "JSON lines (.jsonl)")
+PAIRED_FEATURES = ((".safetensors",), "features and target texts (.safetensors)")
+
+
 def resolve_objective(cfg: UptrainConfig, encoder_decoder: bool, files: list[Path], src: Path,
                       teacher: Path | None) -> str:
     """`data.objective` with `auto` resolved for this model and data; every combination that
     cannot train is one line (the tokenizer's sentinels are checked once it is loaded)."""
     d, te = cfg.data, cfg.teacher
     obj = d.objective
+    spec = find_family(read_config_json(src)) if encoder_decoder else None
+    features = spec is not None and spec.encoder is not None and spec.encoder.features is not None
+    if features:  # audio in: paired features and targets only
+        if obj not in ("auto", "paired"):
+            raise GqakitError(f"data.objective: {obj}; {src} reads audio features and trains on paired features "
+                              "and target texts (.safetensors files, objective paired)")
+        obj = "paired"
     if obj == "auto" and not encoder_decoder:
         obj = "causal_lm"
     elif obj == "auto":
@@ -144,13 +156,14 @@ def resolve_objective(cfg: UptrainConfig, encoder_decoder: bool, files: list[Pat
     if teacher is not None and not (teacher.is_dir() and read_config_json(teacher).get("is_encoder_decoder")):
         raise GqakitError(f"teacher.path: {teacher} is not an encoder-decoder, and model.path is one")
     if obj == "paired":
+        kind = PAIRED_FEATURES if features else PAIRED_TEXT
         if not d.files:
-            raise GqakitError("data.objective: paired reads input/target rows from data.files (.jsonl)")
+            raise GqakitError(f"data.objective: paired reads input/target rows from data.files ({kind[1]})")
         if d.eval_texts is not None:
-            raise GqakitError("data.eval_texts: paired data are held out in data.eval_file (.jsonl)")
+            raise GqakitError(f"data.eval_texts: paired data are held out in data.eval_file ({kind[1]})")
         for f in files:
-            if f.suffix.lower() not in (".jsonl", ".json"):
-                raise GqakitError(f"data.files: paired data are JSON lines (.jsonl), not {f.name}")
+            if f.suffix.lower() not in kind[0]:
+                raise GqakitError(f"data.files: paired data are {kind[1]}, not {f.name}")
     return obj
 
 
@@ -259,10 +272,12 @@ def _check_teacher(cfg: UptrainConfig) -> Path:
     return teacher
 
 
-def _check_paired_eval(eval_files: list[Path]) -> None:
+def _check_paired_eval(eval_files: list[Path], files: list[Path]) -> None:
+    """Held-out paired data of the training files' kind (JSON lines, or audio features)."""
+    kind = PAIRED_FEATURES if files and files[0].suffix.lower() in PAIRED_FEATURES[0] else PAIRED_TEXT
     for f in eval_files:
-        if f.suffix.lower() not in (".jsonl", ".json"):
-            raise GqakitError(f"data.eval_file: paired data are JSON lines (.jsonl), not {f.name}")
+        if f.suffix.lower() not in kind[0]:
+            raise GqakitError(f"data.eval_file: paired data are {kind[1]}, not {f.name}")
 
 
 def _check_out_folder(out: Path, inputs: list[tuple[str, Path | None]]) -> bool:
@@ -315,7 +330,7 @@ def preflight(config: str | Path | Mapping[str, Any], overrides: Sequence[str] =
         if objective is not None:
             d.objective = objective
             if objective == "paired":
-                p.run(_check_paired_eval, eval_files)
+                p.run(_check_paired_eval, eval_files, files)
 
     # ---- the run folder: never an input, never around one
     out = Path(cfg.output.dir).expanduser().resolve()

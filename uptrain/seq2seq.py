@@ -10,9 +10,12 @@
 - paired: each JSON row gives an input text and a target text (`data.input_field`,
   `data.target_field`), tokenized with the tokenizer's own special tokens and ended by EOS,
   each cut to train.seq_len tokens (EOS kept). A micro-batch is padded to its longest row;
-  padding is masked from the encoder and from the loss.
+  padding is masked from the encoder and from the loss. An encoder that reads audio features
+  takes `.safetensors` files of features and target texts instead (core.pairs.
+  read_feature_pairs): the features go to the encoder as they are, the targets are tokenized
+  as for text rows and cut to train.seq_len tokens.
 
-Both are `Examples`: `batch(blocks, samples)` builds the `Seq2SeqBatch` of the examples
+All are `Examples`: `batch(blocks, samples)` builds the `Seq2SeqBatch` of the examples
 `blocks` drawn as training samples `samples`, and `fingerprint()` identifies the tokenized
 data for `--resume`.
 """
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.pairs import is_feature_file, read_feature_pairs
 from gqakit.core.pairs import read_pairs as read_paired_file
 from gqakit.core.spans import SpanCorruption, sentinel_ids
 from gqakit.uptrain.config import DataCfg
@@ -44,14 +48,16 @@ class Seq2SeqBatch(NamedTuple):
     attention_mask: torch.Tensor     # [B, S], 1 on real input tokens
     decoder_input_ids: torch.Tensor  # [B, T]: the labels shifted right after the decoder's start token
     labels: torch.Tensor             # [B, T], IGNORE on padding
+    input_features: torch.Tensor | None = None  # [B, bins, frames]: an audio encoder's input (input_ids empty)
 
     def to(self, device: Any) -> Seq2SeqBatch:
-        return Seq2SeqBatch(*(t.to(device) for t in self))
+        return Seq2SeqBatch(*(None if t is None else t.to(device) for t in self))
 
     def inputs(self) -> dict[str, torch.Tensor]:
         """The model's keyword arguments (labels left out: the loss is computed by gqakit)."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
-                "decoder_input_ids": self.decoder_input_ids}
+        enc = ({"input_features": self.input_features} if self.input_features is not None
+               else {"input_ids": self.input_ids, "attention_mask": self.attention_mask})
+        return {**enc, "decoder_input_ids": self.decoder_input_ids}
 
     def predicted(self) -> int:
         return int((self.labels != IGNORE).sum())
@@ -112,6 +118,39 @@ class PairedExamples:
         return h.hexdigest()
 
 
+class FeatureExamples:
+    """Audio features [N, bins, frames] and tokenized targets; an example is drawn as it is."""
+
+    def __init__(self, features: torch.Tensor, targets: list[list[int]], *, pad_id: int, start_id: int):
+        self.features, self.targets, self.pad_id, self.start_id = features, targets, pad_id, start_id
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def batch(self, blocks: Sequence[int], samples: Sequence[int]) -> Seq2SeqBatch:
+        b = collate([([], self.targets[i]) for i in blocks], pad_id=self.pad_id, start_id=self.start_id)
+        return b._replace(input_features=self.features[list(blocks)])
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self.features.contiguous().numpy().data)
+        for y in self.targets:
+            h.update(np.asarray([len(y), *y], dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+
+def feature_examples(files: Sequence[Path], cfg: DataCfg, tokenizer: Any, max_len: int, eos_id: int | None,
+                     what: str, **ids: int) -> FeatureExamples:
+    """The features and targets of `.safetensors` paired files, in file order (one frame count)."""
+    try:
+        data = [read_feature_pairs(f, input_field=cfg.input_field, target_field=cfg.target_field) for f in files]
+    except GqakitError as e:
+        raise GqakitError(f"{what}: {e}") from None
+    if len({d.features.shape[1:] for d in data}) > 1:
+        raise GqakitError(f"{what}: the files' features differ in shape ({[list(d.features.shape) for d in data]})")
+    targets = encode(tokenizer, [t for d in data for t in d.targets], max_len, eos_id)
+    return FeatureExamples(torch.cat([d.features for d in data]), targets, **ids)
+
+
 # --------------------------------------------------------------------------- paired rows
 
 
@@ -161,6 +200,13 @@ def build_examples(cfg: DataCfg, tokenizer: Any, model_config: Any, seq_len: int
     pad = next((i for i in (model_config.pad_token_id, tokenizer.pad_token_id) if i is not None), 0)
     start = model_config.decoder_start_token_id
     ids = {"pad_id": pad, "start_id": pad if start is None else start}
+    if cfg.objective == "paired" and files and is_feature_file(files[0]):
+        train = feature_examples(files, cfg, tokenizer, seq_len, eos, "data.files", **ids)
+        held = feature_examples(eval_files, cfg, tokenizer, seq_len, eos, "data.eval_file", **ids) if eval_files \
+            else None
+        if held is not None and cfg.eval_max_blocks:
+            held.features, held.targets = held.features[:cfg.eval_max_blocks], held.targets[:cfg.eval_max_blocks]
+        return train, held
     if cfg.objective == "paired":
         train = paired(read_pairs(files, cfg.input_field, cfg.target_field, "data.files"), tokenizer, seq_len, eos,
                        **ids)

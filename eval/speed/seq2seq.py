@@ -1,8 +1,9 @@
-"""Decode speed of an encoder-decoder (T5, mT5, BART and gqakit's grouped versions of them).
+"""Decode speed of an encoder-decoder (T5, mT5, BART, Whisper and gqakit's grouped versions of them).
 
 A grid point is batch x input length x output length. When it opens, the encoder reads a
-random input once; the decoder prefix (the start token and `output_len - 1` random tokens)
-goes through the decoder in one call, which fills the cross-attention cache (K and V of the
+random input once (token ids, or audio features whose length is in frames: `encoder_input`);
+the decoder prefix (the start token and `output_len - 1` random tokens) goes through the
+decoder in one call, which fills the cross-attention cache (K and V of the
 encoder's output, every decoder layer) and the self-attention cache. Then `new_tokens`
 greedy decode steps are timed; each reads both caches. Repetitions rewind the
 self-attention cache to the prefix; the cross-attention cache, like the encoder's output, is
@@ -26,43 +27,27 @@ models' bytes into the predicted speedup, as for decoder-only models.
 
 from __future__ import annotations
 
-import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from gqakit.core.arch import loaded_seq2seq_shape
 from gqakit.core.device import PeakMemory, available_memory
+from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import cache_kwarg
 from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_folded_attention
 from gqakit.eval.records import SpeedPoint, SpeedResult
-from gqakit.eval.speed.point import OpenPoint, timings
+from gqakit.eval.speed.encoder_input import encoder_input
 from gqakit.eval.speed.roofline import measure_roof, sync
+from gqakit.eval.speed.seq2seq_point import CACHES, Seq2SeqPoint, summarize
 from gqakit.eval.speed.settings import SpeedSettings
 
 # Encoder rows run together so that one layer's attention scores stay under this many bytes.
 ENCODER_SCORE_BYTES = 1 << 30
-CACHES = "transformers.EncoderDecoderCache of two StaticCaches (self-attention, cross-attention; pre-allocated)"
 LAYERS = "the model's own decoder step (the fused decoder-only layers do not cover encoder-decoders)"
 LEAN = ("the lean T5 decoder step (eval/decode/t5_step.py: the model's weights and caches as plain tensor "
         "operations, checked against the model's own step)")
 LEAN_FUSED = ("the lean T5 decoder step, one compiled call per block (eval/decode/t5_step.py, "
               "cpu_kernels.cpp's t5_decode_layer; checked against the model's own step)")
-
-
-@dataclass
-class Seq2SeqPoint(OpenPoint):
-    """An open encoder-decoder grid point: `prompt_len` is the input length."""
-
-    output_len: int = 1
-    encoded: Any = None        # the encoder's output, made once per point
-    encode_s: float = 0.0      # the encoder's time
-    first_s: float = 0.0       # encoder + decoder prefix: the time to the first token
-
-    @property
-    def axes(self) -> dict[str, int]:
-        return {"batch": self.batch, "prompt_len": self.prompt_len, "output_len": self.output_len,
-                "new_tokens": self.new_tokens}
 
 
 class Seq2SeqBench:
@@ -82,7 +67,7 @@ class Seq2SeqBench:
 
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.cache_kw = cache_kwarg(model)
-        self.shape = loaded_seq2seq_shape(model.config)
+        self.shape, self.input = loaded_seq2seq_shape(model.config), encoder_input(model)
         dec = self.shape.decoder
         self.heads, self.kv_heads, self.head_dim, self.layers = (dec.num_heads, dec.num_kv_heads, dec.head_dim,
                                                                  dec.num_layers)
@@ -129,6 +114,8 @@ class Seq2SeqBench:
         which have no length limit; learned positions (BART) stop at their table's size."""
         if getattr(self.model.config, "relative_attention_num_buckets", None):
             return None, None
+        if self.input.features:  # frames: the longest input the encoder takes
+            return self.input.max_frames, self.shape.decoder.max_positions
         return self.shape.encoder.max_positions, self.shape.decoder.max_positions
 
     @property
@@ -149,7 +136,7 @@ class Seq2SeqBench:
 
     # -- the steps ------------------------------------------------------------------------
     def new_cache(self, output_positions: int, input_len: int) -> Any:
-        """Both caches; their tensors are allocated by the prefix call (heads and sizes from the model)."""
+        """Both caches (`input_len`: encoder output positions); their tensors are allocated by the prefix call."""
         from transformers import EncoderDecoderCache, StaticCache
 
         cfg = self.model.config.get_text_config(decoder=True)
@@ -165,17 +152,22 @@ class Seq2SeqBench:
             layer.cumulative_length.fill_(length)
 
     def encode(self, input_ids: Any) -> tuple[float, Any]:
-        """The encoder over `input_ids` ([B, input length]): (seconds, its output). Rows run in
-        chunks that keep one layer's attention scores under ENCODER_SCORE_BYTES."""
+        """The encoder over `input_ids` ([B, input length], or features [B, bins, frames]): (seconds,
+        its output). Rows run in chunks that keep one layer's attention scores under ENCODER_SCORE_BYTES."""
         import torch
         from transformers.modeling_outputs import BaseModelOutput
 
-        b, n = input_ids.shape
+        b, n = input_ids.shape[0], self.input.positions(input_ids.shape[-1])
         rows = max(1, min(b, ENCODER_SCORE_BYTES // max(1, self.shape.encoder.num_heads * n * n * 4)))
         encoder = self.model.get_encoder()
         sync(self.device)
         t0 = time.perf_counter()
-        hidden = torch.cat([encoder(input_ids=input_ids[i:i + rows]).last_hidden_state for i in range(0, b, rows)])
+        try:
+            hidden = torch.cat([encoder(**{self.input.name: input_ids[i:i + rows]}).last_hidden_state
+                                for i in range(0, b, rows)])
+        except ValueError as e:  # a length the encoder does not take (Whisper's: only its whole window)
+            raise GqakitError(f"the encoder refuses an input of {input_ids.shape[-1]} {self.input.unit}: "
+                              f"{first_line(e)}") from None
         sync(self.device)
         return time.perf_counter() - t0, BaseModelOutput(last_hidden_state=hidden)
 
@@ -221,7 +213,7 @@ class Seq2SeqBench:
         import torch
 
         with torch.inference_mode():
-            cache = self.new_cache(output_len + new_tokens, input_ids.shape[1])
+            cache = self.new_cache(output_len + new_tokens, self.input.positions(input_ids.shape[-1]))
             _, encoded = self.encode(input_ids)
             _, tok = self.prefill(cache, encoded, output_len)
             got: list = []
@@ -238,8 +230,7 @@ class Seq2SeqBench:
         hooks = [m.register_forward_pre_hook(lambda mod, args: called.append(mod)) for m in self.model.modules()]
         try:
             with torch.inference_mode():
-                cache = self.new_cache(2, 4)
-                _, encoded = self.encode(torch.full((1, 4), self.start, device=self.device))
+                cache, encoded = self.probe_encoded()
                 _, tok = self.prefill(cache, encoded, 1)
                 called.clear()
                 self.steps(cache, encoded, tok, 1)
@@ -258,14 +249,19 @@ class Seq2SeqBench:
         return (sum(p.numel() * p.element_size() for p in read.values()),
                 sum(p.numel() for p in matmul.values()))
 
+    def probe_encoded(self) -> tuple[Any, Any]:
+        """Caches and an encoder output of one short constant input, for the one-step probes."""
+        n = self.input.probe_len
+        x = self.input.constant(1, n, token=self.start, device=self.device, dtype=self.dtype)
+        return self.new_cache(2, self.input.positions(n)), self.encode(x)[1]
+
     def probe(self) -> dict[str, Any]:
         """Which attention path a decode step takes (one step, SDPA calls recorded)."""
         import torch
 
         spy = SdpaSpy()
         with torch.inference_mode():
-            cache = self.new_cache(2, 4)
-            _, encoded = self.encode(torch.full((1, 4), self.start, device=self.device))
+            cache, encoded = self.probe_encoded()
             _, tok = self.prefill(cache, encoded, 1)
             with spy:
                 self.steps(cache, encoded, tok, 1)
@@ -289,6 +285,7 @@ class Seq2SeqBench:
     def predicted_bytes(self, batch: int, input_len: int, output_len: int, new_tokens: int) -> int:
         """Memory a point adds beyond the weights: both caches, the encoder's activations (one
         chunk's scores), its output, and the prefix's logits."""
+        input_len = self.input.positions(input_len)  # encoder output positions
         caches = batch * (input_len * self.kv_bytes_per_input_token + (output_len + new_tokens) * self.kv_bytes_per_token)
         hidden = self.shape.encoder.hidden_size
         heads = self.shape.encoder.num_heads
@@ -332,14 +329,14 @@ class Seq2SeqBench:
 
         from gqakit.eval.decode.packed import packed_linears
 
-        pt.cache = self.new_cache(pt.output_len + pt.new_tokens, pt.prompt_len)
+        pt.cache = self.new_cache(pt.output_len + pt.new_tokens, self.input.positions(pt.prompt_len))
         if self.lean is not None and self.lean.kernels is not None:
             pt.packed_bytes = self.lean.packed_bytes  # the fused step's own packed weights; prefill as loaded
         elif self.pack_weights and (pt.batch > 1 or self.kernels is not None):
             order = self.lean.linears() if self.lean is not None else None
             pt.packed_bytes = pt.stack.enter_context(packed_linears(self.model, pt.batch, kernels=self.kernels,
                                                                     order=order))
-        inputs = torch.randint(0, self.vocab, (pt.batch, pt.prompt_len), device=self.device)
+        inputs = self.input.random(pt.batch, pt.prompt_len, vocab=self.vocab, device=self.device, dtype=self.dtype)
         pt.encode_s, pt.encoded = self.encode(inputs)
         pre, pt.tok = self.prefill(pt.cache, pt.encoded, pt.output_len)
         pt.first_s = pt.encode_s + pre
@@ -410,48 +407,6 @@ class Seq2SeqBench:
         return self.close_point(pt, roof)
 
 
-def summarize(bench: Seq2SeqBench, pt: Seq2SeqPoint, roof: dict[str, float], *, peak: int | None) -> SpeedPoint:
-    """The measurements of a closed point against the device's `roof`: the bytes a step must
-    read are the decoder's weights, the self-attention cache at the output position (mean
-    over the steps) and the whole cross-attention cache."""
-    batch, input_len, dec = pt.batch, pt.prompt_len, pt.dec
-    step = statistics.median(dec)
-    mean_out = pt.output_len + (pt.new_tokens + 1) / 2
-    self_kv = batch * bench.kv_bytes_per_token * mean_out
-    cross_kv = batch * bench.kv_bytes_per_input_token * input_len
-    total = bench.weight_bytes + self_kv + cross_kv
-    flops = 2 * bench.matmul_params * batch + 4 * batch * bench.layers * bench.heads * bench.head_dim * (mean_out + input_len)
-    t_bytes = total / roof["copy_bandwidth"]
-    t_flops = flops / roof["matmul_flops"] if roof.get("matmul_flops") else None
-    weights = ("as loaded" if not pt.packed_bytes else "packed once (oneDNN)" if bench.kernels is None
-               else "packed once (gqakit panels, one huge-page buffer in the step's order)" if bench.lean is not None
-               else "packed once (gqakit panels)")
-    first = {"median": 1e3 * pt.first_s, "p90": 1e3 * pt.first_s}
-    return SpeedPoint(
-        **pt.axes, status="ok", decode_mode=bench.decode_mode,
-        decode_path={"steps": bench.decode_mode, "weights": weights, "attention": bench.attn_impl, "layers": bench.layers_mode,
-                     "caches": CACHES, "prefill": "once per point (encoder, then the decoder prefix); decode "
-                                                  "repetitions rewind the self-attention cache"},
-        decode_samples=len(dec), decode_sample="one step" if len(dec) > pt.reps else "mean step of a repetition",
-        prefill_ms=first, prefill_samples=1, encode_ms={"median": 1e3 * pt.encode_s, "p90": 1e3 * pt.encode_s},
-        **timings(batch, [], dec),
-        warmup_s=pt.warmup_s, compile_s=None, reps=pt.reps, packed_weight_bytes=pt.packed_bytes,
-        peak_memory_bytes=peak,
-        peak_memory_kind="cuda max_memory_allocated" if bench.device.type == "cuda" else "process peak RSS",
-        kv_cache_bytes=pt.kv_bytes,
-        kv_cache_bytes_analytic=batch * (input_len * bench.kv_bytes_per_input_token
-                                         + (pt.output_len + pt.new_tokens) * bench.kv_bytes_per_token),
-        bytes_per_step={"weights": bench.weight_bytes, "kv": self_kv + cross_kv, "self_attention_kv": self_kv,
-                        "cross_attention_kv": cross_kv, "total": total},
-        flops_per_step=flops,
-        roofline_ms={"bytes": 1e3 * t_bytes, "flops": None if t_flops is None else 1e3 * t_flops},
-        achieved_bandwidth_gbs=total / step / 1e9,
-        roofline_fraction=total / step / roof["copy_bandwidth"],
-        arithmetic_intensity=flops / total,
-        memory_bound=flops / total < roof["ridge_flops_per_byte"],
-    )
-
-
 def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
                            progress: bool = True) -> SpeedResult:
     """The decode benchmark of one encoder-decoder over batch x input length x output length."""
@@ -461,6 +416,8 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
     settings.check_model(True)
     bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.eager,
                          fold_attention=not settings.eager)
+    if bench.input.features and "input_lens" not in settings.model_fields_set:  # the encoder's whole window
+        settings = settings.model_copy(update={"input_lens": (bench.input.max_frames,)})
     settings.check_seq2seq_positions(*bench.positions())
     roof = measure_roof(device, dtype)
     attention = bench.probe()
@@ -471,7 +428,9 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
         settings={"batches": list(settings.batches), "input_lens": list(settings.input_lens),
                   "output_lens": list(settings.output_lens), "new_tokens": settings.new_tokens,
                   "reps": settings.reps, "warmup": settings.warmup, "eager": settings.eager,
-                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids (input and decoder prefix)",
+                  "torch_threads": torch.get_num_threads(),
+                  "prompts": "random token ids (input and decoder prefix)" if not bench.input.features
+                  else f"random audio features (input lengths in {bench.input.unit}), random decoder prefix",
                   "encoder": "once per point"},
         attention=attention,
         device_roof={"copy_bandwidth_gbs": roof["copy_bandwidth"] / 1e9, "matmul_tflops": roof["matmul_flops"] / 1e12,

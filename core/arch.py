@@ -55,6 +55,20 @@ class ConfigKeys(_Strict):
     max_positions: list[str]  # the context length: the first of these keys that is set
 
 
+class QkNorm(_Strict):
+    """RMSNorms on the q and k projections' outputs (module names inside the attention).
+
+    scope "head": one norm per head, over head_dim, its weight shared by every head (Qwen3): it
+    passes through a conversion unchanged. scope "projection": one norm over the whole
+    projection, all heads jointly (OLMo-2): its weight has an entry per head and dim, so it is
+    read as part of the heads, moves with them when they are regrouped and is pooled with K.
+    """
+
+    q: str | None = None
+    k: str | None = None
+    scope: Literal["head", "projection"]
+
+
 class Attention(_Strict):
     """Where one layer's attention projections live and how they are laid out.
 
@@ -64,6 +78,8 @@ class Attention(_Strict):
                    `transposed` for GPT-2's Conv1D, which stores [in, out]
       grouped_qkv  one qkv Linear whose output axis is (kv heads, H/kv + 2, head_dim):
                    each group's query heads, then its K head, then its V head (GPT-NeoX)
+
+    `qk_norm`: norms of the q and k projections' outputs, applied before the rotary embedding.
     """
 
     layout: Literal["separate", "fused_concat", "grouped_qkv"]
@@ -74,6 +90,7 @@ class Attention(_Strict):
     qkv: str | None = None
     o: str
     transposed: bool = False
+    qk_norm: QkNorm | None = None
 
     @model_validator(mode="after")
     def _names_match_layout(self) -> "Attention":

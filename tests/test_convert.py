@@ -65,6 +65,8 @@ def equalize_kv(model, family: str, group: int) -> None:
                 v = t.view(H, 3, D, *t.shape[1:])
                 for part in (1, 2):
                     tie(v[:, part], 0, D)
+            elif family == "olmo2" and name.endswith("self_attn.k_norm.weight"):
+                tie(t, 0, t.shape[0] // H)  # an RMSNorm over all K heads: one weight per head and dim
             elif any(name.endswith(f"self_attn.{p}_proj.{w}") for p in "kv" for w in ("weight", "bias")):
                 D = t.shape[0] // (model.config.num_key_value_heads if hasattr(model.config, "num_key_value_heads") else H)
                 tie(t, 0, D)

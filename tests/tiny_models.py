@@ -70,7 +70,17 @@ def _configs() -> dict[str, Any]:
                                         "hidden_size": HIDDEN, "ffn_dim": 64, "num_hidden_layers": LAYERS,
                                         "num_attention_heads": 4, "word_embed_proj_dim": HIDDEN,
                                         "enable_bias": True, **o}),
+        # olmo2: q/k RMSNorms over the whole projection, norms after attention and MLP
+        "olmo2": lambda **o: _transformers().Olmo2Config(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
+                                                            "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+                                                            "num_key_value_heads": 8, **o}),
     }
+
+
+def _transformers() -> Any:
+    import transformers
+
+    return transformers
 
 
 def families(*, encoder_decoder: bool = False) -> list[str]:

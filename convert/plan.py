@@ -118,6 +118,15 @@ def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, set
                       "unchanged copy; pass --force to write it anyway")
 
 
+def keep_query_order(spec: archmod.ArchSpec, settings: ConvertSettings) -> ConvertSettings:
+    """ALiBi gives each query head the slope of its position, so the heads must keep their
+    order: the contiguous grouping (which moves no head), "auto" included."""
+    if settings.grouping not in ("auto", "contiguous"):
+        raise GqakitError(f"--grouping {settings.grouping} reorders query heads, but this {spec.family} model's "
+                          "ALiBi slopes belong to head positions; use --grouping contiguous")
+    return settings.model_copy(update={"grouping": "contiguous"})
+
+
 def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:
     """The plan, with the settings resolved for this model (`Plan.settings`): what "auto"
     means depends on its parameters and context, and on the output kind (`gguf_out`)."""
@@ -140,6 +149,8 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
     metas = {n: src.meta(n) for n in names}
     numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
     source_params = sum(numel(m[1]) for m in metas.values())
+    if spec.uses_alibi(opened.config):
+        settings = keep_query_order(spec, settings)
     settings = settings.resolved(source_params=source_params, max_positions=archmod.max_positions(opened.config),
                                  gguf_out=gguf_out)
     # methods that touch only K/V leave q and o to be copied through untouched

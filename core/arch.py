@@ -167,6 +167,9 @@ class ArchSpec(_Strict):
     decode: DecodeLayout | None = None  # the fast CPU decode step's layout; None: the model's own step
     gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
     reject_if: dict[str, Any] = {}
+    # ALiBi position biases, one slope per query head by its position: True, or the config key
+    # that turns them on. Rotary is then off, and no grouping may reorder the query heads.
+    alibi: bool | str = False
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -191,6 +194,10 @@ class ArchSpec(_Strict):
     @property
     def is_encoder_decoder(self) -> bool:
         return self.encoder is not None
+
+    def uses_alibi(self, config: Mapping[str, Any]) -> bool:
+        """Whether a config.json dict of this family has ALiBi position biases."""
+        return self.alibi is True or isinstance(self.alibi, str) and bool(config.get(self.alibi))
 
     def attention_at(self, site: str) -> Attention:
         """The attention of a site: "self" (the decoder's self-attention), "cross" (the
@@ -437,7 +444,7 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
     kv = config.get(keys.num_kv_heads or "num_key_value_heads") or heads
     head_dim = (config.get(keys.head_dim) if keys.head_dim else None) or hidden // heads
     rot = 0
-    if spec.rotary.style != "none":
+    if spec.rotary.style != "none" and not spec.uses_alibi(config):
         # transformers 5 keeps the fraction in rope_parameters; older configs at top level
         rope = config.get("rope_parameters") or {}
         frac = config.get(spec.rotary.fraction_key) if spec.rotary.fraction_key else None

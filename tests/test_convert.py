@@ -60,7 +60,7 @@ def equalize_kv(model, family: str, group: int) -> None:
                 D = t.shape[0] // 3 // H  # rows [q heads | k heads | v heads] (MHA: H each)
                 for part in (1, 2):
                     tie(t[part * H * D:(part + 1) * H * D], 0, D)
-            elif family == "gpt_neox" and "query_key_value" in name:
+            elif family in ("gpt_neox", "falcon") and "query_key_value" in name:  # rows (H, 3, D)
                 D = t.shape[0] // 3 // H
                 v = t.view(H, 3, D, *t.shape[1:])
                 for part in (1, 2):

@@ -28,6 +28,9 @@ from gqakit.core.loading import is_gqakit_remote
 # the families whose table entry names a gqakit modeling file
 FAMILIES = [f for f, spec in registry().items() if spec.remote is not None and not spec.is_encoder_decoder]
 H = 4  # heads of the pico models in tests/tiny_models.py
+# fused qkv whose stock rows are (H, 3, D): per head its q, k and v rows
+QKV_PER_HEAD = {"gpt_neox": "gpt_neox.layers.{layer}.attention.query_key_value",
+                "falcon": "transformer.h.{layer}.self_attention.query_key_value"}
 
 
 # --- per-family views of one layer's K and V heads, and the GQA layouts (by hand) ----------
@@ -41,8 +44,8 @@ def _kv_head_views(family: str, sd: dict[str, torch.Tensor], layer: int) -> list
         wv = w.view(hid, 3, H, hid // H).permute(1, 2, 0, 3)  # (3, H, hidden, D)
         bv = b.view(3, H, hid // H)
         return [wv[1], wv[2], bv[1], bv[2]]
-    if family == "gpt_neox":
-        p = f"gpt_neox.layers.{layer}.attention.query_key_value"
+    if family in QKV_PER_HEAD:
+        p = QKV_PER_HEAD[family].format(layer=layer)
         w, b = sd[f"{p}.weight"], sd[f"{p}.bias"]
         hid = w.shape[1]
         # Linear weight [3*hidden, hidden]: rows (H, 3, D), per head q, k, v.
@@ -86,8 +89,8 @@ def gqa_state_dict(family: str, sd: dict[str, torch.Tensor], g: int) -> dict[str
 
             out[f"{p}.weight"] = torch.cat([q, pick(k), pick(v)], dim=1).contiguous()  # [q | k | v]
             out[f"{p}.bias"] = torch.cat([qb, pick(kb), pick(vb)]).contiguous()
-        elif family == "gpt_neox":
-            p = f"gpt_neox.layers.{layer}.attention.query_key_value"
+        elif family in QKV_PER_HEAD:
+            p = QKV_PER_HEAD[family].format(layer=layer)
             for name in ("weight", "bias"):
                 t = sd[f"{p}.{name}"]
                 d = t.shape[0] // (3 * H)
@@ -158,7 +161,7 @@ def tied_stock(tiny_model: Callable[..., Path]) -> Callable[..., Path]:
 # --- tests ----------------------------------------------------------------------------------
 
 def test_api() -> None:
-    assert set(FAMILIES) == {"gpt2", "gpt_neox", "opt"}
+    assert set(FAMILIES) == {"gpt2", "gpt_neox", "opt", "falcon"}
     for family in FAMILIES:
         upd = remote_config_updates(family, 2)
         assert upd["model_type"] == f"gqakit_{family}" and upd["num_key_value_heads"] == 2

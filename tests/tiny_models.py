@@ -74,6 +74,12 @@ def _configs() -> dict[str, Any]:
         "olmo2": lambda **o: _transformers().Olmo2Config(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
                                                             "num_hidden_layers": LAYERS, "num_attention_heads": 8,
                                                             "num_key_value_heads": 8, **o}),
+        # falcon: Falcon-RW's layout (per-head [q, k, v] rows, ALiBi, sequential attention and
+        # MLP, biases); falcon_new_decoder below is the new decoder architecture
+        "falcon": lambda **o: _transformers().FalconConfig(**{**common, "hidden_size": HIDDEN,
+                                                              "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+                                                              "multi_query": False, "alibi": True,
+                                                              "parallel_attn": False, "bias": True, **o}),
     }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import FalconConfig, FalconForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.falcon import modeling_falcon
 
 
@@ -40,8 +41,7 @@ class GqakitFalconConfig(FalconConfig):
 
 
 class GqakitFalconAttention(modeling_falcon.FalconAttention):
-    """FalconAttention with G key/value heads in the grouped fused layout described above
-    (eager or SDPA attention)."""
+    """FalconAttention with G key/value heads in the grouped fused layout described above."""
 
     def __init__(self, config: GqakitFalconConfig, layer_idx: int | None = None) -> None:
         super().__init__(config, layer_idx)
@@ -75,27 +75,26 @@ class GqakitFalconAttention(modeling_falcon.FalconAttention):
             query, key = modeling_falcon.apply_rotary_pos_emb(query, key, cos, sin)
         if layer_past is not None:
             key, value = layer_past.update(key, value, self.layer_idx)  # G heads
+        impl = self.config._attn_implementation
+        if impl != "eager" and not output_attentions:
+            # SDPA and the other registered kernels take G K/V heads (`num_key_value_groups`);
+            # with ALiBi, the bias is already inside the mask, as in stock Falcon
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
+            out, weights = attention(self, query, key, value, attention_mask, scaling=self.inv_norm_factor,
+                                     dropout=self.attention_dropout.p if self.training and alibi is not None else 0.0,
+                                     **kwargs)
+            return self.dense(out.reshape(batch, length, self.num_heads * D)), weights
         key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
-        kv_length = key.shape[-2]
-        sdpa = self.config._attn_implementation == "sdpa" and not output_attentions
-        weights = None
-        if sdpa:  # as stock: with ALiBi, the bias is already inside the mask
-            is_causal = self.is_causal and attention_mask is None and length > 1
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                 dropout_p=self.attention_dropout.p if self.training and alibi is not None
-                                                 else 0.0, is_causal=is_causal)
-        elif alibi is None:
+        if alibi is None:  # stock Falcon's eager attention, on K/V repeated to H heads
             scores = query @ key.transpose(-1, -2) / D ** 0.5
             weights = F.softmax(scores + attention_mask, dim=-1, dtype=hidden_states.dtype)
-            out = weights @ value
         else:
             scores = query @ key.transpose(-1, -2)
             if scores.dtype in (torch.float16, torch.bfloat16):
                 scores = scores.to(torch.float32)
             logits = (scores + alibi.view(batch, self.num_heads, 1, -1)) * self.inv_norm_factor
-            weights = F.softmax(logits + attention_mask, dim=-1, dtype=hidden_states.dtype)
-            weights = self.attention_dropout(weights).view(batch, self.num_heads, length, kv_length)
-            out = weights @ value
+            weights = self.attention_dropout(F.softmax(logits + attention_mask, dim=-1, dtype=hidden_states.dtype))
+        out = weights @ value
         out = out.transpose(1, 2).reshape(batch, length, self.num_heads * D)
         return self.dense(out), weights
 

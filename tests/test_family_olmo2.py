@@ -19,6 +19,7 @@ from gqakit.convert import convert_checkpoint
 from test_cli_refusals_and_help import run_cli
 from test_convert import load, logits
 
+TARGETS = ("k_proj", "v_proj")  # what a mean conversion changed: LoRA adapts it
 H, D, LAYERS = 8, 4, 2  # tests/tiny_models.py: 8 heads of hidden 32
 IDS = torch.randint(3, 64, (2, 10), generator=torch.Generator().manual_seed(1))
 
@@ -154,5 +155,11 @@ def test_verbs_end_to_end(tiny_model, tmp_path, capsys):
     ppl = json.loads((tmp_path / "e.json").read_text())["perplexity"]
     assert ppl["token_perplexity"] > 1 and ppl["tokens"] > 100
     final = run_uptrain(cfg(out, tmp_path / "run", tokens=16 * 2 * 2), quiet=True)
+    from test_uptrain_lora import LORA
+
+    lora = run_uptrain(cfg(out, tmp_path / "lora", tokens=16 * 2 * 2, lora=LORA), quiet=True)
+    lora_sd, conv_sd = load(lora).state_dict(), load(out).state_dict()
+    changed = {n for n in conv_sd if not torch.equal(lora_sd[n], conv_sd[n])}
+    assert changed and all(any(t in n for t in TARGETS) for n in changed), changed  # the mean conversion's projections only
     trained = load(final)
     assert trained.config.num_key_value_heads == 2 and trained.model.layers[0].self_attn.k_norm.weight.shape == (8,)

@@ -123,9 +123,13 @@ def align_heads(h: AttnHeads, num_groups: int, *, rotary_style: str, rotary_dim:
     eye = torch.eye(D, dtype=h.k.dtype)
     rk = eye.expand(KV, D, D).clone()
     rv = eye.expand(KV, D, D).clone()
+    # a norm's per-dim weight between a projection and the rotary embedding does not commute
+    # with a rotation of its dims: such heads keep their K frame (V still aligns)
+    rotate_k = h.q_norm is None and h.k_norm is None
     for g in range(num_groups if s > 1 else 0):  # groups of one head stay as they are
         sl = slice(g * s, (g + 1) * s)
-        rk[sl] = procrustes_group(kw[sl], lambda n: _fit_rope_rotation(n, pairs), iters)
+        if rotate_k:
+            rk[sl] = procrustes_group(kw[sl], lambda n: _fit_rope_rotation(n, pairs), iters)
         rv[sl] = procrustes_group(vw[sl], _fit_orthogonal, iters)
     k, kb = _split(rk @ ka, h.k_bias is not None)
     v, vb = _split(rv @ va, h.v_bias is not None)
@@ -134,14 +138,15 @@ def align_heads(h: AttnHeads, num_groups: int, *, rotary_style: str, rotary_dim:
     qb = None if h.q_bias is None else (rq @ h.q_bias.unsqueeze(-1)).squeeze(-1)
     rvq = rv.repeat_interleave(r, dim=0)
     o = torch.einsum("ohd,hed->ohe", h.o, rvq)              # o_h U^T
-    return AttnHeads(q=q, k=k, v=v, o=o, q_bias=qb, k_bias=kb, v_bias=vb, q_order=h.q_order)
+    return AttnHeads(q=q, k=k, v=v, o=o, q_bias=qb, k_bias=kb, v_bias=vb, q_norm=h.q_norm, k_norm=h.k_norm,
+                     q_order=h.q_order)
 
 
 def expand_kv(h: AttnHeads, num_kv_heads: int) -> AttnHeads:
     """Repeat pooled heads so there are `num_kv_heads` again (the same function, MHA-shaped)."""
     rep = num_kv_heads // h.num_kv_heads
     f = lambda t: None if t is None else t.repeat_interleave(rep, dim=0)  # noqa: E731
-    return h.replace(k=f(h.k), v=f(h.v), k_bias=f(h.k_bias), v_bias=f(h.v_bias))
+    return h.replace(k=f(h.k), v=f(h.v), k_bias=f(h.k_bias), v_bias=f(h.v_bias), k_norm=f(h.k_norm))
 
 
 # ----------------------------------------------------------------------------- restoration

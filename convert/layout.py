@@ -5,6 +5,8 @@ per-group fused rows, fused rows in model-parallel blocks) map to the same `Attn
 family-specific layout:
 
     q [H, D, in]    k, v [KV, D, in]    o [out, H, D]    biases [heads, D] or None
+    q_norm [H, D], k_norm [KV, D] or None: the weights of a norm over the whole q or k
+    projection (`Attention.qk_norm` of scope "projection"), which belong to their heads
 
 `o` is the output projection's weight viewed by input head; its bias is untouched by
 every transform and passes through unchanged. `q_order` says which source query head each
@@ -36,6 +38,8 @@ class AttnHeads:
     q_bias: Tensor | None = None
     k_bias: Tensor | None = None
     v_bias: Tensor | None = None
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
     q_order: list[int] | None = None  # source index of each query head; None: unchanged
 
     @property
@@ -51,7 +55,8 @@ class AttnHeads:
 
     def to(self, dtype: torch.dtype) -> "AttnHeads":
         return AttnHeads(*[None if t is None else t.to(dtype) for t in
-                           (self.q, self.k, self.v, self.o, self.q_bias, self.k_bias, self.v_bias)],
+                           (self.q, self.k, self.v, self.o, self.q_bias, self.k_bias, self.v_bias,
+                            self.q_norm, self.k_norm)],
                          q_order=self.q_order)
 
 
@@ -59,7 +64,8 @@ SITES = ("self", "cross", "encoder")
 
 
 def layer_names(spec: ArchSpec, layer: int, site: str = "self") -> dict[str, str]:
-    """Role -> tensor name for one layer (weights and possible biases; o's bias excluded)."""
+    """Role -> tensor name for one layer (weights and possible biases; o's bias excluded; the
+    weights of whole-projection q/k norms)."""
     a = spec.attention_at(site)
     p = a.prefix.format(layer=layer)
     roles = {"o.weight": f"{p}{a.o}.weight"}
@@ -68,6 +74,10 @@ def layer_names(spec: ArchSpec, layer: int, site: str = "self") -> dict[str, str
         base = getattr(a, part)
         roles[f"{part}.weight"] = f"{p}{base}.weight"
         roles[f"{part}.bias"] = f"{p}{base}.bias"
+    if a.qk_norm is not None and a.qk_norm.scope == "projection":
+        for part in ("q", "k"):
+            if getattr(a.qk_norm, part):
+                roles[f"{part}_norm.weight"] = f"{p}{getattr(a.qk_norm, part)}.weight"
     return roles
 
 
@@ -127,9 +137,11 @@ def read_heads(spec: ArchSpec, shape: Shape, tensors: dict[str, Tensor], layer: 
         bias = get("qkv.bias")
         b = dict(zip("qkv", _split_rows(bias, a, shape))) if bias is not None else dict.fromkeys("qkv")
     heads_of = {"q": H, "k": KV, "v": KV}
+    norms = {f"{p}_norm": get(f"{p}_norm.weight") if f"{p}_norm.weight" in names else None for p in "qk"}
     return AttnHeads(
         **{p: None if w[p] is None else w[p].reshape(heads_of[p], D, -1) for p in "qkv"}, o=o,
         **{f"{p}_bias": None if b[p] is None else b[p].reshape(heads_of[p], D) for p in "qkv"},
+        **{n: None if t is None else t.reshape(heads_of[n[0]], D) for n, t in norms.items()},
     )
 
 
@@ -150,6 +162,10 @@ def write_heads(spec: ArchSpec, heads: AttnHeads, layer: int, dtypes: dict[str, 
     flat = {p: None if getattr(heads, p) is None else getattr(heads, p).reshape(-1, getattr(heads, p).shape[-1])
             for p in "qkv"}
     bias = {p: getattr(heads, f"{p}_bias") for p in "qkv"}
+    for p in "qk":
+        norm = getattr(heads, f"{p}_norm")
+        if norm is not None and names.get(f"{p}_norm.weight") in dtypes:
+            out[names[f"{p}_norm.weight"]] = norm.reshape(-1)
     if a.layout == "separate":
         for p in "qkv":
             if flat[p] is None:
@@ -178,7 +194,7 @@ def output_shapes(spec: ArchSpec, shape: Shape, num_kv_heads: int, layer: int,
             continue
         s = list(src_shapes[name])
         part = role.split(".")[0]
-        new_rows = {"k": G * D, "v": G * D, "qkv": (H + 2 * G) * D}.get(part)
+        new_rows = {"k": G * D, "v": G * D, "k_norm": G * D, "qkv": (H + 2 * G) * D}.get(part)
         if new_rows is not None:
             axis = 1 if (transposed and role.endswith("weight")) else 0
             s[axis] = new_rows

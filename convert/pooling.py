@@ -57,6 +57,7 @@ def regroup(h: AttnHeads, groups: Groups) -> AttnHeads:
     before = h.q_order or list(range(h.num_heads))
     return AttnHeads(q=h.q[q_perm], k=h.k[kv_perm], v=h.v[kv_perm], o=h.o[:, q_perm],
                      q_bias=pick(h.q_bias, q_perm), k_bias=pick(h.k_bias, kv_perm), v_bias=pick(h.v_bias, kv_perm),
+                     q_norm=pick(h.q_norm, q_perm), k_norm=pick(h.k_norm, kv_perm),
                      q_order=[before[i] for i in q_perm.tolist()])
 
 
@@ -69,9 +70,10 @@ def _pool(t: Tensor | None, G: int, how: str) -> Tensor | None:
 
 
 def pool_contiguous(h: AttnHeads, G: int, how: str = "mean") -> AttnHeads:
-    """Pool K and V (weights and biases) over contiguous groups of KV heads."""
+    """Pool K and V (weights, biases and a whole-projection k norm's weights) over contiguous
+    groups of KV heads."""
     return h.replace(k=_pool(h.k, G, how), v=_pool(h.v, G, how),
-                     k_bias=_pool(h.k_bias, G, how), v_bias=_pool(h.v_bias, G, how))
+                     k_bias=_pool(h.k_bias, G, how), v_bias=_pool(h.v_bias, G, how), k_norm=_pool(h.k_norm, G, how))
 
 
 def mean_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
@@ -97,7 +99,8 @@ def random_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
 
     return h.replace(k=fresh(h.k), v=fresh(h.v),
                      k_bias=None if h.k_bias is None else torch.zeros_like(h.k_bias[:G]),
-                     v_bias=None if h.v_bias is None else torch.zeros_like(h.v_bias[:G]))
+                     v_bias=None if h.v_bias is None else torch.zeros_like(h.v_bias[:G]),
+                     k_norm=_pool(h.k_norm, G, "mean"))  # a norm's scale, not a projection: kept
 
 
 Method = Callable[[AttnHeads, PoolContext], AttnHeads]

@@ -56,6 +56,20 @@ class ConfigKeys(_Strict):
     max_positions: list[str]  # the context length: the first of these keys that is set
 
 
+class QkNorm(_Strict):
+    """RMSNorms on the q and k projections' outputs (module names inside the attention).
+
+    scope "head": one norm per head, over head_dim, its weight shared by every head (Qwen3): it
+    passes through a conversion unchanged. scope "projection": one norm over the whole
+    projection, all heads jointly (OLMo-2): its weight has an entry per head and dim, so it is
+    read as part of the heads, moves with them when they are regrouped and is pooled with K.
+    """
+
+    q: str | None = None
+    k: str | None = None
+    scope: Literal["head", "projection"]
+
+
 class Attention(_Strict):
     """Where one layer's attention projections live and how they are laid out.
 
@@ -74,6 +88,8 @@ class Attention(_Strict):
                    checkpoint with KV key/value heads uses gcd(blocks, KV) blocks, so a
                    grouped checkpoint with fewer KV heads than blocks stays expressible
                    (`block_count`); a source's heads must fill whole blocks
+
+    `qk_norm`: norms of the q and k projections' outputs, applied before the rotary embedding.
     """
 
     layout: Literal["separate", "fused_concat", "grouped_qkv", "fused_blocks"]
@@ -86,6 +102,7 @@ class Attention(_Strict):
     transposed: bool = False
     blocks: int | None = None                       # fused_blocks: the number of blocks
     order: list[Literal["q", "k", "v"]] | None = None  # fused_blocks: the parts within a block
+    qk_norm: QkNorm | None = None
 
     @model_validator(mode="after")
     def _names_match_layout(self) -> "Attention":
@@ -205,6 +222,10 @@ class ArchSpec(_Strict):
     gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
     position_bias: PositionBias | None = None  # per-query-head position bias (see PositionBias)
     reject_if: dict[str, Any] = {}  # config key (dotted: in a nested section) -> a value gqakit refuses
+    # ALiBi position biases, one slope per query head by its position, in a family whose modeling
+    # file does not follow a recorded head order (position_bias does): True, or the config key
+    # that turns them on. Rotary is then off, and no grouping may reorder the query heads.
+    alibi: bool | str = False
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -232,6 +253,10 @@ class ArchSpec(_Strict):
     @property
     def is_encoder_decoder(self) -> bool:
         return self.encoder is not None
+
+    def uses_alibi(self, config: Mapping[str, Any]) -> bool:
+        """Whether a config.json dict of this family has ALiBi position biases."""
+        return self.alibi is True or isinstance(self.alibi, str) and bool(config.get(self.alibi))
 
     def attention_at(self, site: str) -> Attention:
         """The attention of a site: "self" (the decoder's self-attention), "cross" (the
@@ -466,7 +491,7 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
     kv = config.get(keys.num_kv_heads or "num_key_value_heads") or heads
     head_dim = (config.get(keys.head_dim) if keys.head_dim else None) or hidden // heads
     rot = 0
-    if spec.rotary.style != "none":
+    if spec.rotary.style != "none" and not spec.uses_alibi(config):
         # transformers 5 keeps the fraction in rope_parameters; older configs at top level
         rope = config.get("rope_parameters") or {}
         frac = config.get(spec.rotary.fraction_key) if spec.rotary.fraction_key else None

@@ -41,9 +41,16 @@ SAMPLER_VERSION = "static-cache-v2"
 
 
 def _new_cache(model: Any, max_len: int) -> Any:
-    """A preallocated KV cache when the model supports one (no per-step concatenation), else a dynamic one."""
+    """A preallocated KV cache when the model supports one (no per-step concatenation), else a
+    dynamic one. ALiBi models get a dynamic one: their bias spans the tokens seen so far, which a
+    preallocated cache's mask does not."""
     from transformers import DynamicCache, StaticCache
 
+    from gqakit.core.arch import find_loaded
+
+    spec = find_loaded(model)
+    if spec is not None and spec.uses_alibi(model.config.to_dict()):
+        return DynamicCache()
     if getattr(model, "_supports_static_cache", True) and getattr(model, "_can_compile_fullgraph", True):
         try:
             return StaticCache(config=model.config, max_cache_len=max_len)

@@ -59,12 +59,27 @@ def check_eval_inputs(model_path: str | Path, *, perplexity: PerplexitySettings 
     split_source(model_path)  # a missing path or a broken config.json, before anything slow
     if speed is not None:  # a grid axis given for the other kind of model
         speed.check_model(is_encoder_decoder(model_path))
+        check_speed_positions(model_path)
     check_device(device)
     check_dtype(dtype)
     if out is None:
         return None
     return check_output_path(Path(out), overwrite=overwrite, inputs=eval_inputs(model_path, perplexity, tasks),
                              kind=RESULTS, flag="--out")
+
+
+def check_speed_positions(model_path: str | Path) -> None:
+    """Decode speed is timed on a preallocated (static) KV cache, whose mask transformers'
+    ALiBi models cannot take: their bias spans the tokens seen so far. Refused before loading."""
+    from gqakit.core.arch import find
+    from gqakit.core.loading import read_config_json, split_source
+
+    folder, gguf = split_source(model_path)
+    config = {} if gguf else read_config_json(folder)
+    spec = find(config)
+    if spec is not None and spec.uses_alibi(config):
+        raise GqakitError(f"--speed: this {spec.family} model uses ALiBi position biases, which transformers "
+                          "cannot apply over the static KV cache the speed grid times; measure perplexity or tasks")
 
 
 def eval_inputs(model_path: str | Path, perplexity: PerplexitySettings | None,

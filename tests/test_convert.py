@@ -65,7 +65,7 @@ def equalize_kv(model, family: str, group: int) -> None:
                 v = t.view(4, 3, H // 4 * D, *t.shape[1:])  # 4 blocks of [q | v | k], H/4 heads each
                 for part in (1, 2):
                     tie(v[:, part], 0, D)
-            elif family == "gpt_neox" and "query_key_value" in name:
+            elif family in ("gpt_neox", "falcon") and "query_key_value" in name:  # rows (H, 3, D)
                 D = t.shape[0] // 3 // H
                 v = t.view(H, 3, D, *t.shape[1:])
                 for part in (1, 2):
@@ -79,6 +79,8 @@ def equalize_kv(model, family: str, group: int) -> None:
                 D = t.shape[0] // 3 // H
                 for part in (1, 2):
                     tie(t[part * H * D:(part + 1) * H * D], 0, D)
+            elif family == "olmo2" and name.endswith("self_attn.k_norm.weight"):
+                tie(t, 0, t.shape[0] // H)  # an RMSNorm over all K heads: one weight per head and dim
             elif any(name.endswith(f"attn.{p}_proj.{w}") for p in "kv" for w in ("weight", "bias")):
                 D = t.shape[0] // (model.config.num_key_value_heads if hasattr(model.config, "num_key_value_heads") else H)
                 tie(t, 0, D)

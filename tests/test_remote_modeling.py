@@ -28,11 +28,12 @@ from gqakit.core.trust import code_files, only_gqakit_code
 # the decoder families whose table entry names a gqakit modeling file
 REMOTE = [f for f, spec in registry().items() if spec.remote is not None and not spec.is_encoder_decoder]
 # those whose GQA layouts this file builds by hand (each other family's own test file covers it)
-FAMILIES = ["gpt2", "gpt_neox", "opt", "bloom", "mpt"]
+FAMILIES = ["gpt2", "gpt_neox", "opt", "bloom", "mpt", "falcon"]
 H = 4  # heads of the pico models in tests/tiny_models.py
 # families whose fused query_key_value rows are (H, 3, D) in the stock model: its name per layer
 NEOX_ROWS = {"gpt_neox": "gpt_neox.layers.{layer}.attention.query_key_value",
-             "bloom": "transformer.h.{layer}.self_attention.query_key_value"}
+             "bloom": "transformer.h.{layer}.self_attention.query_key_value",
+             "falcon": "transformer.h.{layer}.self_attention.query_key_value"}
 EAGER_ONLY = {"bloom", "mpt"}  # stock transformers has only eager attention for these
 
 

@@ -87,6 +87,16 @@ def _configs() -> dict[str, Any]:
         "mpt": lambda **o: __import__("transformers").MptConfig(**{**ids, "vocab_size": VOCAB, "d_model": HIDDEN,
                                                                    "n_layers": LAYERS, "n_heads": 4,
                                                                    "max_seq_len": 128, "expansion_ratio": 2, **o}),
+        # olmo2: q/k RMSNorms over the whole projection, norms after attention and MLP
+        "olmo2": lambda **o: _transformers().Olmo2Config(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
+                                                            "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+                                                            "num_key_value_heads": 8, **o}),
+        # falcon: Falcon-RW's layout (per-head [q, k, v] rows, ALiBi, sequential attention and
+        # MLP, biases); falcon_new_decoder below is the new decoder architecture
+        "falcon": lambda **o: _transformers().FalconConfig(**{**common, "hidden_size": HIDDEN,
+                                                              "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+                                                              "multi_query": False, "alibi": True,
+                                                              "parallel_attn": False, "bias": True, **o}),
     }
 
 

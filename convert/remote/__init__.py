@@ -52,6 +52,9 @@ def remote_config_updates(family: str, num_kv_heads: int, *, encoder_kv_heads: i
             "AutoModelForSeq2SeqLM" if seq2seq else "AutoModelForCausalLM": f"{module}.{fam.model_class}",
         },
     }
+    key = registry()[family].config.num_kv_heads
+    if key and key != "num_key_value_heads":  # the family's own key, which the table reads
+        updates[key] = int(num_kv_heads)
     if seq2seq:
         if encoder_kv_heads is None:
             raise ValueError(f"{family} is an encoder-decoder: give encoder_kv_heads")

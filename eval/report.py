@@ -16,6 +16,8 @@ from typing import Any
 from gqakit.core.arch import kv_bytes_text
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import REPORT, atomic_output_dir, check_output_path
+from gqakit.eval.measurement import Measurement
+from gqakit.eval.measures import measurements
 from gqakit.eval.records import SCHEMA, UNSET, EvalResult, ModelInfo, SpeedPoint, TaskRow, opt, read_results
 from gqakit.eval.report_speed import memory_bound_sentence, point_label, speed_entry, speed_section, speedup_text
 
@@ -195,6 +197,10 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
                     b0 = base_tasks[task].metrics.get(metric) if task in base_tasks else None
                     row["tasks"][task][metric] = {"value": m.value, "stderr": m.stderr,
                                                   "delta": None if b0 is None else m.value - b0.value}
+        for mname, m in extra_sections().items():  # registered measurements' own entries
+            entry = m.report.row(r.block(mname), base.block(mname)) if r.block(mname) else None  # type: ignore[union-attr]
+            if entry is not None:
+                row[mname] = entry
         rows.append(row)
     report = {
         "schema": REPORT_SCHEMA,
@@ -213,7 +219,9 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
         # the speed sections of all the models from one run with their steps alternating
         # (eval.speed.evaluate_speed_together), or each from its own run
         "speed_timed_together": _timed_together(results),
-        "warnings": comparability_warnings(results, names) + task_warnings(results, names),
+        "warnings": comparability_warnings(results, names) + task_warnings(results, names)
+        + [w for m in extra_sections().values() if m.report.warnings  # type: ignore[union-attr]
+           for w in m.report.warnings(results, names)],  # type: ignore[union-attr]
     }
     by_kind: dict[str, Any] = {}
     for r in results:
@@ -222,6 +230,11 @@ def build_report(results: list[EvalResult], names: list[str], command: list[str]
     if len(by_kind) > 1:  # perplexities of different objectives: how each kind was made
         report["perplexity_settings_by_objective"] = by_kind
     return report
+
+
+def extra_sections() -> dict[str, Measurement]:
+    """The registered measurements beyond the built-in ones that have a report section."""
+    return {n: m for n, m in measurements().items() if not m.builtin and m.report is not None}
 
 
 def _timed_together(results: list[EvalResult]) -> bool:
@@ -353,6 +366,9 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     out += encoder_decoder_sentence(rows)
     out += speed_section(report)
     out += task_markdown(report)
+    for mname, m in extra_sections().items():
+        if m.report.markdown is not None:  # type: ignore[union-attr]
+            out += m.report.markdown([r.get(mname) for r in rows], [r["name"] for r in rows])  # type: ignore[union-attr]
     mb = memory_bound_sentence(report)
     if mb:
         out += ["", "## Where decoding is memory-bound", "",

@@ -139,3 +139,47 @@ def test_registering_twice_or_a_results_key_is_refused(count):
 
     with pytest.raises(GqakitError, match="key of the results file"):
         register(replace(count.COUNT, name="model"))
+
+
+# ----------------------------------------------------------------------------- one Bench protocol
+
+BENCH_METHODS = ("probe", "open_point", "rep", "begin_rep", "timed_step", "close_point", "point_cost", "point_path",
+                 "prefill_fields")
+
+
+def test_both_benches_follow_the_bench_protocol():
+    from gqakit.eval.speed import Bench, DecodeBench, Seq2SeqBench
+
+    assert set(BENCH_METHODS) <= {n for n in dir(Bench) if not n.startswith("_")}
+    for cls in (DecodeBench, Seq2SeqBench):
+        assert all(callable(getattr(cls, n, None)) for n in BENCH_METHODS), cls
+
+
+def test_one_summarize_from_the_bench_cost():
+    """A bench written against the protocol alone is summarized: the bytes it says a step reads
+    over the median step time is the bandwidth; FLOPs per byte against the ridge, memory-bound."""
+    import types
+
+    from gqakit.eval.speed import OpenPoint, PointCost, summarize
+    from gqakit.eval.speed.point import timings
+
+    class Fake:
+        device = types.SimpleNamespace(type="cpu")
+
+        def point_cost(self, pt):
+            return PointCost(bytes={"weights": 600, "kv": 400, "total": 1000}, flops=2000.0, kv_analytic=512)
+
+        def point_path(self, pt, graph_used):
+            return "fake", {"steps": "fake"}
+
+        def prefill_fields(self, pt):
+            return {"prefill_ms": {"median": 1.0, "p90": 1.0}, "prefill_samples": 1, **timings(pt.batch, [], pt.dec)}
+
+    pt = OpenPoint(batch=2, prompt_len=8, new_tokens=3, dec=[0.5, 0.25, 1.0], reps=3)
+    roof = {"copy_bandwidth": 8000.0, "matmul_flops": 1e6, "ridge_flops_per_byte": 4.0}
+    got = summarize(Fake(), pt, roof, peak=None)
+    # exact: the same few float operations in the same order as the expected values
+    assert got.achieved_bandwidth_gbs == 1000 / 0.5 / 1e9 and got.roofline_fraction == 1000 / 0.5 / 8000.0
+    assert got.arithmetic_intensity == 2.0 and got.memory_bound is True
+    assert got.bytes_per_step["total"] == 1000 and got.kv_cache_bytes_analytic == 512
+    assert got.decode_path == {"steps": "fake"} and got.tokens_per_s["median"] == 2 / 0.5

@@ -26,7 +26,6 @@ models' bytes into the predicted speedup, as for decoder-only models.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.loading import cache_kwarg
 from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_folded_attention
 from gqakit.eval.records import SpeedPoint, SpeedResult
-from gqakit.eval.speed.point import OpenPoint, timings
+from gqakit.eval.speed.point import OpenPoint, PointCost, summarize, timings
 from gqakit.eval.speed.roofline import measure_roof, sync
 from gqakit.eval.speed.settings import SpeedSettings
 
@@ -395,6 +394,37 @@ class Seq2SeqBench:
         pt.result = summarize(self, pt, roof, peak=peak)
         return pt.result
 
+    def point_cost(self, pt: Seq2SeqPoint) -> PointCost:
+        """The bytes a step must read: the decoder's weights, the self-attention cache at the
+        output position (mean over the steps) and the whole cross-attention cache."""
+        batch, input_len = pt.batch, pt.prompt_len
+        mean_out = pt.output_len + (pt.new_tokens + 1) / 2
+        self_kv = batch * self.kv_bytes_per_token * mean_out
+        cross_kv = batch * self.kv_bytes_per_input_token * input_len
+        total = self.weight_bytes + self_kv + cross_kv
+        flops = (2 * self.matmul_params * batch
+                 + 4 * batch * self.layers * self.heads * self.head_dim * (mean_out + input_len))
+        return PointCost(bytes={"weights": self.weight_bytes, "kv": self_kv + cross_kv, "self_attention_kv": self_kv,
+                                "cross_attention_kv": cross_kv, "total": total}, flops=flops,
+                         kv_analytic=batch * (input_len * self.kv_bytes_per_input_token
+                                              + (pt.output_len + pt.new_tokens) * self.kv_bytes_per_token))
+
+    def point_path(self, pt: Seq2SeqPoint, graph_used: bool) -> tuple[str, dict[str, Any]]:
+        """The decode mode of a closed point, and which path each part of its step took."""
+        weights = ("as loaded" if not pt.packed_bytes else "packed once (oneDNN)" if self.kernels is None
+                   else "packed once (gqakit panels, one huge-page buffer in the step's order)"
+                   if self.lean is not None else "packed once (gqakit panels)")
+        return self.decode_mode, {
+            "steps": self.decode_mode, "weights": weights, "attention": self.attn_impl, "layers": self.layers_mode,
+            "caches": CACHES, "prefill": "once per point (encoder, then the decoder prefix); decode repetitions "
+                                         "rewind the self-attention cache"}
+
+    def prefill_fields(self, pt: Seq2SeqPoint) -> dict[str, Any]:
+        """Time to the first token (encoder and decoder prefix, once per point), the encoder's
+        time, and the decode timings."""
+        return {"prefill_ms": {"median": 1e3 * pt.first_s, "p90": 1e3 * pt.first_s}, "prefill_samples": 1,
+                "encode_ms": {"median": 1e3 * pt.encode_s, "p90": 1e3 * pt.encode_s}, **timings(pt.batch, [], pt.dec)}
+
     def run_point(self, batch: int, input_len: int, output_len: int, new_tokens: int, reps: int, warmup: int,
                   roof: dict[str, float]) -> SpeedPoint:
         """One grid point, start to end: open, `reps` repetitions, close."""
@@ -408,48 +438,6 @@ class Seq2SeqBench:
             pt.stack.close()
             raise
         return self.close_point(pt, roof)
-
-
-def summarize(bench: Seq2SeqBench, pt: Seq2SeqPoint, roof: dict[str, float], *, peak: int | None) -> SpeedPoint:
-    """The measurements of a closed point against the device's `roof`: the bytes a step must
-    read are the decoder's weights, the self-attention cache at the output position (mean
-    over the steps) and the whole cross-attention cache."""
-    batch, input_len, dec = pt.batch, pt.prompt_len, pt.dec
-    step = statistics.median(dec)
-    mean_out = pt.output_len + (pt.new_tokens + 1) / 2
-    self_kv = batch * bench.kv_bytes_per_token * mean_out
-    cross_kv = batch * bench.kv_bytes_per_input_token * input_len
-    total = bench.weight_bytes + self_kv + cross_kv
-    flops = 2 * bench.matmul_params * batch + 4 * batch * bench.layers * bench.heads * bench.head_dim * (mean_out + input_len)
-    t_bytes = total / roof["copy_bandwidth"]
-    t_flops = flops / roof["matmul_flops"] if roof.get("matmul_flops") else None
-    weights = ("as loaded" if not pt.packed_bytes else "packed once (oneDNN)" if bench.kernels is None
-               else "packed once (gqakit panels, one huge-page buffer in the step's order)" if bench.lean is not None
-               else "packed once (gqakit panels)")
-    first = {"median": 1e3 * pt.first_s, "p90": 1e3 * pt.first_s}
-    return SpeedPoint(
-        **pt.axes, status="ok", decode_mode=bench.decode_mode,
-        decode_path={"steps": bench.decode_mode, "weights": weights, "attention": bench.attn_impl, "layers": bench.layers_mode,
-                     "caches": CACHES, "prefill": "once per point (encoder, then the decoder prefix); decode "
-                                                  "repetitions rewind the self-attention cache"},
-        decode_samples=len(dec), decode_sample="one step" if len(dec) > pt.reps else "mean step of a repetition",
-        prefill_ms=first, prefill_samples=1, encode_ms={"median": 1e3 * pt.encode_s, "p90": 1e3 * pt.encode_s},
-        **timings(batch, [], dec),
-        warmup_s=pt.warmup_s, compile_s=None, reps=pt.reps, packed_weight_bytes=pt.packed_bytes,
-        peak_memory_bytes=peak,
-        peak_memory_kind="cuda max_memory_allocated" if bench.device.type == "cuda" else "process peak RSS",
-        kv_cache_bytes=pt.kv_bytes,
-        kv_cache_bytes_analytic=batch * (input_len * bench.kv_bytes_per_input_token
-                                         + (pt.output_len + pt.new_tokens) * bench.kv_bytes_per_token),
-        bytes_per_step={"weights": bench.weight_bytes, "kv": self_kv + cross_kv, "self_attention_kv": self_kv,
-                        "cross_attention_kv": cross_kv, "total": total},
-        flops_per_step=flops,
-        roofline_ms={"bytes": 1e3 * t_bytes, "flops": None if t_flops is None else 1e3 * t_flops},
-        achieved_bandwidth_gbs=total / step / 1e9,
-        roofline_fraction=total / step / roof["copy_bandwidth"],
-        arithmetic_intensity=flops / total,
-        memory_bound=flops / total < roof["ridge_flops_per_byte"],
-    )
 
 
 def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,

@@ -364,6 +364,12 @@ class SpeedResult(Record):
     def points(self) -> dict[tuple[int, ...], SpeedPoint]:
         return {g.key: g for g in self.grid}
 
+    @property
+    def timed_with(self) -> list[str] | None:
+        """The models whose decode steps alternated with this one's in one run
+        (eval.speed.evaluate_speed_together); None: timed in its own run."""
+        return self.settings.get("timed_with") if isinstance(self.settings, dict) else None
+
 
 # ----------------------------------------------------------------------------- tasks
 

@@ -136,6 +136,7 @@ Examples:
 """
 
 eval_cmd = make_eval_command()
+EVAL_OPTION_GROUPS = eval_option_groups()  # the `--help` headings of `eval_cmd`
 
 
 def eval_settings(values: dict[str, Any], given: set[str] | None = None) -> dict[str, Any]:

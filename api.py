@@ -22,6 +22,7 @@ from gqakit.core.text import EvalText, TextSource
 
 # `gqakit eval` options whose Python name differs from click's (a builtin's name there)
 RENAMED = {"compile_": "compile"}
+RENAMED_BACK = {v: k for k, v in RENAMED.items()}
 TEXT_SPEC = "<text>"  # where a text given as a string is recorded as coming from
 
 
@@ -87,15 +88,13 @@ def evaluate(model: str | Path, **options: Any) -> Any:
         data = StringText(TEXT_SPEC, text)
     for py, name in RENAMED.items():
         args[py] = args.pop(name)
-    if "prompt_lens" not in options:
-        args["prompt_lens"] = None  # not given: an axis for the other kind of model is refused
     run = {k: args.pop(k) for k in ("out", "device", "dtype", "overwrite", "quiet", "trust_remote_code")}
+    given = {RENAMED_BACK.get(k, k) for k in options} | {"data"}  # others keep the command's defaults
     with consent(run["trust_remote_code"]):
-        ppl, speed, tasks = eval_settings(data=data, **args)
+        measures = eval_settings({"data": data, **args}, given)
         out = None if run["out"] is None else Path(run["out"])
-        return run_eval(str(model), perplexity=ppl, speed=speed, tasks=tasks, device=run["device"],
-                        dtype=run["dtype"], out=out, command=None, progress=not run["quiet"],
-                        overwrite=run["overwrite"], quiet=run["quiet"])
+        return run_eval(str(model), measures=measures, device=run["device"], dtype=run["dtype"], out=out,
+                        command=None, progress=not run["quiet"], overwrite=run["overwrite"], quiet=run["quiet"])
 
 
 @cache

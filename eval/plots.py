@@ -13,6 +13,7 @@ from typing import Any
 
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.eval.records import EvalResult, SpeedPoint
+from gqakit.eval.report_rows import Report
 
 MARKERS = "osD^v<>p*h"
 
@@ -87,26 +88,26 @@ def _ppl_plot(results: list[EvalResult], names: list[str], out: Path) -> bool:
     return True
 
 
-def _tasks_plot(report: dict[str, Any], out: Path) -> bool:
+def _tasks_plot(report: Report, out: Path) -> bool:
     """Grouped bars: one group per task metric, one bar per model, stderr as error bars."""
-    t = report.get("tasks")
-    if not t or not t["columns"]:
+    t = report.tasks
+    if not t or not t.columns:
         return False
     import numpy as np
 
-    cols, rows = t["columns"], report["rows"]
+    cols, rows = t.columns, report.rows
     plt = _plt()
     x = np.arange(len(cols))
     width = 0.8 / max(1, len(rows))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cols) * max(1, len(rows)) + 2), 4.5))
     for i, r in enumerate(rows):
-        ms = [(r.get("tasks") or {}).get(c["task"], {}).get(c["metric"]) for c in cols]
-        vals = [m["value"] if m else np.nan for m in ms]
-        errs = [m["stderr"] if m and m["stderr"] is not None else 0.0 for m in ms]
-        ax.bar(x + (i - (len(rows) - 1) / 2) * width, vals, width, yerr=errs, capsize=3, label=r["name"],
+        ms = [(r.tasks or {}).get(c.task, {}).get(c.metric) for c in cols]
+        vals = [m.value if m else np.nan for m in ms]
+        errs = [m.stderr if m and m.stderr is not None else 0.0 for m in ms]
+        ax.bar(x + (i - (len(rows) - 1) / 2) * width, vals, width, yerr=errs, capsize=3, label=r.name,
                color=f"C{i}")
     ax.set_xticks(x)
-    ax.set_xticklabels([f"{c['task']}\n{c['metric']}" for c in cols], fontsize=9)
+    ax.set_xticklabels([f"{c.task}\n{c.metric}" for c in cols], fontsize=9)
     ax.set_ylabel("score (error bars: ± stderr)")
     ax.set_title("Downstream tasks (lm-evaluation-harness)")
     ax.legend()
@@ -182,10 +183,10 @@ def _loss_plot(rows: list[dict[str, Any]], out: Path) -> bool:
     return True
 
 
-def make_plots(report: dict[str, Any], results: list[EvalResult], folder: Path,
+def make_plots(report: Report, results: list[EvalResult], folder: Path,
                train_log: str | Path | None = None) -> list[str]:
     """Write the PNGs that have data; returns their file names (relative to the report)."""
-    names = [r["name"] for r in report["rows"]]
+    names = [r.name for r in report.rows]
     made = []
     if _speed_plot(results, names, folder / "speed_vs_batch.png", x_key="batch", panel_key="prompt_len",
                    xlabel="batch size", panel_label="prompt length", title="Decode throughput vs batch size"):

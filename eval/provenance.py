@@ -1,7 +1,8 @@
 """Where a number comes from: the `run` and `model` blocks of a results file (eval/records.py).
 
 `run_info` records the command, the library versions, the device, the date and the commit;
-`model_info` the measured model's shape and the KV-cache bytes one token costs. Bench
+`model_info` the measured model's shape and the KV-cache bytes one token costs;
+`seen_in_training` which of the model's own training files hold the evaluation text. Bench
 scripts record the same `run` block next to their own numbers.
 """
 
@@ -12,9 +13,12 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gqakit.eval.records import ConversionInfo, EncoderInfo, ModelInfo, RunInfo
+
+if TYPE_CHECKING:
+    from gqakit.core.text import EvalText
 
 
 def git_hash() -> str | None:
@@ -133,3 +137,47 @@ def seq2seq_model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelI
         cross_kv_bytes_per_token=cross_bytes,  # the cross-attention cache, per input token
         conversion=conversion_info(path),
     )
+
+
+def seen_in_training(model_path: str | Path, doc: EvalText) -> list[dict[str, str]]:
+    """Files the model's own records say it was trained or calibrated on that hold the
+    evaluation text (equal content, or the text as a part): recorded with the result.
+
+    Reads `gqakit_uptrain.yaml` (data.files) and `gqakit_convert.json` (calibration data)
+    of a gqakit model folder; files that are gone or larger than 2 GB are skipped."""
+    from gqakit.core.convrecord import read_conversion_record
+    from gqakit.core.globs import bounded_glob
+    from gqakit.core.text import TextSource
+
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        return []
+    candidates: list[tuple[str, str]] = []
+    try:
+        import yaml
+
+        from gqakit.core.yamlfile import read_yaml  # limits: a hostile file is skipped, not a hang
+
+        up = read_yaml(folder / "gqakit_uptrain.yaml") if (folder / "gqakit_uptrain.yaml").is_file() else {}
+        pats = (((up or {}).get("settings") or {}).get("data") or {}).get("files") or []
+        candidates += [(f, "uptrain data.files") for pat in pats if isinstance(pat, str)
+                       for f in bounded_glob(pat)[0]]  # a folder's own record: no walk of the whole disk
+        conv = read_conversion_record(folder)
+        calib = conv.settings.calibration_data if conv is not None else None
+        if calib is not None and not TextSource(calib).is_dataset:
+            candidates.append((calib, "convert --calibration-data"))
+    except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
+        return []
+    needle = doc.text.strip()
+    found = []
+    for f, what in dict.fromkeys(candidates):
+        p = Path(f)
+        try:
+            if not p.is_file() or p.stat().st_size > 2 << 30:
+                continue
+            text = p.read_bytes().decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+        except OSError:
+            continue
+        if needle and needle in text:
+            found.append({"file": str(p.resolve()), "as": what})
+    return found

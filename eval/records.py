@@ -127,7 +127,7 @@ class Record(BaseModel):
             value = getattr(self, name)
             if value is not UNSET:
                 out[f.alias or name] = _plain(value)
-        out.update(self.extra)
+        out.update({k: _plain(v) for k, v in self.extra.items()})
         return out
 
     @classmethod
@@ -364,6 +364,12 @@ class SpeedResult(Record):
     def points(self) -> dict[tuple[int, ...], SpeedPoint]:
         return {g.key: g for g in self.grid}
 
+    @property
+    def timed_with(self) -> list[str] | None:
+        """The models whose decode steps alternated with this one's in one run
+        (eval.speed.evaluate_speed_together); None: timed in its own run."""
+        return self.settings.get("timed_with") if isinstance(self.settings, dict) else None
+
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -413,8 +419,14 @@ class TasksResult(Record):
 
 # ----------------------------------------------------------------------------- the whole file
 
+# The blocks of measurements registered beyond the built-in ones (eval/measurement.py): a
+# file's key of that name is read as that record; the block is written after the built-in ones.
+BLOCKS: dict[str, type[Record]] = {}
+
+
 class EvalResult(Record):
-    """One results file: one model, measured once."""
+    """One results file: one model, measured once. A registered measurement's block is
+    `block(name)` (the built-in ones are also the attributes below)."""
 
     schema_: StrictStr = Field(alias="schema")
     run: RunInfo
@@ -426,17 +438,33 @@ class EvalResult(Record):
     @classmethod
     def from_json(cls, data: dict[str, Any], path: str | Path = "<results>") -> "EvalResult":  # type: ignore[override]
         """The file's blocks, or one GqakitError naming the file and the first bad key."""
-        for key in ("perplexity", "speed", "tasks"):
+        for key in ("perplexity", "speed", "tasks", *BLOCKS):
             if key in data and data[key] is None:
                 raise GqakitError(f"{path} is not a valid gqakit results file: {key} is null")
         try:
-            return cls.model_validate(data)
+            res = cls.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(str(x) for x in err["loc"])
-            got = repr(err.get("input"))
-            got = got if len(got) <= 60 else got[:57] + "..."
-            raise GqakitError(f"{path} is not a valid gqakit results file: {key}: {err['msg']} (got {got})") from None
+            raise _invalid(path, e, ()) from None
+        for key, block in BLOCKS.items():
+            if key in res.extra:
+                try:
+                    setattr(res, key, block.model_validate(res.extra[key]))
+                except ValidationError as e:
+                    raise _invalid(path, e, (key,)) from None
+        return res
+
+    def block(self, name: str) -> Any:
+        """A measurement's block by its name; UNSET when the file has none."""
+        value = getattr(self, name) if name in type(self).model_fields else self.extra.get(name, UNSET)
+        return value
+
+
+def _invalid(path: str | Path, e: ValidationError, where: tuple[str, ...]) -> GqakitError:
+    err = e.errors()[0]
+    key = ".".join(str(x) for x in (*where, *err["loc"]))
+    got = repr(err.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return GqakitError(f"{path} is not a valid gqakit results file: {key}: {err['msg']} (got {got})")
 
 
 def write_results(results: EvalResult, out: Path) -> Path:
@@ -464,7 +492,7 @@ def read_results(path: str | Path) -> EvalResult:
     return EvalResult.from_json(data, p)
 
 
-__all__ = ["SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "EncoderInfo", "ConversionInfo", "PerplexityResult",
+__all__ = ["BLOCKS", "SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "EncoderInfo", "ConversionInfo", "PerplexityResult",
            "SpanInfo", "PairFields", "OBJECTIVES", "SpeedPoint",
            "MaxBatch", "SpeedResult", "TaskMetric", "TaskRow", "TasksResult", "EvalResult", "write_results",
            "read_results"]

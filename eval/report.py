@@ -1,8 +1,10 @@
 """`gqakit compare`: several results files -> report.md, report.json and PNG plots.
 
 The first results file is the baseline: perplexity change and decode speedup are quoted
-against it. Everything in the Markdown is also in report.json, built from one dict, so
-the two never disagree.
+against it. The report is built from the typed results blocks into typed rows
+(eval/report_rows.py: `Report`, `ReportRow`, `SpeedEntry`, ...); report.json is its JSON and
+report.md is rendered from it, so the two never disagree. A registered measurement's
+`ReportSection` (eval/measurement.py) adds its entry to each row and its lines to report.md.
 """
 
 from __future__ import annotations
@@ -17,20 +19,17 @@ from gqakit.core.units import kv_bytes_text
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import atomic_output_dir
 from gqakit.core.outrule import REPORT, check_output_path
+from gqakit.eval.measurement import Measurement
+from gqakit.eval.measures import measurements
 from gqakit.eval.records import SCHEMA, UNSET, EvalResult, ModelInfo, SpeedPoint, TaskRow, opt, read_results
+from gqakit.eval.report_rows import (REPORT_SCHEMA, GridPoint, InputRow, MadeBy, Report, ReportRow, TaskColumn,  # noqa: F401
+                                     TaskEntry, TasksHeader)
 from gqakit.eval.report_speed import memory_bound_sentence, point_label, speed_entry, speed_section, speedup_text
 
-REPORT_SCHEMA = "gqakit.compare/1"
 
 
 def _speed_points(res: EvalResult) -> dict[tuple[int, ...], SpeedPoint]:
     return res.speed.points() if res.speed else {}
-
-
-def _point_axes(key: tuple[int, ...]) -> dict[str, int]:
-    """A grid key as the report names it: batch, prompt length (an encoder-decoder's input
-    length) and an encoder-decoder's output length."""
-    return {"batch": key[0], "prompt_len": key[1], **({"output_len": key[2]} if len(key) > 2 else {})}
 
 
 def method_of(m: ModelInfo) -> str:
@@ -100,15 +99,15 @@ def _task_rows(res: EvalResult) -> dict[str, TaskRow]:
     return res.tasks.rows() if res.tasks else {}
 
 
-def task_columns(results: list[EvalResult]) -> list[dict[str, Any]]:
+def task_columns(results: list[EvalResult]) -> list[TaskColumn]:
     """One column per (task, metric) any results file has, in the order they first appear."""
-    cols: dict[tuple[str, str], dict[str, Any]] = {}
+    cols: dict[tuple[str, str], TaskColumn] = {}
     for r in results:
         for task, row in _task_rows(r).items():
             for metric, m in row.metrics.items():
-                cols.setdefault((task, metric), {"task": task, "metric": metric, "version": opt(row.version),
-                                                 "n_shot": opt(row.n_shot), "examples": row.examples,
-                                                 "higher_is_better": opt(m.higher_is_better)})
+                cols.setdefault((task, metric), TaskColumn(task=task, metric=metric, version=opt(row.version),
+                                                           n_shot=opt(row.n_shot), examples=row.examples,
+                                                           higher_is_better=opt(m.higher_is_better)))
     return list(cols.values())
 
 
@@ -139,95 +138,97 @@ def task_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
     return warns
 
 
-def build_report(results: list[EvalResult], names: list[str], command: list[str] | None = None) -> dict[str, Any]:
-    """The report as one dict: rows, grid, memory-bound points, warnings, provenance."""
+def make_report(results: list[EvalResult], names: list[str], command: list[str] | None = None) -> Report:
+    """The report, typed: rows, grid, memory-bound points, warnings, provenance."""
     import gqakit
 
     base = results[0]
-    base_ppl = base.perplexity.token_perplexity if base.perplexity else None
-    base_pts = _speed_points(base)
     grid = sorted({k for r in results for k in _speed_points(r)}, key=lambda k: (k[1], k[2:], k[0]))
-    rows = []
-    for name, r in zip(names, results):
-        m, p, pts = r.model, r.perplexity, _speed_points(r)
-        row: dict[str, Any] = {
-            "name": name, "path": m.path, "method": method_of(m),
-            "parameters": m.parameters, "heads": m.heads,
-            "kv_heads": m.kv_heads, "kv_bytes_per_token": m.kv_bytes_per_token,
-            "dtype": r.run.dtype, "device": r.run.device_name,
-        }
-        if m.conversion is not UNSET:  # gqakit's conversion record (null: none)
-            row["conversion"] = m.conversion and m.conversion.to_json()
-        if m.encoder:  # an encoder-decoder: its encoder, and the cross-attention cache per input token
-            row["encoder_kv_heads"] = m.encoder.kv_heads
-            row["encoder_heads"] = m.encoder.heads
-            row["cross_kv_bytes_per_token"] = opt(m.cross_kv_bytes_per_token)
-        if p:
-            if p.objective:
-                row["perplexity_objective"] = p.objective
-            row["perplexity"] = p.token_perplexity
-            same = base_ppl and p.kind == base.perplexity.kind  # no change across objectives
-            row["perplexity_delta_pct"] = (100 * (p.token_perplexity / base_ppl - 1)) if same else None
-            if p.bits_per_byte is not UNSET:
-                row["bits_per_byte"] = p.bits_per_byte
-                row["word_perplexity"] = p.word_perplexity
-        speed = {}
-        for key in grid:
-            g = pts.get(key)
-            g0 = base_pts.get(key)
-            if g is None:
-                continue
-            entry: dict[str, Any] = {**_point_axes(key), "status": g.status}
-            if g.ok:
-                entry.update(speed_entry(g, g0))
-            speed[point_label(entry)] = entry
-        row["speed"] = speed
-        row["max_batch"] = {str(mb.prompt_len): mb.to_json() for mb in (r.speed.max_batch if r.speed else [])}
-        row["attention"] = r.speed.attention.get("decode_path") if r.speed else None
-        note = r.speed.attention.get("kernel_note") if r.speed else None
-        if row["attention"] and note:  # e.g. the CPU kernels did not build here: which path ran, and why
-            row["attention"] += f" ({note})"
-        if r.tasks:
-            base_tasks = _task_rows(base)
-            row["tasks"] = {}
-            for task, trow in _task_rows(r).items():
-                row["tasks"][task] = {}
-                for metric, m in trow.metrics.items():
-                    b0 = base_tasks[task].metrics.get(metric) if task in base_tasks else None
-                    row["tasks"][task][metric] = {"value": m.value, "stderr": m.stderr,
-                                                  "delta": None if b0 is None else m.value - b0.value}
-        rows.append(row)
-    report = {
-        "schema": REPORT_SCHEMA,
-        "made_by": {"command": " ".join(command if command is not None else sys.argv), "gqakit": gqakit.__version__,
-                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
-        "inputs": [{"name": n, "command": r.run.command, "torch": r.run.torch,
-                    "transformers": r.run.transformers, "gqakit": r.run.gqakit, "git": opt(r.run.git),
-                    "device": r.run.device_name, "dtype": r.run.dtype, "date": r.run.date}
-                   for n, r in zip(names, results)],
-        "baseline": names[0],
-        "grid": [_point_axes(k) for k in grid],
-        "perplexity_settings": next((perplexity_settings(r.perplexity) for r in results if r.perplexity), None),
-        "tasks": ({"harness": {n: r.tasks.harness_version for n, r in zip(names, results) if r.tasks},
-                   "columns": task_columns(results)} if any(r.tasks for r in results) else None),
-        "rows": rows,
-        # the speed sections of all the models from one run with their steps alternating
-        # (eval.speed.evaluate_speed_together), or each from its own run
-        "speed_timed_together": _timed_together(results),
-        "warnings": comparability_warnings(results, names) + task_warnings(results, names),
-    }
+    rows = [report_row(name, r, base, grid) for name, r in zip(names, results)]
+    report = Report(
+        made_by=MadeBy(command=" ".join(command if command is not None else sys.argv), gqakit=gqakit.__version__,
+                       date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")),
+        inputs=[InputRow(name=n, command=r.run.command, torch=r.run.torch, transformers=r.run.transformers,
+                         gqakit=r.run.gqakit, git=opt(r.run.git), device=r.run.device_name, dtype=r.run.dtype,
+                         date=r.run.date) for n, r in zip(names, results)],
+        baseline=names[0],
+        grid=[GridPoint.of(k) for k in grid],
+        perplexity_settings=next((perplexity_settings(r.perplexity) for r in results if r.perplexity), None),
+        tasks=(TasksHeader(harness={n: r.tasks.harness_version for n, r in zip(names, results) if r.tasks},
+                           columns=task_columns(results)) if any(r.tasks for r in results) else None),
+        rows=rows,
+        speed_timed_together=_timed_together(results),
+        warnings=comparability_warnings(results, names) + task_warnings(results, names)
+        + [w for m in extra_sections().values() if m.report.warnings  # type: ignore[union-attr]
+           for w in m.report.warnings(results, names)],  # type: ignore[union-attr]
+    )
     by_kind: dict[str, Any] = {}
     for r in results:
         if r.perplexity:
             by_kind.setdefault(r.perplexity.kind, perplexity_settings(r.perplexity))
     if len(by_kind) > 1:  # perplexities of different objectives: how each kind was made
-        report["perplexity_settings_by_objective"] = by_kind
+        report.perplexity_settings_by_objective = by_kind
     return report
 
 
+def build_report(results: list[EvalResult], names: list[str], command: list[str] | None = None) -> dict[str, Any]:
+    """The report as report.json holds it (`make_report(...).to_json()`)."""
+    return make_report(results, names, command).to_json()
+
+
+def report_row(name: str, r: EvalResult, base: EvalResult, grid: list[tuple[int, ...]]) -> ReportRow:
+    """One model's row, against the baseline `base`, over the report's `grid`."""
+    m, p, pts, base_pts = r.model, r.perplexity, _speed_points(r), _speed_points(base)
+    row = ReportRow(name=name, path=m.path, method=method_of(m), parameters=m.parameters, heads=m.heads,
+                    kv_heads=m.kv_heads, kv_bytes_per_token=m.kv_bytes_per_token, dtype=r.run.dtype,
+                    device=r.run.device_name)
+    if m.conversion is not UNSET:  # gqakit's conversion record (null: none)
+        row.conversion = m.conversion and m.conversion.to_json()
+    if m.encoder:  # an encoder-decoder: its encoder, and the cross-attention cache per input token
+        row.encoder_kv_heads, row.encoder_heads = m.encoder.kv_heads, m.encoder.heads
+        row.cross_kv_bytes_per_token = opt(m.cross_kv_bytes_per_token)
+    if p:
+        base_ppl = base.perplexity.token_perplexity if base.perplexity else None
+        if p.objective:
+            row.perplexity_objective = p.objective
+        row.perplexity = p.token_perplexity
+        same = base_ppl and p.kind == base.perplexity.kind  # no change across objectives
+        row.perplexity_delta_pct = (100 * (p.token_perplexity / base_ppl - 1)) if same else None
+        if p.bits_per_byte is not UNSET:
+            row.bits_per_byte, row.word_perplexity = p.bits_per_byte, p.word_perplexity
+    for key in grid:
+        if key in pts:
+            e = speed_entry(key, pts[key], base_pts.get(key))
+            row.speed[point_label(e.axes)] = e
+    row.max_batch = {str(mb.prompt_len): mb for mb in (r.speed.max_batch if r.speed else [])}
+    row.attention = r.speed.attention.get("decode_path") if r.speed else None
+    note = r.speed.attention.get("kernel_note") if r.speed else None
+    if row.attention and note:  # e.g. the CPU kernels did not build here: which path ran, and why
+        row.attention += f" ({note})"
+    if r.tasks:
+        base_tasks = _task_rows(base)
+        row.tasks = {}
+        for task, trow in _task_rows(r).items():
+            row.tasks[task] = {}
+            for metric, tm in trow.metrics.items():
+                b0 = base_tasks[task].metrics.get(metric) if task in base_tasks else None
+                row.tasks[task][metric] = TaskEntry(value=tm.value, stderr=tm.stderr,
+                                                    delta=None if b0 is None else tm.value - b0.value)
+    for mname, ms in extra_sections().items():  # registered measurements' own entries
+        block = r.block(mname)
+        entry = ms.report.row(block, base.block(mname) or None) if block else None  # type: ignore[union-attr]
+        if entry is not None:
+            setattr(row, mname, entry)
+    return row
+
+
+def extra_sections() -> dict[str, Measurement]:
+    """The registered measurements beyond the built-in ones that have a report section."""
+    return {n: m for n, m in measurements().items() if not m.builtin and m.report is not None}
+
+
 def _timed_together(results: list[EvalResult]) -> bool:
-    together = [r.speed.settings.get("timed_with") for r in results
-                if r.speed and isinstance(r.speed.settings, dict)]
+    together = [r.speed.timed_with for r in results if r.speed]
     return len(together) == len(results) and together[0] is not None and all(t == together[0] for t in together)
 
 
@@ -237,35 +238,34 @@ def _fmt_num(x: float | None, digits: int = 4) -> str:
     return f"{x:,.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
 
 
-def task_markdown(report: dict[str, Any]) -> list[str]:
+def task_markdown(report: Report) -> list[str]:
     """The downstream-task table: one row per model, value ± stderr and Δ vs the first row."""
-    t = report.get("tasks")
-    if not t or not t["columns"]:
+    t = report.tasks
+    if not t or not t.columns:
         return []
-    versions = sorted(set(t["harness"].values()))
+    versions = sorted(set(t.harness.values()))
     head = ["model"]
-    for c in t["columns"]:
-        head += [f"{c['task']} {c['metric']}", "Δ"]
+    for c in t.columns:
+        head += [f"{c.task} {c.metric}", "Δ"]
     out = ["", f"## Downstream tasks (lm-evaluation-harness {', '.join(versions)})", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report["rows"]:
-        cells = [f"**{r['name']}**"]
-        for c in t["columns"]:
-            m = (r.get("tasks") or {}).get(c["task"], {}).get(c["metric"])
+    for r in report.rows:
+        cells = [f"**{r.name}**"]
+        for c in t.columns:
+            m = (r.tasks or {}).get(c.task, {}).get(c.metric)
             if m is None:
                 cells += ["—", "—"]
                 continue
-            cells.append(f"{m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else ""))
-            d = m["delta"]
-            cells.append("—" if r["name"] == report["baseline"] or d is None else f"{d:+.4f}")
+            cells.append(f"{m.value:.4f}" + (f" ± {m.stderr:.4f}" if m.stderr is not None else ""))
+            cells.append("—" if r.name == report.baseline or m.delta is None else f"{m.delta:+.4f}")
         out.append("| " + " | ".join(cells) + " |")
-    seen: dict[str, dict[str, Any]] = {}
-    for c in t["columns"]:
-        seen.setdefault(c["task"], c)
+    seen: dict[str, TaskColumn] = {}
+    for c in t.columns:
+        seen.setdefault(c.task, c)
     out += ["", "Value ± standard error as lm-evaluation-harness reports it; Δ is the difference from the first "
             "row in the metric's own units (higher is better for "
-            + ", ".join(sorted({c["metric"] for c in t["columns"] if c["higher_is_better"]})) + "). "
-            + "Tasks: " + "; ".join(f"{k} (version {c['version']}, {c['n_shot']}-shot, {c['examples']} examples)"
+            + ", ".join(sorted({c.metric for c in t.columns if c.higher_is_better})) + "). "
+            + "Tasks: " + "; ".join(f"{k} (version {c.version}, {c.n_shot}-shot, {c.examples} examples)"
                                     for k, c in seen.items()) + "."]
     return out
 
@@ -284,58 +284,67 @@ def seq2seq_perplexity_sentence(ps: dict[str, Any]) -> str:
             f"`{f.get('target')}`, inputs cut to {ps['context']} tokens; bits/byte over the targets' text; {data}.")
 
 
-def encoder_decoder_sentence(rows: list[dict[str, Any]]) -> list[str]:
+def encoder_decoder_sentence(rows: list[ReportRow]) -> list[str]:
     """For encoder-decoders: whose heads the table shows, and the cross-attention cache."""
-    ed = [r for r in rows if "encoder_kv_heads" in r]
+    ed = [r for r in rows if r.encoder_decoder]
     if not ed:
         return []
     return ["", "Encoder-decoders (" + ", ".join(
-        f"{r['name']}: encoder {r['encoder_kv_heads']} / {r['encoder_heads']} KV heads, cross-attention cache "
-        + kv_bytes_text(r["cross_kv_bytes_per_token"] or 0, r["dtype"]).replace("/token", "")
+        f"{r.name}: encoder {r.encoder_kv_heads} / {r.encoder_heads} KV heads, cross-attention cache "
+        + kv_bytes_text(r.cross_kv_bytes_per_token or 0, r.dtype).replace("/token", "")
         + " per input token" for r in ed) + "): KV heads and the KV cache per token are the decoder's, its "
             "self-attention cache per output token."]
 
 
-def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
-    rows, grid = report["rows"], report["grid"]
-    has_ppl = any("perplexity" in r for r in rows)
-    lens = sorted({int(k) for r in rows for k in r["max_batch"]})
+def summary_table(report: Report) -> list[str]:
+    """The table at the top: one row per model, its perplexity, tokens/s at each grid point, max batch."""
+    rows, grid = report.rows, report.grid
+    has_ppl = any(r.perplexity is not UNSET for r in rows)
+    lens = sorted({int(k) for r in rows for k in r.max_batch})
     head = ["model", "method, G", "params", "KV heads", "KV cache per token"]
+    kinds = sorted({r.objective for r in rows if r.perplexity is not UNSET})
     if has_ppl:
-        kinds = sorted({r.get("perplexity_objective", "causal_lm") for r in rows if "perplexity" in r})
         named = ", ".join(OBJECTIVE_WORDS[k] for k in kinds)
-        head += ["perplexity" if kinds == ["causal_lm"] else f"perplexity ({named})", f"Δ% vs {report['baseline']}",
+        head += ["perplexity" if kinds == ["causal_lm"] else f"perplexity ({named})", f"Δ% vs {report.baseline}",
                  "bits/byte"]
-    head += [f"tok/s {point_label(g, ' ')}" for g in grid]
+    head += [f"tok/s {point_label(g.axes, ' ')}" for g in grid]
     head += [f"max batch p{pl}" for pl in lens]
-    out = [f"# gqakit comparison: {', '.join(r['name'] for r in rows)}", ""]
-    if report["warnings"]:
-        out += [f"> **Warning:** {w}" for w in report["warnings"]] + [""]
-    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [f"**{r['name']}**", r["method"],
-                 f"{r['parameters'] / 1e6:.2f} M" if r["parameters"] >= 1e5 else f"{r['parameters']:,}",
-                 f"{r['kv_heads']} / {r['heads']}", kv_bytes_text(r["kv_bytes_per_token"], r["dtype"])]
+        cells = [f"**{r.name}**", r.method,
+                 f"{r.parameters / 1e6:.2f} M" if r.parameters >= 1e5 else f"{r.parameters:,}",
+                 f"{r.kv_heads} / {r.heads}", kv_bytes_text(r.kv_bytes_per_token, r.dtype)]
         if has_ppl:
-            d = r.get("perplexity_delta_pct")
-            mixed = len(kinds) > 1 and "perplexity" in r
-            kind = f" ({OBJECTIVE_WORDS[r.get('perplexity_objective', 'causal_lm')]})" if mixed else ""
-            cells += [_fmt_num(r.get("perplexity")) + kind,
-                      "—" if r["name"] == report["baseline"] or d is None else f"{d:+.1f}%",
-                      f"{r['bits_per_byte']:.3f}" if "bits_per_byte" in r else "n/a"]
+            d = opt(r.perplexity_delta_pct)
+            mixed = len(kinds) > 1 and r.perplexity is not UNSET
+            kind = f" ({OBJECTIVE_WORDS[r.objective]})" if mixed else ""
+            cells += [_fmt_num(opt(r.perplexity)) + kind,
+                      "—" if r.name == report.baseline or d is None else f"{d:+.1f}%",
+                      f"{r.bits_per_byte:.3f}" if r.bits_per_byte is not UNSET else "n/a"]
         for g in grid:
-            e = r["speed"].get(point_label(g))
+            e = r.speed.get(point_label(g.axes))
             if e is None:
                 cells.append("—")
-            elif e["status"] != "ok":
+            elif not e.ok:
                 cells.append("OOM")
             else:
-                sp = "speedup" in e and r["name"] != report["baseline"]
-                cells.append(f"{e['tokens_per_s']:,.1f}" + (f" ({speedup_text(e)})" if sp else ""))
+                sp = e.speedup is not UNSET and r.name != report.baseline
+                cells.append(f"{e.tokens_per_s:,.1f}" + (f" ({speedup_text(e)})" if sp else ""))
         for pl in lens:
-            mb = r["max_batch"].get(str(pl))
-            cells.append("—" if mb is None else f"{mb['max_batch']}{'+' if mb['at_limit'] else ''}")
+            mb = r.max_batch.get(str(pl))
+            cells.append("—" if mb is None else f"{mb.max_batch}{'+' if mb.at_limit else ''}")
         out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def render_markdown(report: Report | dict[str, Any], plots: list[str]) -> str:
+    """report.md from the report (or report.json's dict)."""
+    report = Report.of(report)
+    rows, grid = report.rows, report.grid
+    out = [f"# gqakit comparison: {', '.join(r.name for r in rows)}", ""]
+    if report.warnings:
+        out += [f"> **Warning:** {w}" for w in report.warnings] + [""]
+    out += summary_table(report)
     out.append("")
     out.append("KV heads are shown as KV / query heads (G is the KV heads); the KV cache per token is in the dtype "
                "each model was evaluated in. Speedups (×) are decode tokens/s against the first row at the same "
@@ -343,9 +352,9 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                "repetitions do not separate from 1× is within noise (spread and intervals: the speed section)."
                + (" For an encoder-decoder, p is the input length and o the output length (tokens in the "
                   "self-attention cache when the timed steps start); its predicted bytes include both caches."
-                  if any("output_len" in g for g in grid) else ""))
-    by_kind = report.get("perplexity_settings_by_objective")  # perplexities of several objectives: each one
-    for ps in list(by_kind.values()) if by_kind else [p for p in [report.get("perplexity_settings")] if p]:
+                  if any(g.output_len is not UNSET for g in grid) else ""))
+    by_kind = report.perplexity_settings_by_objective  # perplexities of several objectives: each one
+    for ps in list(by_kind.values()) if by_kind else [p for p in [report.perplexity_settings] if p]:
         if ps.get("objective") in (None, "causal_lm"):
             out += ["", f"Perplexity: context {ps['context']}, stride {ps['stride']}, data `{ps['data']['path']}` "
                     f"(sha256 {ps['data']['sha256'][:12]}…), tokenizer `{ps['tokenizer']['name_or_path']}`."]
@@ -354,30 +363,34 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     out += encoder_decoder_sentence(rows)
     out += speed_section(report)
     out += task_markdown(report)
+    for mname, m in extra_sections().items():
+        if m.report.markdown is not None:  # type: ignore[union-attr]
+            out += m.report.markdown([r.extra.get(mname) for r in rows], [r.name for r in rows])  # type: ignore[union-attr]
     mb = memory_bound_sentence(report)
     if mb:
         out += ["", "## Where decoding is memory-bound", "",
                 "A grid point is memory-bound when its arithmetic intensity (FLOPs per byte a decode step must "
                 "read: weights plus the filled KV cache) is below the device's ridge point (measured matmul "
                 "FLOP/s over measured copy bandwidth). There, fewer KV heads translate into speed.", ""] + mb
-    if any(r.get("attention") for r in rows):
-        out += ["", "Attention path in decoding: " + "; ".join(f"{r['name']}: {r['attention']}" for r in rows if r.get("attention")) + "."]
+    if any(r.attention for r in rows):
+        out += ["", "Attention path in decoding: " + "; ".join(f"{r.name}: {r.attention}" for r in rows
+                                                               if r.attention) + "."]
     if plots:
         out += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     out += ["", "## Provenance", "", "| model | command | gqakit | git | torch | transformers | device | dtype | date |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for i in report["inputs"]:
-        out.append(f"| {i['name']} | `{i['command']}` | {i['gqakit']} | {i['git'] or 'n/a'} | {i['torch']} | "
-                   f"{i['transformers']} | {i['device']} | {i['dtype']} | {i['date']} |")
-    out += ["", f"Report made by `{report['made_by']['command']}` (gqakit {report['made_by']['gqakit']}, "
-            f"{report['made_by']['date']}).", ""]
+    for i in report.inputs:
+        out.append(f"| {i.name} | `{i.command}` | {i.gqakit} | {i.git or 'n/a'} | {i.torch} | "
+                   f"{i.transformers} | {i.device} | {i.dtype} | {i.date} |")
+    out += ["", f"Report made by `{report.made_by.command}` (gqakit {report.made_by.gqakit}, "
+            f"{report.made_by.date}).", ""]
     return "\n".join(out)
 
 
 def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] | None = None,
                  train_log: str | Path | None = None, overwrite: bool = False,
                  command: list[str] | None = None) -> dict[str, Any]:
-    """Read results files, write report.md / report.json / plots into OUT (atomically)."""
+    """Read results files, write report.md / report.json / plots into OUT (atomically); returns report.json's dict."""
     from gqakit.eval.plots import make_plots, read_train_log
 
     results = [read_results(p) for p in paths]
@@ -390,15 +403,15 @@ def write_report(paths: list[str | Path], out: str | Path, *, names: list[str] |
         read_train_log(train_log)  # a bad log is refused before anything is written
     inputs = [("results file", p) for p in paths] + [("training log", train_log)]
     check_output_path(Path(out), overwrite=overwrite, inputs=inputs, kind=REPORT, flag="--out")
-    report = build_report(results, names, command)
+    report = make_report(results, names, command)
     if train_log is not None:
-        report["train_log"] = str(train_log)
+        report.train_log = str(train_log)
     with atomic_output_dir(Path(out), overwrite=overwrite, inputs=inputs, kind=REPORT, flag="--out") as tmp:
-        plots = make_plots(report, results, tmp, train_log=train_log)
-        report["plots"] = plots
-        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        (tmp / "report.md").write_text(render_markdown(report, plots))
-    return report
+        report.plots = make_plots(report, results, tmp, train_log=train_log)
+        (tmp / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+        (tmp / "report.md").write_text(render_markdown(report, report.plots))
+    return report.to_json()
 
 
-__all__ = ["build_report", "method_of", "render_markdown", "write_report", "comparability_warnings", "SCHEMA"]
+__all__ = ["build_report", "make_report", "method_of", "render_markdown", "write_report", "comparability_warnings",
+           "SCHEMA"]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from gqakit.core.device import PeakMemory, available_memory
 from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_gqa_attention
 from gqakit.eval.records import MaxBatch, SpeedPoint
-from gqakit.eval.speed.point import OpenPoint, summarize
+from gqakit.eval.speed.point import OpenPoint, PointCost, summarize, timings
 from gqakit.eval.speed.steps import CapturedStep, DecodeSteps
 
 
@@ -377,6 +377,37 @@ class DecodeBench(DecodeSteps):
         pt.cache = pt.graph = pt.tok = pt.tok0 = pt.cur = None
         pt.result = summarize(self, pt, roof, graph_used=graph_used, peak=peak)
         return pt.result
+
+    def point_cost(self, pt: OpenPoint) -> PointCost:
+        """Minimum bytes a step must read: the weights once and the filled cache (mean over the steps)."""
+        batch, prompt_len, new_tokens = pt.batch, pt.prompt_len, pt.new_tokens
+        mean_len = prompt_len + (new_tokens + 1) / 2
+        kv_read = batch * self.kv_bytes_per_token * mean_len
+        bytes_step = self.weight_bytes + kv_read
+        flops_step = 2 * self.matmul_params * batch + 4 * batch * self.layers * self.heads * self.head_dim * mean_len
+        return PointCost(bytes={"weights": self.weight_bytes, "kv": kv_read, "total": bytes_step}, flops=flops_step,
+                         kv_analytic=batch * (prompt_len + new_tokens) * self.kv_bytes_per_token)
+
+    def point_path(self, pt: OpenPoint, graph_used: bool) -> tuple[str, dict[str, Any]]:
+        """The decode mode of a closed point, and which path each part of its step took."""
+        mode = "CUDA graph per step" if graph_used else self.decode_mode
+        layers: dict[str, Any] = {}
+        if self.kernels is not None and not self.compiled:
+            if self.fused is not None:
+                layers["layers"] = "fused, one compiled call per layer"
+                if self.fused_huge_fraction is not None:
+                    layers["packed_on_huge_pages"] = round(self.fused_huge_fraction, 3)
+            else:
+                layers["layers"] = "per-op (transformers' modules)" + (f": {self.fused_note}" if self.fused_note else "")
+        weights = ("as loaded" if not pt.packed_bytes else "packed once (gqakit panels)" if self.kernels is not None
+                   else "packed once (oneDNN)")
+        return mode, {"steps": mode, "weights": weights, "attention_kernel": self.decode_kernel, **layers,
+                      "prefill": "every repetition" if len(pt.pre) >= pt.reps
+                      else "once, decode repetitions rewind the cache"}
+
+    def prefill_fields(self, pt: OpenPoint) -> dict[str, Any]:
+        """The prefill samples and the timings of a closed point."""
+        return {"prefill_samples": len(pt.pre), **timings(pt.batch, pt.pre, pt.dec)}
 
     def run_point(self, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int,
                   roof: dict[str, float], *, prefill_once: bool = False) -> SpeedPoint:

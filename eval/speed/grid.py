@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from gqakit.core.errors import GqakitError
 from gqakit.eval.records import MaxBatch, SpeedPoint, SpeedResult
 from gqakit.eval.speed.bench import DecodeBench
+from gqakit.eval.speed.point import Bench
 from gqakit.eval.speed.roofline import copy_bandwidth, matmul_flops, measure_roof, median_roof, roof as make_roof
 from gqakit.eval.speed.settings import SpeedSettings
 
@@ -79,15 +80,16 @@ def speed_result(bench: DecodeBench, settings: SpeedSettings, attention: dict[st
     )
 
 
-def run_points_alternating(benches: dict[str, Any], batch: int, prompt_len: int, new_tokens: int, reps: int,
+def run_points_alternating(benches: dict[str, Bench], batch: int, prompt_len: int, new_tokens: int, reps: int,
                            warmup: int, *, prefill_once: bool = True,
                            **point: Any) -> tuple[dict[str, SpeedPoint], dict[str, float]]:
     """One grid point of several models in one run: their decode steps alternate one by one
     (A B C, C B A, ...), so that the machine's drift (on a VM, memory speed that changes within
     minutes) hits every model alike and their ratios are measured, not inferred from separate
     runs. The roofs are measured after each repetition; their medians are the point's roof.
-    Returns ({name: point}, roof). The benches are `DecodeBench`es, or `seq2seq.Seq2SeqBench`es
-    with the output length in `point` (`output_len=`; `prompt_len` is then the input length)."""
+    Returns ({name: point}, roof). The benches are `Bench`es: `DecodeBench`es, or
+    `seq2seq.Seq2SeqBench`es with the output length in `point` (`output_len=`; `prompt_len` is
+    then the input length)."""
     points = {n: b.open_point(batch, prompt_len, new_tokens, warmup, prefill_once=prefill_once, **point)
               for n, b in benches.items()}
     live = [n for n in benches if points[n].result is None]

@@ -2,7 +2,8 @@
 
 `DecodeBench.open_point` returns an `OpenPoint`; repetitions (`rep`) or single timed
 steps (`begin_rep` + `timed_step`) add samples to it; `DecodeBench.close_point` releases
-it and `summarize` turns its samples into a `SpeedPoint` with the roofline view: bytes a
+it and `summarize` turns its samples into a `SpeedPoint` with the roofline view (one
+`summarize` for every `Bench`, decoder-only or encoder-decoder): bytes a
 decode step must read (all weights once, plus the filled part of the KV cache) over the
 step time is the achieved bandwidth, quoted as a fraction of the copy bandwidth measured
 on the same device, and its arithmetic intensity against the ridge point says whether
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from gqakit.core.device import PeakMemory
 from gqakit.eval.records import SpeedPoint
@@ -66,47 +67,76 @@ def timings(batch: int, pre: list[float], dec: list[float]) -> dict[str, Any]:
     return out
 
 
-def summarize(bench: Any, pt: OpenPoint, roof: dict[str, float], *, graph_used: bool, peak: int | None) -> SpeedPoint:
-    """The measurements of a closed point of `bench` (a `DecodeBench`) against the device's `roof`."""
-    batch, prompt_len, new_tokens = pt.batch, pt.prompt_len, pt.new_tokens
-    pre, dec, reps = pt.pre, pt.dec, pt.reps
+class PointCost(NamedTuple):
+    """What one decode step of a grid point must read and compute: `bytes` ({"weights", "kv",
+    ..., "total"}, recorded as the point's `bytes_per_step`), `flops`, and `kv_analytic`, the
+    bytes of the filled caches the geometry predicts."""
+
+    bytes: dict[str, Any]
+    flops: float
+    kv_analytic: float
+
+
+@runtime_checkable
+class Bench(Protocol):
+    """A timed model: what `summarize`, the grid runners and the alternating runs use, for
+    decoder-only models (`bench.DecodeBench`) and encoder-decoders (`seq2seq.Seq2SeqBench`).
+
+    A grid point is `open_point` -> `rep` or `begin_rep` + `timed_step` -> `close_point`;
+    `point_cost`, `point_path` and `prefill_fields` are what tells the two kinds apart in
+    the point's record."""
+
+    device: Any
+    dtype: Any
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+    def probe(self) -> dict[str, Any]: ...
+
+    def open_point(self, batch: int, prompt_len: int, new_tokens: int, warmup: int, *, prefill_once: bool = ...,
+                   **axes: Any) -> OpenPoint: ...
+
+    def rep(self, pt: Any) -> None: ...
+
+    def begin_rep(self, pt: Any) -> None: ...
+
+    def timed_step(self, pt: Any) -> float: ...
+
+    def close_point(self, pt: Any, roof: dict[str, float]) -> SpeedPoint: ...
+
+    def point_cost(self, pt: Any) -> PointCost: ...
+
+    def point_path(self, pt: Any, graph_used: bool) -> tuple[str, dict[str, Any]]: ...
+
+    def prefill_fields(self, pt: Any) -> dict[str, Any]: ...
+
+
+def summarize(bench: Bench, pt: OpenPoint, roof: dict[str, float], *, peak: int | None,
+              graph_used: bool = False) -> SpeedPoint:
+    """The measurements of a closed point of `bench` against the device's `roof`: the bytes a
+    step must read (`bench.point_cost`) over the step time is the achieved bandwidth, and the
+    arithmetic intensity against the ridge point says whether the point is memory-bound."""
+    dec = pt.dec
     step = statistics.median(dec)
-    # Minimum bytes a step must read: weights once + the filled cache (mean over steps).
-    mean_len = prompt_len + (new_tokens + 1) / 2
-    kv_read = batch * bench.kv_bytes_per_token * mean_len
-    bytes_step = bench.weight_bytes + kv_read
-    flops_step = 2 * bench.matmul_params * batch + 4 * batch * bench.layers * bench.heads * bench.head_dim * mean_len
-    intensity = flops_step / bytes_step
-    achieved = bytes_step / step
-    t_bytes = bytes_step / roof["copy_bandwidth"]
-    t_flops = flops_step / roof["matmul_flops"] if roof.get("matmul_flops") else None
-    mode = "CUDA graph per step" if graph_used else bench.decode_mode
-    layers: dict[str, Any] = {}
-    if bench.kernels is not None and not bench.compiled:
-        if bench.fused is not None:
-            layers["layers"] = "fused, one compiled call per layer"
-            if bench.fused_huge_fraction is not None:
-                layers["packed_on_huge_pages"] = round(bench.fused_huge_fraction, 3)
-        else:
-            layers["layers"] = "per-op (transformers' modules)" + (f": {bench.fused_note}" if bench.fused_note else "")
-    weights = ("as loaded" if not pt.packed_bytes else "packed once (gqakit panels)" if bench.kernels is not None
-               else "packed once (oneDNN)")
+    cost = bench.point_cost(pt)
+    total, flops = cost.bytes["total"], cost.flops
+    t_bytes = total / roof["copy_bandwidth"]
+    t_flops = flops / roof["matmul_flops"] if roof.get("matmul_flops") else None
+    mode, path = bench.point_path(pt, graph_used)
     return SpeedPoint(
-        **pt.axes, status="ok", decode_mode=mode,
-        decode_path={"steps": mode, "weights": weights, "attention_kernel": bench.decode_kernel, **layers,
-                     "prefill": "every repetition" if len(pre) >= reps else "once, decode repetitions rewind the cache"},
-        decode_samples=len(dec), decode_sample="one step" if len(dec) > reps else "mean step of a repetition",
-        prefill_samples=len(pre), **timings(batch, pre, dec),
-        warmup_s=pt.warmup_s, compile_s=pt.compile_s, reps=reps, packed_weight_bytes=pt.packed_bytes,
+        **pt.axes, status="ok", decode_mode=mode, decode_path=path,
+        decode_samples=len(dec), decode_sample="one step" if len(dec) > pt.reps else "mean step of a repetition",
+        **bench.prefill_fields(pt),
+        warmup_s=pt.warmup_s, compile_s=pt.compile_s, reps=pt.reps, packed_weight_bytes=pt.packed_bytes,
         peak_memory_bytes=peak,
         peak_memory_kind="cuda max_memory_allocated" if bench.device.type == "cuda" else "process peak RSS",
         kv_cache_bytes=pt.kv_bytes,
-        kv_cache_bytes_analytic=batch * (prompt_len + new_tokens) * bench.kv_bytes_per_token,
-        bytes_per_step={"weights": bench.weight_bytes, "kv": kv_read, "total": bytes_step},
-        flops_per_step=flops_step,
+        kv_cache_bytes_analytic=cost.kv_analytic,
+        bytes_per_step=cost.bytes,
+        flops_per_step=flops,
         roofline_ms={"bytes": 1e3 * t_bytes, "flops": None if t_flops is None else 1e3 * t_flops},
-        achieved_bandwidth_gbs=achieved / 1e9,
-        roofline_fraction=achieved / roof["copy_bandwidth"],
-        arithmetic_intensity=intensity,
-        memory_bound=intensity < roof["ridge_flops_per_byte"],
+        achieved_bandwidth_gbs=total / step / 1e9,
+        roofline_fraction=total / step / roof["copy_bandwidth"],
+        arithmetic_intensity=flops / total,
+        memory_bound=flops / total < roof["ridge_flops_per_byte"],
     )

@@ -37,8 +37,9 @@ from gqakit.core.loading import cache_kwarg
 from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_folded_attention
 from gqakit.eval.records import SpeedPoint, SpeedResult
 from gqakit.eval.speed.encoder_input import encoder_input
+from gqakit.eval.speed.point import PointCost, summarize, timings
 from gqakit.eval.speed.roofline import measure_roof, sync
-from gqakit.eval.speed.seq2seq_point import CACHES, Seq2SeqPoint, summarize
+from gqakit.eval.speed.seq2seq_point import CACHES, Seq2SeqPoint
 from gqakit.eval.speed.settings import SpeedSettings
 
 # Encoder rows run together so that one layer's attention scores stay under this many bytes.
@@ -391,6 +392,37 @@ class Seq2SeqBench:
         pt.cache = pt.encoded = pt.tok = pt.tok0 = pt.cur = None
         pt.result = summarize(self, pt, roof, peak=peak)
         return pt.result
+
+    def point_cost(self, pt: Seq2SeqPoint) -> PointCost:
+        """The bytes a step must read: the decoder's weights, the self-attention cache at the
+        output position (mean over the steps) and the whole cross-attention cache."""
+        batch, input_len = pt.batch, self.input.positions(pt.prompt_len)  # cross-attention positions
+        mean_out = pt.output_len + (pt.new_tokens + 1) / 2
+        self_kv = batch * self.kv_bytes_per_token * mean_out
+        cross_kv = batch * self.kv_bytes_per_input_token * input_len
+        total = self.weight_bytes + self_kv + cross_kv
+        flops = (2 * self.matmul_params * batch
+                 + 4 * batch * self.layers * self.heads * self.head_dim * (mean_out + input_len))
+        return PointCost(bytes={"weights": self.weight_bytes, "kv": self_kv + cross_kv, "self_attention_kv": self_kv,
+                                "cross_attention_kv": cross_kv, "total": total}, flops=flops,
+                         kv_analytic=batch * (input_len * self.kv_bytes_per_input_token
+                                              + (pt.output_len + pt.new_tokens) * self.kv_bytes_per_token))
+
+    def point_path(self, pt: Seq2SeqPoint, graph_used: bool) -> tuple[str, dict[str, Any]]:
+        """The decode mode of a closed point, and which path each part of its step took."""
+        weights = ("as loaded" if not pt.packed_bytes else "packed once (oneDNN)" if self.kernels is None
+                   else "packed once (gqakit panels, one huge-page buffer in the step's order)"
+                   if self.lean is not None else "packed once (gqakit panels)")
+        return self.decode_mode, {
+            "steps": self.decode_mode, "weights": weights, "attention": self.attn_impl, "layers": self.layers_mode,
+            "caches": CACHES, "prefill": "once per point (encoder, then the decoder prefix); decode repetitions "
+                                         "rewind the self-attention cache"}
+
+    def prefill_fields(self, pt: Seq2SeqPoint) -> dict[str, Any]:
+        """Time to the first token (encoder and decoder prefix, once per point), the encoder's
+        time, and the decode timings."""
+        return {"prefill_ms": {"median": 1e3 * pt.first_s, "p90": 1e3 * pt.first_s}, "prefill_samples": 1,
+                "encode_ms": {"median": 1e3 * pt.encode_s, "p90": 1e3 * pt.encode_s}, **timings(pt.batch, [], pt.dec)}
 
     def run_point(self, batch: int, input_len: int, output_len: int, new_tokens: int, reps: int, warmup: int,
                   roof: dict[str, float]) -> SpeedPoint:

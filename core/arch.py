@@ -352,7 +352,7 @@ class Shape:
         return 2 * self.num_layers * kv * self.head_dim * bytes_per_elem
 
 
-def _positions(config: Mapping[str, Any], keys: Sequence[str]) -> int | None:
+def positions_of(config: Mapping[str, Any], keys: Sequence[str]) -> int | None:
     for key in keys:
         v = config.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -364,19 +364,7 @@ def max_positions(config: Mapping[str, Any]) -> int | None:
     """The context length a config.json dict states (its family's keys; common keys for a
     family not in the table), or None."""
     spec = find(config)
-    return _positions(config, spec.config.max_positions if spec else FALLBACK_POSITION_KEYS)
-
-
-def loaded_shape(hf_config: Any) -> Shape:
-    """The geometry of a loaded model's config (any family: transformers maps every family's
-    own key names onto num_attention_heads, num_hidden_layers, ...). No rotary facts."""
-    cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    hidden = getattr(cfg, "hidden_size", None)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    return Shape(int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(hidden or heads * head_dim), 0,
-                 max_positions(cfg.to_dict()))
+    return positions_of(config, spec.config.max_positions if spec else FALLBACK_POSITION_KEYS)
 
 
 # How the model card and gqakit_convert.json name each site an encoder-decoder's conversion grouped.
@@ -398,67 +386,6 @@ class Seq2SeqShape:
         decoder layer, per output token and per input token (`kv_heads`: a conversion target)."""
         per_token = self.decoder.kv_bytes_per_token(bytes_per_elem, kv_heads)
         return per_token * output_tokens, per_token * input_tokens
-
-
-# config.json keys of an encoder-decoder's geometry: (T5 / mT5 names, BART names)
-_SEQ2SEQ_KEYS = {
-    "encoder_layers": ("num_layers", "encoder_layers"),
-    "decoder_layers": ("num_decoder_layers", "decoder_layers"),
-    "encoder_heads": ("num_heads", "encoder_attention_heads"),
-    "decoder_heads": ("num_heads", "decoder_attention_heads"),
-}
-
-
-def loaded_seq2seq_shape(hf_config: Any) -> Seq2SeqShape:
-    """The geometry of a loaded encoder-decoder's config (T5, mT5, BART and gqakit's GQA
-    versions of them: `num_key_value_heads` for the decoder's self- and cross-attention,
-    `encoder_num_key_value_heads` for the encoder)."""
-    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-
-    def first(name: str) -> int:
-        for key in _SEQ2SEQ_KEYS[name]:
-            if isinstance(cfg.get(key), int):
-                return int(cfg[key])
-        raise GqakitError(f"encoder-decoder config lacks {' or '.join(_SEQ2SEQ_KEYS[name])}")
-
-    hidden = int(cfg.get("d_model") or cfg.get("hidden_size"))
-    enc_heads, dec_heads = first("encoder_heads"), first("decoder_heads")
-    enc_layers = first("encoder_layers")
-    dec_layers = int(cfg.get("num_decoder_layers") or cfg.get("decoder_layers") or enc_layers)
-    spec = find(cfg)  # the decoder's context length: its family's keys (Whisper: max_target_positions)
-    keys = ("max_position_embeddings", "n_positions", *(spec.config.max_positions if spec else ()))
-    positions = _positions(cfg, keys)
-
-    def shape(layers: int, heads: int, kv: Any) -> Shape:
-        head_dim = int(cfg.get("d_kv") or hidden // heads)
-        return Shape(layers, heads, int(kv or heads), head_dim, hidden, 0, positions)
-
-    return Seq2SeqShape(shape(enc_layers, enc_heads, cfg.get("encoder_num_key_value_heads")),
-                        shape(dec_layers, dec_heads, cfg.get("num_key_value_heads")))
-
-
-def _unwrapped(model: Any) -> Any:
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP / torch.compile wrappers
-        model = getattr(model, "module", None) or model._orig_mod
-    if hasattr(model, "get_base_model"):  # a peft (LoRA) wrapper
-        model = model.get_base_model()
-    return model
-
-
-def _loaded_config(model: Any) -> dict[str, Any]:
-    return model.config.to_dict() | {"architectures": [type(model).__name__]}
-
-
-def find_loaded(model: Any) -> ArchSpec | None:
-    """The family of a loaded model (by its class, then its config's model_type), or None."""
-    return find(_loaded_config(_unwrapped(model)))
-
-
-def decoder_blocks(model: Any) -> Any:
-    """The model's ModuleList of decoder blocks, where its family's `block` says it is."""
-    model = _unwrapped(model)
-    spec = lookup(_loaded_config(model))
-    return model.get_submodule(spec.blocks)
 
 
 def _config_value(config: Mapping[str, Any], key: str) -> Any:
@@ -508,7 +435,7 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
         raise GqakitError(f"{spec.family} with {heads} heads is not supported: its fused "
                           f"{spec.attention.qkv} holds {spec.attention.blocks} blocks, which must each hold whole heads")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
-                 _positions(config, keys.max_positions))
+                 positions_of(config, keys.max_positions))
 
 
 def encoder_shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:

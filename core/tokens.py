@@ -46,7 +46,7 @@ def _new_cache(model: Any, max_len: int) -> Any:
     preallocated cache's mask does not."""
     from transformers import DynamicCache, StaticCache
 
-    from gqakit.core.arch import find_loaded
+    from gqakit.core.loaded import find_loaded
 
     spec = find_loaded(model)
     if spec is not None and spec.uses_alibi(model.config.to_dict()):

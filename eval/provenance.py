@@ -93,7 +93,7 @@ def conversion_info(path: str | Path) -> ConversionInfo | None:
 
 def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
     """Shape facts of a loaded model, and the KV-cache bytes one token costs."""
-    from gqakit.core.arch import loaded_shape
+    from gqakit.core.loaded import loaded_shape
 
     if getattr(model.config, "is_encoder_decoder", False):
         return seq2seq_model_info(model, path, dtype_bytes)
@@ -116,8 +116,8 @@ def model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
 
 def seq2seq_model_info(model: Any, path: str | Path, dtype_bytes: int) -> ModelInfo:
     """An encoder-decoder's shape facts: the decoder's (self- and cross-attention) in the usual
-    fields, the encoder's apart, and both caches' bytes per token (core.arch.loaded_seq2seq_shape)."""
-    from gqakit.core.arch import loaded_seq2seq_shape
+    fields, the encoder's apart, and both caches' bytes per token (core.loaded.loaded_seq2seq_shape)."""
+    from gqakit.core.loaded import loaded_seq2seq_shape
 
     s = loaded_seq2seq_shape(model.config)
     dec, enc = s.decoder, s.encoder

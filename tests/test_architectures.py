@@ -18,6 +18,7 @@ from gqakit.convert import convert_checkpoint
 from gqakit.convert.layout import layer_names
 from gqakit.convert.remote import modeling_file
 from gqakit.core import arch
+from gqakit.core import loaded as loaded_mod
 from gqakit.core.errors import GqakitError
 from test_convert import equalize_kv, load, logits, num_heads
 from tiny_models import (BART_LIKE, FAMILIES, LAYERS, SEQ2SEQ_FAMILIES, SEQ2SEQ_FAMILY, SEQ2SEQ_KINDS, _configs,
@@ -44,10 +45,10 @@ def test_entry_matches_the_model_on_meta(family):
     assert spec.family == family
     shape = arch.shape_of(spec, config)
     assert shape.num_layers == LAYERS and shape.max_positions == 128
-    loaded = arch.loaded_shape(model.config)
+    loaded = loaded_mod.loaded_shape(model.config)
     assert (loaded.num_layers, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.max_positions) == \
         (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.max_positions)
-    blocks = arch.decoder_blocks(model)
+    blocks = loaded_mod.decoder_blocks(model)
     assert isinstance(blocks, torch.nn.ModuleList) and len(blocks) == LAYERS
     assert [model.get_submodule(spec.block_name(L)) for L in range(LAYERS)] == list(blocks)
     sd = model.state_dict()
@@ -76,13 +77,13 @@ def test_encoder_decoder_entry_matches_the_model_on_meta(kind):
     spec = arch.lookup(config)
     assert spec.family == SEQ2SEQ_FAMILY[kind] and spec.is_encoder_decoder
     dec, enc = arch.shape_of(spec, config), arch.encoder_shape_of(spec, config)
-    loaded = arch.loaded_seq2seq_shape(model.config)
+    loaded = loaded_mod.loaded_seq2seq_shape(model.config)
     assert (dec.num_layers, dec.num_heads, dec.num_kv_heads, dec.head_dim, dec.hidden_size) == \
         (loaded.decoder.num_layers, loaded.decoder.num_heads, loaded.decoder.num_kv_heads,
          loaded.decoder.head_dim, loaded.decoder.hidden_size) == (LAYERS, 4, 4, cfg.to_dict().get("d_kv") or 8, 32)
     assert (enc.num_layers, enc.num_heads, enc.num_kv_heads, enc.head_dim) == \
         (loaded.encoder.num_layers, loaded.encoder.num_heads, loaded.encoder.num_kv_heads, loaded.encoder.head_dim)
-    blocks = arch.decoder_blocks(model)
+    blocks = loaded_mod.decoder_blocks(model)
     assert [model.get_submodule(spec.block_name(L)) for L in range(LAYERS)] == list(blocks)
     sd = model.state_dict()
     for stack, sites in ((spec.block, ("self", "cross")), (spec.encoder.block, ("encoder",))):

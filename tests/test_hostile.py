@@ -502,7 +502,8 @@ def run_script(cmds: list, tmp: Path) -> tuple[dict, dict]:
 
 
 def test_cheap_checks_answer_before_torch_is_imported(world, assets, tmp_path):
-    """Paths, config and numbers are checked without importing torch: answers in well under a second."""
+    """Paths, config and numbers are checked without importing torch (so they answer at once; how
+    fast is a machine's property, not this test's)."""
     cfg = write_cfg(world, assets)
     data = world / "data" / "eval.txt"
     cmds = [("missing", ["uptrain", world / "missing.yaml"]),
@@ -518,8 +519,7 @@ def test_cheap_checks_answer_before_torch_is_imported(world, assets, tmp_path):
     for tag, _ in cmds:
         assert res[tag]["code"] == 2, (tag, errs[tag])
         assert len(errs[tag].strip().splitlines()) == 1, (tag, errs[tag])
-    assert not res[cmds[-1][0]]["torch"], "a cheap check imported torch"
-    assert res["missing"]["seconds"] < 0.5, res["missing"]
+    assert not any(res[tag]["torch"] for tag, _ in cmds), "a cheap check imported torch"
 
 
 def test_quiet_means_nothing_on_stderr(world, assets, tmp_path):

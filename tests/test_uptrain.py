@@ -302,7 +302,7 @@ def test_hidden_state_distillation(converted: Path, mha: Path, tmp_path: Path):
 
     c = cfg(converted, tmp_path / "x")
     c["teacher"] = {"hidden_weight": 1.0}
-    with pytest.raises(GqakitError, match="teacher.path: needed when teacher.hidden_weight"):
+    with pytest.raises(GqakitError, match="missing required settings: teacher.path"):
         run_uptrain(c, quiet=True)
 
 
@@ -317,7 +317,7 @@ def test_layer_local_distillation_is_teacher_forced(mha: Path, converted: Path, 
     """teacher.layer_weight feeds each student layer the teacher's input: the error of one
     layer does not reach the next, so per-layer errors add up (the free-running hidden-state
     term does not); 0 for the teacher itself; no hook is left behind; it trains."""
-    from gqakit.core.arch import decoder_blocks
+    from gqakit.core.loaded import decoder_blocks
     from gqakit.uptrain.losses import token_losses
 
     teacher = load_causal_lm(mha)

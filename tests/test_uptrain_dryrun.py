@@ -97,8 +97,9 @@ def test_a_warm_up_longer_than_the_run_is_said_not_refused(models, tmp_path: Pat
     _, g2 = models
     r = dry_run(config(g2, tmp_path / "run", warmup_steps=20), tmp_path)
     assert r.returncode == 0, r.stderr
-    assert ("# train.warmup_steps 20 is not shorter than the run's 3 optimizer steps; warming up for 0 steps (10%) "
-            "instead, so the lr reaches 0.0003 and the cosine decay runs") in r.stdout.splitlines()
+    assert ("# train.warmup_steps 20 is not shorter than the run's 3 optimizer steps; starting at the peak instead "
+            "(a warm-up of 10% is under one step), so the lr reaches 0.0003 and the cosine decay runs") \
+        in r.stdout.splitlines()
 
 
 def test_an_earlier_run_folder_is_checked_as_a_run_would(models, tmp_path: Path):

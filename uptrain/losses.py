@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gqakit.core.arch import decoder_blocks
+from gqakit.core.loaded import decoder_blocks
 from gqakit.uptrain.config import UptrainConfig
 from gqakit.uptrain.seq2seq import IGNORE, Seq2SeqBatch
 

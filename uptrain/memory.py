@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gqakit.core.arch import decoder_blocks
+from gqakit.core.loaded import decoder_blocks
 from gqakit.core.errors import GqakitError
 from gqakit.core.units import torch_dtype
 from gqakit.uptrain.losses import token_losses

@@ -19,7 +19,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from gqakit.core.arch import find_loaded
+from gqakit.core.loaded import find_loaded
 from gqakit.core.qkv_rows import split_grouped_qkv
 
 # The layout tried for a model whose family is not in the architecture table: the Llama

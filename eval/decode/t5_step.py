@@ -34,7 +34,7 @@ import weakref
 from types import SimpleNamespace
 from typing import Any
 
-from gqakit.core.arch import find_loaded
+from gqakit.core.loaded import find_loaded
 from gqakit.eval.decode import grouped  # its functions looked up per call, so SdpaSpy sees them
 from gqakit.eval.decode.packed import pack_arena
 

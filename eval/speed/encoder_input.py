@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gqakit.core.arch import find_loaded
+from gqakit.core.loaded import find_loaded
 
 
 @dataclass(frozen=True)

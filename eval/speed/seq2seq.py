@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gqakit.core.arch import loaded_seq2seq_shape
+from gqakit.core.loaded import loaded_seq2seq_shape
 from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import cache_kwarg

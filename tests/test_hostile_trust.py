@@ -23,7 +23,8 @@ import yaml
 
 from gqakit.core import trust
 from gqakit.core.errors import GqakitError
-from gqakit.core.loading import is_gqakit_remote, load_causal_lm
+from gqakit.core.loading import load_causal_lm
+from gqakit.core.trust import code_files, only_gqakit_code
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hostile import EVAL, TEXTS, refused, run_cli  # noqa: E402
@@ -182,7 +183,7 @@ def test_inspect_and_plain_convert_never_run_the_folders_code(world, marker, cap
     code, out, err = run_cli(["convert", folder, world / "out", "-g", 1, "--method", "mean", "-q"], capfd)
     assert code == 0, err
     assert (world / "out" / "gqakit_modeling_gpt2.py").read_bytes() == SHIPPED.read_bytes()
-    assert is_gqakit_remote(world / "out")
+    assert only_gqakit_code(code_files(world / "out"))
     load_causal_lm(world / "out")
     assert not marker.exists()
 
@@ -204,7 +205,7 @@ def test_a_known_family_with_a_plain_auto_map_loads_with_transformers_own_classe
 
 def test_the_shipped_modeling_file_loads_without_the_flag(world, marker, capfd):
     assert (world / "g2" / "gqakit_modeling_gpt2.py").read_bytes() == SHIPPED.read_bytes()
-    assert is_gqakit_remote(world / "g2")
+    assert only_gqakit_code(code_files(world / "g2"))
     code, _, err = run_cli(["eval", world / "g2", "--data", world / "data" / "eval.txt", "--context", 16, "-q",
                             "--out", world / "r.json"], capfd)
     assert code == 0 and err == "", err
@@ -213,7 +214,7 @@ def test_the_shipped_modeling_file_loads_without_the_flag(world, marker, capfd):
 
 def test_trust_remote_code_runs_the_edited_file(world, marker, capfd):
     folder = edited_gqakit_file(world, marker)
-    assert not is_gqakit_remote(folder)
+    assert not only_gqakit_code(code_files(folder))
     code, _, err = run_cli(["eval", folder, "--data", world / "data" / "eval.txt", "--context", 16, "-q",
                             "--out", world / "r.json", FLAG], capfd)
     assert code == 0, err

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 import gqakit.convert.remote as remote
 from gqakit.convert.remote import gqakit_modeling_bart, gqakit_modeling_t5
-from gqakit.core.loading import is_gqakit_remote
+from gqakit.core.trust import code_files, only_gqakit_code
 from gqakit.core.trust import is_shipped
 
 H = 4  # query heads of every stack of the pico encoder-decoders
@@ -231,7 +231,7 @@ def test_save_pretrained_roundtrip(kind: str, stock: Any, tmp_path: Path) -> Non
         written = json.loads((saved / "config.json").read_text())
         for key, value in expected.items():
             assert written[key] == value, key
-        assert is_gqakit_remote(saved)  # gqakit's loaders run it without --trust-remote-code
+        assert only_gqakit_code(code_files(saved))  # gqakit's loaders run it without --trust-remote-code
         again = load(saved, "sdpa", trust_remote_code=True)
         torch.testing.assert_close(logits(again, inputs()), logits(gqa, inputs()), rtol=0, atol=0)
 

@@ -17,8 +17,8 @@ def registered() -> set[str]:
 
 
 def test_markers_used_are_registered():
-    used = {m for f in REPO.rglob("*.py") if "tests" in f.relative_to(REPO).parts  # both test folders
-            for m in re.findall(r"pytest\.mark\.(\w+)", f.read_text())}
+    files = [*(REPO / "tests").rglob("*.py"), *(REPO / "bench" / "tests").rglob("*.py")]  # both test folders
+    used = {m for f in files for m in re.findall(r"pytest\.mark\.(\w+)", f.read_text())}
     assert used - BUILTIN <= registered(), used - BUILTIN - registered()
     assert "assets" in used  # the tests that need the real models and data say so
 

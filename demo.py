@@ -260,10 +260,13 @@ def run_stages(work: Path, out: Path, *, method: str, b: dict[str, Any], gpu: bo
     from gqakit.eval.runner import resolve_dtype
     from gqakit.eval.speed import evaluate_speed_together
 
+    from gqakit.core.quiet import quiet_libraries
+
     dev = resolve_device(None)
     dt = resolve_dtype(None, dev)
-    speeds = evaluate_speed_together({name: load_causal_lm(path, dtype=dt, device=dev) for name, path in models},
-                                     settings, device=dev, dtype=dt, progress=False)
+    with quiet_libraries(True):  # no loading bars: this step prints its own lines
+        speeds = evaluate_speed_together({name: load_causal_lm(path, dtype=dt, device=dev) for name, path in models},
+                                         settings, device=dev, dtype=dt, progress=False)
     for name, _ in models:
         res_path = work / "results" / f"{name}.json"
         evals[name].speed = speeds[name]

@@ -116,15 +116,6 @@ def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, set
                       "unchanged copy; pass --force to write it anyway")
 
 
-def keep_query_order(spec: archmod.ArchSpec, settings: ConvertSettings) -> ConvertSettings:
-    """ALiBi gives each query head the slope of its position, so the heads must keep their
-    order: the contiguous grouping (which moves no head), "auto" included."""
-    if settings.grouping not in ("auto", "contiguous"):
-        raise GqakitError(f"--grouping {settings.grouping} reorders query heads, but this {spec.family} model's "
-                          "ALiBi slopes belong to head positions; use --grouping contiguous")
-    return settings.model_copy(update={"grouping": "contiguous"})
-
-
 def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:
     """The plan, with the settings resolved for this model (`Plan.settings`, built here once):
     what "auto" means depends on its parameters and context, and on the output kind (a GGUF
@@ -148,8 +139,6 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
     metas = {n: src.meta(n) for n in names}
     numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
     source_params = sum(numel(m[1]) for m in metas.values())
-    if spec.uses_alibi(opened.config):
-        settings = keep_query_order(spec, settings)
     resolved = resolve_settings(settings, source_params=source_params,
                                 max_positions=archmod.max_positions(opened.config), output=output)
     out_dtype = torch_dtype(resolved.dtype) if resolved.dtype is not None else None

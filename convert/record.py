@@ -32,10 +32,10 @@ QUALITY_SIGNAL = ("residual drift: the relative distance ‖h' − h‖ / ‖h�
 def output_config(plan: Plan, settings: ResolvedSettings,
                   query_orders: dict[int, list[int] | None] | None = None) -> dict[str, Any]:
     """config.json of the output. `query_orders`: each layer's query head order (`AttnHeads.q_order`),
-    recorded for a family whose position scheme follows the head index (`ArchSpec.position_bias`)."""
+    recorded where the model's position scheme follows the head index (`ArchSpec.position_bias_on`)."""
     cfg = dict(plan.config)
     spec = archmod.registry()[plan.family]
-    if spec.position_bias is not None:
+    if spec.position_bias_on(plan.config):
         cfg[archmod.QUERY_HEAD_ORDER] = query_head_order(plan, query_orders or {})
     if plan.native_gqa:
         cfg[spec.config.num_kv_heads or "num_key_value_heads"] = settings.num_kv_heads

@@ -140,13 +140,21 @@ class Rotary(_Strict):
         return self
 
 
-# A position scheme bound to each query head's index: "alibi" adds a linear bias to the scores
-# whose slope is a function of the head's index. A conversion that reorders query heads
-# (a grouping that moves heads together) records, per layer, which source head each query head
-# is (`QUERY_HEAD_ORDER` in config.json), and the family's modeling file gives each head the
-# slope of that source head.
-PositionBias = Literal["alibi"]
 QUERY_HEAD_ORDER = "gqakit_query_head_order"
+
+
+class PositionBias(_Strict):
+    """A position scheme bound to each query head's index: "alibi" adds a linear bias to the
+    scores whose slope is a function of the head's index. A conversion that reorders query heads
+    (a grouping that moves heads together) records, per layer, which source head each query head
+    is (`QUERY_HEAD_ORDER` in config.json), and the family's modeling file gives each head the
+    slope of that source head."""
+
+    scheme: Literal["alibi"]
+    config_key: str | None = None  # the config.json key that turns it on (dotted: nested); None: always on
+    # whether transformers' class applies it over a preallocated (static) KV cache, whose mask
+    # spans the whole cache; where not, generation takes a dynamic cache and eval --speed refuses
+    static_cache: bool = True
 
 
 class Remote(_Strict):
@@ -222,10 +230,6 @@ class ArchSpec(_Strict):
     gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
     position_bias: PositionBias | None = None  # per-query-head position bias (see PositionBias)
     reject_if: dict[str, Any] = {}  # config key (dotted: in a nested section) -> a value gqakit refuses
-    # ALiBi position biases, one slope per query head by its position, in a family whose modeling
-    # file does not follow a recorded head order (position_bias does): True, or the config key
-    # that turns them on. Rotary is then off, and no grouping may reorder the query heads.
-    alibi: bool | str = False
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -254,9 +258,17 @@ class ArchSpec(_Strict):
     def is_encoder_decoder(self) -> bool:
         return self.encoder is not None
 
-    def uses_alibi(self, config: Mapping[str, Any]) -> bool:
-        """Whether a config.json dict of this family has ALiBi position biases."""
-        return self.alibi is True or isinstance(self.alibi, str) and bool(config.get(self.alibi))
+    def position_bias_on(self, config: Mapping[str, Any]) -> bool:
+        """Whether a config.json dict of this family has its per-query-head position bias on (then
+        rotary is off, and a conversion that moves query heads records their order)."""
+        bias = self.position_bias
+        return bias is not None and (bias.config_key is None or bool(_config_value(config, bias.config_key)))
+
+    def takes_static_cache(self, config: Mapping[str, Any]) -> bool:
+        """Whether transformers' class for a config.json dict of this family computes over a
+        preallocated (static) KV cache (see `PositionBias.static_cache`)."""
+        bias = self.position_bias
+        return bias is None or bias.static_cache or not self.position_bias_on(config)
 
     def attention_at(self, site: str) -> Attention:
         """The attention of a site: "self" (the decoder's self-attention), "cross" (the
@@ -418,7 +430,7 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
     kv = config.get(keys.num_kv_heads or "num_key_value_heads") or heads
     head_dim = (config.get(keys.head_dim) if keys.head_dim else None) or hidden // heads
     rot = 0
-    if spec.rotary.style != "none" and not spec.uses_alibi(config):
+    if spec.rotary.style != "none" and not spec.position_bias_on(config):
         # transformers 5 keeps the fraction in rope_parameters; older configs at top level
         rope = config.get("rope_parameters") or {}
         frac = config.get(spec.rotary.fraction_key) if spec.rotary.fraction_key else None

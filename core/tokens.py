@@ -42,14 +42,14 @@ SAMPLER_VERSION = "static-cache-v2"
 
 def _new_cache(model: Any, max_len: int) -> Any:
     """A preallocated KV cache when the model supports one (no per-step concatenation), else a
-    dynamic one. ALiBi models get a dynamic one: their bias spans the tokens seen so far, which a
-    preallocated cache's mask does not."""
+    dynamic one. A model whose class cannot apply its position bias over a preallocated cache
+    (`ArchSpec.takes_static_cache`) gets a dynamic one."""
     from transformers import DynamicCache, StaticCache
 
     from gqakit.core.loaded import find_loaded
 
     spec = find_loaded(model)
-    if spec is not None and spec.uses_alibi(model.config.to_dict()):
+    if spec is not None and not spec.takes_static_cache(model.config.to_dict()):
         return DynamicCache()
     if getattr(model, "_supports_static_cache", True) and getattr(model, "_can_compile_fullgraph", True):
         try:

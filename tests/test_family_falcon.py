@@ -4,7 +4,8 @@ ALiBi) and the new decoder architecture (grouped rows, rotary, parallel attentio
 What the family-wide tests (test_architectures.py, test_convert.py, test_remote_modeling.py:
 the pico falcon there is Falcon-RW's layout) do not cover: both layouts through a cached
 `generate`, the cache's head count, mean pooling against a reference written here from the
-stock rows, ALiBi's slopes staying with their query heads, the stock new-architecture
+stock rows, ALiBi's slopes staying with their query heads when a grouping moves them
+(`gqakit_query_head_order`, read only with ALiBi on), the stock new-architecture
 class (which caches K/V broadcast to every query head) against gqakit's, and the verbs end
 to end (inspect, eval, uptrain).
 """
@@ -113,23 +114,84 @@ def _tie_across_halves(folder: Path, out: Path) -> Path:
     return out
 
 
-def test_alibi_slopes_stay_with_their_query_heads(tiny_model, tmp_path):
-    """ALiBi's slope is a function of a query head's position: a grouping that reorders the
-    heads is refused before anything is written, and "auto" (similarity for align-refit on a
-    small model) becomes contiguous. With rotary instead, the same model regroups exactly."""
+# two layers' chains of reductions over hidden 32, MLP 128 and up to 12 positions, summed
+PATH = LAYERS * (32 + 32 + 128 + 12 + 32)
+
+
+def _slopes_left_in_place(model) -> None:
+    for block in model.transformer.h:
+        block.self_attention.head_order = None
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("method", ["mean", "align"])
+def test_alibi_slopes_follow_query_heads_a_grouping_moves_at_g_equal_h(tiny_model, tmp_path, monkeypatch,
+                                                                      method, attn):
+    """At G = H a grouping that reverses the heads keeps the function only if every query head
+    takes its slope along: the recorded order is the reversal, each layer reads it, and the
+    logits are the source's up to the rounding of the dense projection summing the heads in
+    another order (eager: the bias added to the scores and the one inside the mask; SDPA: the
+    mask's). The same weights with the slopes left in head-index order are far off."""
+    from test_family_bloom import reversed_groups
+    from tolerance import assert_close_by_rounding, rounding_tolerance
+
+    from gqakit.convert.grouping import GROUPINGS
+
+    monkeypatch.setitem(GROUPINGS, "reversed", reversed_groups)
+    src = tiny_model("falcon")
+    out = convert_checkpoint(src, tmp_path / "out", H, method, grouping="reversed", progress=False)
+    order = json.loads((out / "config.json").read_text())["gqakit_query_head_order"]
+    assert order == [list(reversed(range(H)))] * LAYERS
+    from transformers import AutoModelForCausalLM
+
+    model, ref = (AutoModelForCausalLM.from_pretrained(f, trust_remote_code=True, dtype=torch.float32,
+                                                       attn_implementation=attn).eval() for f in (out, src))
+    assert [b.self_attention.head_order for b in model.transformer.h] == order
+    want = logits(ref)
+    assert_close_by_rounding(logits(model), want, path_length=PATH)
+    a, b = generate(model), generate(ref)  # cached steps: the bias spans the cache and the new token
+    assert torch.equal(a.sequences, b.sequences)
+    _slopes_left_in_place(model)
+    tol = rounding_tolerance(torch.float32, PATH, float(want.abs().max()))
+    assert (logits(model) - want).abs().max() > 10 * tol
+
+
+def test_alibi_slopes_follow_query_heads_a_grouping_moves_at_g_below_h(tiny_model, tmp_path):
+    """G = 2 on a model whose K/V head j equals head j + 2: similarity pairs heads 0 with 2 and
+    1 with 3, which moves query heads; pooling equal heads is exact, so the converted model is
+    the source up to rounding only if each query head kept its slope. align-refit's "auto"
+    grouping (similarity on a model this small) moves them too: the calibration stage runs each
+    stock block with the heads back at their source index, so its fit is the model that loads."""
+    from tolerance import assert_close_by_rounding, rounding_tolerance
+
     alibi = _tie_across_halves(tiny_model("falcon"), tmp_path / "alibi")
-    with pytest.raises(GqakitError, match="ALiBi slopes belong to head positions; use --grouping contiguous"):
-        convert_checkpoint(alibi, tmp_path / "refused", 2, "mean", grouping="similarity", progress=False)
-    assert not (tmp_path / "refused").exists()
+    want = logits(load(alibi))
+    out = convert_checkpoint(alibi, tmp_path / "sim", 2, "mean", grouping="similarity", progress=False)
+    assert json.loads((out / "config.json").read_text())["gqakit_query_head_order"] == [[0, 2, 1, 3]] * LAYERS
+    model = load(out)
+    assert_close_by_rounding(logits(model), want, path_length=PATH)
+    assert [layer.keys.shape[1] for layer in generate(model).past_key_values.layers] == [2] * LAYERS
+    _slopes_left_in_place(model)
+    assert (logits(model) - want).abs().max() > 10 * rounding_tolerance(torch.float32, PATH, float(want.abs().max()))
     out = convert_checkpoint(alibi, tmp_path / "auto", 2, "align-refit", calibration_tokens=128,
                              options={"seq_len": 32}, progress=False)
-    assert json.loads((out / "gqakit_convert.json").read_text())["settings"]["grouping"] == "contiguous"
+    assert json.loads((out / "gqakit_convert.json").read_text())["settings"]["grouping"] == "similarity"
+    assert json.loads((out / "config.json").read_text())["gqakit_query_head_order"] == [[0, 2, 1, 3]] * LAYERS
+    # the tolerance of test_architectures' align-refit exactness test (float64 fits, float32 streams)
+    torch.testing.assert_close(logits(load(out)), want, rtol=0, atol=2e-4)
+
+
+def test_rotary_falcon_records_no_query_head_order(tiny_model, tmp_path):
+    """With rotary the heads' order carries no position: a grouping that moves them regroups
+    exactly, config.json gains no query head order, and the modeling file reads none."""
     rotary = _tie_across_halves(tiny_model("falcon", alibi=False), tmp_path / "rotary")
     out = convert_checkpoint(rotary, tmp_path / "sim", 2, "mean", grouping="similarity", progress=False)
+    assert "gqakit_query_head_order" not in json.loads((out / "config.json").read_text())
+    model = load(out)
+    assert all(b.self_attention.head_order is None for b in model.transformer.h)
     from tolerance import assert_close_by_rounding
 
-    # two layers' chains of reductions over hidden 32, MLP 128 and 12 positions, summed
-    assert_close_by_rounding(logits(load(out)), logits(load(rotary)), path_length=LAYERS * (32 + 32 + 128 + 12 + 32))
+    assert_close_by_rounding(logits(model), logits(load(rotary)), path_length=PATH)
 
 
 def test_stock_new_decoder_gqa_regrouped_caches_g_heads(tiny_model, tmp_path):
@@ -189,13 +251,15 @@ def test_verbs_end_to_end(tiny_model, tmp_path, capsys):
 
 
 def test_speed_of_an_alibi_model_is_refused_before_loading(tiny_model, tmp_path, capsys):
-    """transformers' ALiBi models cannot run over the static KV cache the speed grid times:
-    one line, exit 2, nothing written; a rotary Falcon is timed."""
-    src, rotary = tiny_model("falcon"), tiny_model("falcon", alibi=False)
+    """transformers' Falcon cannot apply ALiBi over the static KV cache the speed grid times
+    (its table entry's `position_bias.static_cache`): one line, exit 2, nothing written; a
+    rotary Falcon is timed, and so is BLOOM, whose class spans its bias over the whole cache."""
+    src, rotary, bloom = tiny_model("falcon"), tiny_model("falcon", alibi=False), tiny_model("bloom")
     capsys.readouterr()  # the pico models' save bars
     args = ["--speed", "--batch", "1", "--prompt-len", "8", "--new-tokens", "2", "--reps", "1", "--warmup", "1", "-q"]
     code, _, err = run_cli(["eval", src, *args, "--out", tmp_path / "s.json"], capsys)
     assert code == 2 and "uses ALiBi position biases" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "s.json").exists()
-    code, _, err = run_cli(["eval", rotary, *args, "--out", tmp_path / "r.json"], capsys)
-    assert code == 0 and (tmp_path / "r.json").is_file(), err
+    for name, model in (("r", rotary), ("b", bloom)):
+        code, _, err = run_cli(["eval", model, *args, "--out", tmp_path / f"{name}.json"], capsys)
+        assert code == 0 and (tmp_path / f"{name}.json").is_file(), err

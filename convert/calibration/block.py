@@ -40,6 +40,7 @@ class Block:
         on_meta = dict(skeleton.blocks[L].named_parameters())
         self.attn_rel = {n: n[len(self.prefix):] for n in self.names.values() if n[len(self.prefix):] in on_meta}
         self.original: dict[str, Tensor] | None = None
+        self.head_bound = spec.position_bias_on(skeleton.opened.config)  # a bias follows each head's index
         self.load()
 
     def load(self) -> None:
@@ -95,9 +96,9 @@ class Block:
     def _source_order(self, heads: AttnHeads) -> tuple[Tensor, Tensor] | None:
         """The permutations (query heads, KV heads) that put `heads` (with KV heads expanded to the
         block's count) back in source order, where the block's position scheme follows the head
-        index (`ArchSpec.position_bias`) and a grouping moved them; None otherwise."""
+        index (`ArchSpec.position_bias_on`) and a grouping moved them; None otherwise."""
         order = heads.q_order
-        if self.spec.position_bias is None or order is None or order == list(range(len(order))):
+        if not self.head_bound or order is None or order == list(range(len(order))):
             return None
         r = len(order) // self.kv_heads
         kv_order = [order[j * r] // r for j in range(self.kv_heads)]

@@ -9,8 +9,15 @@ H/G query heads (g*H/G ... (g+1)*H/G-1), then its K head, then its V head. That 
 layout of both Falcon decoders at G = H: the original one's per-head `(H, 3, D)` rows
 (Falcon-RW) and the new decoder architecture's grouped rows (whose stock class also reads
 `num_kv_heads`, but caches K and V broadcast to H heads). The KV cache here stores G heads.
-Everything else (layer norms, parallel attention, rotary or ALiBi, whose slope stays with
-each query head's position) is the stock model's.
+Everything else (layer norms, parallel attention, rotary or ALiBi) is the stock model's.
+
+ALiBi (`alibi: true`): each query head's slope is a function of its head index. A conversion
+may reorder query heads (a grouping moves heads that share a K/V head together);
+`gqakit_query_head_order` in config.json then says, per layer, which source head each query
+head is, and each head gets that source head's slope, both in the bias the eager path adds
+and in the one stock Falcon puts inside the attention mask. With rotary the order changes
+nothing and is not read. Without it (or with the identity order) the model is numerically
+the stock model at G = H.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class GqakitFalconConfig(FalconConfig):
     model_type = "gqakit_falcon"
 
     num_key_value_heads: int | None = None
+    gqakit_query_head_order: list | None = None  # per layer: the source head of each query head
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.num_key_value_heads is None:
@@ -37,7 +45,23 @@ class GqakitFalconConfig(FalconConfig):
             raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must divide "
                              f"num_attention_heads ({self.num_attention_heads})")
         self.num_kv_heads = self.num_key_value_heads
+        order, H = self.gqakit_query_head_order, self.num_attention_heads
+        if order is not None and (len(order) != self.num_hidden_layers
+                                  or any(sorted(o) != list(range(H)) for o in order)):
+            raise ValueError(f"gqakit_query_head_order must hold, for each of the {self.num_hidden_layers} "
+                             f"layers, an order of the {H} query heads")
         super().__post_init__(**kwargs)
+
+
+def head_order(config: GqakitFalconConfig, layer_idx: int | None) -> list[int] | None:
+    """The source head of each query head of layer `layer_idx` where ALiBi is on and the order is
+    not the identity; None otherwise."""
+    order = config.gqakit_query_head_order
+    if not config.alibi or order is None or layer_idx is None:
+        return None
+    if list(order[layer_idx]) == list(range(config.num_attention_heads)):
+        return None
+    return [int(i) for i in order[layer_idx]]
 
 
 class GqakitFalconAttention(modeling_falcon.FalconAttention):
@@ -49,6 +73,7 @@ class GqakitFalconAttention(modeling_falcon.FalconAttention):
         self.num_key_value_groups = self.num_heads // self.num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.query_key_value = modeling_falcon.FalconLinear(self.hidden_size, out, bias=config.bias)
+        self.head_order = head_order(config, layer_idx)
 
     def forward(  # type: ignore[override]
         self,
@@ -73,6 +98,10 @@ class GqakitFalconAttention(modeling_falcon.FalconAttention):
         if alibi is None:
             cos, sin = position_embeddings
             query, key = modeling_falcon.apply_rotary_pos_emb(query, key, cos, sin)
+        elif self.head_order is not None:  # each query head keeps its source head's slope
+            alibi = alibi.reshape(batch, self.num_heads, -1)[:, self.head_order].reshape(alibi.shape)
+            if attention_mask is not None and attention_mask.shape[1] == self.num_heads:  # the bias inside the mask
+                attention_mask = attention_mask[:, self.head_order]
         if layer_past is not None:
             key, value = layer_past.update(key, value, self.layer_idx)  # G heads
         impl = self.config._attn_implementation

@@ -59,15 +59,16 @@ def check(s: Any, model_path: str | Path, encoder_decoder: bool) -> None:
 
 
 def check_speed_positions(model_path: str | Path) -> None:
-    """Decode speed is timed on a preallocated (static) KV cache, whose mask transformers'
-    ALiBi models cannot take: their bias spans the tokens seen so far. Refused before loading."""
+    """Decode speed is timed on a preallocated (static) KV cache, over which some transformers
+    classes cannot apply their ALiBi bias (`ArchSpec.takes_static_cache`): their bias spans the
+    tokens seen so far. Refused before loading."""
     from gqakit.core.arch import find
     from gqakit.core.loading import read_config_json, split_source
 
     folder, gguf = split_source(model_path)
     config = {} if gguf else read_config_json(folder)
     spec = find(config)
-    if spec is not None and spec.uses_alibi(config):
+    if spec is not None and not spec.takes_static_cache(config):
         raise GqakitError(f"--speed: this {spec.family} model uses ALiBi position biases, which transformers "
                           "cannot apply over the static KV cache the speed grid times; measure perplexity or tasks")
 

@@ -27,7 +27,7 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 SHORT_HELP = {
-    "convert": "Convert an MHA/GQA checkpoint to fewer KV heads.",
+    "convert": "Convert an MHA/GQA model to fewer KV heads.",
     "inspect": "Show heads, parameters and KV-cache size for each possible G.",
     "uptrain": "Continue pre-training a converted model (accelerate).",
     "eval": "Measure perplexity, decode speed and task accuracy of a model.",

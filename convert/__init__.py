@@ -1,4 +1,4 @@
-"""gqakit.convert: MHA -> GQA conversion of Hugging Face checkpoints and GGUF files.
+"""gqakit.convert: MHA -> GQA conversion of Hugging Face model folders and GGUF files.
 
 The package is callable: `gqakit.convert(src, out, num_kv_heads=G, ...)` runs `gqakit convert`
 (see `convert` below, or `help(gqakit.convert.__call__)`):
@@ -31,7 +31,7 @@ RUN_OPTIONS: dict[str, tuple[Any, Any]] = {
 
 
 def convert(src: str | Path, out: str | Path, **settings: Any) -> Path | list[str]:
-    """Convert the checkpoint SRC to grouped-query attention, written to OUT: `gqakit convert`.
+    """Convert the model SRC to grouped-query attention, written to OUT: `gqakit convert`.
 
     SRC is a model folder (or a .gguf file); OUT a model folder (or, from a .gguf SRC, a
     .gguf file). The keyword arguments are `gqakit convert`'s options by their Python names

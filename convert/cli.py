@@ -70,7 +70,7 @@ def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.pass_context
 def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_options: tuple[str, ...],
                 gguf_type: str | None, overwrite: bool, dry_run: bool, quiet: bool, **fields: Any) -> None:
-    """Convert the checkpoint SRC to grouped-query attention, written to OUT.
+    """Convert the model SRC to grouped-query attention, written to OUT.
 
     \b
     Examples:
@@ -178,11 +178,11 @@ def precheck_source(src: Path) -> None:
               help=f"Encoder-decoders: output tokens per sequence, which the self-attention cache holds "
                    f"[default: {SEQ2SEQ_OUTPUT_LEN}].")
 @click.option("--dtype-bytes", type=int, default=None,
-              help="Bytes per cached element (2 for bf16/fp16) [default: the checkpoint's saved dtype, else 2].")
+              help="Bytes per cached element (2 for bf16/fp16) [default: the model's saved dtype, else 2].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | None, output_len: int | None,
                 dtype_bytes: int | None, as_json: bool) -> None:
-    """Show a checkpoint's attention geometry and the KV cache at each valid G.
+    """Show a model's attention geometry and the KV cache at each valid G.
 
     SRC is a model folder, a .gguf file or a Hub id org/name[@revision] in the Hugging Face cache.
 
@@ -203,9 +203,9 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     precheck_source(src)
     name = ref.hub_id or str(src)
     from gqakit.convert.plan import make_plan
-    from gqakit.convert.source import open_checkpoint
+    from gqakit.convert.source import open_model
 
-    opened = open_checkpoint(src, progress=False)
+    opened = open_model(src, progress=False)
     spec = archmod.lookup(opened.config)
     saved = config_dtype(opened.config)
     if dtype_bytes is None:  # the cache in the dtype the weights are saved (and load) in

@@ -1,6 +1,6 @@
 """GGUF in: a .gguf file as a conversion source, every tensor under its transformers name,
 dequantised one tensor at a time as it is written. Both outputs read GGUF through here:
-the model folder (`source.open_checkpoint`) and the GGUF file (`gguf_out`).
+the model folder (`source.open_model`) and the GGUF file (`gguf_out`).
 
     SRC.gguf (memory-mapped by gguf.GGUFReader)
       --> GGUFSource: the tensors under transformers' names, each dequantised only when

@@ -1,4 +1,4 @@
-"""Streaming checkpoint IO: read one tensor at a time, write safetensors without buffering.
+"""Streaming model IO: read one tensor at a time, write safetensors without buffering.
 
 Reading: `open_source(folder)` opens single or sharded safetensors lazily and reads each
 tensor with `pread` (a file cut while it is read is then a short read, not a SIGBUS), or
@@ -47,7 +47,7 @@ def _read_index(folder: Path, index_name: str) -> dict[str, Path]:
 
 
 class Source:
-    """A read-only view of a checkpoint's tensors."""
+    """A read-only view of a model's tensors."""
 
     def names(self) -> list[str]:  # in an order that reads each file front to back
         raise NotImplementedError
@@ -74,7 +74,7 @@ class Source:
 
 @dataclass
 class Opened:
-    """An opened source checkpoint: where its config and tokenizer come from, and its tensors."""
+    """An opened source model: where its config and tokenizer come from, and its tensors."""
 
     folder: Path          # where config/tokenizer files come from
     gguf: str | None      # the .gguf file in `folder`, for a GGUF source

@@ -36,7 +36,7 @@ from gqakit.convert.pooling import PoolContext
 from gqakit.convert.record import drift_summary, write_metadata
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.settings import DEFAULT_CALIBRATION_TOKENS, DEFAULT_METHOD, ConvertSettings
-from gqakit.convert.source import Opened, open_checkpoint
+from gqakit.convert.source import Opened, open_model
 from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import RESUME_DIR, atomic_output_dir, atomic_output_file, resumable_output_dir
@@ -91,7 +91,7 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
     if out is not None:
         check_output_path(Path(out), overwrite=overwrite,
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
-    plan = make_plan(open_checkpoint(settings.source, progress=progress), settings)
+    plan = make_plan(open_model(settings.source, progress=progress), settings)
     s = plan.shape
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
@@ -120,7 +120,7 @@ def per_step_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> St
     for step in plan.attention_layers():
         layer, shape = step.layer, plan.shape_at(step.site)
         tensors = {n: opened.source.get(n) for n in step.names}
-        # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
+        # float64 keeps fp32 weights exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
         heads = read_heads(spec, shape, tensors, layer, dtype=torch.float64 if wide else torch.float32,
                            site=step.site)
@@ -167,14 +167,14 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     in layer order, either from that layer's weights alone (mean, align, ...) or from a
     calibration stage that holds one decoder block at a time (align-refit) on `device`.
     """
-    from gqakit.convert.calibration import load_checkpoint
+    from gqakit.convert.calibration import load_state
     from gqakit.core.device import resolve_device
 
     src, out, staged = Path(settings.source), Path(out), settings.staged
     dev = resolve_device(device)
     inputs = [("source", src), ("calibration data", settings.calibration_file)]
     check_output_path(out, overwrite=overwrite, inputs=inputs)
-    opened = open_checkpoint(src, progress=progress)
+    opened = open_model(src, progress=progress)
     plan = make_plan(opened, settings)
     settings = plan.settings
     if progress:
@@ -187,7 +187,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     else:
         folder = _not_resumable(atomic_output_dir(out, overwrite=overwrite, inputs=inputs))
     with folder as (tmp, resumed):
-        state = load_checkpoint(tmp / RESUME_DIR) if resumed else None
+        state = load_state(tmp / RESUME_DIR) if resumed else None
         if resumed and progress:
             tqdm.write(resume_line(tmp, state, plan.shape.num_layers), file=sys.stderr)
         assert settings.max_shard_bytes is not None  # a model folder
@@ -224,7 +224,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                     orders[layer] = new.q_order
                 out_dtypes = {n: planned_dtype[n] for n in step.names}
                 for n, t in write_heads(spec, new, layer, out_dtypes, site=step.site).items():
-                    if n in done:  # already in the shards (a resumed run restarts after its checkpoint)
+                    if n in done:  # already in the shards (a resumed run restarts after its saved state)
                         continue
                     writer.write(n, t)
                     bar.update(t.numel() * t.dtype.itemsize)
@@ -241,7 +241,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             opened.source.close()
             shutil.rmtree(tmp / ".scratch", ignore_errors=True)
         calibration = stage.summary if stage is not None else None
-        if stage is not None:  # a resumed calibration yields only the layers after its checkpoint
+        if stage is not None:  # a resumed calibration yields only the layers after its saved state
             orders = {**stage.q_orders, **orders}
         write_metadata(tmp, opened, plan, settings, time.perf_counter() - t0, calibration,
                        described=stage.describe() if stage is not None else None, query_orders=orders)
@@ -252,7 +252,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
 
 def resume_line(folder: Path, state: dict[str, Any] | None, layers: int) -> str:
     """The line a resumed conversion prints: layers counted from 1, as in the progress bar
-    (`state["layers_done"]`, the checkpoint's count of finished layers, is also the 0-based
+    (`state["layers_done"]`, the resume state's count of finished layers, is also the 0-based
     index of the next one)."""
     if not state:
         return f"resuming the conversion in {folder}"

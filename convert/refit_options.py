@@ -68,9 +68,9 @@ class RefitOptions(BaseModel):
     offload: Literal["auto", "device", "cpu", "disk"] = Field(
         "auto", description="where the streams live: device, cpu (host memory), disk (files beside OUT) or auto "
                             "(the device when they fit, else host memory, else disk)")
-    checkpoint_seconds: Number = Field(
-        120.0, ge=0, description="how often, at most, the streams and the finished layers are saved, so that a "
-                                 "killed run resumes")
+    save_seconds: Number = Field(
+        120.0, ge=0, description="how often, at most, the resume state (the streams and the finished layers) is "
+                                 "saved, so that a killed run resumes")
     steps: Literal["auto"] | StrictInt = Field(
         "auto", ge=0, description=f"block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
                                   f"{BEST['large']['steps']}, or {BEST['small']['steps']} for a model under "

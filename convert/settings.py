@@ -26,7 +26,7 @@ from gqakit.core.text import TextSource
 from gqakit.core.units import COMPUTE_DTYPES, parse_size
 
 # The default method, chosen from the numbers (docs/benchmarks.md, README "Methods"): of the
-# methods that need nothing but the checkpoint and take seconds, `align` beats the paper's
+# methods that need nothing but the source weights and take seconds, `align` beats the paper's
 # `mean` on every model measured, before and after equal-budget uptraining.
 DEFAULT_METHOD = "align"
 # Calibration memory does not grow with the token count times the depth (one block and two
@@ -64,7 +64,7 @@ class ConvertSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    source: str = Field(description="the source checkpoint: a model folder or a .gguf file (a Hub id given "
+    source: str = Field(description="the source model: a model folder or a .gguf file (a Hub id given "
                                     "here is resolved to its snapshot folder in the Hugging Face cache)")
     source_hub: dict[str, str] | None = Field(
         None, description="where SRC came from when it was given as a Hub id: repo_id, revision, commit "

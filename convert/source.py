@@ -1,4 +1,4 @@
-"""Opening a source checkpoint: a Hugging Face model folder, a .gguf file, or a Hub id
+"""Opening a source model: a Hugging Face model folder, a .gguf file, or a Hub id
 `org/name[@revision]` in the Hugging Face cache (`core/hub.py`; a local path wins).
 
 A .gguf file is memory-mapped and read one tensor at a time (`gguf_in.stream_gguf`), so
@@ -19,10 +19,10 @@ from gqakit.core.errors import GqakitError
 from gqakit.core.hub import resolve_model_ref
 from gqakit.core.loading import read_config_json
 
-__all__ = ["Opened", "open_checkpoint", "source_path"]
+__all__ = ["Opened", "open_model", "source_path"]
 
 
-def open_checkpoint(src: str | Path, *, progress: bool = True) -> Opened:
+def open_model(src: str | Path, *, progress: bool = True) -> Opened:
     src = resolve_model_ref(src).path
     if not src.exists():
         raise GqakitError(f"source not found: {src}")
@@ -80,5 +80,5 @@ def _load_whole_gguf(path: Path, *, progress: bool = True) -> Opened:
 
 
 def source_path(opened: Opened) -> Path:
-    """The file or folder the checkpoint was opened from (what transformers loads)."""
+    """The file or folder the source model was opened from (what transformers loads)."""
     return Path(opened.folder) / opened.gguf if opened.gguf else Path(opened.folder)

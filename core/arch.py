@@ -85,8 +85,8 @@ class Attention(_Strict):
       fused_blocks one qkv Linear whose output axis is `blocks` equal blocks (the shards of
                    a model-parallel training run), each holding its share of the query heads,
                    K heads and V heads in `order` (CodeGen: 4 blocks of [q | v | k]). A
-                   checkpoint with KV key/value heads uses gcd(blocks, KV) blocks, so a
-                   grouped checkpoint with fewer KV heads than blocks stays expressible
+                   model with KV key/value heads uses gcd(blocks, KV) blocks, so a
+                   grouped model with fewer KV heads than blocks stays expressible
                    (`block_count`); a source's heads must fill whole blocks
 
     `qk_norm`: norms of the q and k projections' outputs, applied before the rotary embedding.
@@ -118,7 +118,7 @@ class Attention(_Strict):
         return self
 
     def block_count(self, num_kv_heads: int) -> int:
-        """fused_blocks: the blocks of a checkpoint with KV key/value heads, gcd(blocks, KV)
+        """fused_blocks: the blocks of a model with KV key/value heads, gcd(blocks, KV)
         (which divides the query heads too, since KV does)."""
         return math.gcd(self.blocks or 1, num_kv_heads)
 

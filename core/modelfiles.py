@@ -199,7 +199,7 @@ def expected_attention(spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
 
 
 def _lookup(shapes: Mapping[str, Any], name: str) -> str | None:
-    """NAME, or NAME without its first component (checkpoints saved from the base model)."""
+    """NAME, or NAME without its first component (weights saved from the base model)."""
     if name in shapes:
         return name
     short = name.split(".", 1)[-1]

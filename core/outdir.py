@@ -175,7 +175,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, src: Path | None = 
 
 PARTIAL_MARK = ".gqakit-partial"
 PARTIAL_STAMP = "gqakit_partial.json"
-RESUME_DIR = ".resume"  # inside the partial folder: a run that saved a checkpoint there is kept on failure
+RESUME_DIR = ".resume"  # inside the partial folder: a run that saved its resume state there is kept on failure
 
 
 def partial_dir(out: Path) -> Path:

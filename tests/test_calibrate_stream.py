@@ -12,7 +12,7 @@ import torch
 from gqakit.convert.calibration import CalibrationStage, calibration_sequences
 from gqakit.convert.pipeline import convert_checkpoint
 from gqakit.convert.plan import make_plan
-from gqakit.convert.source import open_checkpoint
+from gqakit.convert.source import open_model
 from gqakit.convert.refit_options import RefitOptions
 from gqakit.convert.settings import ConvertSettings
 from gqakit.core.errors import GqakitError, Interrupted
@@ -20,14 +20,14 @@ from reference_calibrate import reference_refit
 
 
 def _streamed(src, settings, **kw):
-    opened = open_checkpoint(src)
+    opened = open_model(src)
     plan = make_plan(opened, settings)
     stage = CalibrationStage(opened, plan, plan.settings, device="cpu", progress=False, **kw)
     return dict(stage.layers()), stage.summary, opened, plan
 
 
 def _reference(src, settings):
-    opened = open_checkpoint(src)
+    opened = open_model(src)
     plan = make_plan(opened, settings)
     settings = plan.settings  # resolved for this model
     opts = settings.options
@@ -221,7 +221,7 @@ def test_convert_cli_refuses_bad_refit_input(tiny_model, tmp_path, capsys, args,
 
 
 @pytest.mark.parametrize("extra", [{}, {"steps": 6, "lr": 1e-2}], ids=["closed-form", "reconstruction"])
-def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monkeypatch, capfd, one_thread, extra):
+def test_killed_run_resumes_after_its_last_saved_state(tiny_model, tmp_path, monkeypatch, capfd, one_thread, extra):
     """A run interrupted at layer 2 of 4 leaves no OUT, keeps its work in the partial folder,
     and the same command resumes there: layers 0-1 are not recomputed, and the result is
     bit-identical to an uninterrupted run."""
@@ -231,7 +231,7 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
     from gqakit.core.outdir import partial_dir
 
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)
-    kw = dict(calibration_tokens=256, options={"seq_len": 32, "checkpoint_seconds": 0, **extra}, progress=False,
+    kw = dict(calibration_tokens=256, options={"seq_len": 32, "save_seconds": 0, **extra}, progress=False,
               device="cpu")
     whole = convert_checkpoint(src, tmp_path / "whole", 1, "align-refit", **kw)
 
@@ -268,6 +268,46 @@ def test_killed_run_resumes_after_its_last_checkpoint(tiny_model, tmp_path, monk
     assert not any(p.name.startswith(".") and p.name != ".gqakit-output.json" for p in out.iterdir())
 
 
+def test_partial_folder_without_a_resume_state_restarts_from_the_first_layer(tiny_model, tmp_path, monkeypatch,
+                                                                              one_thread):
+    """The resume state lives in `.resume/state`; a partial folder of the same command that
+    holds anything else there (an older layout's `.resume/checkpoint`) is not read: the run
+    starts over from layer 1, overwrites the shards in place and writes what an uninterrupted
+    run writes, leaving no partial folder."""
+    from safetensors.torch import load_file
+
+    from gqakit.convert.calibration.skeleton import Skeleton
+    from gqakit.core.outdir import RESUME_DIR, partial_dir
+
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)
+    kw = dict(calibration_tokens=256, options={"seq_len": 32, "save_seconds": 0}, progress=False, device="cpu")
+    whole = convert_checkpoint(src, tmp_path / "whole", 1, "align-refit", **kw)
+    loaded, real = [], Skeleton.load_block
+    kill = {"at": 2}
+
+    def load_block(self, L):
+        loaded.append(L)
+        if kill and L == kill["at"]:
+            kill.clear()
+            raise KeyboardInterrupt
+        return real(self, L)
+
+    monkeypatch.setattr(Skeleton, "load_block", load_block)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted):
+        convert_checkpoint(src, out, 1, "align-refit", **kw)
+    resume = partial_dir(out) / RESUME_DIR
+    assert (resume / "state" / "state.json").is_file()
+    (resume / "state").rename(resume / "checkpoint")
+    loaded.clear()
+    convert_checkpoint(src, out, 1, "align-refit", **kw)
+    assert list(dict.fromkeys(loaded)) == [0, 1, 2, 3] and not partial_dir(out).exists()
+    a, b = load_file(out / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "gqakit_convert.json").read_text())["calibration"]["resumed_at_layer"] is None
+    assert not any(p.name.startswith(".") and p.name != ".gqakit-output.json" for p in out.iterdir())
+
+
 def test_partial_folder_of_another_command_is_replaced_and_foreign_one_refused(tiny_model, tmp_path):
     from gqakit.core.outdir import partial_dir
 
@@ -286,7 +326,7 @@ def test_partial_folder_of_another_command_is_replaced_and_foreign_one_refused(t
     assert out.is_dir() and not part.exists()
 
 
-def test_failure_before_any_checkpoint_leaves_nothing(tiny_model, tmp_path):
+def test_failure_before_any_saved_state_leaves_nothing(tiny_model, tmp_path):
     from gqakit.core.outdir import partial_dir
 
     src = tiny_model("llama", num_key_value_heads=4)
@@ -457,7 +497,7 @@ def test_a_new_calibrated_method_is_a_new_fit(tiny_model, one_thread):
     src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
     settings = ConvertSettings(source=src, num_kv_heads=2, method="align-refit", calibration_tokens=256,
                                refit={"seq_len": 32})
-    opened = open_checkpoint(src)
+    opened = open_model(src)
     plan = make_plan(opened, settings)
     mean_plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=2, method="mean"))
     mean = dict(per_layer_heads(opened, mean_plan, mean_plan.settings))

@@ -109,14 +109,14 @@ def test_the_python_api_and_inspect_still_allow_g_equal_to_the_kv_heads(src, tmp
     from gqakit.convert import convert_checkpoint
     from gqakit.convert.plan import make_plan
     from gqakit.convert.settings import ConvertSettings
-    from gqakit.convert.source import open_checkpoint
+    from gqakit.convert.source import open_model
     from gqakit.core.errors import GqakitError
 
     assert convert_checkpoint(src, tmp_path / "copy", 4, progress=False).is_dir()  # the exactness checks' path
     with pytest.raises(GqakitError, match="--force"):
         convert_checkpoint(src, tmp_path / "refused", 4, force=False, progress=False)
     assert not (tmp_path / "refused").exists()
-    opened = open_checkpoint(src, progress=False)
+    opened = open_model(src, progress=False)
     with pytest.raises(GqakitError, match="--force"):
         make_plan(opened, ConvertSettings(source=src, num_kv_heads=4))
     assert make_plan(opened, ConvertSettings(source=src, num_kv_heads=4, force=True)).output_params > 0

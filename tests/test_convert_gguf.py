@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gqakit.convert import convert_checkpoint
 from gqakit.convert.gguf_in import GGUFSource
 from gqakit.convert.io import DictSource
-from gqakit.convert.source import open_checkpoint
+from gqakit.convert.source import open_model
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -172,7 +172,7 @@ def test_folder_output_is_transformers_dequantisation_streamed(tiny_model, tmp_p
     GGUF, bit for bit, though the file is read tensor by tensor (a GGUFSource), not loaded whole."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model(arch, num_key_value_heads=4, **extra)).eval()
     path = write_gguf(model, tmp_path / "m.gguf", arch, qtype)
-    assert isinstance(open_checkpoint(path, progress=False).source, GGUFSource)
+    assert isinstance(open_model(path, progress=False).source, GGUFSource)
     want = transformers_tensors(path)
     # G = KV heads: mean pooling changes nothing, so every output tensor is a dequantised source tensor
     same = convert_checkpoint(path, tmp_path / "g4", 4, method="mean", progress=False)
@@ -199,7 +199,7 @@ def test_without_a_name_map_transformers_loads_the_whole_model_and_says_so(tiny_
     assert_bitwise_equal(folder_tensors(via_transformers), folder_tensors(streamed))
     # no processor that reads tensor by tensor: the whole model is loaded
     monkeypatch.setattr(gguf_in, "PER_TENSOR_PROCESSORS", frozenset())
-    assert isinstance(open_checkpoint(path, progress=False).source, DictSource)
+    assert isinstance(open_model(path, progress=False).source, DictSource)
     capfd.readouterr()
     whole = convert_checkpoint(path, tmp_path / "whole", 2, method="mean", progress=True)
     err = capfd.readouterr().err

@@ -274,10 +274,10 @@ def test_refusals_are_one_line(kind, stock, tmp_path, capsys):
 def test_gguf_output_is_refused_in_the_plan(stock, tmp_path):
     from gqakit.convert.plan import make_plan
     from gqakit.convert.settings import ConvertSettings
-    from gqakit.convert.source import open_checkpoint
+    from gqakit.convert.source import open_model
 
     src = stock("t5")
-    opened = open_checkpoint(src, progress=False)
+    opened = open_model(src, progress=False)
     with pytest.raises(GqakitError, match="GGUF input and output are for decoder-only models"):
         make_plan(opened, ConvertSettings(source=src, num_kv_heads=2), gguf_out=True)
     opened.source.close()

@@ -297,7 +297,7 @@ def test_source_truncated_while_align_refit_reads_it(world, tmp_path):
     r = subprocess.run([sys.executable, "-c", TRUNCATE, str(src / "model.safetensors"), "convert", str(src),
                         str(world / "out"), "-g", "2", "--method", "align-refit", "--calibration-data",
                         str(world / "data" / "train.txt"), "--calibration-tokens", "256", "--refit-option",
-                        "seq_len=16", "--refit-option", "checkpoint_seconds=100000", "-q"],
+                        "seq_len=16", "--refit-option", "save_seconds=100000", "-q"],
                        capture_output=True, text=True, env=env, timeout=280)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])

@@ -97,14 +97,14 @@ def test_the_plan_carries_settings_resolved_once(tiny_model):
     from gqakit.convert.plan import make_plan
     from gqakit.convert.resolved import ResolvedSettings
     from gqakit.convert.settings import ConvertSettings
-    from gqakit.convert.source import open_checkpoint
+    from gqakit.convert.source import open_model
 
     src = tiny_model("llama", num_key_value_heads=4)
     asked = ConvertSettings(source=src, num_kv_heads=2, method="align-refit", max_shard_size="1MB")
-    plan = make_plan(open_checkpoint(src), asked)
+    plan = make_plan(open_model(src), asked)
     got = plan.settings
     assert isinstance(got, ResolvedSettings) and got.asked is asked and asked.grouping == "auto"
     assert (got.grouping, got.output, got.max_shard_bytes, got.dtype) == ("similarity", "folder", 10**6, None)
     assert got.options.steps == round(4500 * asked.calibration_tokens / 65536) and got.options.train == "block"
     assert not any(v == "auto" for v in (got.options.seq_len, got.options.steps, got.options.lr, got.options.train))
-    assert make_plan(open_checkpoint(src), asked, gguf_out=True).settings.options.train == "attention"
+    assert make_plan(open_model(src), asked, gguf_out=True).settings.options.train == "attention"

@@ -30,9 +30,9 @@ def test_sampler_never_draws_the_excluded_tokens(tiny_model):
 
 def test_sampled_calibration_text_starts_with_bos_and_has_no_eos(tiny_model):
     from gqakit.convert.calibration import calibration_sequences
-    from gqakit.convert.source import open_checkpoint
+    from gqakit.convert.source import open_model
 
-    opened = open_checkpoint(tiny_model("llama"))
+    opened = open_model(tiny_model("llama"))
     seqs, where = calibration_sequences(opened, None, 200, 20, seed=0, progress=False)
     again, _ = calibration_sequences(opened, None, 200, 20, seed=0, progress=False)
     assert seqs.shape == (10, 20) and torch.equal(seqs, again) and "sampled" in where

@@ -8,7 +8,7 @@
                              what it returns (`Fitted`) and the `Fit` protocol
     refit.AlignRefit         align-refit's fit: moments, head fit, o_proj refit, reconstruction
     fits                     the fits of the built-in methods that need data (`fit_for`)
-    resume                   the checkpoint an interrupted run resumes from
+    resume                   the state an interrupted run resumes from
 
 This package never imports the pipeline: the pipeline runs the stage.
 """
@@ -16,8 +16,8 @@ This package never imports the pipeline: the pipeline runs the stage.
 from __future__ import annotations
 
 from gqakit.convert.calibration.fits import fit_for
-from gqakit.convert.calibration.resume import load_checkpoint
+from gqakit.convert.calibration.resume import load_state
 from gqakit.convert.calibration.stage import CalibrationStage
 from gqakit.convert.calibration.tokens import calibration_sequences
 
-__all__ = ["CalibrationStage", "calibration_sequences", "fit_for", "load_checkpoint"]
+__all__ = ["CalibrationStage", "calibration_sequences", "fit_for", "load_state"]

@@ -54,7 +54,7 @@ class Block:
         empty_cache(self.device)
 
     def source_attention(self) -> dict[str, Tensor]:
-        """The block's attention tensors as stored in the source checkpoint, by source name."""
+        """The block's attention tensors as stored in the source model's files, by source name."""
         return {n: self.skeleton.source.get(self.skeleton.src(n)) for n in self.attn_rel}
 
     def rest_names(self) -> list[str]:

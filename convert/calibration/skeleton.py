@@ -73,7 +73,7 @@ class Skeleton:
 
     def src(self, name: str) -> str:
         if name not in self._src_name:
-            raise GqakitError(f"tensor {name} of the {type(self.model).__name__} layout is not in the source checkpoint")
+            raise GqakitError(f"tensor {name} of the {type(self.model).__name__} layout is not in the source model")
         return self._src_name[name]
 
     def load_outer(self, token_ids: Tensor) -> Tensor:

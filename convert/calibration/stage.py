@@ -9,12 +9,12 @@ onloading scale calibration to 70B models on one GPU:
   - two hidden-state streams for all calibration tokens, the original model's and the
     converted-so-far model's, live on the device, in CPU memory or in files on disk
     (`streams.Streams`, `offload`), in a storage dtype of their own (`stream_dtype`);
-  - block L is loaded from the checkpoint onto the device, handed to the fit (a `Fit`,
+  - block L is loaded from the source model onto the device, handed to the fit (a `Fit`,
     `block.py`: `refit.AlignRefit` for align-refit), advanced on both streams, its drift
     measured, handed to the writer and freed before block L+1 is read;
-  - after a layer, at most every `checkpoint_seconds`, the streams, the calibration tokens
-    and the names of the tensors written so far are saved (`resume.py`), so that a killed
-    run resumes after its last checkpoint.
+  - after a layer, at most every `save_seconds`, the streams, the calibration tokens
+    and the names of the tensors written so far are saved as the resume state (`resume.py`),
+    so that a killed run resumes after the last one saved.
 
 The stage walks and caches; the fit fits. A second calibrated method is a new `Fit`.
 """
@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from gqakit.convert.calibration.block import Block, BlockContext, Fit
 from gqakit.convert.calibration.fits import fit_for
 from gqakit.convert.calibration.memory import trim
-from gqakit.convert.calibration.resume import CHECKPOINT, load_checkpoint, load_tokens, save_checkpoint
+from gqakit.convert.calibration.resume import STATE, load_state, load_tokens, save_state
 from gqakit.convert.calibration.skeleton import Skeleton
 from gqakit.convert.calibration.streams import Streams, choose_offload
 from gqakit.convert.calibration.tokens import calibration_sequences
@@ -83,8 +83,8 @@ class CalibrationStage:
                  device: str = "cpu", progress: bool | None = None, scratch: Path | None = None,
                  resume_dir: Path | None = None, written: Callable[[], list[str]] | None = None):
         """`fit`: the method's fit (default: the one `settings.method` names); `resume_dir`: where
-        checkpoints go (and are resumed from); `written`: the names of the tensors the writer
-        holds, recorded with each checkpoint."""
+        the resume state goes (and is resumed from); `written`: the names of the tensors the
+        writer holds, recorded with each save."""
         self.opened, self.plan, self.settings, self.device = opened, plan, settings, device
         self.progress, self.scratch = show_bars(progress), scratch  # None: as the run context says
         self.resume_dir, self.written = resume_dir, written
@@ -116,7 +116,7 @@ class CalibrationStage:
         per_layer = self.fit.units(len(self.spans)) + len(self.spans)
         self.bar = tqdm(total=L_n * per_layer, initial=start * per_layer, desc="calibrating",
                         unit="batch", disable=not self.progress, dynamic_ncols=True)
-        last_checkpoint = time.perf_counter()
+        last_save = time.perf_counter()
         for L in range(start, L_n):
             tl = time.perf_counter()
             self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
@@ -136,12 +136,12 @@ class CalibrationStage:
             self.q_orders[L] = fitted.heads.q_order
             yield L, fitted.heads
             if (self.resume_dir is not None and L + 1 < L_n
-                    and time.perf_counter() - last_checkpoint >= float(self.opts.checkpoint_seconds)):
+                    and time.perf_counter() - last_save >= float(self.opts.save_seconds)):
                 state = {"layers_done": L + 1, "where": self.where, "drift": self.drift,
                          "drift_first": self.drift_first, "written": self.written() if self.written else [],
                          "q_orders": {str(k): v for k, v in self.q_orders.items()}}
-                save_checkpoint(self.resume_dir, self.seqs, self.streams, state)
-                last_checkpoint = time.perf_counter()
+                save_state(self.resume_dir, self.seqs, self.streams, state)
+                last_save = time.perf_counter()
         self.bar.close()
         self.summary = {
             "calibration": self.where, "calibration_sequences": self.seqs.shape[0], "seq_len": self.seqs.shape[1],
@@ -165,9 +165,9 @@ class CalibrationStage:
 
     def _prepare(self) -> int:
         """Calibration tokens, the skeleton, every block's extra inputs and the two streams
-        (from a checkpoint when resuming). Returns the first layer to fit."""
+        (from the resume state when resuming). Returns the first layer to fit."""
         L_n = self.plan.shape.num_layers
-        state = load_checkpoint(self.resume_dir)
+        state = load_state(self.resume_dir)
         self.resumed = state is not None
         if state is not None:
             assert self.resume_dir is not None
@@ -189,7 +189,7 @@ class CalibrationStage:
         streams: Streams | None = None
         for sl in self.spans:
             if state is not None and (sl.stop - sl.start) in self.calls:
-                continue  # resuming: the streams come from the checkpoint, only the block inputs are needed
+                continue  # resuming: the streams come from the resume state, only the block inputs are needed
             h = sk.block_inputs(remap[self.seqs[sl]], self.calls)
             if streams is None:
                 self.hidden = h.shape[-1]
@@ -205,7 +205,7 @@ class CalibrationStage:
         self.streams = streams
         if state is not None:
             assert self.resume_dir is not None
-            streams.load(self.resume_dir / CHECKPOINT)
+            streams.load(self.resume_dir / STATE)
         return start
 
     def _context(self, L: int) -> BlockContext:

@@ -43,7 +43,7 @@ class Streams:
         getattr(self, which)[sl].copy_(value)
 
     def save(self, folder: Path, chunk: int = 64) -> None:
-        """Both streams as raw files `orig.bin`, `new.bin` (a resume checkpoint)."""
+        """Both streams as raw files `orig.bin`, `new.bin` (the resume state)."""
         for which in ("orig", "new"):
             t = getattr(self, which)
             with open(folder / f"{which}.bin", "wb") as f:

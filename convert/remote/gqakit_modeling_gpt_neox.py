@@ -102,7 +102,7 @@ class GqakitGPTNeoXForCausalLM(GPTNeoXForCausalLM):
         self.post_init()
 
 
-# Pythia checkpoints (and stock save_pretrained) name the LM head `embed_out`; stock transformers
+# Pythia models (and stock save_pretrained) name the LM head `embed_out`; stock transformers
 # renames it by class name, which does not cover custom code, so register the same renaming
 # here (loading accepts `embed_out.` and `lm_head.`; saving writes `embed_out.` like stock).
 try:
@@ -114,7 +114,7 @@ try:
         [WeightRenaming(source_patterns=r"^embed_out\.", target_patterns="lm_head.")],
         overwrite=True,  # the module is imported again for each model folder
     )
-except ImportError:  # older transformers 5.x: checkpoints must then use `lm_head.`
+except ImportError:  # older transformers 5.x: model files must then use `lm_head.`
     pass
 
 # save_pretrained copies this file and writes auto_map, also for models built directly from

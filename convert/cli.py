@@ -65,7 +65,7 @@ def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                    "it, else F16].")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
-@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings).")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no bars, messages, library warnings or 'wrote' line; --dry-run still prints its plan).")
 @trust.option(" (only align-refit loads SRC with transformers; other methods never run its code)")
 @click.pass_context
 def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_options: tuple[str, ...],
@@ -97,8 +97,8 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
     shard_size_given = ctx.get_parameter_source("max_shard_size") is not click.core.ParameterSource.DEFAULT
     result = run_convert(src, out, device=device, refit=refit_options, gguf_type=gguf_type, overwrite=overwrite,
                          dry_run=dry_run, quiet=quiet, shard_size_given=shard_size_given, **fields)
-    for line in (result if isinstance(result, list) else [f"wrote {result}"]):
-        click.echo(line)
+    for line in (result if isinstance(result, list) else [] if quiet else [f"wrote {result}"]):
+        click.echo(line)  # --dry-run's plan is what was asked for: printed with -q too
 
 
 def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
@@ -107,7 +107,8 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
                 **fields: Any) -> Path | list[str]:
     """What `gqakit convert SRC OUT` does, given its settings (`fields`: `ConvertSettings`' fields
     but `source`; `refit`: the `--refit-option KEY=VALUE` items, or a mapping), as `gqakit.convert`
-    calls it too. Returns OUT, or with `dry_run` the lines of the plan (nothing written)."""
+    calls it too. Returns OUT, or with `dry_run` the lines of the plan (nothing written). `quiet`
+    sets the run context (`core.run`) that every bar and message of the conversion reads."""
     from gqakit.core.device import check_device
 
     ref = resolve_model_ref(str(src))  # a Hub id: its snapshot in the Hugging Face cache
@@ -131,19 +132,21 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
     if config is not None and archmod.find(config) is not None:  # (make_plan asks again, for every caller)
         check_encoder_decoder(archmod.lookup(config), settings, gguf=to_gguf)
     from gqakit.core.quiet import quiet_libraries
+    from gqakit.core.run import running
 
-    if to_gguf:
-        from gqakit.convert.pipeline import convert_gguf_file
+    with running(quiet=quiet):
+        if to_gguf:
+            from gqakit.convert.pipeline import convert_gguf_file
 
+            with quiet_libraries(quiet):
+                return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
+                                         dry_run=dry_run)
+        from gqakit.convert.pipeline import convert_folder, dry_run_lines
+
+        if dry_run:
+            return dry_run_lines(settings, device=device, out=out, overwrite=overwrite)
         with quiet_libraries(quiet):
-            return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
-                                     progress=not quiet, dry_run=dry_run)
-    from gqakit.convert.pipeline import convert_folder, dry_run_lines
-
-    if dry_run:
-        return dry_run_lines(settings, device=device, progress=not quiet, out=out, overwrite=overwrite)
-    with quiet_libraries(quiet):
-        return convert_folder(settings, out, overwrite=overwrite, device=device, progress=not quiet)
+            return convert_folder(settings, out, overwrite=overwrite, device=device)
 
 
 def _folder_config(src: Path) -> dict[str, Any] | None:

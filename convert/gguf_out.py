@@ -28,6 +28,7 @@ from gqakit.convert.plan import Plan
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
+from gqakit.core.run import show_bars
 
 GQAKIT_KEY = "general.gqakit."
 
@@ -156,7 +157,7 @@ class GGUFWriter:
                  changed: dict[str, Changed], staged: bool):
         from gguf import GGUFValueType
 
-        self.path, self.reader, self.plan, self.changed = path, reader, plan, changed
+        self.path, self.reader, self.plan, self.changed, self.staged = path, reader, plan, changed, staged
         self.align = int(field_value(reader.fields["general.alignment"])) if "general.alignment" in reader.fields \
             else 32
         kv_key = f"{arch}.attention.head_count_kv"
@@ -218,11 +219,13 @@ class GGUFWriter:
             return pack_kv(name, GGUFValueType.ARRAY, [G if v else 0 for v in vals], field.types[-1])
         return pack_kv(name, field.types[0], G)
 
-    def write(self, layers: Iterator[Any], *, progress: bool) -> None:
+    def write(self, layers: Iterator[Any]) -> None:
+        """Every tensor in file order; a bar as the run context says, unless the calibration stage draws its own."""
         spec = archmod.registry()[self.plan.family]
         ready: dict[str, bytes] = {}  # encoded tensors of layers computed ahead of their turn
         layers = iter(layers)
-        bar = tqdm(total=self.total, unit="B", unit_scale=True, desc="converting", disable=not progress)
+        bar = tqdm(total=self.total, unit="B", unit_scale=True, desc="converting",
+                   disable=not show_bars() or self.staged)
         by_hf = {c.hf_name: c for c in self.changed.values()}
         for t, n in self.order:
             self.f.write(b"\0" * _pad(self.f.tell(), self.align))

@@ -41,6 +41,7 @@ from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
 from gqakit.core.outdir import RESUME_DIR, atomic_output_dir, atomic_output_file, resumable_output_dir
 from gqakit.core.outrule import GGUF_FILE, check_output_path
+from gqakit.core.run import progress_as, show_bars
 
 Layers = Iterator[tuple[int, AttnHeads]]
 Steps = Iterator[tuple[AttentionLayer, AttnHeads]]
@@ -50,25 +51,27 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, meth
                        grouping: str = "auto", effort: str = "best", dtype: str = "auto", overwrite: bool = False,
                        max_shard_size: str | int = "2GB", seed: int = 0, calibration_data: str | None = None,
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, options: dict[str, Any] | None = None,
-                       device: str = "auto", progress: bool = True, group_encoder: bool = False,
+                       device: str = "auto", progress: bool | None = None, group_encoder: bool = False,
                        force: bool = True) -> Path:
     """Convert SRC (HF folder or .gguf) to the model folder OUT with `num_kv_heads` K/V heads
     per layer: `convert_folder` with the settings built from these arguments. `force` (unlike
     the CLI's --force, on by default) lets `num_kv_heads` equal SRC's KV heads: the exact copy
-    that checks a method and a layout end to end."""
+    that checks a method and a layout end to end. `progress`: bars and messages (None: as the
+    run context says, `core.run`)."""
     settings = ConvertSettings(source=src, num_kv_heads=num_kv_heads, method=method, grouping=grouping, effort=effort,
                                dtype=dtype,
                                max_shard_size=max_shard_size, seed=seed, calibration_data=calibration_data,
                                calibration_tokens=calibration_tokens, refit=options or {},
                                group_encoder=group_encoder, force=force)
-    return convert_folder(settings, out, overwrite=overwrite, device=device, progress=progress)
+    with progress_as(progress):
+        return convert_folder(settings, out, overwrite=overwrite, device=device)
 
 
 def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: str = DEFAULT_METHOD, *,
                  grouping: str = "auto", effort: str = "best", gguf_type: str | None = None, overwrite: bool = False,
                  seed: int = 0,
                  calibration_data: str | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
-                 options: dict[str, Any] | None = None, device: str = "auto", progress: bool = True,
+                 options: dict[str, Any] | None = None, device: str = "auto", progress: bool | None = None,
                  dry_run: bool = False, force: bool = True) -> Path | list[str]:
     """Convert SRC.gguf to OUT.gguf with `num_kv_heads` KV heads: `convert_gguf_file` with the
     settings built from these arguments (`force` as in `convert_checkpoint`)."""
@@ -76,12 +79,13 @@ def convert_gguf(src: str | Path, out: str | Path, num_kv_heads: int, method: st
                                seed=seed,
                                calibration_data=calibration_data, calibration_tokens=calibration_tokens,
                                refit=options or {}, max_shard_size=None, force=force)
-    return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
-                             progress=progress, dry_run=dry_run)
+    with progress_as(progress):
+        return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
+                                 dry_run=dry_run)
 
 
-def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: bool = True,
-                  out: str | Path | None = None, overwrite: bool = False) -> list[str]:
+def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", out: str | Path | None = None,
+                  overwrite: bool = False) -> list[str]:
     """What `convert_folder` would do, as lines of text; nothing is written. With `out`, the
     output rule is checked too, as the run would."""
     from gqakit.core.device import resolve_device
@@ -91,7 +95,7 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
     if out is not None:
         check_output_path(Path(out), overwrite=overwrite,
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
-    plan = make_plan(open_model(settings.source, progress=progress), settings)
+    plan = make_plan(open_model(settings.source), settings)
     s = plan.shape
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
@@ -142,7 +146,7 @@ def per_layer_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> L
 
 
 def converted_layers(opened: Opened, plan: Plan, settings: ResolvedSettings, *, device: str = "cpu",
-                     progress: bool = True, scratch: Path | None = None, resume_dir: Path | None = None,
+                     scratch: Path | None = None, resume_dir: Path | None = None,
                      written: Callable[[], list[str]] | None = None) -> tuple[Steps, Any]:
     """(step, converted heads) in layer order, and the calibration stage that makes them
     (its `summary` is recorded in OUT) or None: a method that needs data runs as the stage,
@@ -150,7 +154,7 @@ def converted_layers(opened: Opened, plan: Plan, settings: ResolvedSettings, *, 
     if settings.staged:
         from gqakit.convert.calibration import CalibrationStage
 
-        stage = CalibrationStage(opened, plan, settings, device=device, progress=progress, scratch=scratch,
+        stage = CalibrationStage(opened, plan, settings, device=device, scratch=scratch,
                                  resume_dir=resume_dir, written=written)
         steps = {step.layer: step for step in plan.attention_layers()}  # decoder-only: one step per layer
         return ((steps[layer], new) for layer, new in stage.layers()), stage
@@ -159,22 +163,23 @@ def converted_layers(opened: Opened, plan: Plan, settings: ResolvedSettings, *, 
 
 # ----------------------------------------------------------------------------- a model folder
 
-def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: bool = False, device: str = "auto",
-                   progress: bool = True) -> Path:
+def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: bool = False,
+                   device: str = "auto") -> Path:
     """Convert `settings.source` to the model folder OUT.
 
     Unchanged tensors are copied first, in file order; then the attention of each layer,
     in layer order, either from that layer's weights alone (mean, align, ...) or from a
     calibration stage that holds one decoder block at a time (align-refit) on `device`.
+    Bars and messages as the run context says (`core.run`).
     """
     from gqakit.convert.calibration import load_state
     from gqakit.core.device import resolve_device
 
     src, out, staged = Path(settings.source), Path(out), settings.staged
-    dev = resolve_device(device)
+    dev, progress = resolve_device(device), show_bars()
     inputs = [("source", src), ("calibration data", settings.calibration_file)]
     check_output_path(out, overwrite=overwrite, inputs=inputs)
-    opened = open_model(src, progress=progress)
+    opened = open_model(src)
     plan = make_plan(opened, settings)
     settings = plan.settings
     if progress:
@@ -214,9 +219,8 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                     del t  # before the next tensor is read: memory is one tensor
             # 2. the attention, layer by layer
             spec = archmod.registry()[plan.family]
-            layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress,
-                                             scratch=tmp / ".scratch", resume_dir=tmp / RESUME_DIR,
-                                             written=lambda: writer.written)
+            layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",
+                                             resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
             orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
             for step, new in layers:
                 layer = step.layer
@@ -277,12 +281,12 @@ def _fingerprint(opened: Opened, plan: Plan, settings: ResolvedSettings) -> str:
 # ----------------------------------------------------------------------------- one GGUF file
 
 def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: str | None = None,
-                      overwrite: bool = False, device: str = "auto", progress: bool = True,
-                      dry_run: bool = False) -> Path | list[str]:
+                      overwrite: bool = False, device: str = "auto", dry_run: bool = False) -> Path | list[str]:
     """Convert `settings.source` (a .gguf file) to OUT.gguf: every tensor the method leaves as
     it is keeps its exact bytes, the changed ones are written in `gguf_type` (`gguf_out`).
 
-    `dry_run`: check everything, write nothing, and return the plan as lines of text."""
+    `dry_run`: check everything, write nothing, and return the plan as lines of text. Bars and
+    messages as the run context says (`core.run`)."""
     from gqakit.convert.gguf_in import open_gguf_source
     from gqakit.convert.gguf_out import GGUFWriter, changed_tensors, parse_gguf_type
     from gqakit.core.device import resolve_device
@@ -298,7 +302,7 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
         raise GqakitError("--refit-option train=block rewrites every block's weights: convert to a model folder, "
                           "not to GGUF (a GGUF OUT keeps the unchanged tensors' quantised bytes)")
     wanted = parse_gguf_type(gguf_type)
-    dev = resolve_device(device)
+    dev, progress = resolve_device(device), show_bars()
     inputs = [("source", src), ("calibration data", settings.calibration_file)]
     check_output_path(out, overwrite=overwrite, inputs=inputs, kind=GGUF_FILE)
     inp = open_gguf_source(src)
@@ -322,10 +326,10 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
                    f"copied as they are, {len(changed)} converted", file=sys.stderr)
     with atomic_output_file(out, overwrite=overwrite, inputs=inputs, kind=GGUF_FILE) as (tmp, scratch):
         writer = GGUFWriter(tmp, reader, inp.arch, G, plan, settings, changed, staged)
-        layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress, scratch=scratch,
+        layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=scratch,
                                          resume_dir=None, written=lambda: [])
         try:
-            writer.write(((step.layer, new) for step, new in layers), progress=progress and not staged)
+            writer.write((step.layer, new) for step, new in layers)
             calibration = stage.summary if stage is not None else None
             writer.finish(calibration, time.perf_counter() - t0)
         finally:

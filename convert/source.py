@@ -18,11 +18,15 @@ from gqakit.convert.io import DictSource, Opened, open_source
 from gqakit.core.errors import GqakitError
 from gqakit.core.hub import resolve_model_ref
 from gqakit.core.loading import read_config_json
+from gqakit.core.run import show_bars
 
 __all__ = ["Opened", "open_model", "source_path"]
 
 
-def open_model(src: str | Path, *, progress: bool = True) -> Opened:
+def open_model(src: str | Path, *, progress: bool | None = None) -> Opened:
+    """The source model SRC, opened; what it says while opening a .gguf file (and the libraries'
+    bars) as the run context says, or as `progress` when given."""
+    progress = show_bars(progress)
     src = resolve_model_ref(src).path
     if not src.exists():
         raise GqakitError(f"source not found: {src}")

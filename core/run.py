@@ -9,7 +9,6 @@ started inside a run see that run's context.
 """
 
 from __future__ import annotations
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -39,6 +38,19 @@ def running(*, progress: bool = True, quiet: bool = False) -> Iterator[RunContex
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+@contextmanager
+def progress_as(progress: bool | None) -> Iterator[RunContext]:
+    """The run's context with `progress` in place of its own while the block lasts; None
+    leaves it as it is. A public function's `progress=` argument goes through here, so what it
+    calls reads the context (a quiet run stays without bars)."""
+    if progress is None:
+        yield current()
+        return
+    ctx = current()
+    with running(progress=progress, quiet=ctx.quiet) as inner:
+        yield inner
 
 
 def show_bars(progress: bool | None = None) -> bool:

@@ -84,7 +84,7 @@ def make_eval_command() -> click.Command:
                click.option("--overwrite", is_flag=True,
                             help="Replace --out when it is an earlier gqakit results file."),
                click.option("-q", "--quiet", is_flag=True,
-                            help="Nothing on stderr but errors (no bars or library warnings)."),
+                            help="Print nothing but errors (no bars, summary, library warnings or 'wrote' line)."),
                trust.option("; for the task files of --tasks-path, the Python modules their `!function` tags "
                             "import and their Jinja templates outside Jinja's sandbox")]
 
@@ -96,7 +96,8 @@ def make_eval_command() -> click.Command:
         given = {k for k in values if ctx.get_parameter_source(k) != ParameterSource.DEFAULT}
         res = run_eval(model, measures=eval_settings(values, given), device=device, dtype=dtype, out=out,
                        command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
-        print_summary(res, out)
+        if not quiet:
+            print_summary(res, out)
 
     eval_cmd.__doc__ = EVAL_HELP
     fn: Any = eval_cmd
@@ -163,7 +164,7 @@ def print_summary(res: EvalResult, out: Path) -> None:
 @click.option("--names", help="Comma-separated row names (default: model folder names).")
 @click.option("--train-log", type=click.Path(path_type=Path), help="Uptraining log to plot: uptrain's log.jsonl, its run folder, or a CSV with step and loss.")
 @click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit report (never its inputs).")
-@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (the warnings stay in report.md).")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (the warnings stay in report.md).")
 def compare_cmd(results, out, names, train_log, overwrite, quiet) -> None:
     """Put several `gqakit eval` results side by side; the first is the baseline.
 
@@ -192,4 +193,5 @@ def compare_cmd(results, out, names, train_log, overwrite, quiet) -> None:
                           command=command_line())
     for w in [] if quiet else md.get("warnings", []):
         click.echo(f"gqakit: warning: {w}", err=True)
-    click.echo(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(md['plots'])} plots")
+    if not quiet:
+        click.echo(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(md['plots'])} plots")

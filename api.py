@@ -62,7 +62,7 @@ def evaluate(model: str | Path, **options: Any) -> Any:
     `hf:NAME[:CONFIG][:SPLIT]`), or a string (`text=`). The other keyword arguments are the
     command's options by their Python names (`context=`, `stride=`, `speed=True`,
     `tasks="arc_easy"`, `device=`, ...) with the same defaults and checks. Returns the typed
-    `gqakit.eval.records.EvalResult` (`.perplexity.token_perplexity`, `.speed`, `.tasks`);
+    `gqakit.eval.results.EvalResult` (`.perplexity.token_perplexity`, `.speed`, `.tasks`);
     with `out=`, also writes it as the command's results JSON (`gqakit compare` reads it).
     A problem raises `gqakit.core.errors.GqakitError` with the command's one line.
 
@@ -117,7 +117,7 @@ def evaluate_signature() -> inspect.Signature:
             default = None
         params.append(p(RENAMED.get(param.name, param.name), apicall.KEYWORD, default=default,
                         annotation=_annotation(param, default)))
-    return inspect.Signature(params, return_annotation="gqakit.eval.records.EvalResult")
+    return inspect.Signature(params, return_annotation="gqakit.eval.results.EvalResult")
 
 
 def _annotation(param: Any, default: Any) -> Any:

@@ -256,7 +256,7 @@ def run_stages(work: Path, out: Path, *, method: str, b: dict[str, Any], gpu: bo
     say(f"4/5 eval {len(models) + 1}/{len(models) + 1}: decode speed, the four models alternating")
     from gqakit.core.device import resolve_device
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.records import write_results
+    from gqakit.eval.results import write_results
     from gqakit.eval.runner import resolve_dtype
     from gqakit.eval.speed import evaluate_speed_together
 

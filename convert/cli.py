@@ -65,7 +65,7 @@ def _settings_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                    "it, else F16].")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no bars, messages, library warnings or 'wrote' line; --dry-run still prints its plan).")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no bars or library warnings), no 'wrote' line (--dry-run still prints its plan).")
 @trust.option(" (only align-refit loads SRC with transformers; other methods never run its code)")
 @click.pass_context
 def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_options: tuple[str, ...],

@@ -16,7 +16,7 @@ from gqakit.eval.measurement import IO_HEADING, flag_fields
 from gqakit.eval.measures import measurements, settings_from
 
 if TYPE_CHECKING:
-    from gqakit.eval.records import EvalResult
+    from gqakit.eval.results import EvalResult
 
 # `gqakit eval --help`: the options of inputs and outputs first, then each measurement's
 # under its heading (eval/measurement.py), then the device and the run
@@ -84,7 +84,7 @@ def make_eval_command() -> click.Command:
                click.option("--overwrite", is_flag=True,
                             help="Replace --out when it is an earlier gqakit results file."),
                click.option("-q", "--quiet", is_flag=True,
-                            help="Print nothing but errors (no bars, summary, library warnings or 'wrote' line)."),
+                            help="Nothing on stderr but errors (no bars or library warnings); on stdout the numbers only, no 'wrote' line."),
                trust.option("; for the task files of --tasks-path, the Python modules their `!function` tags "
                             "import and their Jinja templates outside Jinja's sandbox")]
 
@@ -96,8 +96,7 @@ def make_eval_command() -> click.Command:
         given = {k for k in values if ctx.get_parameter_source(k) != ParameterSource.DEFAULT}
         res = run_eval(model, measures=eval_settings(values, given), device=device, dtype=dtype, out=out,
                        command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
-        if not quiet:
-            print_summary(res, out)
+        print_summary(res, out, quiet=quiet)
 
     eval_cmd.__doc__ = EVAL_HELP
     fn: Any = eval_cmd
@@ -148,14 +147,16 @@ def eval_settings(values: dict[str, Any], given: set[str] | None = None) -> dict
     return settings_from(values, set(values) if given is None else given)
 
 
-def print_summary(res: EvalResult, out: Path) -> None:
-    """What `gqakit eval` prints: each measurement's summary lines, then the file written."""
+def print_summary(res: EvalResult, out: Path, *, quiet: bool = False) -> None:
+    """What `gqakit eval` prints: each measurement's summary lines (the numbers asked for, also
+    with -q), then the file written (not with -q)."""
     for name, m in measurements().items():
         block = res.block(name)
         if block and m.summary is not None:
             for line in m.summary(block):
                 click.echo(line)
-    click.echo(f"wrote {out}")
+    if not quiet:
+        click.echo(f"wrote {out}")
 
 
 @click.command("compare", context_settings={"help_option_names": ["-h", "--help"]})
@@ -164,7 +165,7 @@ def print_summary(res: EvalResult, out: Path) -> None:
 @click.option("--names", help="Comma-separated row names (default: model folder names).")
 @click.option("--train-log", type=click.Path(path_type=Path), help="Uptraining log to plot: uptrain's log.jsonl, its run folder, or a CSV with step and loss.")
 @click.option("--overwrite", is_flag=True, help="Replace --out when it is an earlier gqakit report (never its inputs).")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (the warnings stay in report.md).")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (the warnings stay in report.md), no 'wrote' line.")
 def compare_cmd(results, out, names, train_log, overwrite, quiet) -> None:
     """Put several `gqakit eval` results side by side; the first is the baseline.
 

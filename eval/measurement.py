@@ -16,10 +16,11 @@ A `Measurement` is everything gqakit knows about one metric:
   never be), `summary` (the lines `gqakit eval` prints of its block), `done` (said once every
   measurement has run) and `report` (its section of `gqakit compare`'s report: a `ReportSection`).
 
-`register` adds one; `MEASUREMENTS` holds them in the order they run and their flags appear.
-The built-in ones (perplexity, decode speed, lm-evaluation-harness tasks) are registered by
-`gqakit.eval.measures`, whose `measurements()` is the registry with them in it; a new metric
-is one module that calls `register`.
+`register` adds one; `MEASUREMENTS` holds them in the order they run and their flags appear,
+and `results.BLOCKS` their blocks, which a results file holds by name. The built-in ones
+(perplexity, decode speed, lm-evaluation-harness tasks) are registered the same way by
+`gqakit.eval.measures` (imported with `gqakit.eval`), whose `measurements()` is the registry
+with them in it; a new metric is one module that calls `register`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import BLOCKS, EvalResult, ModelInfo, Record
+from gqakit.eval.records import ModelInfo, Record
+from gqakit.eval.results import BLOCKS, EvalResult
 
 IO_HEADING = "Input and output"  # the --help heading of the options that name inputs and outputs
 
@@ -104,7 +106,7 @@ class Measurement:
     summary: Callable[[Any], list[str]] | None = None  # block -> the lines `gqakit eval` prints
     done: Callable[[Any, Any, bool], None] | None = None  # (block, prepared, quiet): said once all have run
     report: ReportSection | None = None
-    builtin: bool = field(default=False, repr=False)  # the results file declares its block itself
+    builtin: bool = field(default=False, repr=False)  # gqakit's own: never unregistered; report columns of its own
 
 
 MEASUREMENTS: dict[str, Measurement] = {}
@@ -115,12 +117,10 @@ def register(m: Measurement) -> Measurement:
     results files, its flags are `gqakit eval`'s (for commands built after this call)."""
     if m.name in MEASUREMENTS:
         raise GqakitError(f"a measurement named {m.name!r} is already registered")
-    reserved = set(EvalResult.model_fields) | {"schema"}
-    if not m.builtin and m.name in reserved:
+    if m.name in {"schema", *EvalResult.model_fields}:
         raise GqakitError(f"{m.name!r} is a key of the results file itself; name the measurement otherwise")
     MEASUREMENTS[m.name] = m
-    if not m.builtin:
-        BLOCKS[m.name] = m.record
+    BLOCKS[m.name] = m.record
     return m
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.core.errors import GqakitError, first_line
-from gqakit.eval.records import EvalResult, SpeedPoint
+from gqakit.eval.records import SpeedPoint
+from gqakit.eval.results import EvalResult
 from gqakit.eval.report_rows import Report
 
 MARKERS = "osD^v<>p*h"

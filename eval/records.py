@@ -1,15 +1,15 @@
-"""The results file of `gqakit eval` (schema `gqakit.eval/1`): its typed blocks, and reading and writing it.
+"""The typed blocks of `gqakit eval`'s results file (eval/results.py holds the file).
 
 One JSON per evaluated model, split the way peft's method_comparison splits its results:
 `run` (how and where the numbers were made), `model` (what was measured), then one block
 per measurement (`perplexity`, `speed`, `tasks`: lm-evaluation-harness metrics with their
-stderr, task versions and harness version; the block carries its own `format` number).
+stderr, task versions and harness version; the block carries its own `format` number; and
+the block of any other registered measurement).
 
-One pydantic model per block: `EvalResult` holds `RunInfo`, `ModelInfo`, `PerplexityResult`,
+One pydantic model per block, a `Record`: `RunInfo`, `ModelInfo`, `PerplexityResult`,
 `SpeedResult` (its grid of `SpeedPoint`s and its `MaxBatch` rows) and `TasksResult`
 (`TaskRow`s of `TaskMetric`s). runner, speed and tasks build them; report, plots and the
-CLI summary read their attributes; `write_results` and `read_results` are the only way a
-results file is written or read. The JSON keeps its exact bytes:
+CLI summary read their attributes. The JSON keeps its exact bytes:
 
 - keys are written in the order the fields are declared here (the order the writers always used);
 - a field that was never set is `UNSET` and is left out (an out-of-memory grid point has no
@@ -27,17 +27,12 @@ through a report. Unknown keys are allowed at every level: newer files stay read
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      WrapValidator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WrapValidator,
+                      model_validator)
 from typing_extensions import Required, TypedDict
-
-from gqakit.core.errors import GqakitError, first_line
-
-SCHEMA = "gqakit.eval/1"
 
 
 class Unset:
@@ -417,82 +412,6 @@ class TasksResult(Record):
         return {**self.results, **self.groups}
 
 
-# ----------------------------------------------------------------------------- the whole file
-
-# The blocks of measurements registered beyond the built-in ones (eval/measurement.py): a
-# file's key of that name is read as that record; the block is written after the built-in ones.
-BLOCKS: dict[str, type[Record]] = {}
-
-
-class EvalResult(Record):
-    """One results file: one model, measured once. A registered measurement's block is
-    `block(name)` (the built-in ones are also the attributes below)."""
-
-    schema_: StrictStr = Field(alias="schema")
-    run: RunInfo
-    model: ModelInfo
-    perplexity: PerplexityResult = UNSET
-    speed: SpeedResult = UNSET
-    tasks: TasksResult = UNSET
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any], path: str | Path = "<results>") -> "EvalResult":  # type: ignore[override]
-        """The file's blocks, or one GqakitError naming the file and the first bad key."""
-        for key in ("perplexity", "speed", "tasks", *BLOCKS):
-            if key in data and data[key] is None:
-                raise GqakitError(f"{path} is not a valid gqakit results file: {key} is null")
-        try:
-            res = cls.model_validate(data)
-        except ValidationError as e:
-            raise _invalid(path, e, ()) from None
-        for key, block in BLOCKS.items():
-            if key in res.extra:
-                try:
-                    setattr(res, key, block.model_validate(res.extra[key]))
-                except ValidationError as e:
-                    raise _invalid(path, e, (key,)) from None
-        return res
-
-    def block(self, name: str) -> Any:
-        """A measurement's block by its name; UNSET when the file has none."""
-        value = getattr(self, name) if name in type(self).model_fields else self.extra.get(name, UNSET)
-        return value
-
-
-def _invalid(path: str | Path, e: ValidationError, where: tuple[str, ...]) -> GqakitError:
-    err = e.errors()[0]
-    key = ".".join(str(x) for x in (*where, *err["loc"]))
-    got = repr(err.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
-    return GqakitError(f"{path} is not a valid gqakit results file: {key}: {err['msg']} (got {got})")
-
-
-def write_results(results: EvalResult, out: Path) -> Path:
-    """Write atomically (temp file + rename) so a crash never leaves half a JSON."""
-    from gqakit.core.outdir import write_file_atomic
-
-    return write_file_atomic(Path(out), json.dumps(results.to_json(), indent=2, default=str) + "\n")
-
-
-def read_results(path: str | Path) -> EvalResult:
-    """Load a results file, or raise a one-line error saying why it is not one."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise GqakitError(f"results file not found: {p}")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GqakitError(f"{p} is not a gqakit results file (not valid JSON: {first_line(e, None)})") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise GqakitError(f"{p} is not a gqakit results file (schema {found!r}, expected {SCHEMA!r}); "
-                          "make one with `gqakit eval`")
-    if "model" not in data or "run" not in data:
-        raise GqakitError(f"{p} is a truncated gqakit results file (no 'model' or 'run' block)")
-    return EvalResult.from_json(data, p)
-
-
-__all__ = ["BLOCKS", "SCHEMA", "UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "EncoderInfo", "ConversionInfo", "PerplexityResult",
-           "SpanInfo", "PairFields", "OBJECTIVES", "SpeedPoint",
-           "MaxBatch", "SpeedResult", "TaskMetric", "TaskRow", "TasksResult", "EvalResult", "write_results",
-           "read_results"]
+__all__ = ["UNSET", "Unset", "opt", "Record", "RunInfo", "ModelInfo", "EncoderInfo", "ConversionInfo", "HubInfo",
+           "PerplexityResult", "SpanInfo", "PairFields", "OBJECTIVES", "SpeedPoint", "MaxBatch", "SpeedResult",
+           "TaskMetric", "TaskRow", "TasksResult"]

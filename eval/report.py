@@ -21,7 +21,8 @@ from gqakit.core.outdir import atomic_output_dir
 from gqakit.core.outrule import REPORT, check_output_path
 from gqakit.eval.measurement import Measurement
 from gqakit.eval.measures import measurements
-from gqakit.eval.records import SCHEMA, UNSET, EvalResult, ModelInfo, SpeedPoint, TaskRow, opt, read_results
+from gqakit.eval.records import UNSET, ModelInfo, SpeedPoint, TaskRow, opt
+from gqakit.eval.results import SCHEMA, EvalResult, read_results
 from gqakit.eval.report_rows import (REPORT_SCHEMA, GridPoint, InputRow, MadeBy, Report, ReportRow, TaskColumn,  # noqa: F401
                                      TaskEntry, TasksHeader)
 from gqakit.eval.report_speed import memory_bound_sentence, point_label, speed_entry, speed_section, speedup_text

@@ -21,7 +21,8 @@ from gqakit.eval.perplexity import PerplexitySettings
 from gqakit.eval.provenance import model_info, run_info
 from gqakit.eval.measurement import Context
 from gqakit.eval.measures import measurements, nothing_to_measure
-from gqakit.eval.records import SCHEMA, EvalResult, HubInfo, write_results
+from gqakit.eval.records import HubInfo
+from gqakit.eval.results import SCHEMA, EvalResult, write_results
 
 if TYPE_CHECKING:
     from gqakit.eval.speed import SpeedSettings
@@ -175,5 +176,5 @@ def measure(model_path: str | Path, measures: dict[str, Any], prepared: dict[str
                   encoder_decoder=encoder_decoder, progress=progress, quiet=quiet)
     registry = measurements()
     for n, s in measures.items():
-        setattr(results, n, registry[n].run(ctx, s, prepared.get(n)))
+        results.set_block(n, registry[n].run(ctx, s, prepared.get(n)))
     return results

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gqakit.cli import main
-from gqakit.eval.records import SCHEMA
+from gqakit.eval.results import SCHEMA
 
 TEXT = " ".join(f"w{i % 13} x{i % 7}y z" for i in range(120))
 SPEED = ["--speed", "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "3", "--reps", "2", "--warmup", "1"]

@@ -17,7 +17,7 @@ import count_measurement  # noqa: E402
 from gqakit.core.errors import GqakitError  # noqa: E402
 from gqakit.eval.cli import eval_option_groups, make_eval_command  # noqa: E402
 from gqakit.eval.measures import measurements, nothing_to_measure  # noqa: E402
-from gqakit.eval.records import read_results  # noqa: E402
+from gqakit.eval.results import read_results  # noqa: E402
 from gqakit.eval.report import build_report, render_markdown, write_report  # noqa: E402
 
 TEXT = " ".join(f"w{i % 13} x{i % 7}y z" for i in range(60))

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import UNSET, EvalResult, SpeedPoint, TaskMetric, read_results
+from gqakit.eval.records import UNSET, SpeedPoint, TaskMetric
 from gqakit.eval.report import build_report, render_markdown
+from gqakit.eval.results import EvalResult, read_results
 
 GOLDEN = Path(__file__).parent / "data" / "eval_golden"
 FILES = ("mha.json", "gqa.json", "odd.json")
@@ -67,3 +68,42 @@ def test_compare_report_is_the_one_made_before_typing():
     rep["made_by"]["date"] = "DATE"
     assert json.dumps(rep, indent=2, default=str) + "\n" == (GOLDEN / "report.json").read_text()
     assert render_markdown(rep, ["speed_vs_batch.png"]) == (GOLDEN / "report.md").read_text()
+
+
+def test_builtin_blocks_are_registered_blocks_held_by_name():
+    """perplexity, speed and tasks are blocks of registered measurements like any other: the
+    file itself declares only schema, run and model; the result holds the blocks by name, and
+    writes them in the order the measurements were registered, then the keys it does not know."""
+    from gqakit.eval.measures import measurements
+    from gqakit.eval.records import PerplexityResult, SpeedResult, TasksResult
+    from gqakit.eval.results import BLOCKS
+
+    assert set(EvalResult.model_fields) == {"schema_", "run", "model"}
+    assert list(BLOCKS)[:3] == ["perplexity", "speed", "tasks"] == list(measurements())[:3]
+    assert [BLOCKS[n] for n in ("perplexity", "speed", "tasks")] == [PerplexityResult, SpeedResult, TasksResult]
+    data = json.loads((GOLDEN / "odd.json").read_text())
+    res = EvalResult.from_json(data)
+    assert list(res.blocks) == ["perplexity", "speed", "tasks"] and res.extra == {}
+    assert res.block("speed") is res.speed and isinstance(res.speed, SpeedResult)
+    again = EvalResult(schema=data["schema"], run=res.run, model=res.model, future={"x": 1})
+    for name in ("tasks", "perplexity", "speed"):  # set out of order
+        again.set_block(name, res.block(name))
+    assert list(again.to_json()) == ["schema", "run", "model", "perplexity", "speed", "tasks", "future"]
+    assert {k: v for k, v in again.to_json().items() if k != "future"} == data
+    again.set_block("speed", UNSET)
+    assert "speed" not in again.to_json() and again.speed is UNSET
+
+
+def test_a_reader_that_imports_only_the_results_module_gets_typed_blocks():
+    """The built-in measurements register as `gqakit.eval` is imported: a fresh process that
+    reads a results file through eval.results alone sees typed blocks, not raw dicts."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from gqakit.eval.results import read_results; r = read_results(sys.argv[1]); "
+            "print(type(r.perplexity).__name__, type(r.speed).__name__, type(r.tasks).__name__)")
+    got = subprocess.run([sys.executable, "-c", code, str(GOLDEN / "gqa.json")], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["PerplexityResult", "SpeedResult", "TasksResult"]

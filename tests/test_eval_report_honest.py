@@ -13,9 +13,9 @@ import torch
 
 from gqakit.cli import main
 from gqakit.core.units import kv_bytes_text
-from gqakit.eval.records import (SCHEMA, ConversionInfo, EvalResult, ModelInfo, RunInfo, SpeedPoint, SpeedResult,
-                                 read_results, write_results)
+from gqakit.eval.records import ConversionInfo, ModelInfo, RunInfo, SpeedPoint, SpeedResult
 from gqakit.eval.report import build_report, render_markdown
+from gqakit.eval.results import SCHEMA, EvalResult, read_results, write_results
 from gqakit.eval.speed.point import timings
 
 RUN = dict(command="gqakit eval", date="2026-01-01", gqakit="0", torch="2", transformers="5", device_name="cpu",

@@ -19,7 +19,7 @@ import torch
 from gqakit.cli import main
 from gqakit.core.spans import SpanCorruption, sentinel_ids
 from gqakit.eval.perplexity import PerplexitySettings, Spans, Window
-from gqakit.eval.records import EvalResult, read_results
+from gqakit.eval.results import EvalResult, read_results
 from gqakit.eval.runner import run_eval
 from tiny_models import build_seq2seq
 

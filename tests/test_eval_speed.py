@@ -202,7 +202,7 @@ def test_flops_count_the_lm_head_once(tiny_model, tied):
 def test_models_timed_together_alternate_and_say_so(tiny_model):
     """The demo's joint measurement: every model gets the whole grid from one run, steps
     alternating, and the report says its ratios were measured in one run."""
-    from gqakit.eval.records import EvalResult
+    from gqakit.eval.results import EvalResult
     from gqakit.eval.report import build_report, render_markdown
     from gqakit.eval.speed import evaluate_speed_together
     from gqakit.eval.provenance import model_info, run_info

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gqakit.core.errors import GqakitError
-from gqakit.eval.records import SCHEMA, EvalResult, read_results, write_results
+from gqakit.eval.results import SCHEMA, EvalResult, read_results, write_results
 from gqakit.eval.report import write_report
 from gqakit.eval.report_speed import speedup_text
 from gqakit.eval.speed import Seq2SeqBench, SpeedSettings, evaluate_speed

@@ -71,13 +71,11 @@ class ConvertSettings(BaseModel):
         None, description="where SRC came from when it was given as a Hub id: repo_id, revision, commit "
                           "(core.hub.ModelRef.record); None for a local path")
     num_kv_heads: int | None = Field(
-        None, description="Target number of K/V heads G in every layer (must divide the current number).",
+        None, description="K/V heads G in every layer (divides SRC's).",
         json_schema_extra=_cli("-g", "--num-kv-heads", type=int))
     kv_budget: KvBudget | None = Field(
         None, json_schema_extra=_cli("--kv-budget", metavar="B"),
-        description="Instead of -g: choose each layer's KV heads so that the KV cache is within B, a fraction of "
-                    "SRC's (0.25, 1/3) or bytes per token (12KiB), with the least loss increase measured on the "
-                    "calibration text (docs/convert.md).")
+        description="Per-layer G within a KV budget: 0.5 or 12KiB.")
     method: str = Field(
         DEFAULT_METHOD, json_schema_extra=_cli("--method", show_default=True),
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "

@@ -236,6 +236,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
         dtype_bytes = DTYPE_BYTES[saved] if saved else 2
     dtype = dtype_label(dtype_bytes, saved if saved and DTYPE_BYTES[saved] == dtype_bytes else None)
     if spec.is_encoder_decoder:
+        if budget is not None:
+            raise GqakitError(f"--kv-budget is for decoder-only models; {spec.family} is an encoder-decoder")
         if context is not None:
             raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "
                               "and --output-len")

@@ -20,6 +20,7 @@ import torch
 
 from gqakit.convert.budget import allocate as A
 from gqakit.convert.budget.damage import candidate_heads, measure_damage
+from gqakit.convert.budget.kvbudget import KvBudget
 from gqakit.convert.calibration.tokens import calibration_sequences
 from gqakit.convert.refit_options import MAX_SEQ_LEN
 from gqakit.convert.resolved import ResolvedSettings
@@ -92,33 +93,30 @@ def kv_elem_bytes(opened: Opened, spec: archmod.ArchSpec) -> tuple[int, str]:
     return 2, "float16"
 
 
-def choose_kv_heads(opened: Opened, settings: ConvertSettings, *, device: str = "cpu",
-                    progress: bool = True) -> KvChoice:
-    """Each decoder layer's G under `settings.kv_budget`, measured on the calibration text. Every
-    check that needs no model runs first: the budget against the smallest possible cache (one
-    line naming it), the model kind, the memory the float32 model takes."""
-    budget = settings.kv_budget
-    assert budget is not None
+@dataclass(frozen=True)
+class Measured:
+    """Each layer's candidates with their measured damage, and how they were measured."""
+
+    layers: list[list[A.Candidate]]
+    source_bytes: int
+    dtype: str
+    measured: dict[str, Any] | None
+
+
+def _geometry(opened: Opened, settings: ConvertSettings) -> tuple[archmod.ArchSpec, archmod.Shape, int, list[int],
+                                                                   int, str]:
     spec = archmod.lookup(opened.config)
     if spec.is_encoder_decoder:
         raise GqakitError(f"--kv-budget is for decoder-only models; give the {spec.family} encoder-decoder -g G")
     shape = archmod.shape_of(spec, opened.config)
     elem, dtype = kv_elem_bytes(opened, spec)
-    per_head = 2 * shape.head_dim * elem
-    cands = candidate_heads(shape.num_heads, shape.num_kv_heads)
-    full = shape.kv_bytes_per_token(elem)
-    limit = budget.bytes_of(full)
-    smallest = shape.num_layers * min(cands) * per_head
-    if limit < smallest:
-        raise A.BudgetTooSmall(f"--kv-budget {budget} is {limit:,} bytes per token ({dtype}), below the smallest "
-                               f"possible KV cache of this model: {smallest:,} bytes per token ({min(cands)} KV head "
-                               f"in each of {shape.num_layers} layers, {smallest / full:.4g} of the source's)")
-    if limit >= full:  # the whole cache fits: every layer keeps its heads, nothing to measure
-        damages = [{g: (0.0 if g == shape.num_kv_heads else float("nan")) for g in cands}] * shape.num_layers
-        layers = [[A.Candidate(shape.num_kv_heads, shape.num_kv_heads * per_head, 0.0)]] * shape.num_layers
-        picks = A.allocate(layers, limit)
-        why = ["kept every head: the budget holds the source's whole cache"] * shape.num_layers
-        return _choice(layers, picks, why, damages, limit, full, dtype, None)
+    return spec, shape, 2 * shape.head_dim * elem, candidate_heads(shape.num_heads, shape.num_kv_heads), \
+        shape.kv_bytes_per_token(elem), dtype
+
+
+def measure(opened: Opened, settings: ConvertSettings, *, device: str = "cpu", progress: bool = True) -> Measured:
+    """The damage of every layer's candidates on the calibration text (loads the model in float32)."""
+    spec, shape, per_head, cands, full, dtype = _geometry(opened, settings)
     t0 = time.perf_counter()
     source_params = sum(int(torch.Size(opened.source.meta(n)[1]).numel()) for n in opened.source.names())
     need, free = source_params * 4, available_memory(device)
@@ -138,19 +136,49 @@ def choose_kv_heads(opened: Opened, settings: ConvertSettings, *, device: str = 
     finally:
         del model
     layers = [[A.Candidate(g, g * per_head, d[g]) for g in cands] for d in dmg.per_layer]
-    picks = A.allocate(layers, limit)
-    why = A.reasons(layers, limit, picks)
-    measured = {"method": method, "grouping": "contiguous", "calibration": where, "tokens": dmg.tokens,
-                "base_loss": dmg.base_loss, "total_damage": A.total_damage(layers, picks),
-                "seconds": round(time.perf_counter() - t0, 3), "device": str(device)}
-    return _choice(layers, picks, why, dmg.per_layer, limit, full, dtype, measured)
+    return Measured(layers, full, dtype, {"method": method, "grouping": "contiguous", "calibration": where,
+                                          "tokens": dmg.tokens, "base_loss": dmg.base_loss,
+                                          "seconds": round(time.perf_counter() - t0, 3), "device": str(device)})
+
+
+def plan_for(m: Measured, budget: KvBudget) -> KvChoice:
+    """The exact allocation of the measured candidates under `budget`."""
+    limit = budget.bytes_of(m.source_bytes)
+    picks = A.allocate(m.layers, limit)
+    measured = {**(m.measured or {}), "total_damage": A.total_damage(m.layers, picks)}
+    return _choice(m.layers, picks, A.reasons(m.layers, limit, picks),
+                   [{c.heads: c.damage for c in cands} for cands in m.layers], limit, m.source_bytes, m.dtype,
+                   measured)
+
+
+def choose_kv_heads(opened: Opened, settings: ConvertSettings, *, device: str = "cpu",
+                    progress: bool = True) -> KvChoice:
+    """Each decoder layer's G under `settings.kv_budget`, measured on the calibration text. Every
+    check that needs no model runs first: the budget against the smallest possible cache (one
+    line naming it), the model kind, the memory the float32 model takes."""
+    budget = settings.kv_budget
+    assert budget is not None
+    spec, shape, per_head, cands, full, dtype = _geometry(opened, settings)
+    limit = budget.bytes_of(full)
+    smallest = shape.num_layers * min(cands) * per_head
+    if limit < smallest:
+        raise A.BudgetTooSmall(f"--kv-budget {budget} is {limit:,} bytes per token ({dtype}), below the smallest "
+                               f"possible KV cache of this model: {smallest:,} bytes per token ({min(cands)} KV head "
+                               f"in each of {shape.num_layers} layers, {smallest / full:.4g} of the source's)")
+    if limit >= full:  # the whole cache fits: every layer keeps its heads, nothing to measure
+        damages = [{shape.num_kv_heads: 0.0}] * shape.num_layers
+        layers = [[A.Candidate(shape.num_kv_heads, shape.num_kv_heads * per_head, 0.0)]] * shape.num_layers
+        picks = A.allocate(layers, limit)
+        why = ["kept every head: the budget holds the source's whole cache"] * shape.num_layers
+        return _choice(layers, picks, why, damages, limit, full, dtype, None)
+    return plan_for(measure(opened, settings, device=device, progress=progress), budget)
 
 
 def _choice(layers: A.Layers, picks: tuple[int, ...], why: list[str], damages: list[dict[int, float]], limit: int,
             full: int, dtype: str, measured: dict[str, Any] | None) -> KvChoice:
     chosen = [layers[i][j] for i, j in enumerate(picks)]
     table = [{"layer": i, "kv_heads": c.heads, "bytes_per_token": c.cost,
-              "damage": {str(g): d for g, d in damages[i].items() if d == d}, "why": why[i]}
+              "damage": {str(g): d for g, d in damages[i].items()}, "why": why[i]}
              for i, c in enumerate(chosen)]
     return KvChoice(tuple(c.heads for c in chosen), limit, full, sum(c.cost for c in chosen), dtype, table, measured)
 

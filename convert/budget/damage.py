@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -80,21 +81,11 @@ def measure_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmo
     bar.update(1)
     per_layer: list[dict[int, float]] = []
     for layer in range(shape.num_layers):
-        names = {role: n for role, n in layer_names(spec, layer).items() if n in params}
-        missing = [n for role, n in layer_names(spec, layer).items() if role.endswith("weight") and n not in params]
-        if missing:
-            raise GqakitError(f"cannot measure the KV damage: the loaded model has no tensor {missing[0]}")
-        saved = {n: params[n].detach().clone() for n in names.values()}
-        heads = read_heads(spec, shape, {n: t.to("cpu") for n, t in saved.items()}, layer, dtype=torch.float64)
+        saved, heads = _layer(model, spec, shape, layer, params)
         damage = {KV: 0.0}
         for g in todo:
-            groups = GROUPINGS["contiguous"](heads, g, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim)
-            new = fn(heads, PoolContext(g, groups, spec.rotary.style, shape.rotary_dim, layer, gen))
-            tensors = write_heads(spec, repeated(new, KV // g), layer, {n: t.dtype for n, t in saved.items()})
-            with torch.no_grad():
-                for n, t in tensors.items():
-                    params[n].copy_(t.to(params[n].device))
             try:
+                _write(params, spec, shape, layer, heads, g, fn, gen, saved)
                 loss = _loss(model, seqs, batch, device)
             finally:
                 with torch.no_grad():
@@ -107,3 +98,42 @@ def measure_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmo
         per_layer.append(damage)
     bar.close()
     return Damage(base, per_layer, int(seqs[:, 1:].numel()))
+
+
+def _layer(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
+           params: dict[str, torch.nn.Parameter]) -> tuple[dict[str, Tensor], AttnHeads]:
+    """A copy of the layer's attention tensors, and its heads (float64)."""
+    missing = [n for role, n in layer_names(spec, layer).items() if role.endswith("weight") and n not in params]
+    if missing:
+        raise GqakitError(f"cannot measure the KV damage: the loaded model has no tensor {missing[0]}")
+    saved = {n: params[n].detach().clone() for n in layer_names(spec, layer).values() if n in params}
+    heads = read_heads(spec, shape, {n: t.to("cpu") for n, t in saved.items()}, layer, dtype=torch.float64)
+    return saved, heads
+
+
+def _write(params: dict[str, torch.nn.Parameter], spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
+           heads: AttnHeads, g: int, fn: Any, gen: torch.Generator, saved: dict[str, Tensor]) -> None:
+    """The layer converted to G=`g` by `fn`, its K/V heads repeated back, into the model's weights."""
+    groups = GROUPINGS["contiguous"](heads, g, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim)
+    new = fn(heads, PoolContext(g, groups, spec.rotary.style, shape.rotary_dim, layer, gen))
+    tensors = write_heads(spec, repeated(new, shape.num_kv_heads // g), layer, {n: t.dtype for n, t in saved.items()})
+    with torch.no_grad():
+        for n, t in tensors.items():
+            params[n].copy_(t.to(params[n].device))
+
+
+def apply_plan(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmod.Shape, kv_heads: Sequence[int], *,
+               method: str, seed: int = 0) -> None:
+    """Convert the loaded source model in place to the per-layer plan `kv_heads` (by `method`,
+    contiguous groups), each layer's K/V heads repeated back: the same function as the converted
+    model, in the source's shapes (what a plan's quality is measured with before it is written)."""
+    if len(kv_heads) != shape.num_layers:
+        raise GqakitError(f"a plan of {len(kv_heads)} layers for a model of {shape.num_layers}")
+    params = dict(model.named_parameters())
+    fn, gen = method_function(method), torch.Generator().manual_seed(seed)
+    for layer, g in enumerate(kv_heads):
+        if g not in candidate_heads(shape.num_heads, shape.num_kv_heads):
+            raise GqakitError(f"G={g} in layer {layer}: choose from {candidate_heads(shape.num_heads, shape.num_kv_heads)}")
+        if g != shape.num_kv_heads:
+            saved, heads = _layer(model, spec, shape, layer, params)
+            _write(params, spec, shape, layer, heads, g, fn, gen, saved)

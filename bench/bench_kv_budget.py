@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--uniform", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--original", action="store_true", help="also the source model")
     ap.add_argument("--method", default="align", help="a closed-form method: the damage probe and the conversion")
+    ap.add_argument("--probe", default=None, help="the method the damages are measured with [default: --method]")
     ap.add_argument("--max-chars", type=int, default=None)
     ap.add_argument("--context", type=int, default=512, help="the perplexity window (stride: the same)")
     ap.add_argument("--seed", type=int, default=0)
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     data = Path(args.data) if args.data else m["data"]
     max_chars = args.max_chars or m["max_chars"]
     calib = m["calib"] if args.calibration_data == "default" else (args.calibration_data or None)
-    settings = ConvertSettings(source=src, kv_budget=args.budgets[0], method=args.method, calibration_data=calib,
+    probe = args.probe or args.method
+    settings = ConvertSettings(source=src, kv_budget=args.budgets[0], method=probe, calibration_data=calib,
                                calibration_tokens=args.calibration_tokens, seed=args.seed)
     t0 = time.perf_counter()
     measured = measure(open_checkpoint(src, progress=False), settings, progress=False)
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for b in args.budgets:
         choice = plan_for(measured, KvBudget.parse(b))
         plans.append(("budget", b, choice.kv_heads, {"total_damage": choice.measured["total_damage"]}))
-    common = {"model": args.model, "source": src.name, "method": args.method, "via": args.via,
+    common = {"model": args.model, "source": src.name, "method": args.method, "probe": probe, "via": args.via,
               "calibration": measured.measured["calibration"], "calibration_tokens": args.calibration_tokens,
               "measure_seconds": round(measure_s, 1), "eval_chars": max_chars, "context": args.context, "seed": args.seed, "device": "cpu",
               "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}

@@ -156,3 +156,9 @@ def test_inspect_kv_budget_prints_the_plan_and_writes_nothing(llama4, capsys, on
     assert code == 0 and "KV heads per layer" in out and "damage measured with mean" in out
     code, _, err = run_cli(["inspect", src, "--calibration-tokens", "5"], capsys)
     assert code == 2 and "applies with --kv-budget" in err
+
+
+def test_a_gguf_out_takes_g_only(llama4, tmp_path, capsys):
+    src, _ = llama4
+    code, _, err = run_cli(["convert", src, tmp_path / "o.gguf", "--kv-budget", "0.5"], capsys)
+    assert code == 2 and "a .gguf OUT takes -g G" in err and not (tmp_path / "o.gguf").exists()

@@ -22,7 +22,7 @@ from gqakit.core.units import DTYPE_BYTES, config_dtype, dtype_label, kv_bytes_t
 # `gqakit convert --help`: its options under these headings, in this order
 CONVERT_OPTION_GROUPS = (
     ("Input and output", ("dtype", "max_shard_size", "overwrite", "force", "dry_run")),
-    ("Method", ("num_kv_heads", "method", "grouping", "seed", "group_encoder")),
+    ("Method", ("num_kv_heads", "kv_budget", "method", "grouping", "seed", "group_encoder")),
     ("Calibration (align-refit)", ("effort", "calibration_data", "calibration_tokens", "refit_options")),
     ("GGUF (SRC and OUT both .gguf)", ("gguf_type",)),
     ("Device and run", ("device", "quiet", "trust_remote_code", "help")),
@@ -87,6 +87,7 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
       gqakit convert model.Q4_1.gguf model-g1.Q4_1.gguf -g 1 --method align
       gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
       gqakit convert ./flan-t5-base ./flan-t5-g4 -g 4 --method mean
+      gqakit convert ./llama-mha ./llama-half --kv-budget 0.5 --calibration-data calib.txt
 
     SRC is a Hugging Face model folder (safetensors or pytorch_model*.bin), a .gguf file,
     or a Hub id org/name[@revision] in the Hugging Face cache (a local path of the same
@@ -125,6 +126,8 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
         if shard_size_given:
             raise GqakitError("--max-shard-size applies to a model folder; a .gguf OUT is one file")
         fields["max_shard_size"] = None
+        if fields.get("kv_budget") is not None:
+            raise GqakitError("--kv-budget writes a model folder; a .gguf OUT takes -g G")
     elif gguf_type is not None:
         raise GqakitError("--gguf-type applies only to an OUT ending in .gguf")
     settings = ConvertSettings(source=src, source_hub=ref.record(), refit=refit, **fields)
@@ -183,8 +186,19 @@ def precheck_source(src: Path) -> None:
 @click.option("--dtype-bytes", type=int, default=None,
               help="Bytes per cached element (2 for bf16/fp16) [default: the model's saved dtype, else 2].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--kv-budget", default=None, metavar="B",
+              help="Also choose each layer's KV heads under B, a fraction of SRC's KV cache (0.5) or bytes per "
+                   "token (12KiB), as `convert --kv-budget` would; this measures each layer on calibration text.")
+@click.option("--calibration-data", default=None, help="With --kv-budget: the calibration text, as for convert "
+              "[default: text sampled from SRC].")
+@click.option("--calibration-tokens", type=int, default=None, help="With --kv-budget: tokens of calibration text "
+              "[default: convert's].")
+@click.option("--method", default=None, help="With --kv-budget: the conversion method whose candidates are "
+              "measured, as for convert [default: convert's].")
+@click.option("--device", default="auto", show_default=True, help="With --kv-budget: where the damage is measured.")
 def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | None, output_len: int | None,
-                dtype_bytes: int | None, as_json: bool) -> None:
+                dtype_bytes: int | None, as_json: bool, kv_budget: str | None, calibration_data: str | None,
+                calibration_tokens: int | None, method: str | None, device: str) -> None:
     """Show a model's attention geometry and the KV cache at each valid G.
 
     SRC is a model folder, a .gguf file or a Hub id org/name[@revision] in the Hugging Face cache.
@@ -198,13 +212,23 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
       gqakit inspect ./llama-mha
       gqakit inspect ./llama-mha --batch 16 --context 8192
       gqakit inspect ./t5-base --input-len 4096 --output-len 256 --batch 8
+      gqakit inspect ./llama-mha --kv-budget 0.25 --calibration-data calib.txt
+
+    With --kv-budget, also the per-layer plan `convert --kv-budget` would write, its cache size
+    and each layer's measured damage; it loads SRC and runs every layer's candidates over the
+    calibration text (the time is printed), and writes nothing.
     """
     if batch < 1 or any(v is not None and v < 1 for v in (context, input_len, output_len, dtype_bytes)):
         raise GqakitError("--batch, --context, --input-len, --output-len and --dtype-bytes must be positive")
+    budget_opts = {k: v for k, v in (("calibration_data", calibration_data), ("calibration_tokens",
+                   calibration_tokens), ("method", method)) if v is not None}
+    if kv_budget is None and budget_opts:
+        raise GqakitError(f"--{next(iter(budget_opts)).replace('_', '-')} applies with --kv-budget")
     ref = resolve_model_ref(src)  # a Hub id: its snapshot in the Hugging Face cache
     src = ref.path
     precheck_source(src)
     name = ref.hub_id or str(src)
+    budget = None if kv_budget is None else ConvertSettings(source=src, kv_budget=kv_budget, **budget_opts)
     from gqakit.convert.plan import make_plan
     from gqakit.convert.source import open_model
 
@@ -215,6 +239,8 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
         dtype_bytes = DTYPE_BYTES[saved] if saved else 2
     dtype = dtype_label(dtype_bytes, saved if saved and DTYPE_BYTES[saved] == dtype_bytes else None)
     if spec.is_encoder_decoder:
+        if budget is not None:
+            raise GqakitError(f"--kv-budget is for decoder-only models; {spec.family} is an encoder-decoder")
         if context is not None:
             raise GqakitError("--context applies to decoder-only models; for an encoder-decoder give --input-len "
                               "and --output-len")
@@ -239,6 +265,14 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
             "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads,
                                                             force=True)).source_params,
             "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "dtype": dtype, "options": rows}
+    choice = None
+    if budget is not None:
+        from gqakit.convert.budget.choose import choose_kv_heads
+        from gqakit.core.device import check_device, resolve_device
+
+        check_device(device)
+        choice = choose_kv_heads(opened, budget, device=resolve_device(device), progress=not as_json)
+        info["kv_budget"] = {"budget": str(budget.kv_budget), **choice.record()}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -250,6 +284,10 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     for r in rows:
         click.echo(f"  {r['kv_heads']:>4} {r['group_size']:>5} {kv_bytes_text(r['kv_bytes_per_token'], dtype):>28} "
                    f"{format_bytes(r['kv_cache_bytes']):>14} {r['parameters_removed']:>15,}")
+    if choice is not None:
+        click.echo(f"\n  --kv-budget {budget.kv_budget}: KV heads per layer {list(choice.kv_heads)}")
+        for line in choice.lines():
+            click.echo(line)
 
 
 def _inspect_seq2seq(src: Path, name: str, opened: Any, batch: int, input_len: int, output_len: int,

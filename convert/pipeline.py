@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 import gqakit
+from gqakit.convert.budget.choose import choose_for, with_choice
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.io import ShardWriter
 from gqakit.convert.layout import AttnHeads, read_heads, write_heads
@@ -95,12 +96,15 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", out: str |
     if out is not None:
         check_output_path(Path(out), overwrite=overwrite,
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
-    plan = make_plan(open_model(settings.source), settings)
+    opened = open_model(settings.source)
+    settings, choice = choose_for(opened, settings, device=resolve_device(device), progress=show_bars())
+    plan = make_plan(opened, settings)
+    plan.settings = with_choice(plan.settings, choice)
     s = plan.shape
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
             f"{s.num_kv_heads} -> {settings.num_kv_heads} KV heads, head_dim {s.head_dim}", *grouped,
-            *auto_lines(plan.settings),
+            *auto_lines(plan.settings), *(choice.lines() if choice is not None else ()),
             f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]
 
@@ -180,8 +184,9 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     inputs = [("source", src), ("calibration data", settings.calibration_file)]
     check_output_path(out, overwrite=overwrite, inputs=inputs)
     opened = open_model(src)
+    settings, choice = choose_for(opened, settings, device=dev, progress=progress)
     plan = make_plan(opened, settings)
-    settings = plan.settings
+    settings = plan.settings = with_choice(plan.settings, choice)
     if progress:
         for line in auto_lines(settings):
             tqdm.write(line, file=sys.stderr)

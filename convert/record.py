@@ -131,6 +131,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
                        "encoder_num_kv_heads": G if "encoder" in plan.sites else enc.num_kv_heads})
     if calibration:
         record["calibration"] = calibration
+    if settings.kv_choice:  # --kv-budget: the per-layer table, each candidate's damage, why each layer got its G
+        record["kv_budget"] = settings.kv_choice
     (tmp / CONVERT_SETTINGS).write_text(json.dumps(record, indent=2) + "\n")
     facts = {"source": f"`{settings.source_name}`", "family": plan.family, "method": settings.method,
              "grouping": settings.grouping, "query heads": s.num_heads,
@@ -148,6 +150,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
                                        "per input token")
     if settings.auto_reasons():
         facts["chosen for this model"] = "; ".join(f"{k} {v}" for k, v in settings.auto_reasons().items())
+    if settings.kv_choice:
+        facts["KV budget"] = kv_budget_fact(settings.kv_choice)
     if calibration:
         facts["calibration"] = f"{calibration['calibration']} on {calibration['device']}"
         facts["residual drift"] = drift_summary(calibration).split("; ", 1)[-1]
@@ -165,6 +169,13 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
     (tmp / "README.md").write_text(render_model_card(
         title=f"{settings.source_name.rsplit('/', 1)[-1]} → GQA ({G} KV heads)", base_model=base,
         summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name}))
+
+
+def kv_budget_fact(choice: dict[str, Any]) -> str:
+    """The card's line on a `--kv-budget` allocation: the budget, the plan, each layer's G and why."""
+    rows = "; ".join(f"layer {r['layer']}: G={r['kv_heads']} ({r['why']})" for r in choice["layers"])
+    return (f"{choice['plan_bytes_per_token']:,} of {choice['budget_bytes_per_token']:,} bytes per token "
+            f"(the source's: {choice['source_bytes_per_token']:,}); {rows}")
 
 
 def _attention_dtype(plan: Plan) -> Any:

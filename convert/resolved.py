@@ -32,11 +32,20 @@ class ResolvedSettings:
     dtype: str | None               # the output dtype; None keeps each tensor's
     max_shard_bytes: int | None     # a folder's largest shard; None for a GGUF file
     reasons: dict[str, str] = field(default_factory=dict)  # what each "auto" chose, and why
+    kv_heads: tuple[int, ...] | None = None  # each decoder layer's KV heads (0-based); None: num_kv_heads in all
+    kv_choice: dict[str, Any] | None = None  # --kv-budget: the allocation's record (`budget.choose.KvChoice`)
 
     def __post_init__(self) -> None:
+        if self.kv_heads is not None:
+            heads = tuple(int(g) for g in self.kv_heads)
+            object.__setattr__(self, "kv_heads", None if len(set(heads)) <= 1 else heads)  # uniform: None
         if self.grouping == "auto" or (self.output == "folder") != (self.max_shard_bytes is not None):
             raise GqakitError(f"settings not resolved: grouping {self.grouping}, output {self.output}, "
                               f"shard size {self.max_shard_bytes}")
+
+    def kv_heads_at(self, layer: int) -> int:
+        """The KV heads of decoder layer `layer` (0-based)."""
+        return self.num_kv_heads if self.kv_heads is None else self.kv_heads[layer]
 
     # the settings as asked, where "auto" never applied
     @property
@@ -102,6 +111,8 @@ class ResolvedSettings:
         effort, the values "auto" chose (after the given options) and the reasons, so the record
         states every setting that shaped the result."""
         out = {**self.asked.record(), "grouping": self.grouping}
+        if self.kv_heads is not None:
+            out["kv_heads"] = list(self.kv_heads)
         if self.output == "gguf":
             out["max_shard_size"] = "-"  # one file
         if self.spec.options is None:

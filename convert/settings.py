@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from gqakit.convert.budget.kvbudget import KvBudget
 from gqakit.core.arch import ArchSpec
 from gqakit.core.errors import GqakitError
 from gqakit.core.methods import load, method_spec
@@ -69,8 +70,12 @@ class ConvertSettings(BaseModel):
     source_hub: dict[str, str] | None = Field(
         None, description="where SRC came from when it was given as a Hub id: repo_id, revision, commit "
                           "(core.hub.ModelRef.record); None for a local path")
-    num_kv_heads: int = Field(description="Target number of K/V heads G (must divide the current number).",
-                              json_schema_extra=_cli("-g", "--num-kv-heads", type=int, required=True))
+    num_kv_heads: int | None = Field(
+        None, description="K/V heads G in every layer (divides SRC's).",
+        json_schema_extra=_cli("-g", "--num-kv-heads", type=int))
+    kv_budget: KvBudget | None = Field(
+        None, json_schema_extra=_cli("--kv-budget", metavar="B"),
+        description="Per-layer G within a KV budget: 0.5 or 12KiB.")
     method: str = Field(
         DEFAULT_METHOD, json_schema_extra=_cli("--method", show_default=True),
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
@@ -124,6 +129,21 @@ class ConvertSettings(BaseModel):
                 data = {**data, "source": ref.path, "source_hub": ref.record()}
         return data
 
+    @field_validator("kv_budget", mode="before")
+    @classmethod
+    def _kv_budget(cls, v: Any) -> KvBudget | None:
+        return None if v is None else KvBudget.parse(v)
+
+    @model_validator(mode="after")
+    def _one_kv_choice(self) -> ConvertSettings:
+        if self.num_kv_heads is None and self.kv_budget is None:
+            raise GqakitError("give -g G (G KV heads in every layer) or --kv-budget B (each layer's KV heads "
+                              "chosen under a cache budget)")
+        if self.num_kv_heads is not None and self.kv_budget is not None:
+            raise GqakitError(f"-g {self.num_kv_heads} and --kv-budget {self.kv_budget} both set the KV heads: -g "
+                              "gives every layer G, --kv-budget chooses each layer's; give one")
+        return self
+
     @field_validator("source", mode="before")
     @classmethod
     def _resolved(cls, v: Any) -> str:
@@ -158,14 +178,14 @@ class ConvertSettings(BaseModel):
     @field_validator("calibration_tokens")
     @classmethod
     def _tokens(cls, v: int, info: ValidationInfo) -> int:
-        if needs_data(info.data.get("method", "")) and v < 1:
+        if (needs_data(info.data.get("method", "")) or info.data.get("kv_budget")) and v < 1:
             raise GqakitError(f"--calibration-tokens must be at least 1, got {v}")
         return v
 
     @field_validator("calibration_data")
     @classmethod
     def _data(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v and needs_data(info.data.get("method", "")):
+        if v and (needs_data(info.data.get("method", "")) or info.data.get("kv_budget")):
             TextSource(v).check_exists("calibration data")
         return v
 
@@ -204,6 +224,7 @@ class ConvertSettings(BaseModel):
                 "seed": self.seed, "calibration_data": self.calibration_data,
                 "calibration_tokens": self.calibration_tokens, "options": self.refit.given(),
                 **({"group_encoder": True} if self.group_encoder else {}),
+                **({"kv_budget": str(self.kv_budget)} if self.kv_budget is not None else {}),
                 **({"source_hub": dict(self.source_hub)} if self.source_hub else {})}
 
     @property

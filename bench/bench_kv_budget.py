@@ -1,0 +1,185 @@
+"""Per-layer KV heads under a budget (`--kv-budget`) against uniform G at equal KV bytes.
+
+    .venv/bin/python -m bench.bench_kv_budget stories --budgets 0.5 0.25 --uniform 2 1 --original
+    .venv/bin/python -m bench.bench_kv_budget smollm2 --src SMOLLM2_FOLDER --budgets 1/3 0.5 0.67 \\
+        --uniform 1 --original --calibration-tokens 4096
+
+The damage of every layer's candidates is measured once (`gqakit.convert.budget.choose.measure`:
+the loss increase on the calibration text when only that layer is pooled, by `--method`), then
+each budget's plan is the exact allocation (`plan_for`). Each plan's perplexity (the uniform
+ones too) is measured on the source model with the plan applied in place, the pooled K/V heads
+repeated back (`damage.apply_plan`): the same function as the converted model, so the same
+perplexity. `--via convert` instead writes each plan with `gqakit convert --kv-budget B` (or
+`-g G`) and evaluates the output; it needs per-layer output folders for a per-layer plan.
+
+Perplexity: `bench.common.perplexity` (context 512, stride 512, BOS prepended), float32.
+stories260K: ../shared/data/tinystories/valid-excerpt.txt; calibration text sampled from the
+source (no file). SmolLM2-135M: a float32 model folder of the SmolLM2 GGUF (`gqakit convert
+GGUF FOLDER -g 3 --force`), the first 300,000 characters of WikiText-2 raw test; calibration
+from ../shared/data/wikitext-2/valid.txt. Rows go to bench/results/kv_budget.jsonl; with
+`--plot`, perplexity against KV bytes per token as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, SHARED, append_jsonl, perplexity, say
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODELS = {
+    "stories": dict(src=SHARED / "models/stories260K", data=SHARED / "data/tinystories/valid-excerpt.txt",
+                    max_chars=None, calib=None),
+    "smollm2": dict(src=None, data=SHARED / "data/wikitext-2-raw/wiki.test.raw", max_chars=300_000,
+                    calib=str(SHARED / "data/wikitext-2/valid.txt")),
+    "custom": dict(src=None, data=None, max_chars=None, calib=None),
+}
+
+
+def plan_ppl(src: Path, kv_heads: tuple[int, ...], method: str, data: Path, max_chars: int | None,
+             seed: int, context: int = 512) -> float:
+    """Perplexity of SRC with the per-layer plan applied in place (pool, then repeat back)."""
+    import torch
+
+    from gqakit.convert.budget.damage import apply_plan
+    from gqakit.core import arch as archmod
+    from gqakit.core.loading import load_causal_lm, load_tokenizer, read_config_json
+
+    cfg = read_config_json(src)
+    spec = archmod.lookup(cfg)
+    model = load_causal_lm(src, dtype=torch.float32, progress=False)
+    apply_plan(model, spec, archmod.shape_of(spec, cfg), kv_heads, method=method, seed=seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        load_tokenizer(src).save_pretrained(tmp)
+        del model
+        return perplexity(tmp, data, max_chars, context=context)
+
+
+def convert_ppl(src: Path, how: list[str], method: str, calib: str | None, tokens: int, data: Path,
+                max_chars: int | None, context: int = 512) -> float:
+    """Perplexity of `gqakit convert SRC OUT HOW --method M` (HOW: -g G or --kv-budget B)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        cmd = [sys.executable, "-m", "gqakit", "convert", str(src), str(out), *how, "--method", method,
+               "--calibration-tokens", str(tokens), "-q", *(["--calibration-data", calib] if calib else [])]
+        subprocess.run(cmd, check=True)
+        return perplexity(out, data, max_chars, context=context)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, style in (("uniform", "o-"), ("budget", "s"), ("original", "^")):
+        pts = sorted((r["kv_bytes_per_token"], r["ppl"]) for r in rows if r["kind"] == kind)
+        if pts:
+            ax.plot(*zip(*pts), style, label={"uniform": "uniform G", "budget": "--kv-budget (per-layer G)",
+                                              "original": "original"}[kind])
+    ax.set_xlabel("KV cache bytes per token")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", choices=list(MODELS))
+    ap.add_argument("--src", default=None, help="the source model folder (required for smollm2 and custom)")
+    ap.add_argument("--data", default=None, help="the evaluation text [default: the model's]")
+    ap.add_argument("--calibration-data", default="default", help="a text file; '' samples from the source")
+    ap.add_argument("--calibration-tokens", type=int, default=16384)
+    ap.add_argument("--budgets", nargs="+", default=["0.5", "0.25"])
+    ap.add_argument("--uniform", type=int, nargs="*", default=[2, 1])
+    ap.add_argument("--original", action="store_true", help="also the source model")
+    ap.add_argument("--method", default="align", help="a closed-form method: the damage probe and the conversion")
+    ap.add_argument("--probe", default=None, help="the method the damages are measured with [default: --method]")
+    ap.add_argument("--max-chars", type=int, default=None)
+    ap.add_argument("--context", type=int, default=512, help="the perplexity window (stride: the same)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--via", choices=("equivalence", "convert"), default="equivalence")
+    ap.add_argument("--out", default=str(RESULTS / "kv_budget.jsonl"))
+    ap.add_argument("--plot", default=None, help="write the curve as this PNG")
+    args = ap.parse_args(argv)
+    from gqakit.convert.budget.choose import measure, plan_for
+    from gqakit.convert.budget.kvbudget import KvBudget
+    from gqakit.convert.settings import ConvertSettings
+    from gqakit.convert.source import open_model
+
+    m = dict(MODELS[args.model])
+    src = Path(args.src) if args.src else m["src"]
+    if src is None:
+        ap.error(f"{args.model} needs --src")
+    data = Path(args.data) if args.data else m["data"]
+    max_chars = args.max_chars or m["max_chars"]
+    calib = m["calib"] if args.calibration_data == "default" else (args.calibration_data or None)
+    probe = args.probe or args.method
+    settings = ConvertSettings(source=src, kv_budget=args.budgets[0], method=probe, calibration_data=calib,
+                               calibration_tokens=args.calibration_tokens, seed=args.seed)
+    t0 = time.perf_counter()
+    measured = measure(open_model(src, progress=False), settings, progress=False)
+    measure_s = time.perf_counter() - t0
+    say(f"measured every layer's damage in {measure_s:.1f} s ({measured.measured['calibration']})")
+    per_head = measured.layers[0][0].cost // measured.layers[0][0].heads
+    kv = measured.layers[0][0].heads
+    nl = len(measured.layers)
+    plans: list[tuple[str, str, tuple[int, ...], dict[str, Any]]] = []
+    if args.original:
+        plans.append(("original", "-", (kv,) * nl, {}))
+    for g in args.uniform:
+        plans.append(("uniform", f"G={g}", (g,) * nl, {}))
+    for b in args.budgets:
+        choice = plan_for(measured, KvBudget.parse(b))
+        plans.append(("budget", b, choice.kv_heads, {"total_damage": choice.measured["total_damage"]}))
+    common = {"model": args.model, "source": src.name, "method": args.method, "probe": probe, "via": args.via,
+              "calibration": measured.measured["calibration"], "calibration_tokens": args.calibration_tokens,
+              "measure_seconds": round(measure_s, 1), "eval_chars": max_chars, "context": args.context, "seed": args.seed, "device": "cpu",
+              "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    rows = []
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for kind, label, heads, extra in plans:
+        if kind == "original" or args.via == "equivalence":
+            ppl = plan_ppl(src, heads, args.method, data, max_chars, args.seed, args.context) \
+                if kind != "original" else perplexity(src, data, max_chars, context=args.context)
+        else:
+            how = ["-g", label.removeprefix("G=")] if kind == "uniform" else ["--kv-budget", label]
+            ppl = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data, max_chars, args.context)
+        nbytes = sum(heads) * per_head
+        row = {**common, "kind": kind, "plan": label, "kv_heads": list(heads), "kv_bytes_per_token": nbytes,
+               "fraction": round(nbytes / (kv * nl * per_head), 4), "ppl": round(ppl, 3), **extra}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        append_jsonl(args.out, row)
+    print(table(rows))
+    if args.plot:
+        plot(rows, Path(args.plot), f"{src.name}: perplexity vs KV bytes ({args.method})")
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| plan | KV heads per layer | KV bytes/token (fraction) | perplexity |", "|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: -r["kv_bytes_per_token"]):
+        name = {"budget": f"--kv-budget {r['plan']}", "uniform": f"uniform {r['plan']}"}.get(r["kind"], "original")
+        heads = ",".join(map(str, r["kv_heads"]))
+        lines.append(f"| {name} | {heads} | {r['kv_bytes_per_token']:,} ({r['fraction']:.3g}) | {r['ppl']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,7 @@ from gqakit.core.units import DTYPE_BYTES, config_dtype, dtype_label, kv_bytes_t
 # `gqakit convert --help`: its options under these headings, in this order
 CONVERT_OPTION_GROUPS = (
     ("Input and output", ("dtype", "max_shard_size", "overwrite", "force", "dry_run")),
-    ("Method", ("num_kv_heads", "method", "grouping", "seed", "group_encoder")),
+    ("Method", ("num_kv_heads", "kv_plan", "method", "grouping", "seed", "group_encoder")),
     ("Calibration (align-refit)", ("effort", "calibration_data", "calibration_tokens", "refit_options")),
     ("GGUF (SRC and OUT both .gguf)", ("gguf_type",)),
     ("Device and run", ("device", "quiet", "trust_remote_code", "help")),

@@ -118,16 +118,16 @@ def per_step_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> St
     method_fn = method_function(settings.method)
     group_fn = GROUPINGS[settings.grouping]
     for step in plan.attention_layers():
-        layer, shape = step.layer, plan.shape_at(step.site)
+        layer, shape = step.layer, plan.shape_at(step.site).at(step.layer)
+        G = settings.kv_heads_at(layer)
         tensors = {n: opened.source.get(n) for n in step.names}
         # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
         heads = read_heads(spec, shape, tensors, layer, dtype=torch.float64 if wide else torch.float32,
                            site=step.site)
         del tensors  # memory is one layer's attention: nothing but the method's result outlives its step
-        groups = group_fn(heads, settings.num_kv_heads, rotary_style=spec.rotary.style,
-                          rotary_dim=shape.rotary_dim)
-        ctx = PoolContext(settings.num_kv_heads, groups, spec.rotary.style, shape.rotary_dim, layer, gen)
+        groups = group_fn(heads, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim)
+        ctx = PoolContext(G, groups, spec.rotary.style, shape.rotary_dim, layer, gen)
         new = method_fn(heads, ctx)
         del heads, groups, ctx
         yield step, new

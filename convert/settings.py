@@ -13,6 +13,7 @@ This module imports neither torch nor the conversion math (the method table is
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -69,8 +70,13 @@ class ConvertSettings(BaseModel):
     source_hub: dict[str, str] | None = Field(
         None, description="where SRC came from when it was given as a Hub id: repo_id, revision, commit "
                           "(core.hub.ModelRef.record); None for a local path")
-    num_kv_heads: int = Field(description="Target number of K/V heads G (must divide the current number).",
-                              json_schema_extra=_cli("-g", "--num-kv-heads", type=int, required=True))
+    num_kv_heads: int | None = Field(
+        None, description="Target number of K/V heads G (must divide the current number); or --kv-plan.",
+        json_schema_extra=_cli("-g", "--num-kv-heads", type=int))
+    kv_plan: Path | None = Field(
+        None, json_schema_extra=_cli("--kv-plan", type=Path),
+        description='A JSON file of the KV heads of each decoder layer, {"kv_heads": [8, 2, 1, 4]} (or the '
+                    "gqakit_convert.json of an earlier conversion, to replay its plan); instead of -g.")
     method: str = Field(
         DEFAULT_METHOD, json_schema_extra=_cli("--method", show_default=True),
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
@@ -128,6 +134,28 @@ class ConvertSettings(BaseModel):
     @classmethod
     def _resolved(cls, v: Any) -> str:
         return str(Path(v).expanduser().resolve())
+
+    @field_validator("kv_plan")
+    @classmethod
+    def _plan_file(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        v = Path(v).expanduser().resolve()
+        read_kv_plan(v)  # its form is checked here; its fit to the model by `plan.make_plan`
+        return v
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "ConvertSettings":
+        if self.num_kv_heads is not None and self.kv_plan is not None:
+            raise GqakitError("give either -g/--num-kv-heads or --kv-plan, not both")
+        if self.num_kv_heads is None and self.kv_plan is None:
+            raise GqakitError("give the target KV heads: -g/--num-kv-heads G, or --kv-plan plan.json")
+        return self
+
+    @property
+    def plan_heads(self) -> tuple[int, ...] | None:
+        """The per-layer KV heads of `kv_plan`, or None."""
+        return read_kv_plan(self.kv_plan) if self.kv_plan is not None else None
 
     @field_validator("method")
     @classmethod
@@ -198,7 +226,8 @@ class ConvertSettings(BaseModel):
     def record(self) -> dict[str, Any]:
         """The settings as asked: the options as given, and "-" for a shard size that does not
         apply. What OUT records is `ResolvedSettings.record`, which adds what "auto" chose."""
-        return {"source": self.source, "num_kv_heads": self.num_kv_heads, "method": self.method,
+        return {"source": self.source, "num_kv_heads": self.num_kv_heads,
+                **({"kv_plan": str(self.kv_plan)} if self.kv_plan is not None else {}), "method": self.method,
                 "grouping": self.grouping, "dtype": self.dtype,
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
                 "seed": self.seed, "calibration_data": self.calibration_data,
@@ -231,6 +260,28 @@ def check_encoder_decoder(spec: ArchSpec, settings: ConvertSettings, *, gguf: bo
     if gguf:
         raise GqakitError(f"GGUF input and output are for decoder-only models; convert the {spec.family} "
                           "encoder-decoder from its model folder to a model folder")
+
+
+def read_kv_plan(path: Path) -> tuple[int, ...]:
+    """The `kv_heads` list of a plan file (`{"kv_heads": [...]}`, or a gqakit_convert.json whose
+    settings or top level hold one), checked to be whole numbers of at least 1."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GqakitError(f"--kv-plan {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GqakitError(f"--kv-plan {path} is not a JSON file: {e}") from None
+    heads = None
+    if isinstance(data, dict):
+        heads = data.get("kv_heads")
+        if heads is None and isinstance(data.get("settings"), dict):
+            heads = data["settings"].get("kv_heads")
+    if not isinstance(heads, list) or not heads:
+        raise GqakitError(f'--kv-plan {path} holds no "kv_heads" list (one KV head count per decoder layer)')
+    bad = [h for h in heads if not isinstance(h, int) or isinstance(h, bool) or h < 1]
+    if bad:
+        raise GqakitError(f"--kv-plan {path}: each layer's KV heads must be a whole number of at least 1, got {bad[0]!r}")
+    return tuple(heads)
 
 
 def needs_data(method: str) -> bool:

@@ -94,8 +94,9 @@ def per_layer_config(plan: Plan, settings: ResolvedSettings, cfg: dict[str, Any]
                 ffn["ffn_mult"] = mult
         blocks.append({"attention": {"n_heads_in_group": s.num_heads // g, "no_op": False,
                                      "replace_with_linear": False}, "ffn": ffn})
-    out = {k: v for k, v in cfg.items() if k not in ("num_key_value_heads", "auto_map")}
-    out.update({"model_type": target.model_types[0], "architectures": [target.architectures[0]],
+    out = {k: v for k, v in cfg.items() if k != "auto_map"}
+    out.update({"num_key_value_heads": settings.num_kv_heads,  # the largest layer's, as the config class holds it
+                "model_type": target.model_types[0], "architectures": [target.architectures[0]],
                 "auto_map": {"AutoConfig": f"{module}.{target.remote.config_class}",
                              "AutoModelForCausalLM": f"{module}.{target.remote.model_class}"},
                 "block_configs": blocks, "head_dim": s.head_dim,

@@ -71,12 +71,11 @@ class ConvertSettings(BaseModel):
         None, description="where SRC came from when it was given as a Hub id: repo_id, revision, commit "
                           "(core.hub.ModelRef.record); None for a local path")
     num_kv_heads: int | None = Field(
-        None, description="Target number of K/V heads G (must divide the current number); or --kv-plan.",
+        None, description="Target number of K/V heads G (must divide the current number).",
         json_schema_extra=_cli("-g", "--num-kv-heads", type=int))
     kv_plan: Path | None = Field(
         None, json_schema_extra=_cli("--kv-plan", type=Path),
-        description='A JSON file of the KV heads of each decoder layer, {"kv_heads": [8, 2, 1, 4]} (or the '
-                    "gqakit_convert.json of an earlier conversion, to replay its plan); instead of -g.")
+        description="Per-layer KV heads, from a JSON file.")
     method: str = Field(
         DEFAULT_METHOD, json_schema_extra=_cli("--method", show_default=True),
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "

@@ -83,7 +83,7 @@ def test_plan_pools_exactly_the_chosen_layers(tiny_model, tmp_path, family):
     assert cfg["model_type"] == "nemotron-nas" and cfg["architectures"] == ["DeciLMForCausalLM"]
     assert [b["attention"]["n_heads_in_group"] for b in cfg["block_configs"]] == [HEADS // g for g in PLAN]
     assert all(b["ffn"]["intermediate_size"] == cfg["intermediate_size"] for b in cfg["block_configs"])
-    assert "num_key_value_heads" not in cfg and (out / "gqakit_modeling_decilm.py").exists()
+    assert cfg["num_key_value_heads"] == max(PLAN) and (out / "gqakit_modeling_decilm.py").exists()
     record = json.loads((out / "gqakit_convert.json").read_text())
     assert record["kv_heads"] == PLAN and record["settings"]["kv_heads"] == PLAN
     elem = 4  # float32

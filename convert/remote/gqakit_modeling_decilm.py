@@ -17,7 +17,6 @@ attention or FFN is a no-op or a linear replacement are refused: gqakit never wr
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ def ffn_mult_to_intermediate_size(ffn_mult: float, hidden_size: int) -> int:
 
 class DeciLMConfig(LlamaConfig):
     model_type = "nemotron-nas"
+    _auto_class = "AutoConfig"  # save_pretrained writes this file beside the config (auto_map)
 
     block_configs: list | None = None
     qkv_bias: bool | None = None
@@ -76,7 +76,8 @@ class DeciLMConfig(LlamaConfig):
 
     def layer_config(self, layer: int) -> LlamaConfig:
         """A plain copy of this config with layer `layer`'s KV heads and FFN width."""
-        cfg = copy.copy(self)
+        cfg = object.__new__(type(self))  # a shallow copy: the attributes, without re-validation
+        cfg.__dict__.update(self.__dict__)
         cfg.num_key_value_heads = self.kv_heads_of(layer)
         cfg.intermediate_size = self.intermediate_size_of(layer)
         return cfg
@@ -86,6 +87,7 @@ class DeciLMForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM whose decoder layer i has the KV heads and FFN width of `block_configs[i]`."""
 
     config_class = DeciLMConfig
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config: DeciLMConfig) -> None:
         super().__init__(config)

@@ -305,12 +305,14 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
     opened, reader = inp.opened, inp.reader
     plan = make_plan(opened, settings, gguf_out=True)
     settings = plan.settings
+    G = settings.num_kv_heads  # the largest layer's, for a per-layer plan
     changed = changed_tensors(inp, plan, G, wanted)
     if dry_run:
         s = plan.shape
         kinds = sorted({f"{c.qtype.name}" for c in changed.values()})
         return [f"{plan.family} (GGUF {inp.arch}): {s.num_layers} layers, {s.num_heads} query heads, "
-                f"{s.num_kv_heads} -> {G} KV heads, head_dim {s.head_dim}", *auto_lines(settings),
+                f"{s.num_kv_heads} -> {list(settings.kv_heads) if settings.kv_heads else G} KV heads, "
+                f"head_dim {s.head_dim}", *auto_lines(settings),
                 f"{len(reader.tensors)} tensors: {len(reader.tensors) - len(changed)} copied as they are, "
                 f"{len(changed)} re-encoded as {', '.join(kinds)}; method {settings.method}; nothing written (dry run)"]
 

@@ -148,8 +148,9 @@ def layer_kv_heads(spec: archmod.ArchSpec, shape: archmod.Shape, settings: Conve
     why = None
     if spec.per_layer_kv is None:
         why = f"a {spec.family} model folder has one KV head count for every layer"
-    elif gguf_out:
-        why = "GGUF output of a per-layer plan is not written (convert to a model folder)"
+    elif gguf_out and (spec.gguf is None or not spec.gguf.permute_qk):
+        why = ("a per-layer GGUF is llama.cpp's deci architecture, which takes the Llama GGUF layout; "
+               f"convert this {spec.family} GGUF to a model folder")
     elif isinstance(config.get("sliding_window"), int) and config["sliding_window"] < (shape.max_positions or 0):
         why = f"SRC's attention has a sliding window ({config['sliding_window']}), which the per-layer layout lacks"
     if why is not None:

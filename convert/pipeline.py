@@ -92,10 +92,12 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
         check_output_path(Path(out), overwrite=overwrite,
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
     plan = make_plan(open_checkpoint(settings.source, progress=progress), settings)
-    s = plan.shape
+    s, r = plan.shape, plan.settings
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
+    before = list(s.kv_heads_per_layer) if s.kv_heads_per_layer else s.num_kv_heads
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
-            f"{s.num_kv_heads} -> {settings.num_kv_heads} KV heads, head_dim {s.head_dim}", *grouped,
+            f"{before} -> {list(r.kv_heads) if r.kv_heads else r.num_kv_heads} KV heads, head_dim {s.head_dim}",
+            *grouped,
             *auto_lines(plan.settings),
             f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]

@@ -223,7 +223,9 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
     (tmp / "README.md").write_text(render_model_card(
         title=f"{settings.source_name.rsplit('/', 1)[-1]} → GQA ("
               f"{G if layout_family is None else f'{min(per_layer)}-{max(per_layer)}'} KV heads)", base_model=base,
-        summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name}))
+        summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name,
+                                                **({"kv_plan": settings.asked.kv_plan.name} if settings.asked.kv_plan
+                                                   else {})}))
 
 
 def _attention_dtype(plan: Plan) -> Any:

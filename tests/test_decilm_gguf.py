@@ -75,3 +75,13 @@ def test_llama_cpp_runs_the_deci_gguf_as_transformers_does(sources, tmp_path):
     # the logits agree far better than a wrong head or layer would (those move them by ~1e-1)
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert np.abs(got - want).max() < 1e-3 * max(1.0, float(np.abs(want).max()))
+
+
+def test_per_layer_gguf_of_a_non_llama_layout_refused(tiny_model, tmp_path, capsys):
+    from test_convert_errors import assert_one_line_error, run_cli
+
+    src = write_gguf(load(tiny_model("qwen2", num_hidden_layers=LAYERS)), tmp_path / "q.gguf", arch="qwen2")
+    capsys.readouterr()
+    code, err = run_cli(["convert", src, tmp_path / "out.gguf", "--kv-plan", plan_file(tmp_path, PLAN)], capsys)
+    assert_one_line_error(code, err, "deci architecture", "the nearest uniform plan is -g 4")
+    assert not (tmp_path / "out.gguf").exists()

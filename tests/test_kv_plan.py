@@ -186,3 +186,23 @@ def test_cli_writes_per_layer_folder(tiny_model, tmp_path, capsys):
     code, err = run_cli(["convert", src, tmp_path / "out", "--kv-plan", plan_file(tmp_path, PLAN), "-q"], capsys)
     assert code == 0 and err == ""
     assert cache_heads(load(tmp_path / "out")) == PLAN
+
+
+def test_inspect_and_dry_run_of_a_per_layer_model(tiny_model, tmp_path, capsys):
+    from test_convert_errors import run_cli
+
+    out = convert(tiny_model("llama", num_hidden_layers=LAYERS), tmp_path / "out", kv_plan=plan_file(tmp_path, PLAN))
+    capsys.readouterr()
+    from gqakit.cli import main
+
+    try:
+        main(["inspect", str(out), "--json"])
+    except SystemExit as e:
+        assert e.code in (0, None)
+    info = json.loads(capsys.readouterr().out)
+    assert info["kv_heads"] == PLAN and [r["kv_heads"] for r in info["options"]] == [1]  # G every layer can take
+    code, err = run_cli(["convert", out, tmp_path / "dry", "-g", "1", "--dry-run"], capsys)
+    assert code == 0, err
+    assert not (tmp_path / "dry").exists()
+    card = (out / "README.md").read_text()
+    assert "per layer [8, 8, 8, 8] → [8, 1, 8, 2]" in card and str(tmp_path) not in card  # no local path

@@ -206,3 +206,17 @@ def test_inspect_and_dry_run_of_a_per_layer_model(tiny_model, tmp_path, capsys):
     assert not (tmp_path / "dry").exists()
     card = (out / "README.md").read_text()
     assert "per layer [8, 8, 8, 8] → [8, 1, 8, 2]" in card and str(tmp_path) not in card  # no local path
+
+
+def test_calibration_stage_follows_the_plan(tiny_model, tmp_path):
+    """align-refit (the calibration stage, block by block) converts each layer to its own heads."""
+    src = tiny_model("llama", num_hidden_layers=LAYERS)
+    settings = ConvertSettings(source=str(src), kv_plan=plan_file(tmp_path, PLAN), method="align-refit",
+                               effort="fast", calibration_tokens=256, refit={"seq_len": 32})
+    out = convert_folder(settings, tmp_path / "out", progress=False, device="cpu")
+    model = load(out)
+    assert cache_heads(model) == PLAN
+    assert torch.isfinite(logits(model)).all()
+    drift = json.loads((out / "gqakit_convert.json").read_text())["calibration"]["residual_drift"]
+    # layer 1 keeps all 8 heads (no drift after it, up to float64 rounding); layer 2 pools them to 1
+    assert drift[0] == pytest.approx(0, abs=1e-12) and drift[1] > 1e-3

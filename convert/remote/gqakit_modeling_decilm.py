@@ -52,7 +52,12 @@ class DeciLMConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
-        if not self.block_configs or len(self.block_configs) != self.num_hidden_layers:
+        if self.block_configs is None:  # a config built from defaults: every layer as num_key_value_heads says
+            group = self.num_attention_heads // (self.num_key_value_heads or self.num_attention_heads)
+            self.block_configs = [{"attention": {"n_heads_in_group": group, "no_op": False, "replace_with_linear": False},
+                                   "ffn": {"intermediate_size": self.intermediate_size, "no_op": False,
+                                           "replace_with_linear": False}}] * self.num_hidden_layers
+        if len(self.block_configs) != self.num_hidden_layers:
             raise ValueError(f"block_configs needs one entry per layer ({self.num_hidden_layers})")
         self.block_configs = [b if isinstance(b, BlockEntry) else BlockEntry(dict(b)) for b in self.block_configs]
         for i, b in enumerate(self.block_configs):

@@ -257,8 +257,8 @@ def trained_block_tensors(plan: Plan, settings: ResolvedSettings) -> set[str]:
     with reconstruction steps: each converted block's MLP and norms), which the writer
     takes from the stage rather than from the source."""
     trains_block = getattr(settings.options, "trains_block", None)
-    if not settings.staged or trains_block is None or not trains_block(plan.shape.num_kv_heads,
-                                                                       min(settings.kv_heads or (settings.num_kv_heads,))):
+    fewest = min(settings.kv_heads or (settings.num_kv_heads,))  # a per-layer plan trains if any layer pools
+    if not settings.staged or trains_block is None or not trains_block(plan.shape.num_kv_heads, fewest):
         return set()
     spec = archmod.registry()[plan.family]
     prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers))

@@ -193,7 +193,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
              "KV heads": f"{s.num_kv_heads} → {G}" if layout_family is None else
              f"per layer {record.get('kv_heads_before')} → {per_layer}", "KV cache per token": f"{before:,} → "
              f"{kv_bytes_text(after, dtype)}, the saved dtype "
-             f"({s.num_kv_heads // G if layout_family is None else f'{before / after:.2f}'}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
+             f"({s.num_kv_heads // G if layout_family is None else f'{before / after:.2f}'}× smaller)",
+             "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
     if enc is not None:
         facts["grouped attentions"] = ", ".join(plan.grouped)

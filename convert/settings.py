@@ -279,7 +279,8 @@ def read_kv_plan(path: Path) -> tuple[int, ...]:
         raise GqakitError(f'--kv-plan {path} holds no "kv_heads" list (one KV head count per decoder layer)')
     bad = [h for h in heads if not isinstance(h, int) or isinstance(h, bool) or h < 1]
     if bad:
-        raise GqakitError(f"--kv-plan {path}: each layer's KV heads must be a whole number of at least 1, got {bad[0]!r}")
+        raise GqakitError(f"--kv-plan {path}: each layer's KV heads must be a whole number of at least 1, "
+                          f"got {bad[0]!r}")
     return tuple(heads)
 
 

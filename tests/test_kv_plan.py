@@ -100,6 +100,9 @@ def test_block_configs_read_as_attributes(tiny_model, tmp_path):
     assert [HEADS // b.attention.n_heads_in_group for b in cfg.block_configs] == PLAN
     assert not hasattr(cfg.block_configs[0].ffn, "ffn_mult")  # 64 is no DeciLM ffn_mult width
     assert cfg.block_configs[0].ffn.intermediate_size == 64
+    # built from its defaults alone (vLLM builds the config class so before reading config.json)
+    bare = type(cfg)()
+    assert len(bare.block_configs) == bare.num_hidden_layers and bare.kv_heads_of(0) == bare.num_key_value_heads
 
 
 def test_plan_of_the_source_heads_is_the_source(tiny_model, tmp_path):

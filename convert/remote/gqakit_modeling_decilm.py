@@ -54,7 +54,8 @@ class DeciLMConfig(LlamaConfig):
         super().__post_init__(**kwargs)
         if self.block_configs is None:  # a config built from defaults: every layer as num_key_value_heads says
             group = self.num_attention_heads // (self.num_key_value_heads or self.num_attention_heads)
-            self.block_configs = [{"attention": {"n_heads_in_group": group, "no_op": False, "replace_with_linear": False},
+            attention = {"n_heads_in_group": group, "no_op": False, "replace_with_linear": False}
+            self.block_configs = [{"attention": attention,
                                    "ffn": {"intermediate_size": self.intermediate_size, "no_op": False,
                                            "replace_with_linear": False}}] * self.num_hidden_layers
         if len(self.block_configs) != self.num_hidden_layers:

@@ -223,3 +223,13 @@ def test_calibration_stage_follows_the_plan(tiny_model, tmp_path):
     drift = json.loads((out / "gqakit_convert.json").read_text())["calibration"]["residual_drift"]
     # layer 1 keeps all 8 heads (no drift after it, up to float64 rounding); layer 2 pools them to 1
     assert drift[0] == pytest.approx(0, abs=1e-12) and drift[1] > 1e-3
+
+
+def test_sliding_window_refused_for_a_per_layer_plan(tiny_model, tmp_path, capsys):
+    from test_convert_errors import assert_one_line_error, run_cli
+
+    src = tiny_model("mistral", num_hidden_layers=LAYERS, sliding_window=16)  # shorter than the 128 positions
+    capsys.readouterr()
+    code, err = run_cli(["convert", src, tmp_path / "out", "--kv-plan", plan_file(tmp_path, PLAN)], capsys)
+    assert_one_line_error(code, err, "sliding window (16)", "the nearest uniform plan is -g 4")
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from gqakit.core.units import DTYPE_BYTES, config_dtype, dtype_label, kv_bytes_t
 # `gqakit convert --help`: its options under these headings, in this order
 CONVERT_OPTION_GROUPS = (
     ("Input and output", ("dtype", "max_shard_size", "overwrite", "force", "dry_run")),
-    ("Method", ("num_kv_heads", "kv_budget", "method", "grouping", "seed", "group_encoder")),
+    ("Method", ("num_kv_heads", "kv_budget", "kv_plan", "method", "grouping", "seed", "group_encoder")),
     ("Calibration (align-refit)", ("effort", "calibration_data", "calibration_tokens", "refit_options")),
     ("GGUF (SRC and OUT both .gguf)", ("gguf_type",)),
     ("Device and run", ("device", "quiet", "trust_remote_code", "help")),
@@ -253,17 +254,17 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
     s = archmod.shape_of(spec, opened.config)
     ctx = context or s.max_positions or 2048
     rows = []
-    for g in [d for d in range(s.num_kv_heads, 0, -1) if s.num_kv_heads % d == 0]:
+    top = math.gcd(*(s.kv_heads_of(L) for L in range(s.num_layers)))  # a G every layer can take
+    for g in [d for d in range(top, 0, -1) if top % d == 0]:
         plan = make_plan(opened, ConvertSettings(source=src, num_kv_heads=g, force=True))
         per_tok = s.kv_bytes_per_token(dtype_bytes, g)
         rows.append({"kv_heads": g, "group_size": s.num_heads // g, "kv_bytes_per_token": per_tok,
                      "kv_cache_bytes": per_tok * batch * ctx,
                      "parameters_removed": plan.source_params - plan.output_params})
     info = {"source": name, "family": spec.family, "native_gqa": spec.native_gqa, "layers": s.num_layers,
-            "query_heads": s.num_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
-            "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
-            "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=s.num_kv_heads,
-                                                            force=True)).source_params,
+            "query_heads": s.num_heads, "kv_heads": list(s.kv_heads_per_layer or ()) or s.num_kv_heads,
+            "head_dim": s.head_dim, "hidden_size": s.hidden_size, "rotary_dim": s.rotary_dim,
+            "parameters": make_plan(opened, ConvertSettings(source=src, num_kv_heads=top, force=True)).source_params,
             "batch": batch, "context": ctx, "dtype_bytes": dtype_bytes, "dtype": dtype, "options": rows}
     choice = None
     if budget is not None:
@@ -278,7 +279,7 @@ def inspect_cmd(src: Path, batch: int, context: int | None, input_len: int | Non
         return
     click.echo(f"{name}: {spec.family} ({'stock GQA support' if spec.native_gqa else 'GQA via written modeling file'})")
     click.echo(f"  layers {s.num_layers}, hidden {s.hidden_size}, query heads {s.num_heads}, KV heads "
-               f"{s.num_kv_heads}, head_dim {s.head_dim}, parameters {info['parameters']:,}")
+               f"{info['kv_heads']}, head_dim {s.head_dim}, parameters {info['parameters']:,}")
     click.echo(f"\n  KV cache at batch {batch}, context {ctx}, {dtype_bytes} bytes/element ({dtype}):")
     click.echo(f"  {'G':>4} {'q/kv':>5} {'KV bytes/token':>28} {'KV cache':>14} {'params removed':>15}")
     for r in rows:

@@ -31,6 +31,10 @@ from gqakit.core.errors import GqakitError
 from gqakit.core.run import show_bars
 
 GQAKIT_KEY = "general.gqakit."
+# llama.cpp's GGUF architecture for a Llama-layout decoder whose layers have their own head
+# counts: its loader reads `deci.attention.head_count` and `head_count_kv` as per-layer arrays
+# (the `llama` loader takes one count), with llama's tensor names and q/k row permutation.
+PER_LAYER_ARCH = "deci"
 
 
 def quantisable(qtype: Any) -> bool:
@@ -136,7 +140,7 @@ def changed_tensors(inp: GGUFInput, plan: Plan, G: int, wanted: Any) -> dict[str
     """The tensors the conversion rewrites, by GGUF name, with the type each is written in
     (`wanted`: the `--gguf-type` from `parse_gguf_type`, or None)."""
     source = inp.opened.source
-    H = plan.shape.num_heads
+    H, settings = plan.shape.num_heads, plan.settings
     changed: dict[str, Changed] = {}
     planned = {p.name: p.shape for p in plan.tensors}
     for hf in plan.layer_of:
@@ -145,7 +149,7 @@ def changed_tensors(inp: GGUFInput, plan: Plan, G: int, wanted: Any) -> dict[str
         if inp.permute and ".attn_q." in g:
             heads = H
         elif inp.permute and ".attn_k." in g:
-            heads = G
+            heads = settings.kv_heads_at(plan.layer_of[hf]) if settings.per_layer else G
         changed[g] = Changed(g, hf, tuple(shape), choose_type(t.tensor_type, tuple(shape), wanted, g), heads)
     return changed
 
@@ -162,18 +166,21 @@ class GGUFWriter:
             else 32
         kv_key = f"{arch}.attention.head_count_kv"
         kvs: list[bytes] = []
-        for name, field in reader.fields.items():
+        s = plan.shape
+        if settings.per_layer:
+            kvs = self._per_layer_kvs(reader, arch, plan, settings)
+        for name, field in ([] if settings.per_layer else reader.fields.items()):
             if name.startswith("GGUF.") or name.startswith(GQAKIT_KEY):
                 continue
             if name == kv_key:
                 kvs.append(self._kv_heads(field, G))
             else:
                 kvs.append(raw_field(reader, field))
-        if kv_key not in reader.fields:
+        if kv_key not in reader.fields and not settings.per_layer:
             kvs.append(pack_kv(kv_key, GGUFValueType.UINT32, G))
-        s = plan.shape
         facts = {"version": gqakit.__version__, "method": settings.method, "grouping": settings.grouping,
-                 "source": Path(settings.source).name, "kv_heads_before": s.num_kv_heads, "kv_heads": G,
+                 "source": Path(settings.source).name, "kv_heads_before": s.num_kv_heads,
+                 "kv_heads": json.dumps(list(settings.kv_heads)) if settings.kv_heads else G,
                  "settings": json.dumps(settings.record(), sort_keys=True, default=str)}
         for k, v in facts.items():
             vt = GGUFValueType.UINT32 if isinstance(v, int) else GGUFValueType.STRING
@@ -208,6 +215,30 @@ class GGUFWriter:
         self.total = offset
         self.f = open(path, "wb")
         self.f.write(blob)
+
+    @staticmethod
+    def _per_layer_kvs(reader: Any, arch: str, plan: Plan, settings: ResolvedSettings) -> list[bytes]:
+        """SRC's key/value pairs under `PER_LAYER_ARCH`: its `{arch}.*` keys renamed, the
+        architecture named, and the query and KV head counts as per-layer arrays."""
+        from gguf import GGUFValueType
+
+        s, old, new = plan.shape, f"{arch}.", f"{PER_LAYER_ARCH}."
+        heads = {f"{new}attention.head_count": [s.num_heads] * s.num_layers,
+                 f"{new}attention.head_count_kv": [settings.kv_heads_at(L) for L in range(s.num_layers)]}
+        kvs = []
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF.") or name.startswith(GQAKIT_KEY):
+                continue
+            renamed = new + name[len(old):] if name.startswith(old) else name
+            if renamed in heads:
+                continue
+            if name == "general.architecture":
+                kvs.append(pack_kv(name, GGUFValueType.STRING, PER_LAYER_ARCH))
+                continue
+            raw = raw_field(reader, field)
+            kvs.append(raw if renamed == name else _pack_string(renamed) + raw[8 + len(name.encode()):])
+        kvs += [pack_kv(k, GGUFValueType.ARRAY, v, GGUFValueType.UINT32) for k, v in heads.items()]
+        return kvs
 
     @staticmethod
     def _kv_heads(field: Any, G: int) -> bytes:

@@ -98,13 +98,14 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", out: str |
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
     opened = open_model(settings.source)
     settings, choice = choose_for(opened, settings, device=resolve_device(device), progress=show_bars())
-    plan = make_plan(opened, settings)
+    plan = make_plan(opened, settings, kv_heads=None if choice is None else choice.kv_heads)
     plan.settings = with_choice(plan.settings, choice)
-    s = plan.shape
+    s, r = plan.shape, plan.settings
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
+    before = list(s.kv_heads_per_layer) if s.kv_heads_per_layer else s.num_kv_heads
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
-            f"{s.num_kv_heads} -> {settings.num_kv_heads} KV heads, head_dim {s.head_dim}", *grouped,
-            *auto_lines(plan.settings), *(choice.lines() if choice is not None else ()),
+            f"{before} -> {list(r.kv_heads) if r.kv_heads else r.num_kv_heads} KV heads, head_dim {s.head_dim}",
+            *grouped, *auto_lines(plan.settings), *(choice.lines() if choice is not None else ()),
             f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]
 
@@ -126,16 +127,16 @@ def per_step_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> St
     method_fn = method_function(settings.method)
     group_fn = GROUPINGS[settings.grouping]
     for step in plan.attention_layers():
-        layer, shape = step.layer, plan.shape_at(step.site)
+        layer, shape = step.layer, plan.shape_at(step.site).at(step.layer)
+        G = settings.kv_heads_at(layer)
         tensors = {n: opened.source.get(n) for n in step.names}
         # float64 keeps fp32 weights exact through the math; 16-bit values are exact in fp32
         wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
         heads = read_heads(spec, shape, tensors, layer, dtype=torch.float64 if wide else torch.float32,
                            site=step.site)
         del tensors  # memory is one layer's attention: nothing but the method's result outlives its step
-        groups = group_fn(heads, settings.num_kv_heads, rotary_style=spec.rotary.style,
-                          rotary_dim=shape.rotary_dim)
-        ctx = PoolContext(settings.num_kv_heads, groups, spec.rotary.style, shape.rotary_dim, layer, gen)
+        groups = group_fn(heads, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim)
+        ctx = PoolContext(G, groups, spec.rotary.style, shape.rotary_dim, layer, gen)
         new = method_fn(heads, ctx)
         del heads, groups, ctx
         yield step, new
@@ -185,7 +186,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     check_output_path(out, overwrite=overwrite, inputs=inputs)
     opened = open_model(src)
     settings, choice = choose_for(opened, settings, device=dev, progress=progress)
-    plan = make_plan(opened, settings)
+    plan = make_plan(opened, settings, kv_heads=None if choice is None else choice.kv_heads)
     settings = plan.settings = with_choice(plan.settings, choice)
     if progress:
         for line in auto_lines(settings):
@@ -314,12 +315,14 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
     opened, reader = inp.opened, inp.reader
     plan = make_plan(opened, settings, gguf_out=True)
     settings = plan.settings
+    G = settings.num_kv_heads  # the largest layer's, for a per-layer plan
     changed = changed_tensors(inp, plan, G, wanted)
     if dry_run:
         s = plan.shape
         kinds = sorted({f"{c.qtype.name}" for c in changed.values()})
         return [f"{plan.family} (GGUF {inp.arch}): {s.num_layers} layers, {s.num_heads} query heads, "
-                f"{s.num_kv_heads} -> {G} KV heads, head_dim {s.head_dim}", *auto_lines(settings),
+                f"{s.num_kv_heads} -> {list(settings.kv_heads) if settings.kv_heads else G} KV heads, "
+                f"head_dim {s.head_dim}", *auto_lines(settings),
                 f"{len(reader.tensors)} tensors: {len(reader.tensors) - len(changed)} copied as they are, "
                 f"{len(changed)} re-encoded as {', '.join(kinds)}; method {settings.method}; nothing written (dry run)"]
 

@@ -29,7 +29,7 @@ from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.arch import SITE_NAMES
 from gqakit.core.errors import GqakitError
-from gqakit.core.units import torch_dtype
+from gqakit.core.units import DTYPE_BYTES, config_dtype, kv_bytes_text, torch_dtype
 
 @dataclass(frozen=True)
 class PassThrough:
@@ -106,9 +106,15 @@ def validate_g(shape: archmod.Shape, g: int, whose: str = "the model's") -> None
         raise GqakitError(f"--num-kv-heads {g} does not divide {whose} {kv} KV heads; valid: {valid}")
 
 
-def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, settings: ConvertSettings) -> None:
+def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, settings: ConvertSettings,
+                  kv_heads: tuple[int, ...] | None = None) -> None:
     """Refuse a conversion that groups nothing (G equal to the KV heads of every attention it
     converts: the output would be a copy) unless `settings.force`."""
+    if kv_heads is not None:
+        if settings.force or any(g != shape.kv_heads_of(L) for L, g in enumerate(kv_heads)):
+            return
+        raise GqakitError("the KV plan keeps SRC's KV heads in every layer: the conversion would write an "
+                          "unchanged copy; pass --force to write it anyway")
     g = settings.num_kv_heads
     if settings.force or g != shape.num_kv_heads or (encoder_shape is not None and g != encoder_shape.num_kv_heads):
         return
@@ -116,16 +122,71 @@ def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, set
                       "unchanged copy; pass --force to write it anyway")
 
 
-def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False) -> Plan:
+def layer_kv_heads(spec: archmod.ArchSpec, shape: archmod.Shape, settings: ConvertSettings,
+                   config: dict[str, Any], *, gguf_out: bool,
+                   chosen: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+    """The KV heads of each decoder layer (`chosen` by --kv-budget, `--kv-plan`, or -g on a source
+    whose layers differ), each checked against its layer; None for -g on a uniform source. A
+    non-uniform plan for a family (or output) that cannot express it is refused, naming the
+    nearest uniform G."""
+    heads = chosen if chosen is not None else settings.plan_heads
+    if heads is None:
+        if shape.kv_heads_per_layer is None:
+            return None
+        heads = (settings.num_kv_heads or 0,) * shape.num_layers
+    if spec.is_encoder_decoder:
+        raise GqakitError(f"--kv-plan is for decoder-only models; use -g for the {spec.family} encoder-decoder")
+    if len(heads) != shape.num_layers:
+        raise GqakitError(f"--kv-plan gives {len(heads)} layers' KV heads, but SRC has {shape.num_layers} "
+                          "decoder layers")
+    for L, g in enumerate(heads):
+        kv = shape.kv_heads_of(L)
+        if g < 1 or g > kv or kv % g:
+            valid = [d for d in range(1, kv + 1) if kv % d == 0]
+            raise GqakitError(f"layer {L + 1}: {g} KV heads do not divide its {kv} KV heads "
+                              f"({shape.num_heads} query heads); valid: {valid}")
+    if len(set(heads)) == 1 and shape.kv_heads_per_layer is None:
+        return heads
+    why = None
+    if spec.per_layer_kv is None:
+        why = f"a {spec.family} model folder has one KV head count for every layer"
+    elif gguf_out and (spec.gguf is None or not spec.gguf.permute_qk):
+        why = ("a per-layer GGUF is llama.cpp's deci architecture, which takes the Llama GGUF layout; "
+               f"convert this {spec.family} GGUF to a model folder")
+    elif isinstance(config.get("sliding_window"), int) and config["sliding_window"] < (shape.max_positions or 0):
+        why = f"SRC's attention has a sliding window ({config['sliding_window']}), which the per-layer layout lacks"
+    if why is not None:
+        raise GqakitError(f"the per-layer KV plan cannot be written: {why}; the nearest uniform plan is "
+                          f"{nearest_uniform(shape, heads, config)}")
+    return heads
+
+
+def nearest_uniform(shape: archmod.Shape, heads: tuple[int, ...], config: dict[str, Any]) -> str:
+    """'-g G (N B/token (dtype))': the uniform G whose cache is closest to the plan's."""
+    kv = min(shape.kv_heads_of(L) for L in range(shape.num_layers))
+    dtype = config_dtype(config) or "float32"
+    goal = sum(heads)
+    g = min((d for d in range(1, kv + 1) if all(shape.kv_heads_of(L) % d == 0 for L in range(shape.num_layers))),
+            key=lambda d: (abs(d * shape.num_layers - goal), d))
+    size = shape.kv_bytes_per_token(DTYPE_BYTES[dtype], g)
+    return (f"-g {g} ({kv_bytes_text(size, dtype)}; the plan: "
+            f"{kv_bytes_text(shape.kv_bytes_per_token(DTYPE_BYTES[dtype], heads), dtype)})")
+
+
+def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False,
+              kv_heads: tuple[int, ...] | None = None) -> Plan:
     """The plan, with the settings resolved for this model (`Plan.settings`, built here once):
     what "auto" means depends on its parameters and context, and on the output kind (a GGUF
-    file with `gguf_out`, else a model folder)."""
+    file with `gguf_out`, else a model folder); `kv_heads`: each layer's KV heads as --kv-budget
+    chose them."""
     output: Output = "gguf" if gguf_out else "folder"
     spec = archmod.lookup(opened.config)
     check_encoder_decoder(spec, settings, gguf=gguf_out or opened.gguf is not None)
     shape = archmod.shape_of(spec, opened.config)
     encoder_shape = archmod.encoder_shape_of(spec, opened.config) if spec.is_encoder_decoder else None
-    validate_g(shape, settings.num_kv_heads, "the decoder's" if encoder_shape else "the model's")
+    kv_heads = layer_kv_heads(spec, shape, settings, opened.config, gguf_out=output == "gguf", chosen=kv_heads)
+    if kv_heads is None:
+        validate_g(shape, settings.num_kv_heads or 0, "the decoder's" if encoder_shape else "the model's")
     sites: tuple[str, ...] = ("self",)
     shape_at = {"self": shape, "cross": shape}
     if encoder_shape is not None:
@@ -133,14 +194,15 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
         shape_at["encoder"] = encoder_shape
         if settings.group_encoder:
             validate_g(encoder_shape, settings.num_kv_heads, "the encoder's")
-    check_changes(shape, encoder_shape if settings.group_encoder else None, settings)
+    check_changes(shape, encoder_shape if settings.group_encoder else None, settings, kv_heads)
     src = opened.source
     names = src.names()
     metas = {n: src.meta(n) for n in names}
     numel = lambda s: int(torch.Size(s).numel())  # noqa: E731
     source_params = sum(numel(m[1]) for m in metas.values())
     resolved = resolve_settings(settings, source_params=source_params,
-                                max_positions=archmod.max_positions(opened.config), output=output)
+                                max_positions=archmod.max_positions(opened.config), output=output,
+                                kv_heads=kv_heads)
     out_dtype = torch_dtype(resolved.dtype) if resolved.dtype is not None else None
     # methods that touch only K/V leave q and o to be copied through untouched
     kv_only = resolved.spec.kv_only and resolved.grouping == "contiguous" and spec.attention.layout == "separate"
@@ -162,7 +224,7 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
             cast = out_dtype if (out_dtype is not None and dt.is_floating_point) else dt
             tensors.append(Planned(step.name, cast, metas[step.name][1]))
             continue
-        shapes = output_shapes(spec, shape_at[step.site], resolved.num_kv_heads, step.layer,
+        shapes = output_shapes(spec, shape_at[step.site], resolved.kv_heads_at(step.layer), step.layer,
                                {n: metas[n][1] for n in step.names}, site=step.site)
         tensors += [Planned(n, out_dtype if out_dtype is not None else metas[n][0], shapes[n]) for n in step.names]
     return Plan(spec.family, spec.native_gqa, shape, opened.config, steps, tensors,
@@ -188,7 +250,8 @@ def trained_block_tensors(plan: Plan, settings: ResolvedSettings) -> set[str]:
     with reconstruction steps: each converted block's MLP and norms), which the writer
     takes from the stage rather than from the source."""
     trains_block = getattr(settings.options, "trains_block", None)
-    if not settings.staged or trains_block is None or not trains_block(plan.shape.num_kv_heads, settings.num_kv_heads):
+    fewest = min(settings.kv_heads or (settings.num_kv_heads,))  # a per-layer plan trains if any layer pools
+    if not settings.staged or trains_block is None or not trains_block(plan.shape.num_kv_heads, fewest):
         return set()
     spec = archmod.registry()[plan.family]
     prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers))

@@ -37,7 +37,9 @@ def output_config(plan: Plan, settings: ResolvedSettings,
     spec = archmod.registry()[plan.family]
     if spec.position_bias_on(plan.config):
         cfg[archmod.QUERY_HEAD_ORDER] = query_head_order(plan, query_orders or {})
-    if plan.native_gqa:
+    if per_layer_family(plan, settings) is not None:
+        cfg = per_layer_config(plan, settings, cfg)
+    elif plan.native_gqa:
         cfg[spec.config.num_kv_heads or "num_key_value_heads"] = settings.num_kv_heads
     else:
         from gqakit.convert.remote import remote_config_updates
@@ -48,10 +50,59 @@ def output_config(plan: Plan, settings: ResolvedSettings,
     if settings.dtype is not None:
         cfg["dtype"] = settings.dtype
         cfg.pop("torch_dtype", None)
-    if plan.native_gqa:
+    if plan.native_gqa and per_layer_family(plan, settings) is None:
         cfg.pop("auto_map", None)  # stock class: any source remote code does not apply
     cfg.pop("_name_or_path", None)
     return cfg
+
+
+def per_layer_family(plan: Plan, settings: ResolvedSettings) -> str | None:
+    """The family whose layout the output is written in when its layers' KV heads differ (or
+    the source's already did), or None: the source family's own layout."""
+    spec = archmod.registry()[plan.family]
+    if settings.per_layer or plan.shape.kv_heads_per_layer is not None or spec.family == spec.per_layer_kv:
+        return spec.per_layer_kv
+    return None
+
+
+def per_layer_config(plan: Plan, settings: ResolvedSettings, cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json in the per-layer layout (the table's `per_layer_kv` family: model type,
+    class, `auto_map` to its modeling file, and per layer `block_configs[i]` with the attention's
+    query heads per KV head and the FFN width). A source already in that layout keeps its FFN
+    entries."""
+    from gqakit.convert.layout import layer_names
+
+    family = per_layer_family(plan, settings)
+    assert family is not None
+    target, spec, s = archmod.registry()[family], archmod.registry()[plan.family], plan.shape
+    assert target.remote is not None
+    module = target.remote.module or f"gqakit_modeling_{family}"
+    planned = {p.name for p in plan.tensors}
+    names = layer_names(spec, 0)
+    before = cfg.get("block_configs") if spec.family == family else None
+    hidden = int(cfg.get(spec.config.hidden_size) or s.hidden_size)
+    blocks = []
+    for L in range(s.num_layers):
+        g = settings.kv_heads_at(L)
+        if before:
+            ffn = dict(before[L]["ffn"])
+        else:
+            width = int(cfg["intermediate_size"])
+            ffn = {"intermediate_size": width, "no_op": False, "replace_with_linear": False}
+            mult = 1.5 * width / hidden  # DeciLM's ffn_mult, written only where it gives the width exactly
+            if width % 256 == 0 and int(2 * mult * hidden / 3) == width:
+                ffn["ffn_mult"] = mult
+        blocks.append({"attention": {"n_heads_in_group": s.num_heads // g, "no_op": False,
+                                     "replace_with_linear": False}, "ffn": ffn})
+    out = {k: v for k, v in cfg.items() if k != "auto_map"}
+    out.update({"num_key_value_heads": settings.num_kv_heads,  # the largest layer's, as the config class holds it
+                "model_type": target.model_types[0], "architectures": [target.architectures[0]],
+                "auto_map": {"AutoConfig": f"{module}.{target.remote.config_class}",
+                             "AutoModelForCausalLM": f"{module}.{target.remote.model_class}"},
+                "block_configs": blocks, "head_dim": s.head_dim,
+                "attention_bias": bool(cfg.get("attention_bias")) or f"{spec.attention.prefix.format(layer=0)}"
+                f"{spec.attention.o}.bias" in planned, "qkv_bias": names.get("q.bias") in planned})
+    return out
 
 
 def query_head_order(plan: Plan, orders: dict[int, list[int] | None]) -> list[list[int]]:
@@ -104,25 +155,30 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
     cfg = output_config(plan, settings, query_orders)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     copied = copy_side_files(opened, tmp)
-    if not plan.native_gqa:
+    layout_family = per_layer_family(plan, settings)
+    if not plan.native_gqa or layout_family is not None:
         from gqakit.convert.remote import modeling_file
 
-        f = modeling_file(plan.family)
+        f = modeling_file(layout_family or plan.family)
         assert f.name.startswith(REMOTE_PREFIX)
         shutil.copy2(f, tmp / f.name)
     s, G = plan.shape, settings.num_kv_heads
     dtype = config_dtype(cfg) or str(_attention_dtype(plan)).removeprefix("torch.")  # as saved
     elem = DTYPE_BYTES.get(dtype) or _attention_dtype(plan).itemsize
-    before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, G)
+    per_layer = [settings.kv_heads_at(L) for L in range(s.num_layers)]
+    before, after = s.kv_bytes_per_token(elem), s.kv_bytes_per_token(elem, per_layer)
     auto = "AutoModelForSeq2SeqLM" if plan.is_encoder_decoder else "AutoModelForCausalLM"
     record = {"gqakit_version": gqakit.__version__, "settings": settings.record(), "family": plan.family,
-              "num_heads": s.num_heads, "num_kv_heads_before": s.num_kv_heads, "num_kv_heads": G,
+              "num_heads": s.num_heads, "num_kv_heads_before": s.num_kv_heads,
+              "num_kv_heads": None if settings.per_layer else G,
+              **({"kv_heads": per_layer, "kv_heads_before": [s.kv_heads_of(L) for L in range(s.num_layers)]}
+                 if layout_family is not None else {}),
               "head_dim": s.head_dim, "num_layers": s.num_layers,
               "parameters_before": plan.source_params, "parameters_after": plan.output_params,
               "kv_cache_bytes_per_token_before": before, "kv_cache_bytes_per_token_after": after,
               "kv_cache_dtype": dtype,
               "changed": changed(plan, settings), "seconds": round(seconds, 3), "copied_files": copied,
-              "loads_with": f"{auto}.from_pretrained(OUT)" if plan.native_gqa
+              "loads_with": f"{auto}.from_pretrained(OUT)" if plan.native_gqa and layout_family is None
               else f"{auto}.from_pretrained(OUT, trust_remote_code=True)"}
     enc = plan.encoder_shape
     if enc is not None:  # the decoder's numbers above hold for its self- and cross-attention alike
@@ -136,8 +192,11 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
     (tmp / CONVERT_SETTINGS).write_text(json.dumps(record, indent=2) + "\n")
     facts = {"source": f"`{settings.source_name}`", "family": plan.family, "method": settings.method,
              "grouping": settings.grouping, "query heads": s.num_heads,
-             "KV heads": f"{s.num_kv_heads} → {G}", "KV cache per token": f"{before:,} → "
-             f"{kv_bytes_text(after, dtype)}, the saved dtype ({s.num_kv_heads // G}× smaller)", "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
+             "KV heads": f"{s.num_kv_heads} → {G}" if layout_family is None else
+             f"per layer {record.get('kv_heads_before')} → {per_layer}", "KV cache per token": f"{before:,} → "
+             f"{kv_bytes_text(after, dtype)}, the saved dtype "
+             f"({s.num_kv_heads // G if layout_family is None else f'{before / after:.2f}'}× smaller)",
+             "parameters": f"{plan.source_params:,} → {plan.output_params:,}",
              "load with": f"`{record['loads_with']}`", "gqakit": gqakit.__version__}
     if enc is not None:
         facts["grouped attentions"] = ", ".join(plan.grouped)
@@ -167,8 +226,11 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
     # the card names the source by its Hub id (or folder name), never by a local path
     base = settings.source_name if settings.source_hub else hub_id_of(settings.source, plan.config)
     (tmp / "README.md").write_text(render_model_card(
-        title=f"{settings.source_name.rsplit('/', 1)[-1]} → GQA ({G} KV heads)", base_model=base,
-        summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name}))
+        title=f"{settings.source_name.rsplit('/', 1)[-1]} → GQA ("
+              f"{G if layout_family is None else f'{min(per_layer)}-{max(per_layer)}'} KV heads)", base_model=base,
+        summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name,
+                                                **({"kv_plan": settings.asked.kv_plan.name} if settings.asked.kv_plan
+                                                   else {})}))
 
 
 def kv_budget_fact(choice: dict[str, Any]) -> str:

@@ -32,13 +32,13 @@ class ResolvedSettings:
     dtype: str | None               # the output dtype; None keeps each tensor's
     max_shard_bytes: int | None     # a folder's largest shard; None for a GGUF file
     reasons: dict[str, str] = field(default_factory=dict)  # what each "auto" chose, and why
-    kv_heads: tuple[int, ...] | None = None  # each decoder layer's KV heads (0-based); None: num_kv_heads in all
+    # the KV heads of each decoder layer (0-based) when they differ; None: `num_kv_heads` in every
+    # layer (a uniform plan is normalised to None, so it is exactly the -g conversion)
+    kv_heads: tuple[int, ...] | None = None
+    uniform_kv_heads: int | None = None  # G of a uniform plan given as a per-layer list
     kv_choice: dict[str, Any] | None = None  # --kv-budget: the allocation's record (`budget.choose.KvChoice`)
 
     def __post_init__(self) -> None:
-        if self.kv_heads is not None:
-            heads = tuple(int(g) for g in self.kv_heads)
-            object.__setattr__(self, "kv_heads", None if len(set(heads)) <= 1 else heads)  # uniform: None
         if self.grouping == "auto" or (self.output == "folder") != (self.max_shard_bytes is not None):
             raise GqakitError(f"settings not resolved: grouping {self.grouping}, output {self.output}, "
                               f"shard size {self.max_shard_bytes}")
@@ -62,7 +62,21 @@ class ResolvedSettings:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.asked.num_kv_heads
+        """G of a uniform conversion; the largest layer's KV heads of a per-layer one."""
+        if self.kv_heads is not None:
+            return max(self.kv_heads)
+        g = self.asked.num_kv_heads if self.asked.num_kv_heads is not None else self.uniform_kv_heads
+        assert g is not None, "settings not resolved: no KV heads"
+        return g
+
+    @property
+    def per_layer(self) -> bool:
+        """True when the layers get different KV heads."""
+        return self.kv_heads is not None
+
+    def kv_heads_at(self, layer: int) -> int:
+        """The KV heads of decoder layer `layer` (0-based)."""
+        return self.num_kv_heads if self.kv_heads is None else self.kv_heads[layer]
 
     @property
     def method(self) -> str:
@@ -111,8 +125,9 @@ class ResolvedSettings:
         effort, the values "auto" chose (after the given options) and the reasons, so the record
         states every setting that shaped the result."""
         out = {**self.asked.record(), "grouping": self.grouping}
-        if self.kv_heads is not None:
-            out["kv_heads"] = list(self.kv_heads)
+        if self.kv_heads is not None or self.uniform_kv_heads is not None:
+            out["kv_heads"] = list(self.kv_heads) if self.kv_heads is not None else None
+            out["num_kv_heads"] = self.num_kv_heads if self.kv_heads is None else None
         if self.output == "gguf":
             out["max_shard_size"] = "-"  # one file
         if self.spec.options is None:
@@ -123,9 +138,10 @@ class ResolvedSettings:
 
 
 def resolve_settings(settings: ConvertSettings, *, source_params: int, max_positions: int | None,
-                     output: Output = "folder") -> ResolvedSettings:
+                     output: Output = "folder", kv_heads: tuple[int, ...] | None = None) -> ResolvedSettings:
     """`settings` with every "auto" decided for a model of `source_params` parameters and a
-    context of `max_positions` (None: unknown), written as `output`: the method's resolver
+    context of `max_positions` (None: unknown), written as `output`, with `kv_heads` per layer
+    (None: `settings.num_kv_heads` everywhere; a uniform list is normalised): the method's resolver
     (`core.methods.MethodSpec.resolver`) decides its options and the grouping; a method without
     one groups contiguously (the paper)."""
     spec = method_spec(settings.method)
@@ -137,6 +153,7 @@ def resolve_settings(settings: ConvertSettings, *, source_params: int, max_posit
                                                          max_positions=max_positions, output=output)
     if grouping == "auto":
         grouping = "contiguous"
+    uniform = kv_heads[0] if kv_heads is not None and len(set(kv_heads)) == 1 else None
     return ResolvedSettings(settings, grouping, options, output, None if settings.dtype == "auto" else settings.dtype,
                             parse_size(settings.max_shard_size) if output == "folder" and settings.max_shard_size
-                            is not None else None, reasons)
+                            is not None else None, reasons, None if uniform is not None else kv_heads, uniform)

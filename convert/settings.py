@@ -13,6 +13,7 @@ This module imports neither torch nor the conversion math (the method table is
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -76,6 +77,9 @@ class ConvertSettings(BaseModel):
     kv_budget: KvBudget | None = Field(
         None, json_schema_extra=_cli("--kv-budget", metavar="B"),
         description="Per-layer G within a KV budget: 0.5 or 12KiB.")
+    kv_plan: Path | None = Field(
+        None, json_schema_extra=_cli("--kv-plan", type=Path),
+        description="Per-layer KV heads, from a JSON file.")
     method: str = Field(
         DEFAULT_METHOD, json_schema_extra=_cli("--method", show_default=True),
         description="How each group's K/V heads become one: mean (the GQA paper); first, random (its ablations); "
@@ -134,20 +138,36 @@ class ConvertSettings(BaseModel):
     def _kv_budget(cls, v: Any) -> KvBudget | None:
         return None if v is None else KvBudget.parse(v)
 
-    @model_validator(mode="after")
-    def _one_kv_choice(self) -> ConvertSettings:
-        if self.num_kv_heads is None and self.kv_budget is None:
-            raise GqakitError("give -g G (G KV heads in every layer) or --kv-budget B (each layer's KV heads "
-                              "chosen under a cache budget)")
-        if self.num_kv_heads is not None and self.kv_budget is not None:
-            raise GqakitError(f"-g {self.num_kv_heads} and --kv-budget {self.kv_budget} both set the KV heads: -g "
-                              "gives every layer G, --kv-budget chooses each layer's; give one")
-        return self
-
     @field_validator("source", mode="before")
     @classmethod
     def _resolved(cls, v: Any) -> str:
         return str(Path(v).expanduser().resolve())
+
+    @field_validator("kv_plan")
+    @classmethod
+    def _plan_file(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        v = Path(v).expanduser().resolve()
+        read_kv_plan(v)  # its form is checked here; its fit to the model by `plan.make_plan`
+        return v
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "ConvertSettings":
+        given = [flag for flag, v in (("-g", self.num_kv_heads), ("--kv-budget", self.kv_budget),
+                                      ("--kv-plan", self.kv_plan)) if v is not None]
+        if not given:
+            raise GqakitError("give -g G (G KV heads in every layer), --kv-budget B (each layer's KV heads chosen "
+                              "under a cache budget) or --kv-plan plan.json (each layer's KV heads from a file)")
+        if len(given) > 1:
+            raise GqakitError(f"{' and '.join(given)} both set the KV heads: -g gives every layer G, --kv-budget "
+                              "chooses each layer's, --kv-plan reads them from a file; give one")
+        return self
+
+    @property
+    def plan_heads(self) -> tuple[int, ...] | None:
+        """The per-layer KV heads of `kv_plan`, or None."""
+        return read_kv_plan(self.kv_plan) if self.kv_plan is not None else None
 
     @field_validator("method")
     @classmethod
@@ -218,7 +238,8 @@ class ConvertSettings(BaseModel):
     def record(self) -> dict[str, Any]:
         """The settings as asked: the options as given, and "-" for a shard size that does not
         apply. What OUT records is `ResolvedSettings.record`, which adds what "auto" chose."""
-        return {"source": self.source, "num_kv_heads": self.num_kv_heads, "method": self.method,
+        return {"source": self.source, "num_kv_heads": self.num_kv_heads,
+                **({"kv_plan": str(self.kv_plan)} if self.kv_plan is not None else {}), "method": self.method,
                 "grouping": self.grouping, "dtype": self.dtype,
                 "max_shard_size": "-" if self.max_shard_size is None else self.max_shard_size,
                 "seed": self.seed, "calibration_data": self.calibration_data,
@@ -252,6 +273,29 @@ def check_encoder_decoder(spec: ArchSpec, settings: ConvertSettings, *, gguf: bo
     if gguf:
         raise GqakitError(f"GGUF input and output are for decoder-only models; convert the {spec.family} "
                           "encoder-decoder from its model folder to a model folder")
+
+
+def read_kv_plan(path: Path) -> tuple[int, ...]:
+    """The `kv_heads` list of a plan file (`{"kv_heads": [...]}`, or a gqakit_convert.json whose
+    settings or top level hold one), checked to be whole numbers of at least 1."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GqakitError(f"--kv-plan {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GqakitError(f"--kv-plan {path} is not a JSON file: {e}") from None
+    heads = None
+    if isinstance(data, dict):
+        heads = data.get("kv_heads")
+        if heads is None and isinstance(data.get("settings"), dict):
+            heads = data["settings"].get("kv_heads")
+    if not isinstance(heads, list) or not heads:
+        raise GqakitError(f'--kv-plan {path} holds no "kv_heads" list (one KV head count per decoder layer)')
+    bad = [h for h in heads if not isinstance(h, int) or isinstance(h, bool) or h < 1]
+    if bad:
+        raise GqakitError(f"--kv-plan {path}: each layer's KV heads must be a whole number of at least 1, "
+                          f"got {bad[0]!r}")
+    return tuple(heads)
 
 
 def needs_data(method: str) -> bool:

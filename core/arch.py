@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Literal
@@ -54,6 +54,9 @@ class ConfigKeys(_Strict):
     hidden_size: str
     head_dim: str | None      # None: always hidden_size // num_heads
     max_positions: list[str]  # the context length: the first of these keys that is set
+    # per-layer KV heads: "LIST[].PATH", a list of one entry per layer whose dotted PATH holds
+    # the layer's query heads per KV head (nemotron-nas: block_configs[].attention.n_heads_in_group)
+    heads_in_group: str | None = None
 
 
 class QkNorm(_Strict):
@@ -230,6 +233,9 @@ class ArchSpec(_Strict):
     gguf: Gguf | None = None            # None: GGUF files are read through transformers' name map only
     position_bias: PositionBias | None = None  # per-query-head position bias (see PositionBias)
     reject_if: dict[str, Any] = {}  # config key (dotted: in a nested section) -> a value gqakit refuses
+    # the family whose layout (and `remote` modeling file) writes this family's output when its
+    # layers get different KV heads; None: a per-layer plan is refused for it
+    per_layer_kv: str | None = None
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -352,16 +358,32 @@ class Shape:
     hidden_size: int
     rotary_dim: int  # dims of each head that are rotated (0: no rotary)
     max_positions: int | None = None  # the context length, when the config states one
+    # each layer's KV heads when they differ between layers (`num_kv_heads` is then their
+    # largest); None: every layer has `num_kv_heads`
+    kv_heads_per_layer: tuple[int, ...] | None = None
 
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, bytes_per_elem: int, kv_heads: int | None = None) -> int:
-        """KV-cache bytes one token costs: K and V, every layer, every KV head (`kv_heads`
-        instead of this shape's own, to price a conversion target)."""
-        kv = self.num_kv_heads if kv_heads is None else kv_heads
-        return 2 * self.num_layers * kv * self.head_dim * bytes_per_elem
+    def kv_heads_of(self, layer: int) -> int:
+        """The KV heads of decoder layer `layer` (0-based)."""
+        return self.num_kv_heads if self.kv_heads_per_layer is None else self.kv_heads_per_layer[layer]
+
+    def at(self, layer: int) -> Shape:
+        """This geometry with layer `layer`'s KV heads in every layer (the head math of one layer)."""
+        if self.kv_heads_per_layer is None:
+            return self
+        return replace(self, num_kv_heads=self.kv_heads_per_layer[layer], kv_heads_per_layer=None)
+
+    def kv_bytes_per_token(self, bytes_per_elem: int, kv_heads: int | Sequence[int] | None = None) -> int:
+        """KV-cache bytes one token costs: K and V, every layer, every KV head, summed over the
+        layers (`kv_heads` instead of this shape's own, to price a conversion target: one count
+        for every layer, or one per layer)."""
+        if kv_heads is None:
+            kv_heads = self.kv_heads_per_layer or self.num_kv_heads
+        per_layer = [kv_heads] * self.num_layers if isinstance(kv_heads, int) else list(kv_heads)
+        return 2 * sum(per_layer) * self.head_dim * bytes_per_elem
 
 
 def positions_of(config: Mapping[str, Any], keys: Sequence[str]) -> int | None:
@@ -441,13 +463,38 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
             if rot > head_dim or rot % 2:
                 raise GqakitError(f"config.json's {spec.rotary.dim_key}={rot} must be even and at most "
                                   f"the head size {head_dim}")
+    per_layer = kv_heads_in_layers(keys.heads_in_group, config, heads) if keys.heads_in_group else None
+    if per_layer is not None:
+        if len(per_layer) != need(keys.num_layers):
+            raise GqakitError(f"config.json's {keys.heads_in_group} has {len(per_layer)} entries for "
+                              f"{need(keys.num_layers)} layers")
+        kv = max(per_layer)
+        per_layer = None if len(set(per_layer)) == 1 else per_layer
     if heads % kv:
         raise GqakitError(f"config has {heads} query heads and {kv} KV heads, which do not divide")
     if spec.attention.layout == "fused_blocks" and int(kv) == heads and heads % (spec.attention.blocks or 1):
         raise GqakitError(f"{spec.family} with {heads} heads is not supported: its fused "
                           f"{spec.attention.qkv} holds {spec.attention.blocks} blocks, which must each hold whole heads")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
-                 positions_of(config, keys.max_positions))
+                 positions_of(config, keys.max_positions), per_layer)
+
+
+def kv_heads_in_layers(key: str, config: Mapping[str, Any], heads: int) -> tuple[int, ...]:
+    """Each layer's KV heads from a per-layer list ("LIST[].PATH": PATH holds the layer's query
+    heads per KV head), checked to divide the query heads."""
+    name, _, path = key.partition("[].")
+    entries = config.get(name)
+    if not isinstance(entries, list) or not entries:
+        raise GqakitError(f"config.json lacks the per-layer list {name!r}")
+    out = []
+    for i, entry in enumerate(entries):
+        group = entry
+        for part in path.split("."):
+            group = group.get(part) if isinstance(group, Mapping) else getattr(group, part, None)
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1 or heads % group:
+            raise GqakitError(f"config.json's {name}[{i}].{path} = {group!r} must divide the {heads} query heads")
+        out.append(heads // group)
+    return tuple(out)
 
 
 def encoder_shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:

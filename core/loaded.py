@@ -7,20 +7,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from gqakit.core.arch import ArchSpec, Seq2SeqShape, Shape, find, lookup, max_positions, positions_of
+from gqakit.core.arch import (ArchSpec, Seq2SeqShape, Shape, find, kv_heads_in_layers, lookup, max_positions,
+                              positions_of)
 from gqakit.core.errors import GqakitError
 
 
 def loaded_shape(hf_config: Any) -> Shape:
     """The geometry of a loaded model's config (any family: transformers maps every family's
-    own key names onto num_attention_heads, num_hidden_layers, ...). No rotary facts."""
+    own key names onto num_attention_heads, num_hidden_layers, ...). No rotary facts. A family
+    whose layers have their own KV heads (the table's `config.heads_in_group`) gets them per layer."""
     cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    spec = find(cfg.to_dict())
+    per_layer = None
+    if spec is not None and spec.config.heads_in_group:
+        per_layer = kv_heads_in_layers(spec.config.heads_in_group, cfg.to_dict(), heads)
+        kv_heads = max(per_layer)
+        per_layer = None if len(set(per_layer)) == 1 else per_layer
     hidden = getattr(cfg, "hidden_size", None)
     head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
     return Shape(int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(hidden or heads * head_dim), 0,
-                 max_positions(cfg.to_dict()))
+                 max_positions(cfg.to_dict()), per_layer)
 
 
 # config.json keys of an encoder-decoder's geometry: (T5 / mT5 names, BART names)

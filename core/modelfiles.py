@@ -183,7 +183,7 @@ def expected_attention(spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
     """The shapes a layer's attention weights (and biases, when present) must have; `site`:
     "self", or an encoder-decoder's "cross" or "encoder" (then `shape` is the encoder's)."""
     a = spec.attention_at(site)
-    H, KV, D, hid = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
+    H, KV, D, hid = shape.num_heads, shape.kv_heads_of(layer), shape.head_dim, shape.hidden_size
     p = a.prefix.format(layer=layer)
     want: dict[str, tuple[int, ...]] = {}
     if a.layout == "separate":

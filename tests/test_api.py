@@ -137,7 +137,7 @@ def test_convert_api_errors_are_the_cli_lines(mha, tmp_path, capsys):
     with pytest.raises(TypeError):
         gqakit.convert(mha, tmp_path / "a", num_kv_heads=2, metod="mean")
     with pytest.raises(GqakitError, match="give -g G"):
-        gqakit.convert(mha, tmp_path / "a")  # num_kv_heads or kv_budget is required
+        gqakit.convert(mha, tmp_path / "a")  # num_kv_heads, kv_budget or kv_plan is required
     # an option given that does not apply is refused, as on the command line; its default is not
     with pytest.raises(GqakitError, match="--max-shard-size applies to a model folder"):
         gqakit.convert(mha, tmp_path / "a.gguf", num_kv_heads=2, max_shard_size="2GB")

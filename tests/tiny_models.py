@@ -91,6 +91,8 @@ def _configs() -> dict[str, Any]:
         "olmo2": lambda **o: _transformers().Olmo2Config(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64,
                                                             "num_hidden_layers": LAYERS, "num_attention_heads": 8,
                                                             "num_key_value_heads": 8, **o}),
+        # decilm: nemotron-nas layout (gqakit's per-layer output), layer i with kv_heads[i] KV heads
+        "decilm": lambda **o: _decilm_config(common, **o),
         # falcon: Falcon-RW's layout (per-head [q, k, v] rows, ALiBi, sequential attention and
         # MLP, biases); falcon_new_decoder below is the new decoder architecture
         "falcon": lambda **o: _transformers().FalconConfig(**{**common, "hidden_size": HIDDEN,
@@ -98,6 +100,27 @@ def _configs() -> dict[str, Any]:
                                                               "multi_query": False, "alibi": True,
                                                               "parallel_attn": False, "bias": True, **o}),
     }
+
+
+def _decilm_config(common: dict[str, Any], kv_heads: tuple[int, ...] | None = None, **o: Any) -> Any:
+    """A nemotron-nas config (gqakit's modeling file, registered with the Auto classes here so
+    that `from_config` builds it): per layer `kv_heads` of 8 query heads (default: every layer
+    `num_key_value_heads`, 8)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gqakit.convert.remote.gqakit_modeling_decilm import DeciLMConfig, DeciLMForCausalLM
+
+    AutoConfig.register(DeciLMConfig.model_type, DeciLMConfig, exist_ok=True)
+    AutoModelForCausalLM.register(DeciLMConfig, DeciLMForCausalLM, exist_ok=True)
+    layers = o.pop("num_hidden_layers", LAYERS)
+    kv = kv_heads or (o.pop("num_key_value_heads", 8),) * layers
+    blocks = [{"attention": {"n_heads_in_group": 8 // g, "no_op": False, "replace_with_linear": False},
+               "ffn": {"intermediate_size": 64, "no_op": False, "replace_with_linear": False}} for g in kv]
+    mod = "gqakit_modeling_decilm"
+    return DeciLMConfig(**{**common, "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": layers,
+                           "num_attention_heads": 8, "block_configs": blocks, "architectures": ["DeciLMForCausalLM"],
+                           "auto_map": {"AutoConfig": f"{mod}.DeciLMConfig",
+                                        "AutoModelForCausalLM": f"{mod}.DeciLMForCausalLM"}, **o})
 
 
 def _transformers() -> Any:
@@ -142,6 +165,14 @@ def build(family: str, folder: Path, *, seed: int = 0, dtype: torch.dtype = torc
 def _save_random(auto: Any, cfg: Any, tokenizer: Any, folder: Path, seed: int, dtype: torch.dtype) -> Path:
     torch.manual_seed(seed)
     model = auto.from_config(cfg, dtype=dtype)
+    remote = getattr(cfg, "auto_map", None)  # a gqakit modeling file: it goes beside the weights
+    if remote:
+        import importlib
+        import shutil
+
+        module = importlib.import_module(f"gqakit.convert.remote.{remote['AutoConfig'].split('.')[0]}")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(module.__file__, Path(folder) / Path(module.__file__).name)
     # Randomise everything (biases and norms too), so no test passes by zeros or ones.
     with torch.no_grad():
         for p in model.parameters():

@@ -72,6 +72,8 @@ def source_lineage(src: Path) -> list[dict[str, Any]]:
     if rec is None or not rec.has_settings:
         return [{"step": "source", "model": str(src)}]
     s, before, g = rec.settings, rec.num_kv_heads_before, rec.num_kv_heads
+    if g is None:  # a per-layer conversion: each layer's KV heads
+        before, g = getattr(rec, "kv_heads_before", before), getattr(rec, "kv_heads", None)
     calibration = rec.calibration or {}
     return [{"step": "source", "model": s.source, "family": rec.family,
              "query heads": rec.num_heads, "KV heads": before},

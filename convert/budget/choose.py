@@ -184,16 +184,14 @@ def _choice(layers: A.Layers, picks: tuple[int, ...], why: list[str], damages: l
 
 
 def budget_settings(settings: ConvertSettings, choice: KvChoice) -> ConvertSettings:
-    """The settings a uniform plan converts with: `num_kv_heads` set to its one G. A per-layer
-    plan is refused in one line until the writers take per-layer KV heads."""
+    """The settings a plan converts with: a uniform plan's `num_kv_heads` set to its one G (the
+    -g conversion); a per-layer plan's heads go to `make_plan` (`choice.kv_heads`)."""
     g = choice.uniform
     if choice.plan_bytes == choice.source_bytes and not settings.force:
         raise GqakitError(f"--kv-budget {settings.kv_budget} keeps every KV head (the budget holds SRC's whole "
                           "cache): the conversion would write an unchanged copy; pass --force to write it anyway")
     if g is None:
-        raise GqakitError(f"--kv-budget {settings.kv_budget} chose per-layer KV heads "
-                          f"{list(choice.kv_heads)}, which this version cannot write; `gqakit inspect SRC "
-                          f"--kv-budget {settings.kv_budget}` shows the plan")
+        return settings
     return settings.model_copy(update={"num_kv_heads": g})
 
 
@@ -214,4 +212,4 @@ def with_choice(resolved: ResolvedSettings, choice: KvChoice | None) -> Resolved
     """The resolved settings with the chosen per-layer KV heads and the allocation's record."""
     if choice is None:
         return resolved
-    return dataclasses.replace(resolved, kv_heads=choice.kv_heads, kv_choice=choice.record())
+    return dataclasses.replace(resolved, kv_choice=choice.record())

@@ -25,7 +25,8 @@ FitFactory = Callable[[ResolvedSettings, Plan, torch.dtype, str], Fit]
 def align_refit_fit(settings: ResolvedSettings, plan: Plan, dtype: torch.dtype, device: str) -> Fit:
     """align-refit's fit: input-weighted alignment, query refit, o_proj refit, reconstruction."""
     return AlignRefit(settings.options, grouping=settings.grouping, seed=settings.seed,
-                      kv_from=plan.shape.num_kv_heads, kv_to=settings.num_kv_heads, dtype=dtype, device=device)
+                      kv_from=plan.shape.num_kv_heads, kv_to=min(settings.kv_heads or (settings.num_kv_heads,)),
+                      dtype=dtype, device=device)
 
 
 def fit_for(settings: ResolvedSettings, plan: Plan, *, dtype: torch.dtype, device: str) -> Fit:

@@ -211,10 +211,10 @@ class CalibrationStage:
     def _context(self, L: int) -> BlockContext:
         """Block L loaded, with what a fit may use of it."""
         assert self.skeleton is not None
-        block = Block(self.skeleton, self.spec, L, kv_heads=self.plan.shape.num_kv_heads, dtype=self.dtype,
+        block = Block(self.skeleton, self.spec, L, kv_heads=self.plan.shape.kv_heads_of(L), dtype=self.dtype,
                       device=self.device, streams=self.streams, calls=self.calls)
-        return BlockContext(block, self.streams, self.spans, self._masks, self.spec, self.plan.shape,
-                            self.settings.num_kv_heads, self.hidden, tick=self.bar.update,
+        return BlockContext(block, self.streams, self.spans, self._masks, self.spec, self.plan.shape.at(L),
+                            self.settings.kv_heads_at(L), self.hidden, tick=self.bar.update,
                             note=self.bar.set_postfix_str)
 
     def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,0 +1,87 @@
+"""A per-layer plan into GGUF: llama.cpp's `deci` architecture with per-layer head counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gqakit.convert.pipeline import convert_gguf_file  # noqa: E402
+from gqakit.convert.settings import ConvertSettings  # noqa: E402
+from test_convert_gguf import _permute, write_gguf  # noqa: E402
+from test_kv_plan import HEADS, LAYERS, PLAN, convert, load, plan_file  # noqa: E402
+
+HEAD_DIM = 32 // HEADS
+
+
+@pytest.fixture
+def sources(tiny_model, tmp_path: Path) -> tuple[Path, Path]:
+    """A pico Llama (4 layers, 8 KV heads) as a model folder and as the GGUF llama.cpp's converter writes."""
+    src = tiny_model("llama", num_hidden_layers=LAYERS)
+    return src, write_gguf(load(src), tmp_path / "src.gguf")
+
+
+def to_gguf(src: Path, out: Path, plan: Path) -> Path:
+    settings = ConvertSettings(source=str(src), kv_plan=plan, method="mean", grouping="contiguous",
+                               max_shard_size=None)
+    return convert_gguf_file(settings, out, progress=False)
+
+
+def test_per_layer_gguf_is_deci_with_head_count_arrays(sources, tmp_path):
+    folder_src, gguf_src = sources
+    out = to_gguf(gguf_src, tmp_path / "out.gguf", plan_file(tmp_path, PLAN))
+    r = gguf.GGUFReader(out)
+    fields = {name: f.contents() for name, f in r.fields.items()}
+    assert fields["general.architecture"] == "deci"
+    assert fields["deci.attention.head_count_kv"] == PLAN
+    assert fields["deci.attention.head_count"] == [HEADS] * LAYERS
+    assert fields["deci.block_count"] == LAYERS and not [k for k in fields if k.startswith("llama.")]
+    assert fields["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"]  # the rest is SRC's, as it was
+    # each layer's K and V hold its own heads: the folder conversion's, with llama.cpp's q/k row order
+    folder = load(convert(folder_src, tmp_path / "folder", kv_plan=plan_file(tmp_path, PLAN, "p2.json")))
+    tensors = {t.name: t for t in r.tensors}
+    for i, g in enumerate(PLAN):
+        k, v = tensors[f"blk.{i}.attn_k.weight"], tensors[f"blk.{i}.attn_v.weight"]
+        assert [int(x) for x in k.shape] == [32, g * HEAD_DIM] == [int(x) for x in v.shape]
+        attn = folder.model.layers[i].self_attn
+        np.testing.assert_array_equal(np.asarray(k.data), _permute(attn.k_proj.weight.detach().numpy(), g))
+        np.testing.assert_array_equal(np.asarray(v.data), attn.v_proj.weight.detach().numpy())
+
+
+def test_uniform_plan_keeps_the_source_architecture(sources, tmp_path):
+    out = to_gguf(sources[1], tmp_path / "out.gguf", plan_file(tmp_path, [2] * LAYERS))
+    fields = {name: f.contents() for name, f in gguf.GGUFReader(out).fields.items()}
+    assert fields["general.architecture"] == "llama" and fields["llama.attention.head_count_kv"] == 2
+
+
+@pytest.mark.engines
+def test_llama_cpp_runs_the_deci_gguf_as_transformers_does(sources, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'gqakit[llama]')")
+    folder_src, gguf_src = sources
+    out = to_gguf(gguf_src, tmp_path / "out.gguf", plan_file(tmp_path, PLAN))
+    folder = load(convert(folder_src, tmp_path / "folder", kv_plan=plan_file(tmp_path, PLAN, "p2.json")))
+    ids = [1] + [int(i) for i in torch.randint(3, 64, (15,), generator=torch.Generator().manual_seed(1))]
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=1, n_threads_batch=1, logits_all=True,
+                          verbose=False)
+    llm.eval(ids)
+    got = np.asarray(llm.scores[: len(ids)])
+    with torch.no_grad():
+        want = folder(torch.tensor([ids])).logits[0].numpy()
+    # llama.cpp computes in float32 with its own kernels and op order: the next token agrees, and
+    # the logits agree far better than a wrong head or layer would (those move them by ~1e-1)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert np.abs(got - want).max() < 1e-3 * max(1.0, float(np.abs(want).max()))
+
+
+def test_per_layer_gguf_of_a_non_llama_layout_refused(tiny_model, tmp_path, capsys):
+    from test_convert_errors import assert_one_line_error, run_cli
+
+    src = write_gguf(load(tiny_model("qwen2", num_hidden_layers=LAYERS)), tmp_path / "q.gguf", arch="qwen2")
+    capsys.readouterr()
+    code, err = run_cli(["convert", src, tmp_path / "out.gguf", "--kv-plan", plan_file(tmp_path, PLAN)], capsys)
+    assert_one_line_error(code, err, "deci architecture", "the nearest uniform plan is -g 4")
+    assert not (tmp_path / "out.gguf").exists()

@@ -78,13 +78,11 @@ def convert_cmd(ctx: click.Context, src: Path, out: Path, device: str, refit_opt
       gqakit convert ./llama-mha ./llama-g4 --num-kv-heads 4
       gqakit convert HuggingFaceTB/SmolLM2-135M ./smollm2-g1 -g 1
       gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt
-      gqakit convert ./llama-mha ./llama-g1 -g 1 --method align-refit --calibration-data calib.txt --effort fast
       gqakit convert ./llama-mha ./llama-g2 -g 2 --method align-refit --grouping contiguous \\
           --refit-option steps=2000 --refit-option lr=0.01 --refit-option train=block
       gqakit convert ./llama-2-7b ./llama-2-7b-g8 -g 8 --method align-refit --device cuda \\
           --calibration-data hf:wikitext:wikitext-2-raw-v1:train --calibration-tokens 131072
       gqakit convert ./pythia-160m ./pythia-g2 -g 2 --dtype bfloat16
-      gqakit convert model.gguf ./out -g 1 --dry-run
       gqakit convert model.Q4_1.gguf model-g1.Q4_1.gguf -g 1 --method align
       gqakit convert model.gguf model-g1.gguf -g 1 --gguf-type Q8_0
       gqakit convert ./flan-t5-base ./flan-t5-g4 -g 4 --method mean

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Literal
@@ -34,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gqakit.core.errors import GqakitError
+from gqakit.core.geometry import SITE_NAMES, Seq2SeqShape, Shape
 
 ARCH_DIR = "core/architectures/"
 # context-length keys tried for a model whose family is not in the table (eval of any model)
@@ -347,45 +347,6 @@ def lookup(config: Mapping[str, Any]) -> ArchSpec:
     )
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The attention geometry of one model."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    rotary_dim: int  # dims of each head that are rotated (0: no rotary)
-    max_positions: int | None = None  # the context length, when the config states one
-    # each layer's KV heads when they differ between layers (`num_kv_heads` is then their
-    # largest); None: every layer has `num_kv_heads`
-    kv_heads_per_layer: tuple[int, ...] | None = None
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def kv_heads_of(self, layer: int) -> int:
-        """The KV heads of decoder layer `layer` (0-based)."""
-        return self.num_kv_heads if self.kv_heads_per_layer is None else self.kv_heads_per_layer[layer]
-
-    def at(self, layer: int) -> Shape:
-        """This geometry with layer `layer`'s KV heads in every layer (the head math of one layer)."""
-        if self.kv_heads_per_layer is None:
-            return self
-        return replace(self, num_kv_heads=self.kv_heads_per_layer[layer], kv_heads_per_layer=None)
-
-    def kv_bytes_per_token(self, bytes_per_elem: int, kv_heads: int | Sequence[int] | None = None) -> int:
-        """KV-cache bytes one token costs: K and V, every layer, every KV head, summed over the
-        layers (`kv_heads` instead of this shape's own, to price a conversion target: one count
-        for every layer, or one per layer)."""
-        if kv_heads is None:
-            kv_heads = self.kv_heads_per_layer or self.num_kv_heads
-        per_layer = [kv_heads] * self.num_layers if isinstance(kv_heads, int) else list(kv_heads)
-        return 2 * sum(per_layer) * self.head_dim * bytes_per_elem
-
-
 def positions_of(config: Mapping[str, Any], keys: Sequence[str]) -> int | None:
     for key in keys:
         v = config.get(key)
@@ -399,27 +360,6 @@ def max_positions(config: Mapping[str, Any]) -> int | None:
     family not in the table), or None."""
     spec = find(config)
     return positions_of(config, spec.config.max_positions if spec else FALLBACK_POSITION_KEYS)
-
-
-# How the model card and gqakit_convert.json name each site an encoder-decoder's conversion grouped.
-SITE_NAMES = {"self": "decoder.self_attention", "cross": "decoder.cross_attention",
-              "encoder": "encoder.self_attention"}
-
-
-@dataclass(frozen=True)
-class Seq2SeqShape:
-    """The attention geometry of an encoder-decoder: the encoder's self-attention, and the
-    decoder's (its cross-attention has the decoder's query and KV heads)."""
-
-    encoder: Shape
-    decoder: Shape
-
-    def cache_bytes(self, bytes_per_elem: int, *, input_tokens: int, output_tokens: int,
-                    kv_heads: int | None = None) -> tuple[int, int]:
-        """(self-attention, cross-attention) cache bytes of one sequence: K and V of every
-        decoder layer, per output token and per input token (`kv_heads`: a conversion target)."""
-        per_token = self.decoder.kv_bytes_per_token(bytes_per_elem, kv_heads)
-        return per_token * output_tokens, per_token * input_tokens
 
 
 def _config_value(config: Mapping[str, Any], key: str) -> Any:

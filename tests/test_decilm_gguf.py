@@ -28,7 +28,7 @@ def sources(tiny_model, tmp_path: Path) -> tuple[Path, Path]:
 def to_gguf(src: Path, out: Path, plan: Path) -> Path:
     settings = ConvertSettings(source=str(src), kv_plan=plan, method="mean", grouping="contiguous",
                                max_shard_size=None)
-    return convert_gguf_file(settings, out, progress=False)
+    return convert_gguf_file(settings, out)
 
 
 def test_per_layer_gguf_is_deci_with_head_count_arrays(sources, tmp_path):

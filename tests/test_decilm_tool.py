@@ -41,7 +41,7 @@ def test_eval_perplexity_and_kv_bytes(per_layer, tiny_model, tmp_path):
 
 
 def test_compare_reports_per_layer_bytes(per_layer, tmp_path):
-    from gqakit.eval.records import read_results
+    from gqakit.eval.results import read_results
     from gqakit.eval.report import make_report
 
     out = tmp_path / "r.json"

@@ -50,8 +50,7 @@ def plan_file(tmp_path: Path, heads: list[int], name: str = "plan.json") -> Path
 
 
 def convert(src: Path, out: Path, **kw) -> Path:
-    return convert_folder(ConvertSettings(source=str(src), method="mean", grouping="contiguous", **kw), out,
-                          progress=False)
+    return convert_folder(ConvertSettings(source=str(src), method="mean", grouping="contiguous", **kw), out)
 
 
 def pooled_reference(src: Path, plan: list[int]):
@@ -164,8 +163,8 @@ def test_family_without_per_layer_layout_refused_with_nearest_uniform(tiny_model
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["-g", "2", "--kv-plan", "PLAN"], "not both"),
-    ([], "-g/--num-kv-heads G, or --kv-plan"),
+    (["-g", "2", "--kv-plan", "PLAN"], "both set the KV heads"),
+    ([], "or --kv-plan plan.json"),
     (["--kv-plan", "MISSING"], "no such file"),
     (["--kv-plan", "EMPTY"], 'holds no "kv_heads" list'),
 ])
@@ -216,7 +215,7 @@ def test_calibration_stage_follows_the_plan(tiny_model, tmp_path):
     src = tiny_model("llama", num_hidden_layers=LAYERS)
     settings = ConvertSettings(source=str(src), kv_plan=plan_file(tmp_path, PLAN), method="align-refit",
                                effort="fast", calibration_tokens=256, refit={"seq_len": 32})
-    out = convert_folder(settings, tmp_path / "out", progress=False, device="cpu")
+    out = convert_folder(settings, tmp_path / "out", device="cpu")
     model = load(out)
     assert cache_heads(model) == PLAN
     assert torch.isfinite(logits(model)).all()

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from gqakit.core.device import PeakMemory, available_memory
-from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_gqa_attention
+from gqakit.runtime.attention import SdpaSpy, describe_path, use_gqa_attention
 from gqakit.eval.records import MaxBatch, SpeedPoint
 from gqakit.eval.speed.point import OpenPoint, PointCost, summarize, timings
 from gqakit.eval.speed.steps import CapturedStep, DecodeSteps
@@ -60,7 +60,7 @@ class DecodeBench(DecodeSteps):
                  fuse_layers: bool = True) -> None:
         import torch
 
-        from gqakit.eval.decode.packed import can_pack
+        from gqakit.runtime.packed import can_pack
 
         super().__init__(model, device=device, dtype=dtype, decode_kernel=decode_kernel)
         self.elem = torch.finfo(dtype).bits // 8
@@ -82,7 +82,7 @@ class DecodeBench(DecodeSteps):
         self._fused_tried = False
         self.fused_huge_fraction: float | None = None
         if self.pack_weights and decode_kernel == "matmul" and dtype == torch.float32:
-            from gqakit.eval.decode import kernels as cpu_kernels
+            from gqakit.runtime import kernels as cpu_kernels
 
             self.kernels = cpu_kernels.load()
             if self.kernels is None:
@@ -185,7 +185,7 @@ class DecodeBench(DecodeSteps):
         """Pack and check the fused step once per model (at the first grid point that uses it)."""
         if self._fused_tried:
             return
-        from gqakit.eval.decode.layers import build_fused_decode
+        from gqakit.runtime.layers import build_fused_decode
 
         before = huge_page_bytes()
         self.fused, self.fused_note = build_fused_decode(self.model, self.kernels, self.new_cache, self.vocab,
@@ -290,7 +290,7 @@ class DecodeBench(DecodeSteps):
             raise
 
     def _open(self, pt: OpenPoint, warmup: int, prefill_once: bool) -> None:
-        from gqakit.eval.decode.packed import packed_linears
+        from gqakit.runtime.packed import packed_linears
 
         cache = self.new_cache(pt.batch, pt.prompt_len + pt.new_tokens)
         pt.kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))

@@ -38,7 +38,7 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     # grouped matmul decode attention. --eager is the plain transformers step (SDPA).
     fast = not settings.eager
     if progress and fast and not settings.compile and torch.device(device).type == "cpu" and dtype == torch.float32:
-        from gqakit.eval.decode import kernels as cpu_kernels
+        from gqakit.runtime import kernels as cpu_kernels
 
         if not cpu_kernels.is_built() and not os.environ.get("GQAKIT_NO_CPU_KERNELS"):
             tqdm.write("gqakit: compiling the CPU decode kernels once for this machine (about 30 s; cached)")

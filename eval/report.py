@@ -43,9 +43,33 @@ def method_of(m: ModelInfo) -> str:
     return f"{c.method}, G={c.num_kv_heads}" + (", uptrained" if c.uptrained else "")
 
 
+def speed_engine(r: EvalResult) -> str | None:
+    """The engine that ran a results file's decode steps (None: no speed block, or a file
+    written before engines were recorded)."""
+    s = r.speed.settings if r.speed else None
+    return s.get("engine") if isinstance(s, dict) else None
+
+
+def engine_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
+    """Decode speed from different engines side by side, or from stock transformers."""
+    engines = {n: speed_engine(r) or "gqakit" for n, r in zip(names, results) if r.speed}
+    warns = []
+    if len(set(engines.values())) > 1:
+        warns.append("decode speed was measured on different engines ("
+                     + ", ".join(f"{n}: {e}" for n, e in engines.items())
+                     + "): its ratios compare the engines as well as the models")
+    plain = [n for n, e in engines.items() if e == "transformers"]
+    if plain:
+        warns.append(f"{', '.join(plain)}: decode speed on the transformers engine, stock transformers as a plain "
+                     "Hugging Face user runs it (static cache, its own SDPA attention, weights as loaded); its "
+                     "per-step overheads can hide most of GQA's speed gain, so a speedup near 1x there says little "
+                     "about what the conversion can buy (`--engine gqakit`, vllm or llama.cpp show it)")
+    return warns
+
+
 def comparability_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
     """Say when numbers side by side were not measured the same way."""
-    warns = []
+    warns = engine_warnings(results, names)
     ppl = [(n, r.perplexity) for n, r in zip(names, results) if r.perplexity]
     if len(ppl) > 1:
         n0, p0 = ppl[0]
@@ -202,6 +226,9 @@ def report_row(name: str, r: EvalResult, base: EvalResult, grid: list[tuple[int,
             row.speed[point_label(e.axes)] = e
     row.max_batch = {str(mb.prompt_len): mb for mb in (r.speed.max_batch if r.speed else [])}
     row.attention = r.speed.attention.get("decode_path") if r.speed else None
+    engine = speed_engine(r)
+    if engine is not None:
+        row.engine = engine
     note = r.speed.attention.get("kernel_note") if r.speed else None
     if row.attention and note:  # e.g. the CPU kernels did not build here: which path ran, and why
         row.attention += f" ({note})"
@@ -307,6 +334,8 @@ def summary_table(report: Report) -> list[str]:
         named = ", ".join(OBJECTIVE_WORDS[k] for k in kinds)
         head += ["perplexity" if kinds == ["causal_lm"] else f"perplexity ({named})", f"Δ% vs {report.baseline}",
                  "bits/byte"]
+    engines = any(r.engine not in (UNSET, "gqakit") for r in rows)  # a column only when not all on gqakit
+    head += ["engine"] if engines else []
     head += [f"tok/s {point_label(g.axes, ' ')}" for g in grid]
     head += [f"max batch p{pl}" for pl in lens]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -321,6 +350,7 @@ def summary_table(report: Report) -> list[str]:
             cells += [_fmt_num(opt(r.perplexity)) + kind,
                       "—" if r.name == report.baseline or d is None else f"{d:+.1f}%",
                       f"{r.bits_per_byte:.3f}" if r.bits_per_byte is not UNSET else "n/a"]
+        cells += ["gqakit" if r.engine is UNSET else r.engine] if engines else []
         for g in grid:
             e = r.speed.get(point_label(g.axes))
             if e is None:

@@ -41,22 +41,36 @@ class FakeEngine:
 
 
 class CorruptEngine(TransformersEngine):
-    """The transformers engine with one greedy token replaced (prompt 0, position `AT`): by the
-    transformers runner-up (`near_tie=True`, which may or may not be within the margin) or by
-    the least likely token (never explained by a near-tie)."""
+    """The transformers engine with the last greedy token of prompt 0 replaced: by the least
+    likely token (`least_likely`, never a near-tie) or by transformers' runner-up. The last,
+    so no later token of the engine's depends on it."""
 
     name: ClassVar[str] = "corrupt"
-    AT = 2
     least_likely = True
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> Generation:
         import torch
 
         g = super().generate(prompts, max_new_tokens)
-        ids = torch.tensor([prompts[0] + g.tokens[0][:self.AT]])
+        ids = torch.tensor([prompts[0] + g.tokens[0][:-1]])
         with torch.inference_mode():
             logits = self.model(input_ids=ids).logits[0, -1]
         order = logits.argsort(descending=True)
-        g.tokens[0][self.AT] = int(order[-1] if self.least_likely else order[1])
-        g.tokens[0] = g.tokens[0][:self.AT + 1] + g.tokens[0][self.AT + 1:]
+        g.tokens[0][-1] = int(order[-1] if self.least_likely else order[1])
         return g
+
+
+class RunnerUpEngine(CorruptEngine):
+    least_likely = False
+
+
+class OverAllocatingEngine(TransformersEngine):
+    """The transformers engine reporting a KV cache twice what it holds (a conversion that
+    would not save memory in the engine)."""
+
+    name: ClassVar[str] = "overallocating"
+
+    def kv_allocation(self) -> KvAllocation:
+        a = super().kv_allocation()
+        return KvAllocation(bytes_per_token=2 * a.bytes_per_token, capacity_tokens=a.capacity_tokens,
+                            total_bytes=2 * a.total_bytes, detail=a.detail)

@@ -273,3 +273,15 @@ def test_tests_never_import_or_run_bench():
 def test_product_modules_stay_under_500_lines():
     long = {m: n for m, p in product_modules().items() if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"modules over 500 lines (split by job): {long}"
+
+
+def test_every_product_package_is_installed():
+    """Each product folder with an `__init__.py` is in pyproject's packages (else a wheel lacks it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"gqakit." + ".".join(p.parent.relative_to(ROOT).parts) if p.parent != ROOT else "gqakit"
+             for p in ROOT.rglob("__init__.py") if p.relative_to(ROOT).parts[0] not in {"tests", "bench", "build",
+                                                                                       "examples"}
+             and not p.relative_to(ROOT).parts[0].startswith(".")}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -18,7 +18,7 @@ from gqakit.core.arch import SITE_NAMES
 from gqakit.core.hub import hub_id_of
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.methods import changed_projections, load
-from gqakit.core.modelcard import render_model_card
+from gqakit.core.modelcard import render_model_card, use_it_body
 from gqakit.core.modelfiles import side_files
 from gqakit.core.units import DTYPE_BYTES, config_dtype, kv_bytes_text
 
@@ -164,7 +164,15 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
     base = settings.source_name if settings.source_hub else hub_id_of(settings.source, plan.config)
     (tmp / "README.md").write_text(render_model_card(
         title=f"{settings.source_name.rsplit('/', 1)[-1]} → GQA ({G} KV heads)", base_model=base,
-        summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name}))
+        summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name},
+        use_it=use_it_body(remote_code=not plan.native_gqa, encoder_decoder=enc is not None,
+                           gguf_arch=spec_gguf_arch(plan.family))))
+
+
+def spec_gguf_arch(family: str) -> str | None:
+    """The GGUF architecture llama.cpp runs `family` as (the table's `gguf`), or None."""
+    spec = archmod.registry()[family]
+    return spec.gguf.arch if spec.gguf is not None else None
 
 
 def _attention_dtype(plan: Plan) -> Any:

@@ -110,3 +110,35 @@ def test_kv_prediction_sums_per_layer_heads():
     assert predicted_kv_bytes(3, head_dim=64, elem_bytes=4, layers=30) == 46080  # SmolLM2-135M at G = 3, float32
     cfg = SimpleNamespace(num_key_value_heads=[1, 3, 3], num_attention_heads=9, num_hidden_layers=3, hidden_size=576)
     assert layer_kv_heads(cfg) == [1, 3, 3]
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_vllm_serves_a_small_llama(tiny_model, tmp_path, capsys, kv_heads):
+    """The real vLLM engine, where it is installed: a small Llama (head_dim 64, which vLLM's CPU
+    attention takes) at G = H and G < H passes the serving check, KV bytes per token included."""
+    from gqakit.engines import EngineMissing, EngineOptions, get_engine
+
+    model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=kv_heads,
+                       max_position_embeddings=256)
+    try:
+        engine = get_engine("vllm")
+        engine.load(model, EngineOptions(max_len=64, max_batch=4))
+        engine.close()
+    except EngineMissing as e:
+        pytest.skip(str(e))
+    code, stdout, err, block = check(model, tmp_path, capsys, "vllm", "-q")
+    assert code == 0, stdout + err
+    assert block["passed"] and block["kv"]["allocated_bytes_per_token"] == 2 * 2 * kv_heads * 64 * 4
+
+
+def test_check_refusals_are_one_line(tiny_model, tmp_path, capsys):
+    model = tiny_model("llama")
+    for args, needle in [(["--engine", "vllm", "--data", model / "config.json"], "--engine goes with --speed or --check"),
+                         (["--check", "--speed"], "--check runs the serving check alone"),
+                         (["--check-tokens", "4", "--speed"], "go with --check"),
+                         (["--check", "--check-tokens", "0"], "at least 1")]:
+        code, _, err = run_cli(["eval", model, *args, "--out", tmp_path / "r.json"], capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
+    assert not (tmp_path / "r.json").exists()

@@ -168,6 +168,8 @@ def evaluate_speed_together(models: dict[str, Any], settings: SpeedSettings, *, 
     cuda = torch.device(device).type == "cuda"
     benches = {n: DecodeBench(m, device=device, dtype=dtype, cuda_graphs=cuda, pack_weights=True,
                               decode_kernel="matmul") for n, m in models.items()}
+    for b in benches.values():
+        b.engine = "gqakit"
     attention = {n: b.probe() for n, b in benches.items()}
     grids: dict[str, list[SpeedPoint]] = {n: [] for n in benches}
     roofs = []

@@ -446,8 +446,9 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
     from tqdm.auto import tqdm
 
     settings.check_model(True)
-    bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.eager,
-                         fold_attention=not settings.eager)
+    bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.plain,
+                         fold_attention=not settings.plain)
+    bench.engine = settings.engine
     if bench.input.features and "input_lens" not in settings.model_fields_set:  # the encoder's whole window
         settings = settings.model_copy(update={"input_lens": (bench.input.max_frames,)})
     settings.check_seq2seq_positions(*bench.positions())
@@ -463,7 +464,7 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
                   "torch_threads": torch.get_num_threads(),
                   "prompts": "random token ids (input and decoder prefix)" if not bench.input.features
                   else f"random audio features (input lengths in {bench.input.unit}), random decoder prefix",
-                  "encoder": "once per point"},
+                  "encoder": "once per point", "engine": settings.engine},
         attention=attention,
         device_roof={"copy_bandwidth_gbs": roof["copy_bandwidth"] / 1e9, "matmul_tflops": roof["matmul_flops"] / 1e12,
                      "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},

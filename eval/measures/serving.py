@@ -103,8 +103,11 @@ def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
     engine.load(folder, EngineOptions(dtype=dtype, max_len=s.prompt_len + s.new_tokens, max_batch=s.prompts,
                                       gguf_file=gguf))
     try:
+        # the gqakit and transformers engines compute on transformers' own dequantised weights, as the
+        # teacher does; another engine on a GGUF computes on the quantised ones
+        quant = None if s.engine in ("gqakit", "transformers") else gguf_quant(folder, gguf)
         result = run_check(ctx.model_path, engine, ctx.model, dtype=dtype, prompts=prompts, new_tokens=s.new_tokens,
-                           prompt_source=source, quant=gguf_quant(folder, gguf))
+                           prompt_source=source, quant=quant)
     finally:
         engine.close()
     return ServingResult.model_validate(result.model_dump())

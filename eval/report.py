@@ -58,12 +58,30 @@ def engine_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
         warns.append("decode speed was measured on different engines ("
                      + ", ".join(f"{n}: {e}" for n, e in engines.items())
                      + "): its ratios compare the engines as well as the models")
-    plain = [n for n, e in engines.items() if e == "transformers"]
-    if plain:
-        warns.append(f"{', '.join(plain)}: decode speed on the transformers engine, stock transformers as a plain "
-                     "Hugging Face user runs it (static cache, its own SDPA attention, weights as loaded); its "
-                     "per-step overheads can hide most of GQA's speed gain, so a speedup near 1x there says little "
-                     "about what the conversion can buy (`--engine gqakit`, vllm or llama.cpp show it)")
+    return warns
+
+
+# a share of the predicted speedup below this is "little gain"; a predicted speedup below
+# LITTLE_PREDICTED promises too little for its shortfall to say anything
+LITTLE_SHARE, LITTLE_PREDICTED = 0.5, 1.05
+
+
+def little_gain_warnings(rows: list[ReportRow], baseline: str) -> list[str]:
+    """Rows on the transformers engine whose speedups fall short of what the bytes predict: said
+    plainly, since stock transformers is what a plain Hugging Face user runs."""
+    warns = []
+    for r in rows:
+        if r.engine != "transformers" or r.name == baseline:
+            continue
+        short = [(label, e) for label, e in r.speed.items() if e.ok and e.predicted_speedup_bytes is not UNSET
+                 and e.predicted_speedup_bytes >= LITTLE_PREDICTED and e.speedup is not UNSET
+                 and (e.speedup_within_noise or (opt(e.share_of_predicted) or 0.0) < LITTLE_SHARE)]
+        if short:
+            where = ", ".join(f"{label} {e.speedup:.2f}x of {e.predicted_speedup_bytes:.2f}x" for label, e in short)
+            warns.append(f"{r.name} on the transformers engine shows little of the speedup its bytes predict "
+                         f"({where}): stock transformers (static cache, its own SDPA attention, weights as "
+                         "loaded) is what a plain Hugging Face user runs, and its per-step overheads hide the "
+                         "bytes GQA saves; `--engine gqakit`, vllm or llama.cpp show what the conversion buys")
     return warns
 
 
@@ -182,7 +200,8 @@ def make_report(results: list[EvalResult], names: list[str], command: list[str] 
                            columns=task_columns(results)) if any(r.tasks for r in results) else None),
         rows=rows,
         speed_timed_together=_timed_together(results),
-        warnings=comparability_warnings(results, names) + task_warnings(results, names)
+        warnings=comparability_warnings(results, names) + little_gain_warnings(rows, names[0])
+        + task_warnings(results, names)
         + [w for m in extra_sections().values() if m.report.warnings  # type: ignore[union-attr]
            for w in m.report.warnings(results, names)],  # type: ignore[union-attr]
     )

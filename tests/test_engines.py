@@ -177,3 +177,24 @@ def test_transformers_engine_is_the_stock_path_and_says_so(tiny_model, tmp_path,
     assert data["attention"]["implementation"] == "sdpa"  # transformers' own attention, not gqakit_sdpa
     assert data["grid"][0]["packed_weight_bytes"] in (0, None) and data["grid"][0]["engine"] == "transformers"
     assert "stock transformers" in stdout
+
+
+def test_compare_says_plainly_when_transformers_shows_little_gain():
+    from gqakit.eval.report import little_gain_warnings
+    from gqakit.eval.report_rows import ReportRow, SpeedEntry
+
+    def row(name, engine, speedup, predicted, noise=False):
+        share = (speedup - 1) / (predicted - 1)
+        entry = SpeedEntry.model_construct(batch=8, prompt_len=1024, status="ok", speedup=speedup,
+                                           predicted_speedup_bytes=predicted, share_of_predicted=share,
+                                           speedup_within_noise=noise)
+        return ReportRow.model_construct(name=name, engine=engine, speed={"b8_p1024": entry})
+
+    base = row("mha", "transformers", 1.0, 1.0001)
+    little = little_gain_warnings([base, row("g1", "transformers", 1.05, 1.42)], "mha")
+    assert len(little) == 1 and "g1 on the transformers engine shows little" in little[0]
+    assert "b8_p1024 1.05x of 1.42x" in little[0]
+    assert little_gain_warnings([base, row("g1", "transformers", 1.36, 1.42)], "mha") == []  # most of it
+    assert little_gain_warnings([base, row("g1", "gqakit", 1.05, 1.42)], "mha") == []       # another engine
+    assert little_gain_warnings([base, row("g1", "transformers", 1.0, 1.01)], "mha") == []  # nothing to show
+    assert len(little_gain_warnings([base, row("g1", "transformers", 1.3, 1.42, noise=True)], "mha")) == 1

@@ -39,6 +39,7 @@ class EngineBench:
         self.kv_bytes_per_token = shape.kv_bytes_per_token(self.elem)
         self.allocation = engine.kv_allocation()
         self.graph_error: str | None = None
+        self.warmups: dict[int, int] = {}   # open point (id) -> warm-up runs its first repetitions take
 
     def probe(self) -> dict[str, Any]:
         return {"implementation": f"the {self.engine} engine's own",
@@ -50,12 +51,12 @@ class EngineBench:
         if prefill_once:
             raise GqakitError(f"--prefill-once is for the gqakit and transformers engines, not {self.engine}")
         pt = OpenPoint(batch, prompt_len, new_tokens)
-        pt.warmup_s = float(warmup)  # warm-up runs: the engine takes them in its first repetition
         pt.kv_bytes = self.allocation.total_bytes
+        self.warmups[id(pt)] = warmup
         return pt
 
     def run_reps(self, pt: OpenPoint, reps: int) -> None:
-        warmup = int(pt.warmup_s) if pt.reps == 0 else 0
+        warmup = self.warmups.pop(id(pt), 0)  # the engine runs them untimed before its first repetition
         t = self.engine_obj.time_point(pt.batch, pt.prompt_len, pt.new_tokens, reps, warmup)
         if len(t.prefill_s) != reps or not t.decode_s:
             raise GqakitError(f"the {self.engine} engine returned {len(t.prefill_s)} prefill timings for {reps} "
@@ -77,7 +78,8 @@ class EngineBench:
 
     def close_point(self, pt: OpenPoint, roof: dict[str, float]) -> SpeedPoint:
         if pt.result is None:
-            pt.warmup_s = 0.0  # not measured apart by the engine
+            # warmup_s stays 0: the engine runs its warm-up inside time_point and does not time it apart
+            self.warmups.pop(id(pt), None)
             pt.result = summarize(self, pt, roof, peak=None)
         return pt.result
 

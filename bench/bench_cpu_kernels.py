@@ -11,7 +11,7 @@ Random normal values (never zeros). Medians of --reps.
     .venv/bin/python -m bench.bench_cpu_kernels --threads 2 --out bench/results/cpu_kernels.json
 
 `--against FILE` also builds another version of the kernels' source (for example
-`git show REV:eval/decode/cpu_kernels.cpp > /tmp/old.cpp`) and times its fused attention against
+`git show REV:runtime/cpu_kernels.cpp > /tmp/old.cpp`) and times its fused attention against
 the current one's, the two alternating call by call so that a noisy machine slows both
 alike (`--rows ""` skips the weights part):
 
@@ -56,7 +56,7 @@ def build_other(path: str):
 
     from torch.utils.cpp_extension import load
 
-    from gqakit.eval.decode import kernels as cpu_kernels
+    from gqakit.runtime import kernels as cpu_kernels
 
     src = Path(path).read_bytes()
     d = cpu_kernels.build_dir().parent / ("against-" + hashlib.sha256(src).hexdigest()[:16])
@@ -89,8 +89,8 @@ def main() -> None:
 
     import torch
 
-    from gqakit.eval.decode import kernels as cpu_kernels
-    from gqakit.eval.decode.grouped import decode_attention
+    from gqakit.runtime import kernels as cpu_kernels
+    from gqakit.runtime.grouped import decode_attention
 
     if args.threads:
         torch.set_num_threads(args.threads)

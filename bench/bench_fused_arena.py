@@ -1,6 +1,6 @@
 """One buffer for all of a model's packed weights, or one per matrix?
 
-The fused CPU decode step (`eval/decode/layers.py`) streams every weight matrix once per
+The fused CPU decode step (`runtime/layers.py`) streams every weight matrix once per
 step. Packed into one 2 MiB-aligned buffer advised as huge pages ("arena", the default),
 the stream has no gaps and matrices under 2 MiB (a 1-KV-head model's stacked q/k/v, every
 o-proj of SmolLM2) sit on huge pages too; packed one buffer per matrix ("separate"), those small ones are on 4 KiB pages. This builds both for one model and
@@ -42,7 +42,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode.layers import FusedDecode, check
+    from gqakit.runtime.layers import FusedDecode, check
     from gqakit.eval.provenance import run_info
     from gqakit.eval.speed import DecodeBench, copy_bandwidth, parse_ints
 

@@ -1,7 +1,7 @@
 """How far apart are the fused CPU decode step and the model's own step?
 
 For one model, from --prompts random prompts (seeds 0..N-1, 2 sequences of 5 tokens), one
-decode step both ways from the same prefilled cache, as `eval/decode/layers.check` does; prints
+decode step both ways from the same prefilled cache, as `runtime/layers.check` does; prints
 per prompt the logits' and the new cache entries' (worst layer) relative error
 ||got - ref|| / ||ref|| and largest element difference, the verdict of the check (relative,
 1e-3) and what an element-wise rule (allclose, rtol 1e-4, atol 1e-4 for the cache
@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode.layers import FusedDecode, both_steps, relative_error, verdict
+    from gqakit.runtime.layers import FusedDecode, both_steps, relative_error, verdict
     from gqakit.eval.speed import DecodeBench
 
     torch.set_num_threads(args.threads)

@@ -54,7 +54,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode.packed import packed_linears
+    from gqakit.runtime.packed import packed_linears
     from gqakit.eval.speed import DecodeBench
 
     if args.threads:
@@ -66,7 +66,7 @@ def main() -> None:
     labels = contextlib.ExitStack()
     if bench.kernels is not None:
         # the compiled kernels are pybind functions, which the profiler does not see: label each call
-        from gqakit.eval.decode import kernels as cpu_kernels
+        from gqakit.runtime import kernels as cpu_kernels
 
         bench.kernels = labels.enter_context(cpu_kernels.substituted(_Labelled(bench.kernels)))
     pack = (packed_linears(model, b, kernels=bench.kernels) if bench.pack_weights and (b > 1 or bench.kernels is not None)

@@ -18,7 +18,7 @@ from gqakit.core.arch import SITE_NAMES
 from gqakit.core.hub import hub_id_of
 from gqakit.core.loading import CONVERT_SETTINGS, REMOTE_PREFIX
 from gqakit.core.methods import changed_projections, load
-from gqakit.core.modelcard import render_model_card
+from gqakit.core.modelcard import render_model_card, use_it_body
 from gqakit.core.modelfiles import side_files
 from gqakit.core.units import DTYPE_BYTES, config_dtype, kv_bytes_text
 
@@ -230,7 +230,9 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
               f"{G if layout_family is None else f'{min(per_layer)}-{max(per_layer)}'} KV heads)", base_model=base,
         summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name,
                                                 **({"kv_plan": settings.asked.kv_plan.name} if settings.asked.kv_plan
-                                                   else {})}))
+                                                   else {})},
+        use_it=use_it_body(remote_code=not plan.native_gqa or layout_family is not None,
+                           encoder_decoder=enc is not None, gguf_arch=spec_gguf_arch(plan.family))))
 
 
 def kv_budget_fact(choice: dict[str, Any]) -> str:
@@ -238,6 +240,12 @@ def kv_budget_fact(choice: dict[str, Any]) -> str:
     rows = "; ".join(f"layer {r['layer']}: G={r['kv_heads']} ({r['why']})" for r in choice["layers"])
     return (f"{choice['plan_bytes_per_token']:,} of {choice['budget_bytes_per_token']:,} bytes per token "
             f"(the source's: {choice['source_bytes_per_token']:,}); {rows}")
+
+
+def spec_gguf_arch(family: str) -> str | None:
+    """The GGUF architecture llama.cpp runs `family` as (the table's `gguf`), or None."""
+    spec = archmod.registry()[family]
+    return spec.gguf.arch if spec.gguf is not None else None
 
 
 def _attention_dtype(plan: Plan) -> Any:

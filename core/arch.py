@@ -170,10 +170,10 @@ class Remote(_Strict):
     module: str | None = None  # the modeling file's module name; None: gqakit_modeling_<family>
 
 
-# The decoder-layer layouts the fast CPU decode step computes (`eval/decode/`): a layout's
+# The decoder-layer layouts the fast CPU decode step computes (`runtime/`): a layout's
 # name is the family it was written for, but any family whose modules have that layout names
 # it (Qwen2, Mistral, Gemma, Phi-3, ... use "llama"). "t5" is an encoder-decoder's decoder
-# step (`eval/decode/t5_step.py`); the others are decoder-only models' layers.
+# step (`runtime/t5_step.py`); the others are decoder-only models' layers.
 DecodeLayout = Literal["llama", "gpt_neox", "gpt2", "opt", "phi", "t5"]
 
 

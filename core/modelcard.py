@@ -13,7 +13,7 @@ import gqakit
 
 
 def render_model_card(*, title: str, base_model: str | None, summary: str, facts: dict[str, Any],
-                      settings: dict[str, Any]) -> str:
+                      settings: dict[str, Any], use_it: str | None = None) -> str:
     """A Hugging Face model card: YAML front matter, a facts table and the exact settings.
 
     `base_model` must be a Hub id (`org/name`, `@revision` when not main), as the model-card
@@ -24,8 +24,47 @@ def render_model_card(*, title: str, base_model: str | None, summary: str, facts
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {title}", "", summary, ""]
     lines += ["| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in facts.items()]
+    if use_it:
+        lines += ["", "## Use it", "", use_it.strip()]
     lines += ["", f"Made with gqakit {gqakit.__version__}. Exact settings:", "", "```json", json.dumps(settings, indent=2, default=str), "```", ""]
     return "\n".join(lines)
+
+
+def use_it_body(*, remote_code: bool, encoder_decoder: bool = False, gguf_arch: str | None = None) -> str:
+    """The card's "Use it" section: how transformers, vLLM and llama.cpp load the folder (OUT),
+    and the command that checks an engine serves it (`gqakit eval OUT --engine ENGINE --check`).
+
+    `remote_code`: the folder carries gqakit's modeling file (trust_remote_code=True);
+    `encoder_decoder`: AutoModelForSeq2SeqLM; `gguf_arch`: the GGUF architecture llama.cpp runs
+    the family as (None: llama.cpp is not offered)."""
+    trc = ", trust_remote_code=True" if remote_code else ""
+    auto = "AutoModelForSeq2SeqLM" if encoder_decoder else "AutoModelForCausalLM"
+    out = ["`OUT` is this folder (a path, or its Hub id once uploaded).", "",
+           "**transformers** (" + ("gqakit's modeling file ships in the folder, so it loads with "
+                                   "`trust_remote_code=True`" if remote_code else "the stock class") + "):", "",
+           "```python", f"from transformers import AutoTokenizer, {auto}", "",
+           f'model = {auto}.from_pretrained("OUT"{trc})',
+           f'tokenizer = AutoTokenizer.from_pretrained("OUT"{trc})',
+           'ids = tokenizer("Once upon a time", return_tensors="pt").input_ids',
+           "print(tokenizer.decode(model.generate(ids, max_new_tokens=20, do_sample=False)[0]))", "```", ""]
+    if encoder_decoder:
+        out += ["**vLLM** and **llama.cpp**: see gqakit's docs/serving.md for the encoder-decoders each engine "
+                "serves.", ""]
+    else:
+        flag = " --trust-remote-code" if remote_code else ""
+        out += ["**vLLM**:", "", "```bash", f"vllm serve OUT{flag}", "```", "", "```python", "from vllm import LLM", "",
+                f'llm = LLM("OUT"{trc})', 'print(llm.generate(["Once upon a time"])[0].outputs[0].text)', "```", ""]
+        if gguf_arch:
+            out += ["**llama.cpp** (a GGUF file: convert the source's GGUF with gqakit, `gqakit convert SRC.gguf "
+                    "OUT.gguf -g G`, or this folder with llama.cpp's own `convert_hf_to_gguf.py OUT --outfile "
+                    "OUT.gguf`):", "", "```bash", 'llama-cli -m OUT.gguf -p "Once upon a time" -n 20', "```", ""]
+        out += ["**Check that an engine serves it** (greedy tokens against transformers, and the KV cache the "
+                "engine allocates against gqakit's prediction; PASS or FAIL):", "", "```bash",
+                "gqakit eval OUT --engine vllm --check --out check.json"]
+        if gguf_arch:
+            out += ["gqakit eval OUT.gguf --engine llama.cpp --check --out check-gguf.json"]
+        out += ["```"]
+    return "\n".join(out)
 
 
 def append_section(card: Path, heading: str, body: str) -> None:

@@ -4,7 +4,7 @@ The output rows of the fused projection are viewed as `(G, H/G + 2, D)`: per K/V
 its H/G query heads, then its key head, then its value head. With G = H this is the stock
 per-head `(H, 3, D)` layout. Conversion reads and writes heads through it
 (`convert/layout.py`), and the fused CPU decode step re-stacks the rows as all queries,
-all keys, all values (`eval/decode/families.py`).
+all keys, all values (`runtime/families.py`).
 """
 
 from __future__ import annotations

@@ -97,6 +97,9 @@ def make_eval_command() -> click.Command:
         res = run_eval(model, measures=eval_settings(values, given), device=device, dtype=dtype, out=out,
                        command=command_line(), progress=not quiet, overwrite=overwrite, quiet=quiet)
         print_summary(res, out, quiet=quiet)
+        from gqakit.eval.measures.serving import verdict
+
+        verdict(res)  # a failed serving check: exit 1, its results written
 
     eval_cmd.__doc__ = EVAL_HELP
     fn: Any = eval_cmd
@@ -115,7 +118,10 @@ byte and word/byte perplexity, which compare models with different tokenizers.
 Speed times prefill and per-token decode with a static KV cache over the grid
 --batch x --prompt-len (an encoder-decoder: --batch x --input-len x --output-len, the
 encoder once per point), and reports KV-cache bytes, peak memory and the achieved
-fraction of the device's copy bandwidth. --tasks runs lm-evaluation-harness tasks
+fraction of the device's copy bandwidth; --engine picks what runs the steps (gqakit's own
+runtime, stock transformers, vLLM or llama.cpp; docs/serving.md). --check runs the serving
+check alone on --engine: its greedy tokens against transformers and its KV cache against
+gqakit's prediction, PASS or FAIL. --tasks runs lm-evaluation-harness tasks
 (accuracy with its standard error) on the same loaded model; --tasks-path adds local
 task YAML files. Datasets are read from local files or the local datasets cache, never
 the Hub. An encoder-decoder (T5, mT5, BART) is scored on its target tokens given the input:
@@ -127,6 +133,8 @@ Examples:
   gqakit eval ./stories-g2 --data valid.txt --context 512 --stride 256 --out g2.json
   gqakit eval ./my-gqa --speed --batch 1,8,32 --prompt-len 128,1024 --new-tokens 128 --out s.json
   gqakit eval ./my-gqa --speed --batch 8 --prompt-len 1024 --prefill-once --eager --out eager.json
+  gqakit eval ./my-gqa --speed --engine transformers --batch 1,8 --prompt-len 1024 --out hf.json
+  gqakit eval ./my-gqa --engine vllm --check --out check.json
   gqakit eval ./t5-gqa --speed --batch 1,8 --input-len 512,4096 --output-len 1,128 --out t5.json
   gqakit eval ./my-gqa --data hf:wikitext:wikitext-2-raw-v1:test --speed --max-batch-search --out all.json
   gqakit eval ./my-gqa --tasks hellaswag,arc_easy --num-fewshot 0 --out acc.json

@@ -313,6 +313,8 @@ class SpeedPoint(Record):
     roofline_fraction: Num | None = UNSET
     arithmetic_intensity: Num = UNSET
     memory_bound: StrictBool | None = UNSET
+    engine: StrictStr = UNSET                            # what ran the steps (gqakit.engines); absent: gqakit
+    engine_kv: AsGiven[dict[str, Any]] = UNSET           # the KV cache that engine allocated (engines.KvAllocation)
 
     @model_validator(mode="after")
     def _ok_has_numbers(self) -> "SpeedPoint":

@@ -44,9 +44,51 @@ def method_of(m: ModelInfo) -> str:
     return f"{c.method}, G={c.num_kv_heads}" + (", uptrained" if c.uptrained else "")
 
 
+def speed_engine(r: EvalResult) -> str | None:
+    """The engine that ran a results file's decode steps (None: no speed block, or a file
+    written before engines were recorded)."""
+    s = r.speed.settings if r.speed else None
+    return s.get("engine") if isinstance(s, dict) else None
+
+
+def engine_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
+    """Decode speed from different engines side by side, or from stock transformers."""
+    engines = {n: speed_engine(r) or "gqakit" for n, r in zip(names, results) if r.speed}
+    warns = []
+    if len(set(engines.values())) > 1:
+        warns.append("decode speed was measured on different engines ("
+                     + ", ".join(f"{n}: {e}" for n, e in engines.items())
+                     + "): its ratios compare the engines as well as the models")
+    return warns
+
+
+# a share of the predicted speedup below this is "little gain"; a predicted speedup below
+# LITTLE_PREDICTED promises too little for its shortfall to say anything
+LITTLE_SHARE, LITTLE_PREDICTED = 0.5, 1.05
+
+
+def little_gain_warnings(rows: list[ReportRow], baseline: str) -> list[str]:
+    """Rows on the transformers engine whose speedups fall short of what the bytes predict: said
+    plainly, since stock transformers is what a plain Hugging Face user runs."""
+    warns = []
+    for r in rows:
+        if r.engine != "transformers" or r.name == baseline:
+            continue
+        short = [(label, e) for label, e in r.speed.items() if e.ok and e.predicted_speedup_bytes is not UNSET
+                 and e.predicted_speedup_bytes >= LITTLE_PREDICTED and e.speedup is not UNSET
+                 and (e.speedup_within_noise or (opt(e.share_of_predicted) or 0.0) < LITTLE_SHARE)]
+        if short:
+            where = ", ".join(f"{label} {e.speedup:.2f}x of {e.predicted_speedup_bytes:.2f}x" for label, e in short)
+            warns.append(f"{r.name} on the transformers engine shows little of the speedup its bytes predict "
+                         f"({where}): stock transformers (static cache, its own SDPA attention, weights as "
+                         "loaded) is what a plain Hugging Face user runs, and its per-step overheads hide the "
+                         "bytes GQA saves; `--engine gqakit`, vllm or llama.cpp show what the conversion buys")
+    return warns
+
+
 def comparability_warnings(results: list[EvalResult], names: list[str]) -> list[str]:
     """Say when numbers side by side were not measured the same way."""
-    warns = []
+    warns = engine_warnings(results, names)
     ppl = [(n, r.perplexity) for n, r in zip(names, results) if r.perplexity]
     if len(ppl) > 1:
         n0, p0 = ppl[0]
@@ -159,7 +201,8 @@ def make_report(results: list[EvalResult], names: list[str], command: list[str] 
                            columns=task_columns(results)) if any(r.tasks for r in results) else None),
         rows=rows,
         speed_timed_together=_timed_together(results),
-        warnings=comparability_warnings(results, names) + task_warnings(results, names)
+        warnings=comparability_warnings(results, names) + little_gain_warnings(rows, names[0])
+        + task_warnings(results, names)
         + [w for m in extra_sections().values() if m.report.warnings  # type: ignore[union-attr]
            for w in m.report.warnings(results, names)],  # type: ignore[union-attr]
     )
@@ -203,6 +246,9 @@ def report_row(name: str, r: EvalResult, base: EvalResult, grid: list[tuple[int,
             row.speed[point_label(e.axes)] = e
     row.max_batch = {str(mb.prompt_len): mb for mb in (r.speed.max_batch if r.speed else [])}
     row.attention = r.speed.attention.get("decode_path") if r.speed else None
+    engine = speed_engine(r)
+    if engine is not None:
+        row.engine = engine
     note = r.speed.attention.get("kernel_note") if r.speed else None
     if row.attention and note:  # e.g. the CPU kernels did not build here: which path ran, and why
         row.attention += f" ({note})"
@@ -308,6 +354,8 @@ def summary_table(report: Report) -> list[str]:
         named = ", ".join(OBJECTIVE_WORDS[k] for k in kinds)
         head += ["perplexity" if kinds == ["causal_lm"] else f"perplexity ({named})", f"Δ% vs {report.baseline}",
                  "bits/byte"]
+    engines = any(r.engine not in (UNSET, "gqakit") for r in rows)  # a column only when not all on gqakit
+    head += ["engine"] if engines else []
     head += [f"tok/s {point_label(g.axes, ' ')}" for g in grid]
     head += [f"max batch p{pl}" for pl in lens]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -322,6 +370,7 @@ def summary_table(report: Report) -> list[str]:
             cells += [_fmt_num(opt(r.perplexity)) + kind,
                       "—" if r.name == report.baseline or d is None else f"{d:+.1f}%",
                       f"{r.bits_per_byte:.3f}" if r.bits_per_byte is not UNSET else "n/a"]
+        cells += ["gqakit" if r.engine is UNSET else r.engine] if engines else []
         for g in grid:
             e = r.speed.get(point_label(g.axes))
             if e is None:

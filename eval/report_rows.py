@@ -97,6 +97,7 @@ class ReportRow(Record):
     speed: dict[str, SpeedEntry] = Field(default_factory=dict)  # by point label (b8_p1024)
     max_batch: dict[str, MaxBatch] = Field(default_factory=dict)  # by prompt length
     attention: StrictStr | None = None
+    engine: StrictStr = UNSET                     # what ran the decode steps (absent: gqakit, before engines)
     tasks: dict[str, dict[str, TaskEntry]] = UNSET
 
     @property

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from gqakit.core.loading import load_causal_lm
-from gqakit.eval.decode import kernels as cpu_kernels
-from gqakit.eval.decode.attention import set_decode_kernel
-from gqakit.eval.decode.grouped import decode_attention, fused_applies
-from gqakit.eval.decode.packed import packed_linears
-from gqakit.eval.decode.layers import build_fused_decode
+from gqakit.runtime import kernels as cpu_kernels
+from gqakit.runtime.attention import set_decode_kernel
+from gqakit.runtime.grouped import decode_attention, fused_applies
+from gqakit.runtime.packed import packed_linears
+from gqakit.runtime.layers import build_fused_decode
 from gqakit.eval.speed import DecodeBench
 from reference_attention import reference_attention
 from tiny_models import FAMILIES
@@ -221,7 +221,7 @@ def test_gpt_neox_and_gpt2_variants_take_the_fused_step(kernels, tiny_model, tmp
     value); gqakit's grouped GPT-2 (c_attn: queries, then G keys, then G values) and OPT; and
     StableLM's parallel residual; each checked against the model's own step for several prompts."""
     from gqakit.convert import convert_checkpoint
-    from gqakit.eval.decode.layers import check
+    from gqakit.runtime.layers import check
 
     if variant.startswith("sequential"):
         path = tiny_model("gpt_neox", use_parallel_residual=False, rotary_pct=1.0)
@@ -276,7 +276,7 @@ def test_a_fused_step_missing_a_family_feature_is_not_used(kernels, tiny_model, 
     """Each family's own part of the fused layer matters: the step is used as built, and refused
     with that part left out (Qwen3's per-head q norm, OLMo's clamp of q/k/v, Pythia's parallel
     residual, GPT-2's learned positions, OPT's offset of 2 into its position table)."""
-    from gqakit.eval.decode import layers as decode_layers
+    from gqakit.runtime import layers as decode_layers
 
     family, overrides, breaks = BROKEN[case]
     model = load_causal_lm(tiny_model(family, **overrides))
@@ -302,7 +302,7 @@ def test_a_fused_step_missing_a_family_feature_is_not_used(kernels, tiny_model, 
 
 def _wrapped_step(monkeypatch, after):
     """FusedDecode with `after(out, cache, slot)` run after each step (to perturb or break it)."""
-    from gqakit.eval.decode import layers as decode_layers
+    from gqakit.runtime import layers as decode_layers
 
     real = decode_layers.FusedDecode.__call__
 
@@ -357,7 +357,7 @@ def test_the_check_passes_smollm2_at_one_kv_head(kernels, tmp_path):
     from pathlib import Path
 
     from gqakit.convert import convert_checkpoint
-    from gqakit.eval.decode.layers import FusedDecode, check
+    from gqakit.runtime.layers import FusedDecode, check
 
     src = Path("~/.cache/gqakit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
     if not src.is_file():
@@ -386,7 +386,7 @@ def test_speed_bench_records_which_layer_path_ran(kernels, tiny_model):
 
 def test_a_fused_step_that_disagrees_is_not_used(kernels, tiny_model, monkeypatch):
     """The check before use: a fused step whose logits differ (here: a wrong norm epsilon) is refused."""
-    from gqakit.eval.decode import layers as decode_layers
+    from gqakit.runtime import layers as decode_layers
 
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
     bench = DecodeBench(model, device="cpu", dtype=torch.float32)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gqakit.core.loading import load_causal_lm
-from gqakit.eval.decode import kernels as cpu_kernels
-from gqakit.eval.decode.attention import set_decode_kernel
-from gqakit.eval.decode.grouped import decode_attention
-from gqakit.eval.decode.packed import can_pack, packed_linears
+from gqakit.runtime import kernels as cpu_kernels
+from gqakit.runtime.attention import set_decode_kernel
+from gqakit.runtime.grouped import decode_attention
+from gqakit.runtime.packed import can_pack, packed_linears
 from gqakit.eval.speed import DecodeBench
 from reference_attention import reference_attention
 from tolerance import assert_within, attention_bound, rounding_tolerance

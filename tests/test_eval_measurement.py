@@ -48,7 +48,7 @@ def eval_cli(args):
 
 def test_builtin_measurements_are_registered_in_order():
     assert list(measurements())[:3] == ["perplexity", "speed", "tasks"]
-    assert nothing_to_measure() == "nothing to measure: pass --data (perplexity), --speed, --tasks, or several"
+    assert nothing_to_measure() == "nothing to measure: pass --data (perplexity), --speed, --tasks, --check, or several"
 
 
 def test_registered_measurement_has_its_options_and_help_section(count):

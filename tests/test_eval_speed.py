@@ -7,7 +7,7 @@ import torch
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.loading import cache_kwarg, load_causal_lm
-from gqakit.eval.decode.attention import gqa_sdpa_forward
+from gqakit.runtime.attention import gqa_sdpa_forward
 from gqakit.eval.speed import DecodeBench, SpeedSettings, evaluate_speed, parse_ints, percentile
 
 

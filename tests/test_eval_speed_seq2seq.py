@@ -139,8 +139,8 @@ def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, com
     head: the kernel's transposed-keys path, with the position bias per row)."""
     from transformers.modeling_outputs import BaseModelOutput
 
-    from gqakit.eval.decode import kernels
-    from gqakit.eval.decode.t5_step import T5Step
+    from gqakit.runtime import kernels
+    from gqakit.runtime.t5_step import T5Step
 
     wide = dict(num_heads=12, d_kv=16) if kind.endswith("12heads") else {}
     folder = (grouped_t5(tmp_path / kind, int(kind[1]), **wide) if kind.startswith("g")
@@ -185,7 +185,7 @@ def test_lean_t5_step_matches_the_models_own_step(tmp_path: Path, kind: str, com
 
 
 def test_lean_step_is_checked_and_names_why_it_does_not_apply(tmp_path: Path) -> None:
-    from gqakit.eval.decode.t5_step import T5Step, check_t5_step
+    from gqakit.runtime.t5_step import T5Step, check_t5_step
 
     t5 = load(build_seq2seq("t5_v1_1", tmp_path / "t5"))
     bench = Seq2SeqBench(t5, device="cpu", dtype=torch.float32)
@@ -221,7 +221,7 @@ def test_results_round_trip_and_compare_shows_measured_beside_predicted(tmp_path
                          model=model_info(model, folder, 4),
                          speed=evaluate_speed(model, GRID, device="cpu", dtype=torch.float32, progress=False))
         if name == "g1":  # one KV head: both attentions fold the query heads per KV head, nothing repeated
-            from gqakit.eval.decode import kernels
+            from gqakit.runtime import kernels
 
             assert res.speed.attention["kv_copied"] is False
             fused = "grouped fused CPU kernel decode attention: query heads as rows of their K/V head"

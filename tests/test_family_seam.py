@@ -113,7 +113,7 @@ def test_product_code_names_no_family():
     names = family_names()
     assert {"llama", "gpt_neox", "gpt2", "opt", "t5", "bart", "qwen2"} <= names  # the scan has its targets
     files = product_files()
-    assert ROOT / "eval" / "decode" / "families.py" in files and ROOT / "convert" / "gguf_in.py" in files
+    assert ROOT / "runtime" / "families.py" in files and ROOT / "convert" / "gguf_in.py" in files
     found = [hit for p in files for hit in family_names_in(p, names)]
     assert not found, ("family knowledge outside the architecture table (move it into the entry, "
                        "core/arch.py): " + "; ".join(found))
@@ -205,7 +205,7 @@ def test_the_fused_decode_layout_comes_from_the_entry(tiny_model, monkeypatch):
     """The fused CPU step checks the layout the model's entry names: a Llama model qualifies as
     `llama`, is refused when its entry names none, and is checked as GPT-2 when it names that."""
     from gqakit.core.loading import load_causal_lm
-    from gqakit.eval.decode.families import layer_specs, layout_problem
+    from gqakit.runtime.families import layer_specs, layout_problem
 
     model = load_causal_lm(tiny_model("llama", num_key_value_heads=2))
     assert layout_problem(model) is None
@@ -220,7 +220,7 @@ def test_the_fused_decode_layout_comes_from_the_entry(tiny_model, monkeypatch):
 def test_the_t5_step_follows_the_entry(tmp_path, monkeypatch):
     from transformers import AutoModelForSeq2SeqLM
 
-    from gqakit.eval.decode.t5_step import t5_layout_problem
+    from gqakit.runtime.t5_step import t5_layout_problem
     from tiny_models import build_seq2seq
 
     model = AutoModelForSeq2SeqLM.from_pretrained(build_seq2seq("t5", tmp_path / "t5")).eval()

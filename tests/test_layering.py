@@ -15,7 +15,11 @@ ALLOWED = {
     "core": {"core"},
     "convert": {"core", "convert"},
     "uptrain": {"core", "uptrain"},
-    "eval": {"core", "eval"},
+    "eval": {"core", "eval", "runtime", "engines"},
+    # gqakit's own decode step: an engine's runtime, not an evaluation
+    "runtime": {"core", "runtime"},
+    # the engines eval runs on; only the gqakit engine reaches its runtime
+    "engines": {"core", "engines", "runtime"},
 }
 
 
@@ -120,13 +124,23 @@ def test_convert_layers():
     assert not {n.split(".")[0] for n in gqakit_imports(ROOT / "convert" / "settings.py")} - {"core", "convert"}
 
 
-def test_decode_never_imports_speed():
-    """eval/decode (attention, packed weights, fused layers, kernels) is used by the speed
-    benchmark and knows nothing of it."""
-    bad = {str(p.relative_to(ROOT)): sorted(n for n in gqakit_imports(p) if n.startswith("eval.speed"))
-           for p in sorted((ROOT / "eval" / "decode").rglob("*.py"))}
+def test_runtime_and_engines_never_import_eval():
+    """runtime (attention, packed weights, fused layers, kernels) is gqakit's engine and knows
+    nothing of the evaluation that times it; engines reach runtime only from the gqakit engine."""
+    bad = {str(p.relative_to(ROOT)): sorted(n for n in gqakit_imports(p) if n.split(".")[0] == "eval")
+           for folder in ("runtime", "engines") for p in sorted((ROOT / folder).rglob("*.py"))}
     assert not {k: v for k, v in bad.items() if v}
-    assert (ROOT / "eval" / "decode" / "layers.py").is_file()  # the rule looks where the package is
+    assert (ROOT / "runtime" / "layers.py").is_file()  # the rule looks where the package is
+    runtime_users = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "engines").rglob("*.py"))
+                     if any(n.split(".")[0] == "runtime" for n in gqakit_imports(p))}
+    assert runtime_users <= {"engines/gqakit_engine.py"}, runtime_users
+
+
+def test_stages_never_import_runtime_or_engines():
+    for stage in ("convert", "uptrain"):
+        for path in sorted((ROOT / stage).rglob("*.py")):
+            used = {name.split(".")[0] for name in gqakit_imports(path)}
+            assert not used & {"runtime", "engines"}, f"{path.relative_to(ROOT)} imports {sorted(used)}"
 
 
 # The whole product: every module, lazy and TYPE_CHECKING imports included.
@@ -259,3 +273,15 @@ def test_tests_never_import_or_run_bench():
 def test_product_modules_stay_under_500_lines():
     long = {m: n for m, p in product_modules().items() if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"modules over 500 lines (split by job): {long}"
+
+
+def test_every_product_package_is_installed():
+    """Each product folder with an `__init__.py` is in pyproject's packages (else a wheel lacks it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"gqakit." + ".".join(p.parent.relative_to(ROOT).parts) if p.parent != ROOT else "gqakit"
+             for p in ROOT.rglob("__init__.py") if p.relative_to(ROOT).parts[0] not in {"tests", "bench", "build",
+                                                                                       "examples"}
+             and not p.relative_to(ROOT).parts[0].startswith(".")}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -27,7 +27,7 @@ def test_pair_bench_says_when_the_models_ran_different_paths(tiny_model, tmp_pat
     """A speedup between two code paths (here: fused layers for Llama, per-op for Gemma 2) is flagged
     under the table: otherwise a model whose fused step was refused makes the ratio read as a
     memory problem."""
-    from gqakit.eval.decode import kernels as cpu_kernels
+    from gqakit.runtime import kernels as cpu_kernels
 
     if cpu_kernels.load() is None:
         pytest.skip(f"CPU kernels not built here: {cpu_kernels.why_unavailable()}")

@@ -1,5 +1,5 @@
 """The built-in measurements of `gqakit eval`, registered in the order they run and their
-options appear: perplexity, decode speed, lm-evaluation-harness tasks (eval/measurement.py).
+options appear: perplexity, decode speed, lm-evaluation-harness tasks, the serving check (eval/measurement.py).
 `measurements()` is the registry with them in it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gqakit.eval.measurement import MEASUREMENTS, Measurement
-from gqakit.eval.measures import perplexity, speed, tasks  # noqa: F401  (each registers itself)
+from gqakit.eval.measures import perplexity, speed, tasks, serving  # noqa: F401  (each registers itself)
 
 
 def measurements() -> dict[str, Measurement]:

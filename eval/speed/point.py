@@ -77,6 +77,19 @@ class PointCost(NamedTuple):
     kv_analytic: float
 
 
+def step_cost(bench: Any, pt: OpenPoint) -> PointCost:
+    """Minimum bytes a decoder-only step must read: the weights once and the filled cache (mean
+    over the steps); its FLOPs. `bench` gives the geometry (`weight_bytes`, `matmul_params`,
+    `kv_bytes_per_token`, `layers`, `heads`, `head_dim`), whichever engine runs the steps."""
+    batch, prompt_len, new_tokens = pt.batch, pt.prompt_len, pt.new_tokens
+    mean_len = prompt_len + (new_tokens + 1) / 2
+    kv_read = batch * bench.kv_bytes_per_token * mean_len
+    bytes_step = bench.weight_bytes + kv_read
+    flops_step = 2 * bench.matmul_params * batch + 4 * batch * bench.layers * bench.heads * bench.head_dim * mean_len
+    return PointCost(bytes={"weights": bench.weight_bytes, "kv": kv_read, "total": bytes_step}, flops=flops_step,
+                     kv_analytic=batch * (prompt_len + new_tokens) * bench.kv_bytes_per_token)
+
+
 @runtime_checkable
 class Bench(Protocol):
     """A timed model: what `summarize`, the grid runners and the alternating runs use, for
@@ -139,4 +152,16 @@ def summarize(bench: Bench, pt: OpenPoint, roof: dict[str, float], *, peak: int 
         roofline_fraction=total / step / roof["copy_bandwidth"],
         arithmetic_intensity=flops / total,
         memory_bound=flops / total < roof["ridge_flops_per_byte"],
+        **engine_fields(bench),
     )
+
+
+def engine_fields(bench: Any) -> dict[str, Any]:
+    """The engine a point ran on and, for an external engine, the KV cache it allocated itself."""
+    out: dict[str, Any] = {}
+    if getattr(bench, "engine", None):
+        out["engine"] = bench.engine
+    allocation = getattr(bench, "allocation", None)
+    if allocation is not None:
+        out["engine_kv"] = allocation.record()
+    return out

@@ -11,7 +11,7 @@ made once per point. The two caches are transformers' `EncoderDecoderCache` of t
 `StaticCache`s, allocated before any timed step.
 
 The step is the model's own (its modules, transformers' cache); the fused decoder-only
-layers of `eval/decode` do not cover encoder-decoders, and `decode_path` says which path
+layers of `runtime` do not cover encoder-decoders, and `decode_path` says which path
 ran. Unless `eager`: attention is transformers' SDPA function with one query token always
 folded per KV head (`decode.attention.folded_sdpa_forward`; transformers alone hands the
 unmasked cross-attention to SDPA's slower `enable_gqa`), and on the CPU in fp32 the linear
@@ -34,7 +34,7 @@ from gqakit.core.loaded import loaded_seq2seq_shape
 from gqakit.core.device import PeakMemory, available_memory
 from gqakit.core.errors import GqakitError, first_line
 from gqakit.core.loading import cache_kwarg
-from gqakit.eval.decode.attention import SdpaSpy, describe_path, use_folded_attention
+from gqakit.runtime.attention import SdpaSpy, describe_path, use_folded_attention
 from gqakit.eval.records import SpeedPoint, SpeedResult
 from gqakit.eval.speed.encoder_input import encoder_input
 from gqakit.eval.speed.point import PointCost, summarize, timings
@@ -45,9 +45,9 @@ from gqakit.eval.speed.settings import SpeedSettings
 # Encoder rows run together so that one layer's attention scores stay under this many bytes.
 ENCODER_SCORE_BYTES = 1 << 30
 LAYERS = "the model's own decoder step (the fused decoder-only layers do not cover encoder-decoders)"
-LEAN = ("the lean T5 decoder step (eval/decode/t5_step.py: the model's weights and caches as plain tensor "
+LEAN = ("the lean T5 decoder step (runtime/t5_step.py: the model's weights and caches as plain tensor "
         "operations, checked against the model's own step)")
-LEAN_FUSED = ("the lean T5 decoder step, one compiled call per block (eval/decode/t5_step.py, "
+LEAN_FUSED = ("the lean T5 decoder step, one compiled call per block (runtime/t5_step.py, "
               "cpu_kernels.cpp's t5_decode_layer; checked against the model's own step)")
 
 
@@ -64,7 +64,7 @@ class Seq2SeqBench:
                  fold_attention: bool = True) -> None:
         import torch
 
-        from gqakit.eval.decode.packed import can_pack
+        from gqakit.runtime.packed import can_pack
 
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.cache_kw = cache_kwarg(model)
@@ -83,7 +83,7 @@ class Seq2SeqBench:
         self.kernels = None
         self.kernel_note: str | None = None
         if self.pack_weights and dtype == torch.float32:
-            from gqakit.eval.decode import kernels as cpu_kernels
+            from gqakit.runtime import kernels as cpu_kernels
 
             self.kernels = cpu_kernels.load()
             if self.kernels is None:
@@ -92,7 +92,7 @@ class Seq2SeqBench:
             self.attn_impl = use_folded_attention(model)
         else:
             self.attn_impl = str(getattr(model.config, "_attn_implementation", None) or "unknown")
-        # The lean T5 step (eval/decode/t5_step.py) where it applies and agrees with the model's own;
+        # The lean T5 step (runtime/t5_step.py) where it applies and agrees with the model's own;
         # the weights a step reads are found on the model's own step, which calls the same modules.
         self.lean, self.lean_note = None, "off (eager)" if not fold_attention else None
         self.weight_bytes, self.matmul_params = self.step_weights()
@@ -100,7 +100,7 @@ class Seq2SeqBench:
             self.lean, self.lean_note = self._lean_step()
 
     def _lean_step(self) -> tuple[Any, str | None]:
-        from gqakit.eval.decode.t5_step import T5Step, check_t5_step, t5_layout_problem
+        from gqakit.runtime.t5_step import T5Step, check_t5_step, t5_layout_problem
 
         why = t5_layout_problem(self.model)
         if why is not None:
@@ -328,7 +328,7 @@ class Seq2SeqBench:
     def _open(self, pt: Seq2SeqPoint, warmup: int) -> None:
         import torch
 
-        from gqakit.eval.decode.packed import packed_linears
+        from gqakit.runtime.packed import packed_linears
 
         pt.cache = self.new_cache(pt.output_len + pt.new_tokens, self.input.positions(pt.prompt_len))
         if self.lean is not None and self.lean.kernels is not None:
@@ -446,8 +446,9 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
     from tqdm.auto import tqdm
 
     settings.check_model(True)
-    bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.eager,
-                         fold_attention=not settings.eager)
+    bench = Seq2SeqBench(model, device=device, dtype=dtype, pack_weights=not settings.plain,
+                         fold_attention=not settings.plain)
+    bench.engine = settings.engine
     if bench.input.features and "input_lens" not in settings.model_fields_set:  # the encoder's whole window
         settings = settings.model_copy(update={"input_lens": (bench.input.max_frames,)})
     settings.check_seq2seq_positions(*bench.positions())
@@ -463,7 +464,7 @@ def evaluate_speed_seq2seq(model: Any, settings: SpeedSettings, *, device: Any, 
                   "torch_threads": torch.get_num_threads(),
                   "prompts": "random token ids (input and decoder prefix)" if not bench.input.features
                   else f"random audio features (input lengths in {bench.input.unit}), random decoder prefix",
-                  "encoder": "once per point"},
+                  "encoder": "once per point", "engine": settings.engine},
         attention=attention,
         device_roof={"copy_bandwidth_gbs": roof["copy_bandwidth"] / 1e9, "matmul_tflops": roof["matmul_flops"] / 1e12,
                      "ridge_flops_per_byte": roof["ridge_flops_per_byte"]},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -60,6 +60,9 @@ class SpeedSettings(BaseModel):
     prefill_once: bool = False   # time prefill once per point; decode repetitions rewind the cache to the prompt
     input_lens: tuple[int, ...] = (512, 2048)   # encoder-decoders: input (encoder) tokens
     output_lens: tuple[int, ...] = (1,)         # encoder-decoders: output tokens cached when the timed steps start
+    # what runs the steps (gqakit.engines.ENGINES): gqakit's own runtime, stock transformers
+    # (the --eager path), or an external engine timed through `EngineBench`
+    engine: Literal["gqakit", "transformers", "vllm", "llama.cpp"] = "gqakit"
 
     @field_validator("batches", mode="before")
     @classmethod
@@ -70,6 +73,14 @@ class SpeedSettings(BaseModel):
     @classmethod
     def _prompt_lens(cls, v: Any) -> tuple[int, ...]:
         return _ints(v, "--prompt-len")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine(cls, v: Any) -> Any:
+        names = ("gqakit", "transformers", "vllm", "llama.cpp")
+        if v not in names:
+            raise GqakitError(f"--engine must be one of {', '.join(names)}; got {v!r}")
+        return v
 
     @field_validator("input_lens", mode="before")
     @classmethod
@@ -85,7 +96,21 @@ class SpeedSettings(BaseModel):
     def _counts(self) -> "SpeedSettings":
         if self.new_tokens < 1 or self.reps < 1 or self.warmup < 0 or self.max_batch_limit < 1:
             raise GqakitError("--new-tokens, --reps and --max-batch-limit must be at least 1, --warmup at least 0")
+        if self.engine not in ("gqakit", "transformers"):
+            asked = [f for f, on in (("--compile", self.compile), ("--eager", self.eager),
+                                     ("--max-batch-search", self.max_batch_search),
+                                     ("--prefill-once", self.prefill_once)) if on]
+            if asked:
+                raise GqakitError(f"{', '.join(asked)}: for the gqakit and transformers engines; the {self.engine} "
+                                  "engine times its own steps")
+        if self.engine == "transformers" and self.compile:
+            raise GqakitError("--compile is for the gqakit engine; the transformers engine runs stock eager steps")
         return self
+
+    @property
+    def plain(self) -> bool:
+        """The plain transformers step (no packed weights, SDPA): --eager or --engine transformers."""
+        return self.eager or self.engine == "transformers"
 
     def check_positions(self, max_positions: int | None) -> None:
         """One-line error when the longest sequence does not fit the model's positions."""
@@ -101,6 +126,9 @@ class SpeedSettings(BaseModel):
             raise GqakitError("--input-len and --output-len are for encoder-decoder models; "
                               "this model is decoder-only (its grid is --batch x --prompt-len)")
         if encoder_decoder:
+            if self.engine not in ("gqakit", "transformers"):
+                raise GqakitError(f"--engine {self.engine}: the speed grid of an encoder-decoder runs on the gqakit "
+                                  "and transformers engines (see docs/serving.md)")
             if "prompt_lens" in given:
                 raise GqakitError("--prompt-len is for decoder-only models; an encoder-decoder's grid is "
                                   "--batch x --input-len x --output-len")

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from gqakit.core.loaded import loaded_shape
 from gqakit.core.loading import cache_kwarg
-from gqakit.eval.decode.attention import SdpaSpy, set_decode_kernel
+from gqakit.runtime.attention import SdpaSpy, set_decode_kernel
 from gqakit.eval.speed.roofline import sync
 
 

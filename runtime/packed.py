@@ -56,7 +56,7 @@ def packed_linears(model: Any, batch: int, kernels: Any = None, order: list[Any]
     """
     import torch
 
-    from gqakit.eval.decode import kernels as cpu_kernels
+    from gqakit.runtime import kernels as cpu_kernels
 
     if kernels is not None:
         cpu_kernels.ops()  # registered before any compiled step traces a layer

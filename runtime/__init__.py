@@ -1,4 +1,5 @@
-"""The decode step's fast parts, used by the speed benchmark (`gqakit.eval.speed`).
+"""gqakit's own decode runtime: the fast decode step behind the `gqakit` engine
+(`gqakit.engines`), timed by the speed benchmark (`gqakit.eval.speed`).
 
 - `attention`: `gqakit_sdpa`, the attention function registered with transformers that
   never copies K/V up to all query heads; each model carries its decode kernel choice.
@@ -7,5 +8,5 @@
 - `kernels`: gqakit's C++ CPU kernels (`cpu_kernels.cpp`), built on first use.
 - `families`, `layers`: the fused CPU decode step, one compiled call per decoder layer.
 
-Nothing here imports `gqakit.eval.speed`.
+Nothing here imports `gqakit.eval` or `gqakit.engines`: it imports only `gqakit.core`.
 """

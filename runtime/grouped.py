@@ -61,7 +61,7 @@ def _fused_mask(query: Any, key: Any, attention_mask: Any) -> Any:
 def _fused_ok(query: Any, key: Any, value: Any) -> bool:
     import torch
 
-    from gqakit.eval.decode import kernels as cpu_kernels
+    from gqakit.runtime import kernels as cpu_kernels
 
     return (cpu_kernels.load() is not None
             and all(x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() for x in (query, key, value))
@@ -87,7 +87,7 @@ def decode_attention(query: Any, key: Any, value: Any, attention_mask: Any, scal
 
     mask = _fused_mask(query, key, attention_mask) if fused and _fused_ok(query, key, value) else None
     if mask is not None:
-        from gqakit.eval.decode import kernels as cpu_kernels
+        from gqakit.runtime import kernels as cpu_kernels
 
         scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
         if torch.compiler.is_compiling():  # an opaque op in the compiled graph

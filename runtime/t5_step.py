@@ -35,8 +35,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from gqakit.core.loaded import find_loaded
-from gqakit.eval.decode import grouped  # its functions looked up per call, so SdpaSpy sees them
-from gqakit.eval.decode.packed import pack_arena
+from gqakit.runtime import grouped  # its functions looked up per call, so SdpaSpy sees them
+from gqakit.runtime.packed import pack_arena
 
 
 def t5_layout_problem(model: Any) -> str | None:
@@ -258,7 +258,7 @@ def check_t5_step(model: Any, step: T5Step, new_cache: Any, vocab: int, start: i
     import torch
     from transformers.modeling_outputs import BaseModelOutput
 
-    from gqakit.eval.decode.layers import verdict
+    from gqakit.runtime.layers import verdict
 
     gen = torch.Generator().manual_seed(seed)
     dev = next(model.parameters()).device

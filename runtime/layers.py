@@ -22,8 +22,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from gqakit.eval.decode.families import layer_specs, layout_problem
-from gqakit.eval.decode.packed import pack_arena
+from gqakit.runtime.families import layer_specs, layout_problem
+from gqakit.runtime.packed import pack_arena
 
 
 class FusedDecode:

@@ -73,7 +73,7 @@ def gqa_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_ma
     if q_len == 1 and not per_head_mask and kernel in ("matmul", "cpu"):
         # Two matmuls and a softmax (or the fused CPU kernel), query heads of a group as rows
         # of its K/V head (MHA too, so both sides of a comparison run the same kernel).
-        from gqakit.eval.decode.grouped import decode_attention
+        from gqakit.runtime.grouped import decode_attention
 
         return decode_attention(query, key, value, attention_mask, scaling, fused=kernel == "cpu"), None
     if q_len == 1 and groups > 1 and not per_head_mask:
@@ -165,7 +165,7 @@ class SdpaSpy:
                                "enable_gqa": bool(kwargs.get("enable_gqa", False))})
             return orig(query, key, value, *args, **kwargs)
 
-        from gqakit.eval.decode import grouped
+        from gqakit.runtime import grouped
 
         self._orig_dec = grouped.decode_attention
         orig_dec = self._orig_dec
@@ -184,7 +184,7 @@ class SdpaSpy:
     def __exit__(self, *exc: Any) -> None:
         import torch.nn.functional as F
 
-        from gqakit.eval.decode import grouped
+        from gqakit.runtime import grouped
 
         F.scaled_dot_product_attention = self._orig
         grouped.decode_attention = self._orig_dec

@@ -1,0 +1,282 @@
+"""The serving check: does an engine serve this model as transformers computes it, and does it
+allocate the KV cache gqakit predicts?
+
+Engine-agnostic. `engine.generate` runs N prompts greedily for T tokens; transformers (the
+same folder or GGUF, loaded by the caller) then scores prompt + the engine's tokens
+teacher-forced. A position agrees when the engine's token is transformers' argmax. A
+mismatch is explained by a near-tie when transformers' log-prob of its own argmax minus its
+log-prob of the engine's token is below the margin of the engine's dtype or quantisation
+(`MARGINS`). The engine's allocated KV bytes per token must equal gqakit's prediction,
+2 x sum over layers of (KV heads x head_dim) x cache-dtype bytes (`predicted_kv_bytes`).
+
+PASS: agreement >= `MIN_AGREEMENT`, every mismatch a near-tie, and the KV bytes per token
+equal to the prediction (vLLM: exactly per token; block rounding applies to capacity only).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from gqakit.core.errors import GqakitError
+from gqakit.core.units import dtype_named
+
+MIN_AGREEMENT = 0.99
+
+# The largest log-prob gap (nats) between transformers' argmax and the engine's token that
+# arithmetic alone can explain, by what the engine computes in. An engine's kernels sum in
+# another order than transformers', so their logits differ by rounding; a token whose
+# log-prob is within that rounding of the argmax's is a near-tie either may win.
+MARGINS: dict[str, float] = {
+    # 24-bit mantissa: a reordered sum through a few dozen layers moves logits by ~1e-4
+    # relative (~1e-3 nats on logits of ~10); 0.01 leaves a tenfold guard and nothing more
+    "float32": 0.01,
+    # 11-bit mantissa (~5e-4 per rounding): logits move by ~0.01-0.05 nats through the stack
+    "float16": 0.1,
+    # 8-bit mantissa (~4e-3 per rounding): an order of magnitude above float16
+    "bfloat16": 0.5,
+    # 8-bit weights with a scale per 32 (llama.cpp Q8_0): weight error ~0.4% of each row's
+    # range, close to bfloat16's rounding
+    "q8_0": 0.5,
+    # 4-6-bit weights (Q4/Q5/K-quants, or a GGUF whose type is not known): the logits
+    # themselves differ by tenths of a nat; only a clear argmax is held against the engine
+    "quantised": 2.0,
+}
+
+
+def margin_for(dtype: str, quant: str | None = None) -> tuple[str, float]:
+    """(the row of `MARGINS` that applies, its margin) for an engine computing in `dtype` on
+    weights quantised as `quant` (a GGUF tensor type name, or None for float weights)."""
+    if quant:
+        q = quant.lower()
+        if q in ("f32", "float32"):
+            return "float32", MARGINS["float32"]
+        if q in ("f16", "float16"):
+            return "float16", MARGINS["float16"]
+        if q in ("bf16", "bfloat16"):
+            return "bfloat16", MARGINS["bfloat16"]
+        return ("q8_0", MARGINS["q8_0"]) if q == "q8_0" else ("quantised", MARGINS["quantised"])
+    d = dtype_named(dtype)
+    name = d.name if d is not None and d.name in MARGINS else "float32"
+    return name, MARGINS[name]
+
+
+# ---- the KV prediction
+
+CACHE_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}   # llama.cpp's names of its cache types
+
+
+def cache_bytes(name: str) -> int | None:
+    """Bytes per element of a KV-cache dtype named by torch, gqakit or llama.cpp; None for a
+    quantised cache (bytes per element not a whole number)."""
+    d = dtype_named(str(name))
+    return d.bytes if d is not None else CACHE_DTYPE_BYTES.get(str(name).lower())
+
+
+def predicted_kv_bytes(kv_heads: int | Sequence[int], head_dim: int, elem_bytes: int, layers: int | None = None) -> int:
+    """KV-cache bytes per token: 2 (K and V) x sum over layers of KV heads x head_dim x bytes.
+    `kv_heads`: one count per layer, or one count for every one of `layers` layers."""
+    heads = [int(kv_heads)] * int(layers or 0) if isinstance(kv_heads, int) else [int(h) for h in kv_heads]
+    if not heads:
+        raise GqakitError("predicted_kv_bytes needs the KV heads of every layer (or `layers`)")
+    return 2 * sum(heads) * int(head_dim) * int(elem_bytes)
+
+
+def layer_kv_heads(hf_config: Any) -> list[int]:
+    """The KV heads of each decoder layer: a per-layer list where the config has one (the
+    geometry's `kv_heads_per_layer`, or a list-valued `num_key_value_heads`), else the one count."""
+    from gqakit.core.loaded import loaded_shape
+
+    cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+    listed = getattr(cfg, "num_key_value_heads", None)
+    if isinstance(listed, (list, tuple)):
+        return [int(h) for h in listed]
+    shape = loaded_shape(hf_config)
+    per_layer = getattr(shape, "kv_heads_per_layer", None)
+    if per_layer:
+        return [int(h) for h in per_layer]
+    return [shape.num_kv_heads] * shape.num_layers
+
+
+# ---- the result
+
+class Mismatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: int                  # which prompt
+    position: int                # which generated token (0: the first)
+    engine_token: int
+    transformers_token: int      # transformers' argmax there
+    margin: float                # transformers' log-prob of its argmax minus of the engine's token (nats)
+    near_tie: bool               # margin below the dtype's
+
+
+class KvCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allocated_bytes_per_token: int
+    predicted_bytes_per_token: int | None  # None: the engine's cache dtype has no whole bytes per element
+    cache_dtype: str
+    kv_heads_per_layer: list[int]
+    head_dim: int
+    capacity_tokens: int
+    total_bytes: int
+    detail: dict[str, Any]
+    match: bool
+
+
+class ServingCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: str
+    model: str
+    prompts: int
+    new_tokens: int
+    prompt_source: str           # "text" (a fixed English passage, tokenized) or "random ids (seed 0)"
+    positions: int
+    agreement: float             # fraction of positions where the engine's token is transformers' argmax
+    margin_row: str              # which row of MARGINS applied
+    margin: float
+    mismatches: list[Mismatch]
+    unexplained: int             # mismatches that are not near-ties
+    max_abs_logprob_diff: float | None   # largest |engine log-prob - transformers'| of the engine's tokens
+    kv: KvCheck
+    rule: str
+    passed: bool
+
+
+RULE = (f"agreement >= {MIN_AGREEMENT:.0%}, every mismatch a near-tie, and the engine's KV bytes per token "
+        "equal to gqakit's prediction")
+
+# The text the prompts are cut from where the model has a tokenizer (fixed, so checks repeat).
+TEXT = ("The little town sat at the edge of a wide river. Every morning the baker opened his shop before the sun "
+        "came up, and the smell of bread filled the street. Children walked to school along the water, and old "
+        "men sat on the bridge to watch the boats go by. One day a stranger arrived with a heavy bag and a map. "
+        "He asked the baker where the road to the mountains began, and the baker told him to follow the river "
+        "north until the trees grew thick. The stranger thanked him, bought a loaf of bread, and set off before "
+        "noon. Nobody in the town saw him again, but that winter a letter came for the baker with a drawing of "
+        "the highest peak and a few words of thanks.")
+
+
+def make_prompts(n: int, length: int, vocab: int, tokenizer: Any = None) -> tuple[list[list[int]], str]:
+    """N prompts of `length` token ids: windows of `TEXT` through the tokenizer when it makes
+    enough tokens, else seeded random ids (what a model without a tokenizer gets)."""
+    if tokenizer is not None:
+        ids = [int(t) for t in tokenizer(TEXT, add_special_tokens=False)["input_ids"] if 0 <= int(t) < vocab]
+        if len(ids) >= length + n - 1:
+            step = max(1, (len(ids) - length) // max(1, n - 1)) if n > 1 else 0
+            return [ids[i * step:i * step + length] for i in range(n)], "text"
+    rng = random.Random(0)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)], "random ids (seed 0)"
+
+
+def judge(engine_tokens: list[list[int]], logprobs: list[Any], margin: float) -> tuple[int, list[Mismatch]]:
+    """(positions, mismatches) of the engine's tokens against transformers' log-probs
+    (`logprobs[i]`: a [T, vocab] tensor, row t scoring generated token t of prompt i)."""
+    positions, out = 0, []
+    for i, (toks, lp) in enumerate(zip(engine_tokens, logprobs)):
+        best = lp.argmax(-1)
+        for t, tok in enumerate(toks):
+            positions += 1
+            if int(best[t]) != tok:
+                gap = float(lp[t, best[t]] - lp[t, tok])
+                out.append(Mismatch(prompt=i, position=t, engine_token=int(tok), transformers_token=int(best[t]),
+                                    margin=gap, near_tie=gap < margin))
+    return positions, out
+
+
+def teacher_logprobs(model: Any, prompts: list[list[int]], generated: list[list[int]]) -> list[Any]:
+    """transformers' log-probs at each generated position, prompt + the engine's tokens teacher-forced."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for p, g in zip(prompts, generated):
+            if not g:
+                out.append(torch.zeros((0, 1)))
+                continue
+            ids = torch.tensor([p + g], device=model.device)
+            logits = model(input_ids=ids).logits[0, len(p) - 1:len(p) - 1 + len(g)].float()
+            out.append(torch.log_softmax(logits, dim=-1).cpu())
+    return out
+
+
+def kv_check(engine: Any, hf_config: Any, dtype: str) -> KvCheck:
+    """The engine's allocation against the prediction for the cache dtype it reports (else `dtype`)."""
+    alloc = engine.kv_allocation()
+    cache_dtype = str(alloc.detail.get("cache_dtype") or dtype)
+    heads = layer_kv_heads(hf_config)
+    cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    elem = cache_bytes(cache_dtype)
+    predicted = None if elem is None else predicted_kv_bytes(heads, head_dim, elem)
+    return KvCheck(allocated_bytes_per_token=int(alloc.bytes_per_token), predicted_bytes_per_token=predicted,
+                   cache_dtype=cache_dtype, kv_heads_per_layer=heads, head_dim=head_dim,
+                   capacity_tokens=int(alloc.capacity_tokens), total_bytes=int(alloc.total_bytes),
+                   detail=dict(alloc.detail), match=predicted is not None and int(alloc.bytes_per_token) == predicted)
+
+
+def run_check(model_path: str | Path, engine: Any, teacher: Any, *, dtype: str, prompts: list[list[int]],
+              new_tokens: int, prompt_source: str = "given", quant: str | None = None) -> ServingCheck:
+    """The serving check of a loaded `engine` against `teacher` (the same weights, loaded by
+    transformers) on `prompts`, `new_tokens` greedy tokens each (see the module docstring)."""
+    if not prompts or new_tokens < 1:
+        raise GqakitError("the serving check needs at least one prompt and one new token")
+    gen = engine.generate(prompts, new_tokens)
+    if len(gen.tokens) != len(prompts):
+        raise GqakitError(f"the {engine.name} engine returned {len(gen.tokens)} generations for {len(prompts)} prompts")
+    lps = teacher_logprobs(teacher, prompts, gen.tokens)
+    row, margin = margin_for(dtype, quant)
+    positions, mismatches = judge(gen.tokens, lps, margin)
+    diff = None
+    if gen.logprobs is not None:
+        gaps = [abs(float(lp[t, tok]) - float(elp)) for toks, lp, elps in zip(gen.tokens, lps, gen.logprobs)
+                for t, (tok, elp) in enumerate(zip(toks, elps))]
+        diff = max(gaps) if gaps else None
+    kv = kv_check(engine, teacher.config, dtype)
+    agreement = (positions - len(mismatches)) / positions if positions else 0.0
+    unexplained = sum(not m.near_tie for m in mismatches)
+    passed = positions > 0 and agreement >= MIN_AGREEMENT and unexplained == 0 and kv.match
+    return ServingCheck(engine=engine.name, model=str(model_path), prompts=len(prompts), new_tokens=new_tokens,
+                        prompt_source=prompt_source, positions=positions, agreement=agreement, margin_row=row,
+                        margin=margin, mismatches=mismatches, unexplained=unexplained,
+                        max_abs_logprob_diff=diff, kv=kv, rule=RULE, passed=passed)
+
+
+def table(c: ServingCheck) -> list[str]:
+    """The short table `gqakit eval --check` prints, ending in PASS or FAIL."""
+    ok = lambda b: "ok" if b else "FAIL"  # noqa: E731
+    near = sum(m.near_tie for m in c.mismatches)
+    lines = [f"serving check: {c.engine} engine vs transformers, {c.prompts} prompts x {c.new_tokens} greedy tokens "
+             f"({c.prompt_source})",
+             f"  token agreement   {c.positions - len(c.mismatches)}/{c.positions} = {100 * c.agreement:.2f}%  "
+             f"{ok(c.agreement >= MIN_AGREEMENT)}",
+             f"  mismatches        {len(c.mismatches)} ({near} near-ties under {c.margin:g} nats ({c.margin_row}), "
+             f"{c.unexplained} unexplained)  {ok(c.unexplained == 0)}"]
+    for m in c.mismatches[:5]:
+        lines.append(f"    prompt {m.prompt} token {m.position}: engine {m.engine_token}, transformers "
+                     f"{m.transformers_token}, gap {m.margin:.4g} nats ({'near-tie' if m.near_tie else 'NOT a near-tie'})")
+    if c.max_abs_logprob_diff is not None:
+        lines.append(f"  largest |log-prob difference| {c.max_abs_logprob_diff:.3g} nats")
+    pred = "n/a (quantised cache)" if c.kv.predicted_bytes_per_token is None else c.kv.predicted_bytes_per_token
+    lines.append(f"  KV bytes per token {c.kv.allocated_bytes_per_token} allocated, {pred} predicted "
+                 f"({c.kv.cache_dtype}, KV heads {sorted(set(c.kv.kv_heads_per_layer))} x head_dim {c.kv.head_dim}); "
+                 f"capacity {c.kv.capacity_tokens} tokens  {ok(c.kv.match)}")
+    lines.append(("PASS" if c.passed else "FAIL") + f" ({c.rule})")
+    return lines
+
+
+__all__ = ["CheckFailed", "MARGINS", "MIN_AGREEMENT", "RULE", "KvCheck", "Mismatch", "ServingCheck", "cache_bytes", "judge",
+           "layer_kv_heads", "make_prompts", "margin_for", "predicted_kv_bytes", "run_check", "table",
+           "teacher_logprobs"]
+
+
+class CheckFailed(GqakitError):
+    """A serving check that ran and failed: the command exits 1 after writing its results."""
+
+    exit_code = 1
+    label = "check failed"

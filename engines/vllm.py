@@ -118,6 +118,8 @@ def check_model(model: Path) -> bool:
 
 def load_request(model: Path, options: EngineOptions, trust_remote_code: bool) -> dict[str, Any]:
     """The worker's "load" request for MODEL under OPTIONS."""
+    if options.gguf_file:
+        raise GqakitError(GGUF_REFUSAL.format(model=options.gguf_file))
     dtype = options.dtype
     if dtype != "auto":
         d = dtype_named(dtype)

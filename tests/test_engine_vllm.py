@@ -103,6 +103,8 @@ def test_gguf_is_refused_with_the_pointer_to_llama_cpp(tmp_path):
     (tmp_path / "only" / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(GqakitError, match="GGUF"):
         ev.check_model(tmp_path / "only")
+    with pytest.raises(GqakitError, match="m.gguf is a GGUF file"):
+        ev.load_request(tmp_path, EngineOptions(gguf_file="m.gguf"), False)
 
 
 def test_a_folder_without_config_is_refused(tmp_path):

@@ -65,6 +65,8 @@ def find_python() -> str:
             raise EngineMissing(f"vLLM is not installed: {ENV_PYTHON}={given} is not a python with vllm; {INSTALL}")
         return given
     if VENV_PYTHON.is_file():
+        if not _has_vllm(str(VENV_PYTHON)):
+            raise EngineMissing(f"vLLM is not installed: {VENV_PYTHON} has no vllm; {INSTALL}")
         return str(VENV_PYTHON)
     import importlib.util
 

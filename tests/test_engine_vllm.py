@@ -143,6 +143,12 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(ev, "VENV_PYTHON", Path(sys.executable))  # a .venv-vllm without vllm
     with pytest.raises(EngineMissing, match="has no vllm"):
         ev.find_python()
+    (tmp_path / "vllm").mkdir()  # a folder named vllm on the path (a checkout) is not vLLM
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ev, "VENV_PYTHON", tmp_path / "none" / "python")
+    with pytest.raises(EngineMissing, match=r"^vLLM is not installed: run `bash scripts/engines.sh vllm`"):
+        ev.find_python()
 
 
 def test_unknown_engine_lists_the_names():

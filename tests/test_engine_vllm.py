@@ -56,7 +56,7 @@ def test_worker_env_keeps_the_engine_core_in_process_and_binds_threads():
 
 
 def test_options_are_checked_where_they_are_built():
-    with pytest.raises(ValueError):
+    with pytest.raises(GqakitError, match="max_len"):
         EngineOptions(max_len=0)
     with pytest.raises(ValueError):
         EngineOptions(kv_budgets=1)  # a misspelt option is refused, not ignored
@@ -152,7 +152,7 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch):
 
 
 def test_unknown_engine_lists_the_names():
-    with pytest.raises(GqakitError, match="unknown engine 'vlm'; the engines are: .*vllm"):
+    with pytest.raises(GqakitError, match="no engine named 'vlm'; engines: .*vllm"):
         get_engine("vlm")
 
 

@@ -86,12 +86,11 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
     output rule is checked too, as the run would."""
     from gqakit.core.device import resolve_device
 
-    if settings.staged:
-        resolve_device(device)
+    dev = resolve_device(device) if settings.staged else "cpu"
     if out is not None:
         check_output_path(Path(out), overwrite=overwrite,
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
-    plan = make_plan(open_checkpoint(settings.source, progress=progress), settings)
+    plan = make_plan(open_checkpoint(settings.source, progress=progress), settings, device=dev)
     s = plan.shape
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
@@ -175,7 +174,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     inputs = [("source", src), ("calibration data", settings.calibration_file)]
     check_output_path(out, overwrite=overwrite, inputs=inputs)
     opened = open_checkpoint(src, progress=progress)
-    plan = make_plan(opened, settings)
+    plan = make_plan(opened, settings, device=dev)
     settings = plan.settings
     if progress:
         for line in auto_lines(settings):
@@ -269,7 +268,10 @@ def _not_resumable(ctx: Any) -> Iterator[tuple[Path, bool]]:
 def _fingerprint(opened: Opened, plan: Plan, settings: ResolvedSettings) -> str:
     """What makes two runs the same conversion: settings, source files, plan, gqakit version."""
     files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in opened.source.files() if p.exists()]
-    key = {"settings": settings.record(), "files": files, "version": gqakit.__version__,
+    record = settings.record()
+    for part in ("options", "auto"):  # where the streams live (and the free memory that chose it) changes no value
+        record.get(part, {}).pop("offload", None)
+    key = {"settings": record, "files": files, "version": gqakit.__version__,
            "tensors": [(p.name, str(p.dtype), list(p.shape)) for p in plan.tensors]}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -303,7 +305,7 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
     check_output_path(out, overwrite=overwrite, inputs=inputs, kind=GGUF_FILE)
     inp = open_gguf_source(src)
     opened, reader = inp.opened, inp.reader
-    plan = make_plan(opened, settings, gguf_out=True)
+    plan = make_plan(opened, settings, gguf_out=True, device=dev)
     settings = plan.settings
     changed = changed_tensors(inp, plan, G, wanted)
     if dry_run:

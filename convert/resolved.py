@@ -24,6 +24,27 @@ Output = Literal["folder", "gguf"]
 
 
 @dataclass(frozen=True)
+class Device:
+    """The device a conversion computes on, as its settings are resolved for it."""
+
+    name: str       # "cpu", "cuda", "cuda:1", "mps"
+    free: int       # bytes free on it (host memory for the CPU)
+    host_free: int  # bytes of host memory free
+
+    @property
+    def gpu(self) -> bool:
+        return self.name.startswith("cuda")
+
+
+def device_facts(device: str = "cpu") -> Device:
+    """`device` (resolved: not "auto") with its free memory and the host's, measured now."""
+    from gqakit.core import device as devices
+
+    host = devices.available_memory("cpu")
+    return Device(device, host if device == "cpu" else devices.available_memory(device), host)
+
+
+@dataclass(frozen=True)
 class ResolvedSettings:
     asked: ConvertSettings          # the settings as given (the record's "options" are these)
     grouping: str                   # a name in `grouping.GROUPINGS`
@@ -112,18 +133,21 @@ class ResolvedSettings:
 
 
 def resolve_settings(settings: ConvertSettings, *, source_params: int, max_positions: int | None,
-                     output: Output = "folder") -> ResolvedSettings:
-    """`settings` with every "auto" decided for a model of `source_params` parameters and a
-    context of `max_positions` (None: unknown), written as `output`: the method's resolver
-    (`core.methods.MethodSpec.resolver`) decides its options and the grouping; a method without
-    one groups contiguously (the paper)."""
+                     output: Output = "folder", device: Device | None = None, hidden: int | None = None,
+                     layers: int | None = None) -> ResolvedSettings:
+    """`settings` with every "auto" decided for a model of `source_params` parameters, a
+    context of `max_positions` (None: unknown), `hidden` wide and `layers` deep, written as
+    `output`, computed on `device` (default: the CPU, its free memory measured now): the
+    method's resolver (`core.methods.MethodSpec.resolver`) decides its options and the
+    grouping; a method without one groups contiguously (the paper)."""
     spec = method_spec(settings.method)
     if output == "folder" and settings.max_shard_size is None:
         raise GqakitError("a model folder OUT needs a largest shard size (--max-shard-size)")
     grouping, options, reasons = settings.grouping, settings.refit, {}
     if spec.resolver is not None:
-        grouping, options, reasons = load(spec.resolver)(settings, source_params=source_params,
-                                                         max_positions=max_positions, output=output)
+        grouping, options, reasons = load(spec.resolver)(
+            settings, source_params=source_params, max_positions=max_positions, output=output,
+            device=device if device is not None else device_facts("cpu"), hidden=hidden, layers=layers)
     if grouping == "auto":
         grouping = "contiguous"
     return ResolvedSettings(settings, grouping, options, output, None if settings.dtype == "auto" else settings.dtype,

@@ -36,23 +36,15 @@ from gqakit.convert.calibration.fits import fit_for
 from gqakit.convert.calibration.memory import trim
 from gqakit.convert.calibration.resume import CHECKPOINT, load_checkpoint, load_tokens, save_checkpoint
 from gqakit.convert.calibration.skeleton import Skeleton
-from gqakit.convert.calibration.streams import Streams, choose_offload
+from gqakit.convert.calibration.streams import Streams
 from gqakit.convert.calibration.tokens import calibration_sequences
 from gqakit.convert.layout import AttnHeads
 from gqakit.convert.plan import Plan
-from gqakit.convert.refit_options import SMALL_MODEL
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.device import PeakMemory
 from gqakit.core.run import show_bars
-
-
-def compute_dtype(opts_dtype: str, source_params: int, device: str) -> torch.dtype:
-    """The block compute dtype: `auto` is float64 for small models on the CPU, else float32."""
-    if opts_dtype == "auto":
-        return torch.float64 if source_params < SMALL_MODEL and device == "cpu" else torch.float32
-    return getattr(torch, opts_dtype)
 
 
 def _duration(seconds: float) -> str:
@@ -90,15 +82,10 @@ class CalibrationStage:
         self.resume_dir, self.written = resume_dir, written
         self.opts = settings.options
         self.spec = archmod.registry()[plan.family]
-        self.dtype = compute_dtype(self.opts.dtype, plan.source_params, device)
-        # sequences per block forward: 4 on the CPU, 8 on a GPU, at most 1,024 and 2,048 tokens
-        # (enough to keep it busy, while the float64 temporaries of the fits stay small next to
-        # the streams; each reconstruction step sees one such batch)
-        b, gpu = self.opts.batch, str(device).startswith("cuda")
-        seq_len = min(int(self.opts.seq_len), archmod.max_positions(opened.config) or int(self.opts.seq_len))
-        self.batch = int(b) if b != "auto" else max(1, min(8 if gpu else 4, (2048 if gpu else 1024) // seq_len))
-        sd = self.opts.stream_dtype
-        self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
+        # every setting decided for this model and device (`refit_options.resolve_align_refit`)
+        self.dtype = getattr(torch, self.opts.dtype)
+        self.batch = int(self.opts.batch)
+        self.stream_dtype = getattr(torch, self.opts.stream_dtype)
         self.fit = fit if fit is not None else fit_for(settings, plan, dtype=self.dtype, device=device)
         self.summary: dict[str, Any] = {}
         self.skeleton: Skeleton | None = None
@@ -193,10 +180,7 @@ class CalibrationStage:
             h = sk.block_inputs(remap[self.seqs[sl]], self.calls)
             if streams is None:
                 self.hidden = h.shape[-1]
-                per_block = self.plan.source_params // max(L_n, 1) * self.dtype.itemsize
-                nbytes = 2 * n_seq * T * self.hidden * self.stream_dtype.itemsize
-                place = choose_offload(self.opts.offload, nbytes, per_block, self.device)
-                streams = Streams((n_seq, T, self.hidden), self.stream_dtype, place, self.device,
+                streams = Streams((n_seq, T, self.hidden), self.stream_dtype, self.opts.offload, self.device,
                                   (self.scratch / "calibration-streams") if self.scratch else None)
             if state is None:
                 streams.put("orig", sl, h)

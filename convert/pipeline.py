@@ -90,14 +90,25 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", progress: 
     if out is not None:
         check_output_path(Path(out), overwrite=overwrite,
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
-    plan = make_plan(open_checkpoint(settings.source, progress=progress), settings, device=dev)
+    opened = open_checkpoint(settings.source, progress=progress)
+    plan = make_plan(opened, settings, device=dev)
     s = plan.shape
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
             f"{s.num_kv_heads} -> {settings.num_kv_heads} KV heads, head_dim {s.head_dim}", *grouped,
-            *auto_lines(plan.settings),
+            *auto_lines(plan.settings), *expected_time_lines(opened, plan, dev),
             f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]
+
+
+def expected_time_lines(opened: Opened, plan: Plan, device: str) -> list[str]:
+    """For a method that calibrates: its expected time on `device`, from a short probe of the
+    first layer (`calibration.estimate`); none for the others."""
+    if not plan.settings.staged:
+        return []
+    from gqakit.convert.calibration.estimate import estimate_line
+
+    return [estimate_line(opened, plan, plan.settings, device=device)]
 
 
 def auto_lines(settings: ResolvedSettings) -> list[str]:
@@ -313,6 +324,7 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
         kinds = sorted({f"{c.qtype.name}" for c in changed.values()})
         return [f"{plan.family} (GGUF {inp.arch}): {s.num_layers} layers, {s.num_heads} query heads, "
                 f"{s.num_kv_heads} -> {G} KV heads, head_dim {s.head_dim}", *auto_lines(settings),
+                *expected_time_lines(opened, plan, dev),
                 f"{len(reader.tensors)} tensors: {len(reader.tensors) - len(changed)} copied as they are, "
                 f"{len(changed)} re-encoded as {', '.join(kinds)}; method {settings.method}; nothing written (dry run)"]
 

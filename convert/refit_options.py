@@ -63,6 +63,9 @@ class RefitOptions(BaseModel):
     dtype: Literal["auto", "float32", "float64"] = Field(
         "auto", description="block compute dtype: auto (float64 for models under 20M parameters on the CPU, "
                             "else float32), float32 or float64")
+    step_dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
+        "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights; "
+                            "auto: the compute dtype)")
     stream_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="storage dtype of the two hidden-state streams: auto (the compute dtype), float32, "
                             "float64, bfloat16 or float16")
@@ -204,6 +207,8 @@ class ResolvedRefitOptions(RefitOptions):
     lr: Number = Field(gt=0, description=RefitOptions.model_fields["lr"].description)
     train: Literal["attention", "block"] = Field(description=RefitOptions.model_fields["train"].description)
     dtype: Literal["float32", "float64"] = Field(description=RefitOptions.model_fields["dtype"].description)
+    step_dtype: Literal["float32", "float64", "bfloat16"] = Field(
+        description=RefitOptions.model_fields["step_dtype"].description)
     stream_dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
         description=RefitOptions.model_fields["stream_dtype"].description)
     offload: Literal["device", "cpu", "disk"] = Field(description=RefitOptions.model_fields["offload"].description)
@@ -278,6 +283,9 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         r["dtype"] = "float64" if small and not device.gpu else "float32"
         reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
     dtype = str(r.get("dtype", refit.dtype))
+    if refit.step_dtype == "auto":
+        r["step_dtype"] = dtype
+        reasons["step_dtype"] = f"auto: {dtype} (the compute dtype)"
     if refit.stream_dtype == "auto":
         r["stream_dtype"] = dtype
         reasons["stream_dtype"] = f"auto: {dtype} (the compute dtype)"

@@ -47,7 +47,7 @@ from gqakit.core.device import PeakMemory
 from gqakit.core.run import show_bars
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     s = int(round(seconds))
     if s < 60:
         return f"{s} s"
@@ -60,8 +60,8 @@ def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers
     """The progress line after the first layer: the expected time of the whole calibration, from
     the time so far and the first layer's seconds times the layers still to do."""
     total = elapsed + layer_seconds * layers_left
-    return (f"expected time: about {_duration(total)} in all, {_duration(layer_seconds * layers_left)} left "
-            f"({_duration(layer_seconds)} per layer, measured on the first; {layers_left} of {layers} layers to go)")
+    return (f"expected time: about {duration(total)} in all, {duration(layer_seconds * layers_left)} left "
+            f"({duration(layer_seconds)} per layer, measured on the first; {layers_left} of {layers} layers to go)")
 
 
 class CalibrationStage:
@@ -93,19 +93,26 @@ class CalibrationStage:
         self.drift_first: list[float] = []
         self.q_orders: dict[int, list[int] | None] = {}  # each layer's query head order, resumed ones too
         self._block_out: dict[int, dict[str, Tensor]] = {}  # other trained tensors, by layer
+        self.ticks: list[float] | None = None  # with a list: the clock at each progress unit (`estimate.probe`)
+        self.clock: Callable[[], float] = time.perf_counter
+        self.prepare_seconds = 0.0
 
     def layers(self) -> Iterator[tuple[int, AttnHeads]]:
         t0 = time.perf_counter()
         peak = PeakMemory(self.device)
         peak.reset()
+        tp = self.clock()
         start = self._prepare()
+        self.prepare_seconds = self.clock() - tp
         L_n = self.plan.shape.num_layers
         per_layer = self.fit.units(len(self.spans)) + len(self.spans)
         self.bar = tqdm(total=L_n * per_layer, initial=start * per_layer, desc="calibrating",
                         unit="batch", disable=not self.progress, dynamic_ncols=True)
         last_checkpoint = time.perf_counter()
         for L in range(start, L_n):
-            tl = time.perf_counter()
+            tl = self.clock()
+            if self.ticks is not None:
+                self.ticks.append(tl)
             self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
             ctx = self._context(L)
             fitted = self.fit.fit(ctx)
@@ -115,7 +122,7 @@ class CalibrationStage:
             self._advance_converted(ctx, fitted.weights)
             fitted.weights = {}  # the block's weights now: freed with it
             ctx.block.free()
-            secs = time.perf_counter() - tl
+            secs = self.clock() - tl
             self.bar.set_postfix_str(f"{self.tokens / secs:,.0f} tok/s"
                                      + (f", drift {self.drift[-1]:.3f}" if self.drift else ""))
             if L == start and self.progress:  # measured, not guessed: this device, these settings
@@ -198,8 +205,14 @@ class CalibrationStage:
         block = Block(self.skeleton, self.spec, L, kv_heads=self.plan.shape.num_kv_heads, dtype=self.dtype,
                       device=self.device, streams=self.streams, calls=self.calls)
         return BlockContext(block, self.streams, self.spans, self._masks, self.spec, self.plan.shape,
-                            self.settings.num_kv_heads, self.hidden, tick=self.bar.update,
+                            self.settings.num_kv_heads, self.hidden, tick=self._tick,
                             note=self.bar.set_postfix_str)
+
+    def _tick(self, n: int) -> None:
+        """Progress: `n` units done (and their times, when recorded)."""
+        self.bar.update(n)
+        if self.ticks is not None:
+            self.ticks.append(self.clock())
 
     def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:
         """Rows of span `sl`: those that enter the fits, those the drift is measured on, and
@@ -226,7 +239,7 @@ class CalibrationStage:
         with torch.inference_mode():
             for sl in todo:
                 ctx.advance_original(sl, blk.run(sl, "orig"))
-                self.bar.update(1)
+                self._tick(1)
         blk.use({n: current[r] for n, r in blk.attn_rel.items()})
 
     def _advance_converted(self, ctx: BlockContext, converted: dict[str, Tensor]) -> None:
@@ -249,7 +262,7 @@ class CalibrationStage:
                            / ro.norm(dim=1).to(f64).clamp_min(1e-30))
                     err += torch.stack([rel[measure].sum(), rel[first].sum()])
                     cnt += torch.stack([measure.sum(), first.sum()]).to(f64)
-                self.bar.update(1)
+                self._tick(1)
         if not last:
             e = (err / cnt.clamp_min(1)).tolist()
             self.drift.append(e[0])

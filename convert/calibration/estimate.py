@@ -1,0 +1,123 @@
+"""How long a calibrated conversion will take on this device, from a short measured probe.
+
+`probe` runs the calibration stage itself on the first block, with a few spans of calibration
+sequences and a few reconstruction steps, and times each progress unit (`Rates`).
+`expected_seconds` scales those rates by what the real run does: per layer, three passes over
+every span (the input moments, the o_proj fit with the original stream's advance, the
+converted stream's advance), `steps` reconstruction steps and the guard's forwards, plus a
+fixed part (reading the block, the closed-form solves); before the first layer, the
+calibration tokens and the block inputs, in proportion to the sequences. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gqakit.convert.plan import Plan
+from gqakit.convert.resolved import ResolvedSettings
+
+PROBE_SPANS = 3  # spans of `batch` sequences the probe calibrates on (the first of each pass reads the block too)
+PROBE_STEPS = 8  # reconstruction steps it times (a guard check every 2: the fastest interval is a step alone)
+GUARD_CHECKS = 5  # guard evaluations per layer: before the steps and after each quarter of them
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Seconds per unit of a calibrated conversion, measured by `probe` on the first block."""
+
+    fit_span: float     # one span through a fit pass (input moments or the o_proj fit), median
+    forward_span: float  # one span through the whole block (the converted stream's advance), median
+    step: float         # one reconstruction step (0 without steps), fastest
+    layer_fixed: float  # per layer, outside the units: reading the block, the closed-form solves
+    prepare_span: float  # before the first layer, per span: calibration tokens, block inputs
+    sampled: bool       # the calibration text is sampled from the model (`prepare_span` per generate call)
+
+    def per_layer(self, spans: int, steps: int, guard_spans: int) -> float:
+        guard = GUARD_CHECKS * min(guard_spans, spans) * self.forward_span if steps else 0.0
+        return self.layer_fixed + spans * (2 * self.fit_span + self.forward_span) + steps * self.step + guard
+
+
+def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard_spans: int,
+                     generate_calls: int = 1) -> float:
+    """The whole calibration's expected seconds: the preparation, then `layers` layers."""
+    prepare = rates.prepare_span * (generate_calls if rates.sampled else spans)
+    return prepare + layers * rates.per_layer(spans, steps, guard_spans)
+
+
+def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans: int, prepare_seconds: float,
+                     sampled: bool) -> Rates:
+    """`Rates` from the clock at the start of the first layer and after each of its progress units:
+    2 x `spans` fit units, `steps` steps, then `spans` forward units (`stage.CalibrationStage`)."""
+    t = ticks
+    d = [b - a for a, b in zip(t, t[1:])]
+    moments, o_fit = d[:spans], d[spans:2 * spans]
+    step = d[2 * spans:2 * spans + steps]
+    fwd = d[2 * spans + steps:]
+    # each pass's first unit also reads the block or solves a fit: the others time the unit alone
+    rest = lambda x: x[1:] or x  # noqa: E731
+    fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
+    fwd_span = statistics.median(rest(fwd))
+    step_s = min(step) if step else 0.0
+    checks = 1 + sum(1 for i in range(1, steps + 1) if i % max(1, steps // 4) == 0 or i == steps) if steps else 0
+    accounted = spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
+    return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted),
+                 prepare_seconds if sampled else prepare_seconds / spans, sampled)
+
+
+def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
+          clock: Callable[[], float] = time.perf_counter) -> Rates:
+    """Run the first block of the calibration on `PROBE_SPANS` spans with `PROBE_STEPS` steps
+    (none when the run takes none) and time it."""
+    from gqakit.convert.calibration.stage import CalibrationStage
+
+    opts = settings.options
+    steps = PROBE_STEPS if settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads) else 0
+    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
+    tokens = PROBE_SPANS * int(opts.batch) * seq_len
+    small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
+                                options=_with(opts, steps=steps, checkpoint_seconds=1e9))
+    stage = CalibrationStage(opened, plan, small, device=device, progress=False)
+    stage.ticks, stage.clock = [], clock
+    layers = stage.layers()
+    try:
+        next(layers)
+    finally:
+        layers.close()
+    spans = len(stage.spans)
+    return rates_from_ticks(stage.ticks, spans=spans, steps=steps, guard_spans=int(opts.guard_spans),
+                            prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None)
+
+
+def _with(opts: Any, **update: Any) -> Any:
+    new = opts.model_copy(update=update)
+    new._given = opts._given
+    return new
+
+
+def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
+    """What the real run does: its layers, spans, steps per layer, guard spans and generate calls."""
+    opts = settings.options
+    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
+    n_seq = max(1, math.ceil(settings.calibration_tokens / seq_len))
+    return {"layers": plan.shape.num_layers, "spans": math.ceil(n_seq / int(opts.batch)),
+            "steps": settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads),
+            "guard_spans": int(opts.guard_spans), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}
+
+
+def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str) -> str:
+    """The dry run's line: the expected calibration time, from a probe on this device."""
+    from gqakit.convert.calibration.stage import duration
+
+    rates = probe(opened, plan, settings, device=device)
+    shape = run_shape(plan, settings)
+    total = expected_seconds(rates, **shape)
+    per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"])
+    return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
+            f"layer x {shape['layers']} layers, {shape['steps']} steps each; from a probe of the first layer on "
+            f"{PROBE_SPANS} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))

@@ -22,19 +22,22 @@ def test_rates_come_from_the_units_times():
     # (step intervals: the guard after a step lands in the next interval; the initial guard in the first)
     ticks = list(itertools.accumulate([0.0, *d]))
     r = rates_from_ticks(ticks, spans=3, steps=4, guard_spans=8, prepare_seconds=6.0, sampled=False)
-    assert (r.fit_span, r.forward_span, r.step, r.prepare_span) == (1.5, 3.0, 5.0, 2.0)
+    assert (r.fit_span, r.forward_span, r.step, r.prepare) == (1.5, 3.0, 5.0, 6.0)
     # what the units leave: the fixed part of a layer, so that the model gives back the probe's own time
     assert r.per_layer(3, 4, 8) == pytest.approx(ticks[-1] - ticks[0])
 
 
 def test_expected_time_scales_with_layers_tokens_and_steps():
-    r = Rates(fit_span=1.0, forward_span=2.0, step=3.0, layer_fixed=5.0, prepare_span=0.5, sampled=False)
+    r = Rates(fit_span=1.0, forward_span=2.0, step=3.0, layer_fixed=5.0, prepare=5.0, sampled=False)
     one = expected_seconds(r, layers=1, spans=10, steps=100, guard_spans=8)
-    assert one == 0.5 * 10 + 5 + 10 * (2 * 1 + 2) + 100 * 3 + 5 * 8 * 2
+    assert one == 5 + 5 + 10 * (2 * 1 + 2) + 100 * 3 + 5 * 8 * 2
     assert expected_seconds(r, layers=30, spans=10, steps=100, guard_spans=8) - 5 == pytest.approx(30 * (one - 5))
     # twice the tokens: twice the span passes, the same steps
     twice = expected_seconds(r, layers=1, spans=20, steps=100, guard_spans=8)
-    assert twice - one == pytest.approx(10 * 0.5 + 10 * 4)
+    assert twice - one == pytest.approx(10 * 4)
+    # sampled text: the preparation per generate call
+    sampled = Rates(**{**r.__dict__, "sampled": True})
+    assert expected_seconds(sampled, layers=1, spans=10, steps=100, guard_spans=8, generate_calls=3) == one + 10
     assert expected_seconds(r, layers=1, spans=10, steps=0, guard_spans=8) == one - 100 * 3 - 80
 
 

@@ -6,7 +6,8 @@ sequences and a few reconstruction steps, and times each progress unit (`Rates`)
 every span (the input moments, the o_proj fit with the original stream's advance, the
 converted stream's advance), `steps` reconstruction steps and the guard's forwards, plus a
 fixed part (reading the block, the closed-form solves); before the first layer, the
-calibration tokens and the block inputs, in proportion to the sequences. Nothing is written.
+calibration tokens and the block inputs: as measured for a file (reading and tokenizing it
+dominate), per generate call for text sampled from the model. Nothing is written.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class Rates:
     forward_span: float  # one span through the whole block (the converted stream's advance), median
     step: float         # one reconstruction step (0 without steps), fastest
     layer_fixed: float  # per layer, outside the units: reading the block, the closed-form solves
-    prepare_span: float  # before the first layer, per span: calibration tokens, block inputs
-    sampled: bool       # the calibration text is sampled from the model (`prepare_span` per generate call)
+    prepare: float      # before the first layer: calibration tokens, the outer modules, block inputs
+    sampled: bool       # the calibration text is sampled from the model (`prepare` per generate call)
 
     def per_layer(self, spans: int, steps: int, guard_spans: int) -> float:
         guard = GUARD_CHECKS * min(guard_spans, spans) * self.forward_span if steps else 0.0
@@ -46,7 +47,8 @@ class Rates:
 def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard_spans: int,
                      generate_calls: int = 1) -> float:
     """The whole calibration's expected seconds: the preparation, then `layers` layers."""
-    prepare = rates.prepare_span * (generate_calls if rates.sampled else spans)
+    # reading and tokenizing a file, loading the embeddings: about fixed; sampling: per generate call
+    prepare = rates.prepare * (generate_calls if rates.sampled else 1)
     return prepare + layers * rates.per_layer(spans, steps, guard_spans)
 
 
@@ -66,8 +68,7 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
     step_s = min(step) if step else 0.0
     checks = 1 + sum(1 for i in range(1, steps + 1) if i % max(1, steps // 4) == 0 or i == steps) if steps else 0
     accounted = spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
-    return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted),
-                 prepare_seconds if sampled else prepare_seconds / spans, sampled)
+    return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled)
 
 
 def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,

@@ -64,8 +64,9 @@ class RefitOptions(BaseModel):
         "auto", description="block compute dtype: auto (float64 for models under 20M parameters on the CPU, "
                             "else float32), float32 or float64")
     step_dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
-        "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights; "
-                            "auto: the compute dtype)")
+        "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights "
+                            f"and streams; auto: float32 for a model under {SMALL_MODEL // 10**6}M parameters, else "
+                            "bfloat16 where the device multiplies it natively, else float32)")
     stream_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="storage dtype of the two hidden-state streams: auto (the compute dtype), float32, "
                             "float64, bfloat16 or float16")
@@ -284,8 +285,15 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
     dtype = str(r.get("dtype", refit.dtype))
     if refit.step_dtype == "auto":
-        r["step_dtype"] = dtype
-        reasons["step_dtype"] = f"auto: {dtype} (the compute dtype)"
+        if small:  # float64 buys the steps nothing over float32 (the fits before them stay in float64)
+            r["step_dtype"] = "float32"
+            reasons["step_dtype"] = f"auto: float32 ({size})"
+        elif device.bf16:
+            r["step_dtype"] = "bfloat16"
+            reasons["step_dtype"] = f"auto: bfloat16 ({size}; {device.name} multiplies bfloat16 natively)"
+        else:
+            r["step_dtype"] = "float32"
+            reasons["step_dtype"] = f"auto: float32 ({size}; {device.name} has no native bfloat16)"
     if refit.stream_dtype == "auto":
         r["stream_dtype"] = dtype
         reasons["stream_dtype"] = f"auto: {dtype} (the compute dtype)"

@@ -30,6 +30,7 @@ class Device:
     name: str       # "cpu", "cuda", "cuda:1", "mps"
     free: int       # bytes free on it (host memory for the CPU)
     host_free: int  # bytes of host memory free
+    bf16: bool = False  # it multiplies bfloat16 natively (a recent GPU; a CPU with AVX512-BF16 or AMX)
 
     @property
     def gpu(self) -> bool:
@@ -41,7 +42,22 @@ def device_facts(device: str = "cpu") -> Device:
     from gqakit.core import device as devices
 
     host = devices.available_memory("cpu")
-    return Device(device, host if device == "cpu" else devices.available_memory(device), host)
+    return Device(device, host if device == "cpu" else devices.available_memory(device), host, native_bf16(device))
+
+
+def native_bf16(device: str) -> bool:
+    """Whether `device` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU whose
+    oneDNN kernels have bfloat16 instructions (AVX512-BF16, AMX)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    probe = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    try:
+        return dev.type == "cpu" and probe is not None and bool(probe())
+    except RuntimeError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,12 @@ def test_the_device_decides_batch_dtype_and_where_the_streams_go(monkeypatch):
     small = resolve_settings(s, source_params=300_000, max_positions=256, device=Device("cpu", GIB, GIB),
                              hidden=64, layers=5).options
     assert (small.batch, small.dtype) == (4, "float64")  # 256-token sequences; a small model on the CPU
+    # the steps: float32 for a small model (its fits stay float64), bfloat16 where it is native
+    assert small.step_dtype == "float32"
+    for bf16, want in ((True, "bfloat16"), (False, "float32")):
+        got = resolve_settings(s, source_params=135_000_000, max_positions=8192,
+                               device=Device("cpu", 64 * GIB, 64 * GIB, bf16), hidden=576, layers=30)
+        assert got.options.step_dtype == want and "bfloat16" in got.reasons["step_dtype"]
 
 
 @pytest.mark.parametrize("key", ["batch", "seq_len", "steps", "lr"])
@@ -66,3 +72,33 @@ def test_auto_is_a_value_and_a_bad_value_is_one_line(key):
         with pytest.raises(GqakitError) as e:
             RefitOptions.parse({key: bad})
         assert "\n" not in str(e.value) and key in str(e.value)
+
+
+@pytest.mark.parametrize("step_dtype", ["float64", "float32", "bfloat16"])
+def test_the_steps_compute_in_step_dtype(tiny_model, tmp_path, monkeypatch, step_dtype):
+    """The reconstruction steps see their inputs in `step_dtype` (bfloat16: autocast over float32),
+    and the trained block weights go back to the block's compute dtype (float64 for a small model)."""
+    import json
+
+    import torch
+
+    from gqakit.convert.pipeline import convert_checkpoint
+
+    seen = []
+    real = torch.func.functional_call
+
+    def spy(module, params, args, kwargs=None, **kw):
+        x = args[0] if args else kwargs["hidden_states"]
+        seen.append((x.dtype, torch.is_autocast_enabled("cpu")))
+        return real(module, params, args, kwargs, **kw)
+
+    monkeypatch.setattr(torch.func, "functional_call", spy)
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=2)
+    out = convert_checkpoint(src, tmp_path / "out", 2, "align-refit", calibration_tokens=256, progress=False,
+                             device="cpu", options={"seq_len": 32, "steps": 4, "step_dtype": step_dtype})
+    autocast = step_dtype == "bfloat16"
+    want = torch.float32 if autocast else getattr(torch, step_dtype)
+    assert seen and set(seen) == {(want, autocast)}
+    cal = json.loads((out / "gqakit_convert.json").read_text())["calibration"]
+    assert cal["compute_dtype"] == "float64" and cal["options"]["step_dtype"] == step_dtype
+    assert len(cal["reconstruction"]) == 2

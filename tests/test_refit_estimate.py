@@ -16,15 +16,17 @@ from gqakit.convert.source import open_checkpoint
 
 
 def test_rates_come_from_the_units_times():
-    # 3 spans: moments 1 s, o_proj fits 2 s, 4 steps of 5 s with a guard (3 spans x 3 s) every step,
-    # the converted stream's advance 3 s; each pass's first unit 10 s more (reading the block, solving)
-    d = [11, 1, 1, 12, 2, 2] + [5 + 9 + 10, 5 + 9, 5, 5 + 9] + [3 + 9 + 10, 3, 3]
-    # (step intervals: the guard after a step lands in the next interval; the initial guard in the first)
+    # 3 spans: moments 1 s, o_proj fits 2 s, 8 steps of 5 s with a guard (3 spans x 3 s) after every
+    # other step, the converted stream's advance 3 s; each pass's first unit 10 s more (reading the
+    # block, solving). The guard after a step lands in the next interval; the initial one in the first.
+    d = [11, 1, 1, 12, 2, 2] + [5 + 9 + 10, 5, 5 + 9, 5, 5 + 9, 5, 5 + 9, 5] + [3 + 9 + 10, 3, 3]
     ticks = list(itertools.accumulate([0.0, *d]))
-    r = rates_from_ticks(ticks, spans=3, steps=4, guard_spans=8, prepare_seconds=6.0, sampled=False)
+    r = rates_from_ticks(ticks, spans=3, steps=8, guard_spans=8, prepare_seconds=6.0, sampled=False)
     assert (r.fit_span, r.forward_span, r.step, r.prepare) == (1.5, 3.0, 5.0, 6.0)
     # what the units leave: the fixed part of a layer, so that the model gives back the probe's own time
-    assert r.per_layer(3, 4, 8) == pytest.approx(ticks[-1] - ticks[0])
+    assert r.layer_fixed == 4 * 10  # each pass's first 10 s and the steps' set-up: the fixed part
+    # and the model gives the probe's own time back whole
+    assert r.per_layer(3, 8, 8) == pytest.approx(ticks[-1] - ticks[0])
 
 
 def test_expected_time_scales_with_layers_tokens_and_steps():
@@ -73,3 +75,14 @@ def test_dry_run_says_the_expected_time_and_writes_nothing(tiny_model, tmp_path,
     text = capsys.readouterr()
     assert "expected time: about" in text.out + text.err and "per layer x 2 layers, 3 steps each" in text.out + text.err
     assert not out.exists()
+
+
+def test_the_run_says_its_expected_time_after_a_few_steps_of_the_first_layer(tiny_model, tmp_path, capsys):
+    from gqakit.cli import main
+
+    src = tiny_model("llama", num_key_value_heads=4)
+    main(["convert", str(src), str(tmp_path / "out"), "-g", "2", "--method", "align-refit", "--device", "cpu",
+          "--calibration-tokens", "256", "--refit-option", "steps=12"])
+    err = capsys.readouterr().err
+    early = err.index("measured on the first layer's passes and 8 steps; 2 layers)")
+    assert "per layer: " in err[:early] and early < err.index("measured on the first; 1 of 2 layers to go")

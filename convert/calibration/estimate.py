@@ -24,7 +24,7 @@ from gqakit.convert.plan import Plan
 from gqakit.convert.resolved import ResolvedSettings
 
 PROBE_SPANS = 3  # spans of `batch` sequences the probe calibrates on (the first of each pass reads the block too)
-PROBE_STEPS = 8  # reconstruction steps it times (a guard check every 2: the fastest interval is a step alone)
+PROBE_STEPS = 8  # reconstruction steps it times (a guard check after every other step)
 GUARD_CHECKS = 5  # guard evaluations per layer: before the steps and after each quarter of them
 
 
@@ -34,7 +34,7 @@ class Rates:
 
     fit_span: float     # one span through a fit pass (input moments or the o_proj fit), median
     forward_span: float  # one span through the whole block (the converted stream's advance), median
-    step: float         # one reconstruction step (0 without steps), fastest
+    step: float         # one reconstruction step (0 without steps), median
     layer_fixed: float  # per layer, outside the units: reading the block, the closed-form solves
     prepare: float      # before the first layer: calibration tokens, the outer modules, block inputs
     sampled: bool       # the calibration text is sampled from the model (`prepare` per generate call)
@@ -65,7 +65,8 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
     rest = lambda x: x[1:] or x  # noqa: E731
     fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
     fwd_span = statistics.median(rest(fwd))
-    step_s = min(step) if step else 0.0
+    # a guard check after every other step lands in the next step's interval: the others are steps alone
+    step_s = statistics.median(step[1::2] or step) if step else 0.0
     checks = 1 + sum(1 for i in range(1, steps + 1) if i % max(1, steps // 4) == 0 or i == steps) if steps else 0
     accounted = spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
     return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled)
@@ -122,3 +123,23 @@ def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device
     return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
             f"layer x {shape['layers']} layers, {shape['steps']} steps each; from a probe of the first layer on "
             f"{PROBE_SPANS} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))
+
+
+def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float) -> str:
+    """The run's first progress line: the expected time, from its own first layer so far (the clock
+    at the layer's start and after its 2 x `spans` fit passes and its first steps), the converted
+    stream's pass counted as a fit pass."""
+    from gqakit.convert.calibration.stage import duration
+
+    d = [b - a for a, b in zip(ticks, ticks[1:])]
+    moments, o_fit, step = d[:spans], d[spans:2 * spans], d[2 * spans:]
+    rest = lambda x: x[1:] or x  # noqa: E731
+    fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
+    step_s = statistics.median(rest(step))
+    fixed = max(0.0, d[0] - fit_span) + max(0.0, d[spans] - fit_span)
+    rates = Rates(fit_span, fit_span, step_s, fixed, 0.0, False)
+    per_layer = rates.per_layer(spans, steps, 8)
+    total = elapsed + per_layer * layers_left  # elapsed: before the first layer
+    return (f"expected time: about {duration(total)} in all ({duration(per_layer)} per layer: {step_s:.3g} s per "
+            f"step x {steps} steps, {fit_span:.3g} s per span x {3 * spans} span passes; measured on the first "
+            f"layer's passes and {len(step)} steps; {layers_left} layers)")

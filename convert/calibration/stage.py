@@ -32,6 +32,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from gqakit.convert.calibration.block import Block, BlockContext, Fit
+from gqakit.convert.calibration.estimate import PROBE_STEPS, early_line
 from gqakit.convert.calibration.fits import fit_for
 from gqakit.convert.calibration.memory import trim
 from gqakit.convert.calibration.resume import CHECKPOINT, load_checkpoint, load_tokens, save_checkpoint
@@ -96,6 +97,8 @@ class CalibrationStage:
         self.ticks: list[float] | None = None  # with a list: the clock at each progress unit (`estimate.probe`)
         self.clock: Callable[[], float] = time.perf_counter
         self.prepare_seconds = 0.0
+        self._early: list[float] | None = None  # the first layer's clock, until its early expected-time line
+        self._early_at, self._early_steps, self._t0, self._layers_left = 0, 0, 0.0, 0
 
     def layers(self) -> Iterator[tuple[int, AttnHeads]]:
         t0 = time.perf_counter()
@@ -114,6 +117,12 @@ class CalibrationStage:
             if self.ticks is not None:
                 self.ticks.append(tl)
             self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
+            n = len(self.spans)
+            self._early_steps = self.fit.units(n) - 2 * n
+            if L == start and self.progress and self._early_steps > 0:  # said early: after a few steps
+                # before this layer: the preparation; from it: every layer left, this one included
+                self._early, self._t0, self._layers_left = [tl], time.perf_counter() - t0, L_n - L
+                self._early_at = 2 * n + min(self._early_steps, PROBE_STEPS)
             ctx = self._context(L)
             fitted = self.fit.fit(ctx)
             if fitted.rest:
@@ -213,6 +222,12 @@ class CalibrationStage:
         self.bar.update(n)
         if self.ticks is not None:
             self.ticks.append(self.clock())
+        if self._early is not None:
+            self._early.append(self.clock())
+            if len(self._early) > self._early_at:
+                tqdm.write(early_line(self._early, spans=len(self.spans), steps=self._early_steps,
+                                      layers_left=self._layers_left, elapsed=self._t0), file=sys.stderr)
+                self._early = None
 
     def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:
         """Rows of span `sl`: those that enter the fits, those the drift is measured on, and

@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(RESULTS / "refit_speed.jsonl"))
     args = ap.parse_args()
-    from gqakit.convert.calibration.estimate import expected_seconds, probe, run_shape
+    from gqakit.convert.calibration.estimate import expected_seconds, run_shape
+    from gqakit.convert.calibration.probe import probe
     from gqakit.convert.plan import make_plan
     from gqakit.convert.settings import ConvertSettings
     from gqakit.convert.source import open_checkpoint

@@ -106,7 +106,7 @@ def expected_time_lines(opened: Opened, plan: Plan, device: str) -> list[str]:
     first layer (`calibration.estimate`); none for the others."""
     if not plan.settings.staged:
         return []
-    from gqakit.convert.calibration.estimate import estimate_line
+    from gqakit.convert.calibration.probe import estimate_line
 
     return [estimate_line(opened, plan, plan.settings, device=device)]
 

@@ -9,7 +9,8 @@ import itertools
 
 import pytest
 
-from gqakit.convert.calibration.estimate import Rates, expected_seconds, probe, rates_from_ticks, run_shape
+from gqakit.convert.calibration.estimate import Rates, expected_seconds, rates_from_ticks, run_shape
+from gqakit.convert.calibration.probe import probe
 from gqakit.convert.plan import make_plan
 from gqakit.convert.settings import ConvertSettings
 from gqakit.convert.source import open_checkpoint

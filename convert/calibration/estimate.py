@@ -1,6 +1,6 @@
 """How long a calibrated conversion will take on this device, from a short measured probe.
 
-`probe` runs the calibration stage itself on the first block, with a few spans of calibration
+`probe.probe` runs the calibration stage itself on the first block, with a few spans of calibration
 sequences and a few reconstruction steps, and times each progress unit (`Rates`).
 `expected_seconds` scales those rates by what the real run does: per layer, three passes over
 every span (the input moments, the o_proj fit with the original stream's advance, the
@@ -12,13 +12,9 @@ dominate), per generate call for text sampled from the model. Nothing is written
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from gqakit.convert.plan import Plan
 from gqakit.convert.resolved import ResolvedSettings
@@ -26,6 +22,15 @@ from gqakit.convert.resolved import ResolvedSettings
 PROBE_SPANS = 3  # spans of `batch` sequences the probe calibrates on (the first of each pass reads the block too)
 PROBE_STEPS = 8  # reconstruction steps it times (a guard check after every other step)
 GUARD_CHECKS = 5  # guard evaluations per layer: before the steps and after each quarter of them
+
+
+def duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 @dataclass(frozen=True)
@@ -72,36 +77,6 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
     return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled)
 
 
-def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
-          clock: Callable[[], float] = time.perf_counter) -> Rates:
-    """Run the first block of the calibration on `PROBE_SPANS` spans with `PROBE_STEPS` steps
-    (none when the run takes none) and time it."""
-    from gqakit.convert.calibration.stage import CalibrationStage
-
-    opts = settings.options
-    steps = PROBE_STEPS if settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads) else 0
-    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
-    tokens = PROBE_SPANS * int(opts.batch) * seq_len
-    small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
-                                options=_with(opts, steps=steps, checkpoint_seconds=1e9))
-    stage = CalibrationStage(opened, plan, small, device=device, progress=False)
-    stage.ticks, stage.clock = [], clock
-    layers = stage.layers()
-    try:
-        next(layers)
-    finally:
-        layers.close()
-    spans = len(stage.spans)
-    return rates_from_ticks(stage.ticks, spans=spans, steps=steps, guard_spans=int(opts.guard_spans),
-                            prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None)
-
-
-def _with(opts: Any, **update: Any) -> Any:
-    new = opts.model_copy(update=update)
-    new._given = opts._given
-    return new
-
-
 def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
     """What the real run does: its layers, spans, steps per layer, guard spans and generate calls."""
     opts = settings.options
@@ -112,25 +87,10 @@ def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
             "guard_spans": int(opts.guard_spans), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}
 
 
-def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str) -> str:
-    """The dry run's line: the expected calibration time, from a probe on this device."""
-    from gqakit.convert.calibration.stage import duration
-
-    rates = probe(opened, plan, settings, device=device)
-    shape = run_shape(plan, settings)
-    total = expected_seconds(rates, **shape)
-    per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"])
-    return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
-            f"layer x {shape['layers']} layers, {shape['steps']} steps each; from a probe of the first layer on "
-            f"{PROBE_SPANS} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))
-
-
 def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float) -> str:
     """The run's first progress line: the expected time, from its own first layer so far (the clock
     at the layer's start and after its 2 x `spans` fit passes and its first steps), the converted
     stream's pass counted as a fit pass."""
-    from gqakit.convert.calibration.stage import duration
-
     d = [b - a for a, b in zip(ticks, ticks[1:])]
     moments, o_fit, step = d[:spans], d[spans:2 * spans], d[2 * spans:]
     rest = lambda x: x[1:] or x  # noqa: E731

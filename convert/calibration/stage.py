@@ -32,7 +32,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from gqakit.convert.calibration.block import Block, BlockContext, Fit
-from gqakit.convert.calibration.estimate import PROBE_STEPS, early_line
+from gqakit.convert.calibration.estimate import PROBE_STEPS, duration, early_line
 from gqakit.convert.calibration.fits import fit_for
 from gqakit.convert.calibration.memory import trim
 from gqakit.convert.calibration.resume import CHECKPOINT, load_checkpoint, load_tokens, save_checkpoint
@@ -46,15 +46,6 @@ from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.device import PeakMemory
 from gqakit.core.run import show_bars
-
-
-def duration(seconds: float) -> str:
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers: int) -> str:

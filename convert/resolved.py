@@ -74,6 +74,9 @@ class ResolvedSettings:
         if self.grouping == "auto" or (self.output == "folder") != (self.max_shard_bytes is not None):
             raise GqakitError(f"settings not resolved: grouping {self.grouping}, output {self.output}, "
                               f"shard size {self.max_shard_bytes}")
+        left = [k for k in getattr(type(self.options), "model_fields", {}) if getattr(self.options, k) == "auto"]
+        if left:  # the stage only reads the options: each is decided before it
+            raise GqakitError(f"settings not resolved: {', '.join(left)} still auto")
 
     # the settings as asked, where "auto" never applied
     @property

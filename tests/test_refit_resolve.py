@@ -65,6 +65,15 @@ def test_the_device_decides_batch_dtype_and_where_the_streams_go(monkeypatch):
         assert got.options.step_dtype == want and "bfloat16" in got.reasons["step_dtype"]
 
 
+def test_resolved_settings_refuse_options_left_auto():
+    from gqakit.convert.resolved import ResolvedSettings
+
+    s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit")
+    with pytest.raises(GqakitError, match="still auto") as e:
+        ResolvedSettings(s, "contiguous", RefitOptions(), "folder", None, 2 * 10**9)
+    assert all(k in str(e.value) for k in AUTO_KEYS)
+
+
 @pytest.mark.parametrize("key", ["batch", "seq_len", "steps", "lr"])
 def test_auto_is_a_value_and_a_bad_value_is_one_line(key):
     assert getattr(RefitOptions.parse({key: "auto"}), key) == "auto"

@@ -238,7 +238,7 @@ def auto_offload(stream_bytes: int, block_bytes: int, device: Device) -> tuple[s
 
 
 def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_positions: int | None,
-                        output: str, device: Device, hidden: int | None = None,
+                        output: str, device: Device | None = None, hidden: int | None = None,
                         layers: int | None = None) -> tuple[str, ResolvedRefitOptions, dict[str, str]]:
     """align-refit's "auto" settings decided from the model's parameters, context, width and
     depth, the output kind and the device (its kind and free memory): (grouping, options, the
@@ -275,6 +275,11 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         r["train"] = "attention" if gguf else best["train"]
         reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)"
                                                       if gguf else f"{size})")
+    if device is None:  # the CPU, nothing measured
+        from gqakit.convert.resolved import Device
+
+        device = Device("cpu", 0, 0, False)
+        hidden = None  # where the streams go needs the free memory
     seq_len = int(r.get("seq_len", refit.seq_len))
     seq_len = min(seq_len, max_positions) if max_positions else seq_len
     if refit.batch == "auto":
@@ -299,7 +304,7 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         reasons["stream_dtype"] = f"auto: {dtype} (the compute dtype)"
     if refit.offload == "auto":
         if hidden is None:
-            r["offload"], reasons["offload"] = "cpu", "auto: cpu (the streams' size unknown)"
+            r["offload"], reasons["offload"] = "cpu", "auto: cpu (host memory; the streams' size or the free memory unknown)"
         else:
             n_tokens = math.ceil(settings.calibration_tokens / seq_len) * seq_len
             stream_bytes = 2 * n_tokens * hidden * ITEMSIZE[str(r.get("stream_dtype", refit.stream_dtype))]

@@ -156,7 +156,8 @@ def resolve_settings(settings: ConvertSettings, *, source_params: int, max_posit
                      layers: int | None = None) -> ResolvedSettings:
     """`settings` with every "auto" decided for a model of `source_params` parameters, a
     context of `max_positions` (None: unknown), `hidden` wide and `layers` deep, written as
-    `output`, computed on `device` (default: the CPU, its free memory measured now): the
+    `output`, computed on `device` (None: the CPU, its memory not measured, so that resolving
+    imports no torch; `make_plan` gives `device_facts`): the
     method's resolver (`core.methods.MethodSpec.resolver`) decides its options and the
     grouping; a method without one groups contiguously (the paper)."""
     spec = method_spec(settings.method)
@@ -166,7 +167,7 @@ def resolve_settings(settings: ConvertSettings, *, source_params: int, max_posit
     if spec.resolver is not None:
         grouping, options, reasons = load(spec.resolver)(
             settings, source_params=source_params, max_positions=max_positions, output=output,
-            device=device if device is not None else device_facts("cpu"), hidden=hidden, layers=layers)
+            device=device, hidden=hidden, layers=layers)
     if grouping == "auto":
         grouping = "contiguous"
     return ResolvedSettings(settings, grouping, options, output, None if settings.dtype == "auto" else settings.dtype,

@@ -304,7 +304,8 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         reasons["stream_dtype"] = f"auto: {dtype} (the compute dtype)"
     if refit.offload == "auto":
         if hidden is None:
-            r["offload"], reasons["offload"] = "cpu", "auto: cpu (host memory; the streams' size or the free memory unknown)"
+            r["offload"] = "cpu"
+            reasons["offload"] = "auto: cpu (host memory; the streams' size or the free memory unknown)"
         else:
             n_tokens = math.ceil(settings.calibration_tokens / seq_len) * seq_len
             stream_bytes = 2 * n_tokens * hidden * ITEMSIZE[str(r.get("stream_dtype", refit.stream_dtype))]

@@ -327,7 +327,8 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
 
 STEPS = [("decode", "1. Decode grid (bench/bench_decode.py)"), ("uptrain", "2. Uptrain throughput and MFU"),
          ("convert", "3. Streamed calibrated conversion"), ("recover", "4. SmolLM2 G=1 recovery (bench/gpu_recover.py)"),
-         ("decode-compiled", "5. Decode, compiled step (bench/bench_decode.py --compile)")]
+         ("decode-compiled", "5. Decode, compiled step (bench/bench_decode.py --compile)"),
+         ("refit", "6. align-refit at its defaults, 7B shape (bench/gpu_refit.py)")]
 
 
 def _file(step: str) -> str:
@@ -435,6 +436,13 @@ def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str
     elif step == "convert":
         entry["result"] = data.get("result")
         md += _convert_md(data)
+    elif step == "refit" and data.get("result"):
+        r = entry["result"] = data["result"]
+        md += [f"align-refit at its defaults ({r['steps']} steps per layer, step dtype {r['step_dtype']}) on "
+               f"{r['layers_run']} layers of a random Llama-2-7B-shaped checkpoint: {r['seconds_per_layer']} s per "
+               f"layer; {r['full_layers']} layers: {r['projected_full_s']:,.0f} s against the {r['target_s']:,} s "
+               f"target ({'met' if r['within_target'] else 'missed'}). `--dry-run` said "
+               f"{r['dry_run_expected_s']:,.0f} s, measured {r['calibration_s']:,.0f} s.", ""]
     elif step == "recover" and data.get("ppl", {}).get("final") is not None:
         p, w, t = data["ppl"], data["within_10_percent"], data["throughput"]
         first = "n/a" if w["first_curve_tokens"] is None else f"{w['first_curve_tokens']:,} tokens"

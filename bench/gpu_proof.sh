@@ -20,6 +20,9 @@
 #               checkout): SmolLM2 G=1 from the recommended align-refit start, uptrained
 #               until within 10% of the original (bench/gpu_recover.py), under its own limit
 #               GQAKIT_RECOVER_LIMIT_S (default 3600), outside the budget -> recover.json
+#   6. refit    align-refit at its defaults (--effort best, 65,536 tokens) on a 2-layer Llama-2-7B-
+#               shaped checkpoint: seconds per layer, the 32-layer projection against a 20-minute
+#               target, the --dry-run estimate against the measured time (bench/gpu_refit.py) -> refit.json
 #   5. decode-compiled  only when GQAKIT_PROOF_STEPS names it (a call of its own: it needs
 #               minutes of compiling): the models of step 2 with the decode step compiled
 #               (torch.compile, mode reduce-overhead: fused small kernels + CUDA graphs, the
@@ -47,7 +50,7 @@ OUTDIR=
 for arg in "$@"; do
   case "$arg" in
     --dry-run) PROFILE=dry ;;
-    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUTDIR" ] || usage; OUTDIR=$arg ;;
   esac
@@ -55,8 +58,8 @@ done
 OUTDIR=${OUTDIR:-${OUT:-}}
 [ -n "$OUTDIR" ] || usage
 # the steps asked for, checked before anything is written or removed
-ALL_STEPS="convert decode uptrain decode-compiled recover"
-SELECTED=" ${GQAKIT_PROOF_STEPS:-convert decode uptrain recover} "
+ALL_STEPS="convert decode uptrain refit decode-compiled recover"
+SELECTED=" ${GQAKIT_PROOF_STEPS:-convert decode uptrain refit recover} "
 SELECTED=${SELECTED//,/ }
 for s in $SELECTED; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "gpu_proof.sh: unknown step '$s' in GQAKIT_PROOF_STEPS (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
@@ -67,16 +70,16 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-rm -f "$OUTDIR"/{decode,decode_compiled,uptrain,convert,recover,gpu_proof}.json "$OUTDIR"/recover.png "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
+rm -f "$OUTDIR"/{decode,decode_compiled,uptrain,convert,refit,recover,gpu_proof}.json "$OUTDIR"/recover.png "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
 LOG=$OUTDIR/log.txt
 : > "$LOG"
 
 if [ "$PROFILE" = gpu ]; then
   # convert (the least predictable step) runs first with the largest share;
   # the later steps get what is left, at most their own limit.
-  BUDGET=${GQAKIT_PROOF_BUDGET_S:-560}; LIMIT_CONVERT=380; LIMIT_DECODE=120; LIMIT_UPTRAIN=90; LIMIT_DECODE_COMPILED=540
+  BUDGET=${GQAKIT_PROOF_BUDGET_S:-560}; LIMIT_CONVERT=380; LIMIT_DECODE=120; LIMIT_UPTRAIN=90; LIMIT_DECODE_COMPILED=540; LIMIT_REFIT=300
 else
-  BUDGET=${GQAKIT_PROOF_BUDGET_S:-300}; LIMIT_DECODE=100; LIMIT_UPTRAIN=100; LIMIT_CONVERT=100; LIMIT_DECODE_COMPILED=150
+  BUDGET=${GQAKIT_PROOF_BUDGET_S:-300}; LIMIT_DECODE=100; LIMIT_UPTRAIN=100; LIMIT_CONVERT=100; LIMIT_DECODE_COMPILED=150; LIMIT_REFIT=100
 fi
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
@@ -155,6 +158,7 @@ COMMON=(--profile "$PROFILE" --out "$OUTDIR" --work "$WORK")
 run_step convert "$LIMIT_CONVERT" "$PY" -m bench.gpu_convert "${COMMON[@]}"
 run_step decode "$LIMIT_DECODE" "$PY" -m bench.gpu_proof decode "${COMMON[@]}"
 run_step uptrain "$LIMIT_UPTRAIN" "$PY" -m bench.gpu_proof uptrain "${COMMON[@]}"
+run_step refit "$LIMIT_REFIT" "$PY" -m bench.gpu_refit "${COMMON[@]}"
 run_step decode-compiled "$LIMIT_DECODE_COMPILED" "$PY" -m bench.gpu_proof decode-compiled "${COMMON[@]}"
 # 4. recover: only with the SmolLM2 GGUF and ../shared's WikiText-2 at hand
 #    (GQAKIT_SMOLLM2 and ../shared beside the checkout), under its own limit, outside the budget above

@@ -91,14 +91,13 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", out: str |
     output rule is checked too, as the run would."""
     from gqakit.core.device import resolve_device
 
-    if settings.staged:
-        resolve_device(device)
+    dev = resolve_device(device) if settings.staged else "cpu"
     if out is not None:
         check_output_path(Path(out), overwrite=overwrite,
                           inputs=[("source", Path(settings.source)), ("calibration data", settings.calibration_file)])
     opened = open_model(settings.source)
-    settings, choice = choose_for(opened, settings, device=resolve_device(device), progress=show_bars())
-    plan = make_plan(opened, settings, kv_heads=None if choice is None else choice.kv_heads)
+    settings, choice = choose_for(opened, settings, device=dev, progress=show_bars())
+    plan = make_plan(opened, settings, device=dev, kv_heads=None if choice is None else choice.kv_heads)
     plan.settings = with_choice(plan.settings, choice)
     s, r = plan.shape, plan.settings
     grouped = [f"grouped: {', '.join(plan.grouped)}"] if plan.is_encoder_decoder else []
@@ -106,8 +105,19 @@ def dry_run_lines(settings: ConvertSettings, *, device: str = "auto", out: str |
     return [f"{plan.family}: {s.num_layers} {'decoder ' if grouped else ''}layers, {s.num_heads} query heads, "
             f"{before} -> {list(r.kv_heads) if r.kv_heads else r.num_kv_heads} KV heads, head_dim {s.head_dim}",
             *grouped, *auto_lines(plan.settings), *(choice.lines() if choice is not None else ()),
+            *expected_time_lines(opened, plan, dev),
             f"parameters {plan.source_params:,} -> {plan.output_params:,}; "
             f"{len(plan.tensors)} tensors; method {settings.method}; nothing written (dry run)"]
+
+
+def expected_time_lines(opened: Opened, plan: Plan, device: str) -> list[str]:
+    """For a method that calibrates: its expected time on `device`, from a short probe of the
+    first layer (`calibration.estimate`); none for the others."""
+    if not plan.settings.staged:
+        return []
+    from gqakit.convert.calibration.probe import estimate_line
+
+    return [estimate_line(opened, plan, plan.settings, device=device)]
 
 
 def auto_lines(settings: ResolvedSettings) -> list[str]:
@@ -186,7 +196,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     check_output_path(out, overwrite=overwrite, inputs=inputs)
     opened = open_model(src)
     settings, choice = choose_for(opened, settings, device=dev, progress=progress)
-    plan = make_plan(opened, settings, kv_heads=None if choice is None else choice.kv_heads)
+    plan = make_plan(opened, settings, device=dev, kv_heads=None if choice is None else choice.kv_heads)
     settings = plan.settings = with_choice(plan.settings, choice)
     if progress:
         for line in auto_lines(settings):
@@ -279,7 +289,10 @@ def _not_resumable(ctx: Any) -> Iterator[tuple[Path, bool]]:
 def _fingerprint(opened: Opened, plan: Plan, settings: ResolvedSettings) -> str:
     """What makes two runs the same conversion: settings, source files, plan, gqakit version."""
     files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in opened.source.files() if p.exists()]
-    key = {"settings": settings.record(), "files": files, "version": gqakit.__version__,
+    record = settings.record()
+    for part in ("options", "auto"):  # where the streams live (and the free memory that chose it) changes no value
+        record.get(part, {}).pop("offload", None)
+    key = {"settings": record, "files": files, "version": gqakit.__version__,
            "tensors": [(p.name, str(p.dtype), list(p.shape)) for p in plan.tensors]}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -313,7 +326,7 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
     check_output_path(out, overwrite=overwrite, inputs=inputs, kind=GGUF_FILE)
     inp = open_gguf_source(src)
     opened, reader = inp.opened, inp.reader
-    plan = make_plan(opened, settings, gguf_out=True)
+    plan = make_plan(opened, settings, gguf_out=True, device=dev)
     settings = plan.settings
     G = settings.num_kv_heads  # the largest layer's, for a per-layer plan
     changed = changed_tensors(inp, plan, G, wanted)
@@ -323,6 +336,7 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
         return [f"{plan.family} (GGUF {inp.arch}): {s.num_layers} layers, {s.num_heads} query heads, "
                 f"{s.num_kv_heads} -> {list(settings.kv_heads) if settings.kv_heads else G} KV heads, "
                 f"head_dim {s.head_dim}", *auto_lines(settings),
+                *expected_time_lines(opened, plan, dev),
                 f"{len(reader.tensors)} tensors: {len(reader.tensors) - len(changed)} copied as they are, "
                 f"{len(changed)} re-encoded as {', '.join(kinds)}; method {settings.method}; nothing written (dry run)"]
 

@@ -23,7 +23,7 @@ import torch
 
 from gqakit.convert.io import Planned
 from gqakit.convert.layout import SITES, layer_names, output_shapes
-from gqakit.convert.resolved import Output, ResolvedSettings, resolve_settings
+from gqakit.convert.resolved import Output, ResolvedSettings, device_facts, resolve_settings
 from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
@@ -173,12 +173,13 @@ def nearest_uniform(shape: archmod.Shape, heads: tuple[int, ...], config: dict[s
             f"{kv_bytes_text(shape.kv_bytes_per_token(DTYPE_BYTES[dtype], heads), dtype)})")
 
 
-def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False,
+def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False, device: str = "cpu",
               kv_heads: tuple[int, ...] | None = None) -> Plan:
     """The plan, with the settings resolved for this model (`Plan.settings`, built here once):
-    what "auto" means depends on its parameters and context, and on the output kind (a GGUF
-    file with `gguf_out`, else a model folder); `kv_heads`: each layer's KV heads as --kv-budget
-    chose them."""
+    what "auto" means depends on its parameters, context and width, on the output kind (a GGUF
+    file with `gguf_out`, else a model folder) and on the device the conversion computes on
+    (resolved, not "auto"; its free memory is measured here); `kv_heads`: each layer's KV heads
+    as --kv-budget chose them."""
     output: Output = "gguf" if gguf_out else "folder"
     spec = archmod.lookup(opened.config)
     check_encoder_decoder(spec, settings, gguf=gguf_out or opened.gguf is not None)
@@ -202,6 +203,7 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
     source_params = sum(numel(m[1]) for m in metas.values())
     resolved = resolve_settings(settings, source_params=source_params,
                                 max_positions=archmod.max_positions(opened.config), output=output,
+                                device=device_facts(device), hidden=shape.hidden_size, layers=shape.num_layers,
                                 kv_heads=kv_heads)
     out_dtype = torch_dtype(resolved.dtype) if resolved.dtype is not None else None
     # methods that touch only K/V leave q and o to be copied through untouched

@@ -11,13 +11,14 @@ import json
 import math
 import textwrap
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt, ValidationError, model_validator
 
 from gqakit.core.errors import GqakitError
 
 if TYPE_CHECKING:
+    from gqakit.convert.resolved import Device
     from gqakit.convert.settings import ConvertSettings
 
 SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
@@ -39,10 +40,10 @@ class RefitOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    seq_len: Literal["auto"] | StrictInt = Field(
-        "auto", ge=2, description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
-    batch: Literal["auto"] | StrictInt = Field(
-        "auto", ge=1, description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU, fewer for "
+    seq_len: Literal["auto"] | Annotated[StrictInt, Field(ge=2)] = Field(
+        "auto", description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
+    batch: Literal["auto"] | Annotated[StrictInt, Field(ge=1)] = Field(
+        "auto", description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU, fewer for "
                                   "sequences over 256 tokens: at most 1,024 and 2,048 tokens)")
     sample_batch: StrictInt = Field(
         64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
@@ -62,6 +63,10 @@ class RefitOptions(BaseModel):
     dtype: Literal["auto", "float32", "float64"] = Field(
         "auto", description="block compute dtype: auto (float64 for models under 20M parameters on the CPU, "
                             "else float32), float32 or float64")
+    step_dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
+        "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights "
+                            f"and streams; auto: float32 for a model under {SMALL_MODEL // 10**6}M parameters, else "
+                            "bfloat16 where the device multiplies it natively, else float32)")
     stream_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="storage dtype of the two hidden-state streams: auto (the compute dtype), float32, "
                             "float64, bfloat16 or float16")
@@ -71,13 +76,13 @@ class RefitOptions(BaseModel):
     save_seconds: Number = Field(
         120.0, ge=0, description="how often, at most, the resume state (the streams and the finished layers) is "
                                  "saved, so that a killed run resumes")
-    steps: Literal["auto"] | StrictInt = Field(
-        "auto", ge=0, description=f"block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
+    steps: Literal["auto"] | Annotated[StrictInt, Field(ge=0)] = Field(
+        "auto", description=f"block-wise reconstruction: Adam steps per layer (0: closed-form fits only; auto: "
                                   f"{BEST['large']['steps']}, or {BEST['small']['steps']} for a model under "
                                   f"{SMALL_MODEL // 10**6}M parameters, fewer in proportion below "
                                   f"{REFERENCE_TOKENS:,} calibration tokens; 0 with --effort fast)")
-    lr: Literal["auto"] | Number = Field(
-        "auto", gt=0, description=f"the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
+    lr: Literal["auto"] | Annotated[Number, Field(gt=0)] = Field(
+        "auto", description=f"the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
                                   f"auto: {BEST['large']['lr']}, or {BEST['small']['lr']} for a model under "
                                   f"{SMALL_MODEL // 10**6}M parameters)")
     guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
@@ -149,7 +154,7 @@ def _option_error(key: str, value: Any) -> str:
     """The one line for a refused align-refit option, from the field's type and limits."""
     field = RefitOptions.model_fields[key]
     kinds = _base_types(field.annotation)
-    limits = {name: getattr(m, name) for m in field.metadata for name in ("gt", "ge", "lt") if hasattr(m, name)}
+    limits = _limits([*field.metadata, *_inner_metadata(field.annotation)])
     auto = " or auto" if "auto" in _choices(field) else ""
     if float in kinds:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -161,6 +166,23 @@ def _option_error(key: str, value: Any) -> str:
     if int in kinds:
         return f"align-refit option {key} must be an integer >= {limits['ge']}{auto}, got {value!r}"
     return f"align-refit option {key}={value!r}; choose from {', '.join(_choices(field))}"
+
+
+def _limits(metadata: Iterable[Any]) -> dict[str, Any]:
+    """The numeric limits (gt, ge, lt) among a field's constraints."""
+    return {name: getattr(m, name) for m in metadata for name in ("gt", "ge", "lt")
+            if getattr(m, name, None) is not None}
+
+
+def _inner_metadata(annotation: Any) -> list[Any]:
+    """The constraints inside an annotation (an `Annotated[int, Field(ge=1)]` within a union)."""
+    out: list[Any] = []
+    for a in get_args(annotation):
+        if hasattr(a, "metadata"):  # a FieldInfo of an Annotated member
+            out += list(a.metadata)
+        elif not isinstance(a, str):
+            out += _inner_metadata(a)
+    return out
 
 
 def _base_types(annotation: Any) -> set[Any]:
@@ -177,21 +199,50 @@ def _choices(field: Any) -> list[str]:
 
 
 class ResolvedRefitOptions(RefitOptions):
-    """align-refit's options for one model: what "auto" meant for its size, context and output
-    kind decided (`resolve_align_refit`). `batch`, `dtype`, `stream_dtype` and `offload` keep
-    "auto" as a rule the calibration stage applies to the device it runs on."""
+    """align-refit's options for one model on one device: what every "auto" meant for its size,
+    context, output kind and the device's memory, decided (`resolve_align_refit`)."""
 
     seq_len: StrictInt = Field(ge=2, description=RefitOptions.model_fields["seq_len"].description)
+    batch: StrictInt = Field(ge=1, description=RefitOptions.model_fields["batch"].description)
     steps: StrictInt = Field(ge=0, description=RefitOptions.model_fields["steps"].description)
     lr: Number = Field(gt=0, description=RefitOptions.model_fields["lr"].description)
     train: Literal["attention", "block"] = Field(description=RefitOptions.model_fields["train"].description)
+    dtype: Literal["float32", "float64"] = Field(description=RefitOptions.model_fields["dtype"].description)
+    step_dtype: Literal["float32", "float64", "bfloat16"] = Field(
+        description=RefitOptions.model_fields["step_dtype"].description)
+    stream_dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
+        description=RefitOptions.model_fields["stream_dtype"].description)
+    offload: Literal["device", "cpu", "disk"] = Field(description=RefitOptions.model_fields["offload"].description)
+
+
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def auto_batch(seq_len: int, gpu: bool) -> int:
+    """Sequences per block forward: 4 on the CPU, 8 on a GPU, at most 1,024 and 2,048 tokens
+    (enough to keep it busy, while the float64 temporaries of the fits stay small next to the
+    streams; each reconstruction step sees one such batch)."""
+    return max(1, min(8 if gpu else 4, (2048 if gpu else 1024) // seq_len))
+
+
+def auto_offload(stream_bytes: int, block_bytes: int, device: Device) -> tuple[str, str]:
+    """Where the streams go, and why: the device when they fit next to a few blocks, else host
+    memory, else disk."""
+    gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
+    if device.gpu and stream_bytes < 0.7 * (device.free - 4 * block_bytes):
+        return "device", f"auto: device ({gib(stream_bytes)} of streams, {gib(device.free)} free on {device.name})"
+    if stream_bytes < 0.5 * device.host_free:
+        return "cpu", f"auto: cpu ({gib(stream_bytes)} of streams, {gib(device.host_free)} of host memory free)"
+    return "disk", (f"auto: disk ({gib(stream_bytes)} of streams, over half the {gib(device.host_free)} of "
+                    "host memory free)")
 
 
 def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_positions: int | None,
-                        output: str) -> tuple[str, ResolvedRefitOptions, dict[str, str]]:
-    """align-refit's "auto" settings decided from the model's parameters and context and the
-    output kind: (grouping, options, the reason for each value "auto" chose). Explicit values
-    are kept as given."""
+                        output: str, device: Device | None = None, hidden: int | None = None,
+                        layers: int | None = None) -> tuple[str, ResolvedRefitOptions, dict[str, str]]:
+    """align-refit's "auto" settings decided from the model's parameters, context, width and
+    depth, the output kind and the device (its kind and free memory): (grouping, options, the
+    reason for each value "auto" chose). Explicit values are kept as given."""
     reasons: dict[str, str] = {}
     grouping, refit = settings.grouping, settings.refit
     small = source_params < SMALL_MODEL
@@ -224,6 +275,42 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         r["train"] = "attention" if gguf else best["train"]
         reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)"
                                                       if gguf else f"{size})")
+    if device is None:  # the CPU, nothing measured
+        from gqakit.convert.resolved import Device
+
+        device = Device("cpu", 0, 0, False)
+        hidden = None  # where the streams go needs the free memory
+    seq_len = int(r.get("seq_len", refit.seq_len))
+    seq_len = min(seq_len, max_positions) if max_positions else seq_len
+    if refit.batch == "auto":
+        r["batch"] = auto_batch(seq_len, device.gpu)
+        reasons["batch"] = f"auto: {r['batch']} ({seq_len}-token sequences on {'a GPU' if device.gpu else 'the CPU'})"
+    if refit.dtype == "auto":
+        r["dtype"] = "float64" if small and not device.gpu else "float32"
+        reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
+    dtype = str(r.get("dtype", refit.dtype))
+    if refit.step_dtype == "auto":
+        if small:  # float64 buys the steps nothing over float32 (the fits before them stay in float64)
+            r["step_dtype"] = "float32"
+            reasons["step_dtype"] = f"auto: float32 ({size})"
+        elif device.bf16:
+            r["step_dtype"] = "bfloat16"
+            reasons["step_dtype"] = f"auto: bfloat16 ({size}; {device.name} multiplies bfloat16 natively)"
+        else:
+            r["step_dtype"] = "float32"
+            reasons["step_dtype"] = f"auto: float32 ({size}; {device.name} has no native bfloat16)"
+    if refit.stream_dtype == "auto":
+        r["stream_dtype"] = dtype
+        reasons["stream_dtype"] = f"auto: {dtype} (the compute dtype)"
+    if refit.offload == "auto":
+        if hidden is None:
+            r["offload"] = "cpu"
+            reasons["offload"] = "auto: cpu (host memory; the streams' size or the free memory unknown)"
+        else:
+            n_tokens = math.ceil(settings.calibration_tokens / seq_len) * seq_len
+            stream_bytes = 2 * n_tokens * hidden * ITEMSIZE[str(r.get("stream_dtype", refit.stream_dtype))]
+            block_bytes = source_params // max(layers or 1, 1) * ITEMSIZE[dtype]
+            r["offload"], reasons["offload"] = auto_offload(stream_bytes, block_bytes, device)
     # the fields not given keep their defaults, as in `refit`
     resolved = ResolvedRefitOptions(**{**{k: getattr(refit, k) for k in refit.model_fields_set}, **r})
     resolved._given = refit._given

@@ -24,6 +24,43 @@ Output = Literal["folder", "gguf"]
 
 
 @dataclass(frozen=True)
+class Device:
+    """The device a conversion computes on, as its settings are resolved for it."""
+
+    name: str       # "cpu", "cuda", "cuda:1", "mps"
+    free: int       # bytes free on it (host memory for the CPU)
+    host_free: int  # bytes of host memory free
+    bf16: bool = False  # it multiplies bfloat16 natively (a recent GPU; a CPU with AVX512-BF16 or AMX)
+
+    @property
+    def gpu(self) -> bool:
+        return self.name.startswith("cuda")
+
+
+def device_facts(device: str = "cpu") -> Device:
+    """`device` (resolved: not "auto") with its free memory and the host's, measured now."""
+    from gqakit.core import device as devices
+
+    host = devices.available_memory("cpu")
+    return Device(device, host if device == "cpu" else devices.available_memory(device), host, native_bf16(device))
+
+
+def native_bf16(device: str) -> bool:
+    """Whether `device` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU whose
+    oneDNN kernels have bfloat16 instructions (AVX512-BF16, AMX)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    probe = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    try:
+        return dev.type == "cpu" and probe is not None and bool(probe())
+    except RuntimeError:
+        return False
+
+
+@dataclass(frozen=True)
 class ResolvedSettings:
     asked: ConvertSettings          # the settings as given (the record's "options" are these)
     grouping: str                   # a name in `grouping.GROUPINGS`
@@ -42,10 +79,9 @@ class ResolvedSettings:
         if self.grouping == "auto" or (self.output == "folder") != (self.max_shard_bytes is not None):
             raise GqakitError(f"settings not resolved: grouping {self.grouping}, output {self.output}, "
                               f"shard size {self.max_shard_bytes}")
-
-    def kv_heads_at(self, layer: int) -> int:
-        """The KV heads of decoder layer `layer` (0-based)."""
-        return self.num_kv_heads if self.kv_heads is None else self.kv_heads[layer]
+        left = [k for k in getattr(type(self.options), "model_fields", {}) if getattr(self.options, k) == "auto"]
+        if left:  # the stage only reads the options: each is decided before it
+            raise GqakitError(f"settings not resolved: {', '.join(left)} still auto")
 
     # the settings as asked, where "auto" never applied
     @property
@@ -138,10 +174,13 @@ class ResolvedSettings:
 
 
 def resolve_settings(settings: ConvertSettings, *, source_params: int, max_positions: int | None,
-                     output: Output = "folder", kv_heads: tuple[int, ...] | None = None) -> ResolvedSettings:
-    """`settings` with every "auto" decided for a model of `source_params` parameters and a
-    context of `max_positions` (None: unknown), written as `output`, with `kv_heads` per layer
-    (None: `settings.num_kv_heads` everywhere; a uniform list is normalised): the method's resolver
+                     output: Output = "folder", device: Device | None = None, hidden: int | None = None,
+                     layers: int | None = None, kv_heads: tuple[int, ...] | None = None) -> ResolvedSettings:
+    """`settings` with every "auto" decided for a model of `source_params` parameters, a
+    context of `max_positions` (None: unknown), `hidden` wide and `layers` deep, written as
+    `output`, computed on `device` (None: the CPU, its memory not measured, so that resolving
+    imports no torch; `make_plan` gives `device_facts`), with `kv_heads` per layer (None:
+    `settings.num_kv_heads` everywhere; a uniform list is normalised): the method's resolver
     (`core.methods.MethodSpec.resolver`) decides its options and the grouping; a method without
     one groups contiguously (the paper)."""
     spec = method_spec(settings.method)
@@ -149,8 +188,9 @@ def resolve_settings(settings: ConvertSettings, *, source_params: int, max_posit
         raise GqakitError("a model folder OUT needs a largest shard size (--max-shard-size)")
     grouping, options, reasons = settings.grouping, settings.refit, {}
     if spec.resolver is not None:
-        grouping, options, reasons = load(spec.resolver)(settings, source_params=source_params,
-                                                         max_positions=max_positions, output=output)
+        grouping, options, reasons = load(spec.resolver)(
+            settings, source_params=source_params, max_positions=max_positions, output=output,
+            device=device, hidden=hidden, layers=layers)
     if grouping == "auto":
         grouping = "contiguous"
     uniform = kv_heads[0] if kv_heads is not None and len(set(kv_heads)) == 1 else None

@@ -35,7 +35,7 @@ def test_dry_run_finishes_and_writes_every_result(dry_run):
         assert (out / name).is_file(), name
     summary = json.loads((out / "gpu_proof.json").read_text())
     assert summary["profile"] == "dry"
-    assert set(summary["steps"]) == {"decode", "uptrain", "convert", "recover", "decode-compiled"}
+    assert set(summary["steps"]) == {"decode", "uptrain", "convert", "recover", "decode-compiled", "refit"}
     assert summary["steps"]["recover"]["status"].startswith("skipped: GQAKIT_SMOLLM2")
     # the compiled decode step runs only when asked for (a call of its own on a GPU)
     assert summary["steps"]["decode-compiled"]["status"] == "skipped: not in GQAKIT_PROOF_STEPS"
@@ -97,7 +97,8 @@ def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
     res = gpu_proof.summary("gpu", tmp_path)
     st = {k: v["status"] for k, v in res["steps"].items()}
     assert st == {"decode": "timed out after 200 s", "uptrain": "failed (exit 1, in convert; see log.txt)",
-                  "convert": "not run: no time left in the budget", "recover": "not run", "decode-compiled": "not run"}
+                  "convert": "not run: no time left in the budget", "recover": "not run", "decode-compiled": "not run",
+                  "refit": "not run"}
     md = (tmp_path / "gpu_proof.md").read_text()
     assert "timed out after 200 s" in md and "Dry run" not in md
     assert json.loads((tmp_path / "gpu_proof.json").read_text())["steps"]["convert"]["file"] is None
@@ -182,3 +183,12 @@ def test_unknown_step_is_refused_before_anything_runs(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown step 'convrt'" in r.stderr
     assert not (out / "log.txt").exists()
+
+
+def test_refit_step_projects_the_whole_model_against_its_target(dry_run):
+    out, _ = dry_run
+    r = json.loads((out / "refit.json").read_text())["result"]
+    assert r["steps"] > 0 and r["layers_run"] == 2  # the defaults: --effort best
+    assert r["projected_full_s"] == pytest.approx(r["seconds_per_layer"] * r["full_layers"], rel=1e-2, abs=0.1)
+    assert r["within_target"] == (r["projected_full_s"] <= r["target_s"])
+    assert r["dry_run_line"].startswith("expected time: about") and r["dry_run_expected_s"] >= 0

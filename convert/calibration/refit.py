@@ -51,14 +51,15 @@ def _add_moment(acc: Tensor, a: Tensor, b: Tensor) -> None:
     acc[D, D] += a.shape[0]
 
 
-def _clone_tree(x: Any) -> Any:
-    """Tensors in nested tuples / lists / dicts cloned (inference-mode tensors made usable by autograd)."""
+def _clone_tree(x: Any, dtype: torch.dtype) -> Any:
+    """Tensors in nested tuples / lists / dicts cloned (inference-mode tensors made usable by
+    autograd), the floating ones in `dtype`."""
     if isinstance(x, Tensor):
-        return x.clone()
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x.clone()
     if isinstance(x, (tuple, list)):
-        return type(x)(_clone_tree(i) for i in x)
+        return type(x)(_clone_tree(i, dtype) for i in x)
     if isinstance(x, dict):
-        return {k: _clone_tree(v) for k, v in x.items()}
+        return {k: _clone_tree(v, dtype) for k, v in x.items()}
     return x
 
 
@@ -229,12 +230,18 @@ class AlignRefit:
         sequences when `holdout` > 0)."""
         blk, opts, L = ctx.block, self.opts, ctx.layer
         steps = int(opts.steps)
+        # the steps compute in `step_dtype`: bfloat16 is autocast, over float32 weights and streams
+        autocast = opts.step_dtype == "bfloat16"
+        sd = torch.float32 if autocast else getattr(torch, opts.step_dtype)
         parts = [p for p in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias") if getattr(pooled, p) is not None]
-        params = {p: getattr(pooled, p).detach().to(device=self.device, dtype=self.dtype).clone().requires_grad_()
+        params = {p: getattr(pooled, p).detach().to(device=self.device, dtype=sd).clone().requires_grad_()
                   for p in parts}
         rest = blk.rest_names() if self.train_block else []
         for r in rest:  # the block's other weights, by their name in the block ("mlp.up_proj.weight")
-            params[r] = blk.block.get_parameter(r).detach().to(self.dtype).clone().requires_grad_()
+            params[r] = blk.block.get_parameter(r).detach().to(sd).clone().requires_grad_()
+        # the frozen weights in the step dtype (the block's own when it is the compute dtype)
+        frozen = {r: t.detach().to(sd) for r, t in blk.block.named_parameters()
+                  if r not in rest and r not in blk.attn_rel.values() and t.dtype != sd}
         groups = [{"params": [t], "lr": float(opts.lr) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}
                   for t in params.values()]
         optim = torch.optim.Adam(groups)
@@ -246,22 +253,23 @@ class AlignRefit:
             # the recorded block inputs were made under inference mode: clone them for autograd
             if B not in calls:
                 args, kwargs, positional = blk.call(B)
-                calls[B] = (_clone_tree(args), _clone_tree(kwargs), positional)
+                calls[B] = (_clone_tree(args, sd), _clone_tree(kwargs, sd), positional)
             return calls[B]
 
         def loss_on(sl: slice, mask: Tensor, current: dict[str, Tensor]) -> Tensor:
             heads = pooled.replace(**{p: current[p] for p in parts})
             w = blk.attention_tensors(heads)
             args, kwargs, positional = call_of(sl.stop - sl.start)
-            x = ctx.streams.get("new", sl, self.dtype)
+            x = ctx.streams.get("new", sl, sd)
             if positional:
                 a, k = (x, *args), kwargs
             else:
                 a, k = (), {**kwargs, "hidden_states": x}
-            weights = {blk.attn_rel[n]: t for n, t in w.items()} | {r: current[r] for r in rest}
-            out = torch.func.functional_call(blk.block, weights, a, k)
-            out = (out[0] if isinstance(out, tuple) else out).reshape(-1, ctx.hidden)[mask]
-            y = ctx.streams.get("orig", sl, self.dtype).reshape(-1, ctx.hidden)[mask]
+            weights = frozen | {blk.attn_rel[n]: t.to(sd) for n, t in w.items()} | {r: current[r] for r in rest}
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=autocast):
+                out = torch.func.functional_call(blk.block, weights, a, k)
+            out = (out[0] if isinstance(out, tuple) else out).reshape(-1, ctx.hidden)[mask].to(sd)
+            y = ctx.streams.get("orig", sl, sd).reshape(-1, ctx.hidden)[mask]
             return ((out - y).pow(2).sum(1) / y.pow(2).sum(1).clamp_min(1e-30)).mean()
 
         fit = [sl for sl in ctx.spans if bool(ctx.masks(sl)[0].any())]
@@ -293,8 +301,8 @@ class AlignRefit:
                     best_params = {p: t.detach().clone() for p, t in params.items()}
                 ctx.note(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
         self.recon.append({"layer": L, "guard_best": best, "best_step": best_at})
-        del optim, sched, params, calls
+        del optim, sched, params, calls, frozen
         for r in rest:  # the block keeps its trained weights for the converted stream and the writer
-            blk.block.get_parameter(r).data = best_params.pop(r)
+            blk.block.get_parameter(r).data = best_params.pop(r).to(self.dtype)
         pooled = pooled.replace(**{p: t.to(getattr(pooled, p).dtype).cpu() for p, t in best_params.items()})
         return pooled, blk.weights(pooled)

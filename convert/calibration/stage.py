@@ -32,15 +32,15 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from gqakit.convert.calibration.block import Block, BlockContext, Fit
+from gqakit.convert.calibration.estimate import PROBE_STEPS, duration, early_line
 from gqakit.convert.calibration.fits import fit_for
 from gqakit.convert.calibration.memory import trim
 from gqakit.convert.calibration.resume import STATE, load_state, load_tokens, save_state
 from gqakit.convert.calibration.skeleton import Skeleton
-from gqakit.convert.calibration.streams import Streams, choose_offload
+from gqakit.convert.calibration.streams import Streams
 from gqakit.convert.calibration.tokens import calibration_sequences
 from gqakit.convert.layout import AttnHeads
 from gqakit.convert.plan import Plan
-from gqakit.convert.refit_options import SMALL_MODEL
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
@@ -48,28 +48,12 @@ from gqakit.core.device import PeakMemory
 from gqakit.core.run import show_bars
 
 
-def compute_dtype(opts_dtype: str, source_params: int, device: str) -> torch.dtype:
-    """The block compute dtype: `auto` is float64 for small models on the CPU, else float32."""
-    if opts_dtype == "auto":
-        return torch.float64 if source_params < SMALL_MODEL and device == "cpu" else torch.float32
-    return getattr(torch, opts_dtype)
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
-
-
 def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers: int) -> str:
     """The progress line after the first layer: the expected time of the whole calibration, from
     the time so far and the first layer's seconds times the layers still to do."""
     total = elapsed + layer_seconds * layers_left
-    return (f"expected time: about {_duration(total)} in all, {_duration(layer_seconds * layers_left)} left "
-            f"({_duration(layer_seconds)} per layer, measured on the first; {layers_left} of {layers} layers to go)")
+    return (f"expected time: about {duration(total)} in all, {duration(layer_seconds * layers_left)} left "
+            f"({duration(layer_seconds)} per layer, measured on the first; {layers_left} of {layers} layers to go)")
 
 
 class CalibrationStage:
@@ -90,15 +74,10 @@ class CalibrationStage:
         self.resume_dir, self.written = resume_dir, written
         self.opts = settings.options
         self.spec = archmod.registry()[plan.family]
-        self.dtype = compute_dtype(self.opts.dtype, plan.source_params, device)
-        # sequences per block forward: 4 on the CPU, 8 on a GPU, at most 1,024 and 2,048 tokens
-        # (enough to keep it busy, while the float64 temporaries of the fits stay small next to
-        # the streams; each reconstruction step sees one such batch)
-        b, gpu = self.opts.batch, str(device).startswith("cuda")
-        seq_len = min(int(self.opts.seq_len), archmod.max_positions(opened.config) or int(self.opts.seq_len))
-        self.batch = int(b) if b != "auto" else max(1, min(8 if gpu else 4, (2048 if gpu else 1024) // seq_len))
-        sd = self.opts.stream_dtype
-        self.stream_dtype = self.dtype if sd == "auto" else getattr(torch, sd)
+        # every setting decided for this model and device (`refit_options.resolve_align_refit`)
+        self.dtype = getattr(torch, self.opts.dtype)
+        self.batch = int(self.opts.batch)
+        self.stream_dtype = getattr(torch, self.opts.stream_dtype)
         self.fit = fit if fit is not None else fit_for(settings, plan, dtype=self.dtype, device=device)
         self.summary: dict[str, Any] = {}
         self.skeleton: Skeleton | None = None
@@ -106,20 +85,35 @@ class CalibrationStage:
         self.drift_first: list[float] = []
         self.q_orders: dict[int, list[int] | None] = {}  # each layer's query head order, resumed ones too
         self._block_out: dict[int, dict[str, Tensor]] = {}  # other trained tensors, by layer
+        self.ticks: list[float] | None = None  # with a list: the clock at each progress unit (`estimate.probe`)
+        self.clock: Callable[[], float] = time.perf_counter
+        self.prepare_seconds = 0.0
+        self._early: list[float] | None = None  # the first layer's clock, until its early expected-time line
+        self._early_at, self._early_steps, self._t0, self._layers_left = 0, 0, 0.0, 0
 
     def layers(self) -> Iterator[tuple[int, AttnHeads]]:
         t0 = time.perf_counter()
         peak = PeakMemory(self.device)
         peak.reset()
+        tp = self.clock()
         start = self._prepare()
+        self.prepare_seconds = self.clock() - tp
         L_n = self.plan.shape.num_layers
         per_layer = self.fit.units(len(self.spans)) + len(self.spans)
         self.bar = tqdm(total=L_n * per_layer, initial=start * per_layer, desc="calibrating",
                         unit="batch", disable=not self.progress, dynamic_ncols=True)
         last_save = time.perf_counter()
         for L in range(start, L_n):
-            tl = time.perf_counter()
+            tl = self.clock()
+            if self.ticks is not None:
+                self.ticks.append(tl)
             self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
+            n = len(self.spans)
+            self._early_steps = self.fit.units(n) - 2 * n
+            if L == start and self.progress and self._early_steps > 0:  # said early: after a few steps
+                # before this layer: the preparation; from it: every layer left, this one included
+                self._early, self._t0, self._layers_left = [tl], time.perf_counter() - t0, L_n - L
+                self._early_at = 2 * n + min(self._early_steps, PROBE_STEPS)
             ctx = self._context(L)
             fitted = self.fit.fit(ctx)
             if fitted.rest:
@@ -128,7 +122,7 @@ class CalibrationStage:
             self._advance_converted(ctx, fitted.weights)
             fitted.weights = {}  # the block's weights now: freed with it
             ctx.block.free()
-            secs = time.perf_counter() - tl
+            secs = self.clock() - tl
             self.bar.set_postfix_str(f"{self.tokens / secs:,.0f} tok/s"
                                      + (f", drift {self.drift[-1]:.3f}" if self.drift else ""))
             if L == start and self.progress:  # measured, not guessed: this device, these settings
@@ -193,10 +187,7 @@ class CalibrationStage:
             h = sk.block_inputs(remap[self.seqs[sl]], self.calls)
             if streams is None:
                 self.hidden = h.shape[-1]
-                per_block = self.plan.source_params // max(L_n, 1) * self.dtype.itemsize
-                nbytes = 2 * n_seq * T * self.hidden * self.stream_dtype.itemsize
-                place = choose_offload(self.opts.offload, nbytes, per_block, self.device)
-                streams = Streams((n_seq, T, self.hidden), self.stream_dtype, place, self.device,
+                streams = Streams((n_seq, T, self.hidden), self.stream_dtype, self.opts.offload, self.device,
                                   (self.scratch / "calibration-streams") if self.scratch else None)
             if state is None:
                 streams.put("orig", sl, h)
@@ -214,8 +205,20 @@ class CalibrationStage:
         block = Block(self.skeleton, self.spec, L, kv_heads=self.plan.shape.kv_heads_of(L), dtype=self.dtype,
                       device=self.device, streams=self.streams, calls=self.calls)
         return BlockContext(block, self.streams, self.spans, self._masks, self.spec, self.plan.shape.at(L),
-                            self.settings.kv_heads_at(L), self.hidden, tick=self.bar.update,
+                            self.settings.kv_heads_at(L), self.hidden, tick=self._tick,
                             note=self.bar.set_postfix_str)
+
+    def _tick(self, n: int) -> None:
+        """Progress: `n` units done (and their times, when recorded)."""
+        self.bar.update(n)
+        if self.ticks is not None:
+            self.ticks.append(self.clock())
+        if self._early is not None:
+            self._early.append(self.clock())
+            if len(self._early) > self._early_at:
+                tqdm.write(early_line(self._early, spans=len(self.spans), steps=self._early_steps,
+                                      layers_left=self._layers_left, elapsed=self._t0), file=sys.stderr)
+                self._early = None
 
     def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:
         """Rows of span `sl`: those that enter the fits, those the drift is measured on, and
@@ -242,7 +245,7 @@ class CalibrationStage:
         with torch.inference_mode():
             for sl in todo:
                 ctx.advance_original(sl, blk.run(sl, "orig"))
-                self.bar.update(1)
+                self._tick(1)
         blk.use({n: current[r] for n, r in blk.attn_rel.items()})
 
     def _advance_converted(self, ctx: BlockContext, converted: dict[str, Tensor]) -> None:
@@ -265,7 +268,7 @@ class CalibrationStage:
                            / ro.norm(dim=1).to(f64).clamp_min(1e-30))
                     err += torch.stack([rel[measure].sum(), rel[first].sum()])
                     cnt += torch.stack([measure.sum(), first.sum()]).to(f64)
-                self.bar.update(1)
+                self._tick(1)
         if not last:
             e = (err / cnt.clamp_min(1)).tolist()
             self.drift.append(e[0])

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gqakit.core.device import available_memory
 
 
 class Streams:
@@ -55,12 +54,3 @@ class Streams:
             t = getattr(self, which)
             saved = torch.from_file(str(folder / f"{which}.bin"), shared=False, size=t.numel(), dtype=t.dtype)
             t.copy_(saved.view(t.shape))
-
-
-def choose_offload(want: str, stream_bytes: int, block_bytes: int, device: str) -> str:
-    """Where the streams go: the device when they fit next to a few blocks, else host memory, else disk."""
-    if want != "auto":
-        return want
-    if str(device).startswith("cuda") and stream_bytes < 0.7 * (available_memory(device) - 4 * block_bytes):
-        return "device"
-    return "cpu" if stream_bytes < 0.5 * available_memory("cpu") else "disk"

@@ -1,0 +1,66 @@
+"""Where align-refit's time goes, per unit, from the dry run's probe of the first layer
+(`convert.calibration.estimate.probe`), timed in process CPU time so that a loaded machine
+compares settings fairly, and the whole run's expected CPU seconds at the defaults.
+
+    OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --options '{"step_dtype": "bfloat16"}'
+    OMP_NUM_THREADS=1 python -m bench.bench_refit_speed stories --options '{"step_dtype": "float32"}'
+    python -m bench.bench_refit_speed --src PATH --g 8 ...          # any folder (a 7B-shaped one)
+
+Rows are appended to bench/results/refit_speed.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+
+from bench.common import RESULTS, SHARED, SMOLLM2, append_jsonl
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODELS = {"stories": dict(src=SHARED / "models/stories260K", g=2, calib=None),
+          "smollm2": dict(src=SMOLLM2, g=1, calib=str(SHARED / "data/wikitext-2/valid.txt"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", choices=list(MODELS))
+    ap.add_argument("--src", default=None)
+    ap.add_argument("--g", type=int, default=None)
+    ap.add_argument("--calibration-data", default=None)
+    ap.add_argument("--calibration-tokens", type=int, default=65536)
+    ap.add_argument("--options", default="{}", help="JSON align-refit options")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(RESULTS / "refit_speed.jsonl"))
+    args = ap.parse_args()
+    from gqakit.convert.calibration.estimate import expected_seconds, run_shape
+    from gqakit.convert.calibration.probe import probe
+    from gqakit.convert.plan import make_plan
+    from gqakit.convert.settings import ConvertSettings
+    from gqakit.convert.source import open_checkpoint
+
+    m = dict(MODELS[args.model]) if args.model else dict(src=args.src, g=args.g, calib=args.calibration_data)
+    s = ConvertSettings(source=str(m["src"]), num_kv_heads=args.g or m["g"], method="align-refit",
+                        calibration_data=args.calibration_data or m["calib"],
+                        calibration_tokens=args.calibration_tokens, refit=json.loads(args.options))
+    opened = open_checkpoint(str(m["src"]), progress=False)
+    plan = make_plan(opened, s, device=args.device)
+    t0 = time.perf_counter()
+    rates = probe(opened, plan, plan.settings, device=args.device, clock=time.process_time)
+    shape = run_shape(plan, plan.settings)
+    row = {"model": args.model or str(m["src"]), "options": json.loads(args.options),
+           "resolved": {k: getattr(plan.settings.options, k) for k in ("steps", "batch", "dtype", "step_dtype",
+                                                                         "seq_len", "train")},
+           "threads": os.environ.get("OMP_NUM_THREADS"), "rates_cpu_s": asdict(rates), "shape": shape,
+           "expected_cpu_s": round(expected_seconds(rates, **shape), 1),
+           "per_layer_cpu_s": round(rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"]), 2),
+           "probe_wall_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(row))
+    append_jsonl(args.out, row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""How long a calibrated conversion will take on this device, from a short measured probe.
+
+`probe.probe` runs the calibration stage itself on the first block, with a few spans of calibration
+sequences and a few reconstruction steps, and times each progress unit (`Rates`).
+`expected_seconds` scales those rates by what the real run does: per layer, three passes over
+every span (the input moments, the o_proj fit with the original stream's advance, the
+converted stream's advance), `steps` reconstruction steps and the guard's forwards, plus a
+fixed part (reading the block, the closed-form solves); before the first layer, the
+calibration tokens and the block inputs: as measured for a file (reading and tokenizing it
+dominate), per generate call for text sampled from the model. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from gqakit.convert.plan import Plan
+from gqakit.convert.resolved import ResolvedSettings
+
+PROBE_SPANS = 3  # spans of `batch` sequences the probe calibrates on (the first of each pass reads the block too)
+PROBE_STEPS = 8  # reconstruction steps it times (a guard check after every other step)
+GUARD_CHECKS = 5  # guard evaluations per layer: before the steps and after each quarter of them
+
+
+def duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Seconds per unit of a calibrated conversion, measured by `probe` on the first block."""
+
+    fit_span: float     # one span through a fit pass (input moments or the o_proj fit), median
+    forward_span: float  # one span through the whole block (the converted stream's advance), median
+    step: float         # one reconstruction step (0 without steps), median
+    layer_fixed: float  # per layer, outside the units: reading the block, the closed-form solves
+    prepare: float      # before the first layer: calibration tokens, the outer modules, block inputs
+    sampled: bool       # the calibration text is sampled from the model (`prepare` per generate call)
+
+    def per_layer(self, spans: int, steps: int, guard_spans: int) -> float:
+        guard = GUARD_CHECKS * min(guard_spans, spans) * self.forward_span if steps else 0.0
+        return self.layer_fixed + spans * (2 * self.fit_span + self.forward_span) + steps * self.step + guard
+
+
+def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard_spans: int,
+                     generate_calls: int = 1) -> float:
+    """The whole calibration's expected seconds: the preparation, then `layers` layers."""
+    # reading and tokenizing a file, loading the embeddings: about fixed; sampling: per generate call
+    prepare = rates.prepare * (generate_calls if rates.sampled else 1)
+    return prepare + layers * rates.per_layer(spans, steps, guard_spans)
+
+
+def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans: int, prepare_seconds: float,
+                     sampled: bool) -> Rates:
+    """`Rates` from the clock at the start of the first layer and after each of its progress units:
+    2 x `spans` fit units, `steps` steps, then `spans` forward units (`stage.CalibrationStage`)."""
+    t = ticks
+    d = [b - a for a, b in zip(t, t[1:])]
+    moments, o_fit = d[:spans], d[spans:2 * spans]
+    step = d[2 * spans:2 * spans + steps]
+    fwd = d[2 * spans + steps:]
+    # each pass's first unit also reads the block or solves a fit: the others time the unit alone
+    rest = lambda x: x[1:] or x  # noqa: E731
+    fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
+    fwd_span = statistics.median(rest(fwd))
+    # a guard check after every other step lands in the next step's interval: the others are steps alone
+    step_s = statistics.median(step[1::2] or step) if step else 0.0
+    checks = 1 + sum(1 for i in range(1, steps + 1) if i % max(1, steps // 4) == 0 or i == steps) if steps else 0
+    accounted = spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
+    return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled)
+
+
+def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
+    """What the real run does: its layers, spans, steps per layer, guard spans and generate calls."""
+    opts = settings.options
+    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
+    n_seq = max(1, math.ceil(settings.calibration_tokens / seq_len))
+    return {"layers": plan.shape.num_layers, "spans": math.ceil(n_seq / int(opts.batch)),
+            "steps": settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads),
+            "guard_spans": int(opts.guard_spans), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}
+
+
+def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float) -> str:
+    """The run's first progress line: the expected time, from its own first layer so far (the clock
+    at the layer's start and after its 2 x `spans` fit passes and its first steps), the converted
+    stream's pass counted as a fit pass."""
+    d = [b - a for a, b in zip(ticks, ticks[1:])]
+    moments, o_fit, step = d[:spans], d[spans:2 * spans], d[2 * spans:]
+    rest = lambda x: x[1:] or x  # noqa: E731
+    fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
+    step_s = statistics.median(rest(step))
+    fixed = max(0.0, d[0] - fit_span) + max(0.0, d[spans] - fit_span)
+    rates = Rates(fit_span, fit_span, step_s, fixed, 0.0, False)
+    per_layer = rates.per_layer(spans, steps, 8)
+    total = elapsed + per_layer * layers_left  # elapsed: before the first layer
+    return (f"expected time: about {duration(total)} in all ({duration(per_layer)} per layer: {step_s:.3g} s per "
+            f"step x {steps} steps, {fit_span:.3g} s per span x {3 * spans} span passes; measured on the first "
+            f"layer's passes and {len(step)} steps; {layers_left} layers)")

@@ -1,0 +1,54 @@
+"""The dry run's probe: the calibration stage itself on the first block, a few spans and steps,
+each progress unit timed (`estimate.Rates`), and the line that says the expected time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gqakit.convert.calibration.estimate import (PROBE_SPANS, PROBE_STEPS, Rates, duration, expected_seconds,
+                                                 rates_from_ticks, run_shape)
+from gqakit.convert.calibration.stage import CalibrationStage
+from gqakit.convert.plan import Plan
+from gqakit.convert.resolved import ResolvedSettings
+
+
+def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
+          clock: Callable[[], float] = time.perf_counter) -> Rates:
+    """Run the first block of the calibration on `PROBE_SPANS` spans with `PROBE_STEPS` steps
+    (none when the run takes none) and time it."""
+    opts = settings.options
+    steps = PROBE_STEPS if settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads) else 0
+    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
+    tokens = PROBE_SPANS * int(opts.batch) * seq_len
+    small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
+                                options=_with(opts, steps=steps, save_seconds=1e9))
+    stage = CalibrationStage(opened, plan, small, device=device, progress=False)
+    stage.ticks, stage.clock = [], clock
+    layers = stage.layers()
+    try:
+        next(layers)
+    finally:
+        layers.close()
+    spans = len(stage.spans)
+    return rates_from_ticks(stage.ticks, spans=spans, steps=steps, guard_spans=int(opts.guard_spans),
+                            prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None)
+
+
+def _with(opts: Any, **update: Any) -> Any:
+    new = opts.model_copy(update=update)
+    new._given = opts._given
+    return new
+
+
+def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str) -> str:
+    """The dry run's line: the expected calibration time, from a probe on this device."""
+    rates = probe(opened, plan, settings, device=device)
+    shape = run_shape(plan, settings)
+    total = expected_seconds(rates, **shape)
+    per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"])
+    return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
+            f"layer x {shape['layers']} layers, {shape['steps']} steps each; from a probe of the first layer on "
+            f"{PROBE_SPANS} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))

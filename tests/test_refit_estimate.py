@@ -1,0 +1,89 @@
+"""The expected time of a calibrated conversion comes from a measured probe of its first layer,
+scaled by what the run does: it grows with the layers, the calibration tokens and the steps as
+the work does. Timed by a fake clock (each reading one second later), so no assertion depends
+on this machine's speed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gqakit.convert.calibration.estimate import Rates, expected_seconds, rates_from_ticks, run_shape
+from gqakit.convert.calibration.probe import probe
+from gqakit.convert.plan import make_plan
+from gqakit.convert.settings import ConvertSettings
+from gqakit.convert.source import open_checkpoint
+
+
+def test_rates_come_from_the_units_times():
+    # 3 spans: moments 1 s, o_proj fits 2 s, 8 steps of 5 s with a guard (3 spans x 3 s) after every
+    # other step, the converted stream's advance 3 s; each pass's first unit 10 s more (reading the
+    # block, solving). The guard after a step lands in the next interval; the initial one in the first.
+    d = [11, 1, 1, 12, 2, 2] + [5 + 9 + 10, 5, 5 + 9, 5, 5 + 9, 5, 5 + 9, 5] + [3 + 9 + 10, 3, 3]
+    ticks = list(itertools.accumulate([0.0, *d]))
+    r = rates_from_ticks(ticks, spans=3, steps=8, guard_spans=8, prepare_seconds=6.0, sampled=False)
+    assert (r.fit_span, r.forward_span, r.step, r.prepare) == (1.5, 3.0, 5.0, 6.0)
+    # what the units leave: the fixed part of a layer, so that the model gives back the probe's own time
+    assert r.layer_fixed == 4 * 10  # each pass's first 10 s and the steps' set-up: the fixed part
+    # and the model gives the probe's own time back whole
+    assert r.per_layer(3, 8, 8) == pytest.approx(ticks[-1] - ticks[0])
+
+
+def test_expected_time_scales_with_layers_tokens_and_steps():
+    r = Rates(fit_span=1.0, forward_span=2.0, step=3.0, layer_fixed=5.0, prepare=5.0, sampled=False)
+    one = expected_seconds(r, layers=1, spans=10, steps=100, guard_spans=8)
+    assert one == 5 + 5 + 10 * (2 * 1 + 2) + 100 * 3 + 5 * 8 * 2
+    assert expected_seconds(r, layers=30, spans=10, steps=100, guard_spans=8) - 5 == pytest.approx(30 * (one - 5))
+    # twice the tokens: twice the span passes, the same steps
+    twice = expected_seconds(r, layers=1, spans=20, steps=100, guard_spans=8)
+    assert twice - one == pytest.approx(10 * 4)
+    # sampled text: the preparation per generate call
+    sampled = Rates(**{**r.__dict__, "sampled": True})
+    assert expected_seconds(sampled, layers=1, spans=10, steps=100, guard_spans=8, generate_calls=3) == one + 10
+    assert expected_seconds(r, layers=1, spans=10, steps=0, guard_spans=8) == one - 100 * 3 - 80
+
+
+@pytest.mark.parametrize("steps", [0, 6])
+def test_probe_runs_the_first_layer_and_scales_to_the_run(tiny_model, steps):
+    clock = itertools.count().__next__  # one second per reading
+    shapes = {}
+    for layers in (2, 4):
+        src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=layers)
+        s = ConvertSettings(source=str(src), num_kv_heads=2, method="align-refit", calibration_tokens=512,
+                            refit={"steps": steps, "seq_len": 32})
+        opened = open_checkpoint(src, progress=False)
+        plan = make_plan(opened, s)
+        rates = probe(opened, plan, plan.settings, device="cpu", clock=clock)
+        assert (rates.fit_span, rates.forward_span, rates.step) == (1.0, 1.0, 1.0 if steps else 0.0)
+        shape = run_shape(plan, plan.settings)
+        assert shape["spans"] == 512 // 32 // 4 and shape["steps"] == steps and shape["layers"] == layers
+        shapes[layers] = (rates, shape)
+    r2, s2 = shapes[2]
+    total2 = expected_seconds(r2, **s2)
+    assert expected_seconds(r2, **{**s2, "layers": 4}) - total2 == pytest.approx(2 * r2.per_layer(
+        s2["spans"], s2["steps"], s2["guard_spans"]))
+    assert expected_seconds(r2, **{**s2, "spans": 2 * s2["spans"]}) > total2
+
+
+def test_dry_run_says_the_expected_time_and_writes_nothing(tiny_model, tmp_path, capsys):
+    from gqakit.cli import main
+
+    src = tiny_model("llama", num_key_value_heads=4)
+    out = tmp_path / "out"
+    main(["convert", str(src), str(out), "-g", "2", "--method", "align-refit", "--device", "cpu",
+          "--calibration-tokens", "256", "--refit-option", "steps=3", "--dry-run"])
+    text = capsys.readouterr()
+    assert "expected time: about" in text.out + text.err and "per layer x 2 layers, 3 steps each" in text.out + text.err
+    assert not out.exists()
+
+
+def test_the_run_says_its_expected_time_after_a_few_steps_of_the_first_layer(tiny_model, tmp_path, capsys):
+    from gqakit.cli import main
+
+    src = tiny_model("llama", num_key_value_heads=4)
+    main(["convert", str(src), str(tmp_path / "out"), "-g", "2", "--method", "align-refit", "--device", "cpu",
+          "--calibration-tokens", "256", "--refit-option", "steps=12"])
+    err = capsys.readouterr().err
+    early = err.index("measured on the first layer's passes and 8 steps; 2 layers)")
+    assert "per layer: " in err[:early] and early < err.index("measured on the first; 1 of 2 layers to go")

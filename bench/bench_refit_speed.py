@@ -40,13 +40,13 @@ def main() -> None:
     from gqakit.convert.calibration.probe import probe
     from gqakit.convert.plan import make_plan
     from gqakit.convert.settings import ConvertSettings
-    from gqakit.convert.source import open_checkpoint
+    from gqakit.convert.source import open_model
 
     m = dict(MODELS[args.model]) if args.model else dict(src=args.src, g=args.g, calib=args.calibration_data)
     s = ConvertSettings(source=str(m["src"]), num_kv_heads=args.g or m["g"], method="align-refit",
                         calibration_data=args.calibration_data or m["calib"],
                         calibration_tokens=args.calibration_tokens, refit=json.loads(args.options))
-    opened = open_checkpoint(str(m["src"]), progress=False)
+    opened = open_model(str(m["src"]), progress=False)
     plan = make_plan(opened, s, device=args.device)
     t0 = time.perf_counter()
     rates = probe(opened, plan, plan.settings, device=args.device, clock=time.process_time)

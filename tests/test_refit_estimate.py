@@ -13,7 +13,7 @@ from gqakit.convert.calibration.estimate import Rates, expected_seconds, rates_f
 from gqakit.convert.calibration.probe import probe
 from gqakit.convert.plan import make_plan
 from gqakit.convert.settings import ConvertSettings
-from gqakit.convert.source import open_checkpoint
+from gqakit.convert.source import open_model
 
 
 def test_rates_come_from_the_units_times():
@@ -52,7 +52,7 @@ def test_probe_runs_the_first_layer_and_scales_to_the_run(tiny_model, steps):
         src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=layers)
         s = ConvertSettings(source=str(src), num_kv_heads=2, method="align-refit", calibration_tokens=512,
                             refit={"steps": steps, "seq_len": 32})
-        opened = open_checkpoint(src, progress=False)
+        opened = open_model(src, progress=False)
         plan = make_plan(opened, s)
         rates = probe(opened, plan, plan.settings, device="cpu", clock=clock)
         assert (rates.fit_span, rates.forward_span, rates.step) == (1.0, 1.0, 1.0 if steps else 0.0)

@@ -95,8 +95,12 @@ def resolve_gguf(model: Path, gguf_file: str | None) -> Path:
     raise GqakitError(f"{model} holds no .gguf file for llama.cpp")
 
 
-def llama_kwargs(path: Path, options: EngineOptions) -> dict[str, Any]:
-    """The keyword arguments of `llama_cpp.Llama` for OPTIONS (each refusal in one line)."""
+KV_TYPES = ("F16", "F32", "BF16", "Q8_0", "Q4_0")  # cache types llama.cpp offers (-ctk / -ctv); F16 is its default
+
+
+def llama_kwargs(path: Path, options: EngineOptions, kv_type: str = "F16") -> dict[str, Any]:
+    """The keyword arguments of `llama_cpp.Llama` for OPTIONS and a KV-cache type (each refusal
+    in one line)."""
     if options.dtype != "auto":
         raise GqakitError(f"llama.cpp computes in the GGUF's own tensor types, not --dtype {options.dtype}; "
                           "choose the types when writing the GGUF (gqakit convert ... --gguf-type)")
@@ -106,6 +110,12 @@ def llama_kwargs(path: Path, options: EngineOptions) -> dict[str, Any]:
                           "logits_all": False, "verbose": False}
     if options.threads is not None:
         kw |= {"n_threads": options.threads, "n_threads_batch": options.threads}
+    if kv_type != "F16":
+        if kv_type not in KV_TYPES:
+            raise GqakitError(f"llama.cpp KV-cache type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        from gguf import GGMLQuantizationType
+
+        kw["type_k"] = kw["type_v"] = GGMLQuantizationType[kv_type].value
     return kw
 
 
@@ -122,7 +132,8 @@ class LlamaCppEngine:
     name: ClassVar[str] = "llama.cpp"
     formats: ClassVar[tuple[str, ...]] = ("gguf",)
 
-    def __init__(self) -> None:
+    def __init__(self, kv_type: str = "F16") -> None:
+        self.kv_type = kv_type  # the cache's ggml type, F16 as llama.cpp's own default
         self.llm: Any = None
         self.path: Path | None = None
         self.options: EngineOptions | None = None
@@ -131,7 +142,7 @@ class LlamaCppEngine:
     def load(self, model: Path, options: EngineOptions) -> None:
         options = EngineOptions.model_validate(options)
         path = resolve_gguf(Path(model), options.gguf_file)
-        kwargs = llama_kwargs(path, options)
+        kwargs = llama_kwargs(path, options, self.kv_type)
         llama_cpp = import_llama_cpp()
         try:
             llm = llama_cpp.Llama(**kwargs)

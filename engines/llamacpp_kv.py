@@ -1,9 +1,10 @@
 """llama.cpp's KV cache in bytes, read from llama.cpp itself, and gqakit's prediction of it.
 
 Pure byte arithmetic, no llama_cpp import: `read_kv_state` parses the bytes llama.cpp writes
-for one sequence (`llama_state_seq_get_data`: per cell its position and sequences, then per
-layer the K type, the K row size and the rows, then the same for V, transposed or not), so
-the per-token size comes from the cache's own tensors: their ggml type and row size.
+for one sequence (`llama_state_seq_get_data`: a magic number and the sequence id; per cell its
+position and sequences; then per layer the K type, the K row size and the rows, then the same
+for V, transposed or not), so the per-token size comes from the cache's own tensors: their
+ggml type and row size.
 `predicted_bytes_per_token` is what the GGUF's geometry says: 2 x layers x KV heads x
 head_dim elements of the cache type (for F16, 2 bytes each).
 """
@@ -72,8 +73,14 @@ class _Reader:
         self.at += n
 
 
+STATE_MAGIC = 0xAF143CD8  # llama-context.cpp's io_magic: the first 4 bytes of a state llama.cpp writes
+
+
 def _parse(buf: bytes, n_layer: int, meta: int) -> KvState:
     r = _Reader(buf)
+    if r.take("<I") != STATE_MAGIC:
+        raise ValueError("magic")
+    r.take("<i")  # the sequence id
     if r.take("<I") != 1:
         raise ValueError("not one stream")
     cells = r.take("<I")
@@ -104,7 +111,8 @@ def _parse(buf: bytes, n_layer: int, meta: int) -> KvState:
 
 
 def read_kv_state(buf: bytes, n_layer: int) -> KvState:
-    """Parse one sequence's KV state as llama.cpp writes it. A cell's metadata is its position,
+    """Parse one sequence's KV state as llama.cpp writes it (`llama_state_seq_get_data`: the
+    magic number and the sequence id, then the cache's `state_write`). A cell's metadata is its position,
     its sequence count and ids, and (M-RoPE models) an extension of unknown size: the size that
     makes the whole buffer parse, layer count included, is the one used."""
     for meta in range(12, 69, 4):

@@ -16,6 +16,7 @@ ALLOWED = {
     "convert": {"core", "convert"},
     "uptrain": {"core", "uptrain"},
     "eval": {"core", "eval"},
+    "engines": {"core", "engines", "runtime"},
 }
 
 

@@ -272,11 +272,11 @@ def test_smollm2_q4_1_to_one_kv_head(smollm2_gguf, tmp_path):
 @pytest.mark.slow
 @pytest.mark.assets
 def test_llama_cpp_runs_the_converted_smollm2_as_transformers_does(smollm2_gguf, tmp_path):
-    """llama.cpp itself (llama-cpp-python, the gqakit[llama] extra) loads the 3 -> 1 conversion,
+    """llama.cpp itself (llama-cpp-python, the gqakit[llamacpp] extra) loads the 3 -> 1 conversion,
     generates with it, and scores text as the folder output of the same conversion does in
     transformers. A GGUF whose q/k rows were written without llama.cpp's permutation fails
     this (measured: 1.05 nats apart, against 0.015 for the correct file)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'gqakit[llama]')")
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'gqakit[llamacpp]')")
     out = convert_gguf(smollm2_gguf, tmp_path / "g1.gguf", 1, "align", gguf_type="F32", progress=False)
     folder = convert_checkpoint(smollm2_gguf, tmp_path / "folder", 1, "align", progress=False)
     wiki = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"

@@ -13,7 +13,9 @@ import torch
 import fake_engine
 from gqakit.cli import main
 from gqakit.engines import ENGINES
-from gqakit.engines.check import (MARGINS, judge, layer_kv_heads, margin_for, predicted_kv_bytes)
+from gqakit.engines import EngineOptions
+from gqakit.engines.check import (MARGINS, gguf_quant, judge, layer_kv_heads, margin_for, predicted_kv_bytes,
+                                   teacher_logprobs)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,10 +101,46 @@ def test_judge_explains_near_ties_by_the_margin():
 
 
 def test_margins_follow_the_precision():
-    assert MARGINS["float32"] < MARGINS["float16"] < MARGINS["bfloat16"] <= MARGINS["q8_0"] < MARGINS["quantised"]
+    assert MARGINS["float32"] < MARGINS["float16"] < MARGINS["bfloat16"] <= MARGINS["quantised"]
     assert margin_for("bf16") == ("bfloat16", MARGINS["bfloat16"])
     assert margin_for("float32", "Q4_K") == ("quantised", MARGINS["quantised"])
-    assert margin_for("float32", "F16") == ("float16", MARGINS["float16"])
+    # float GGUF weights in llama.cpp: float activations, but its F16 KV cache rounds
+    assert margin_for("float32", "F32") == margin_for("float32", "F16") == ("float16", MARGINS["float16"])
+    # the coarsest matmul weight type decides: one quantised matmul rounds its activations to 8 bits
+    assert gguf_quant(["F32", "F32", "Q4_1"]) == "Q4_1" and gguf_quant(["F16", "F32"]) == "F16"
+    assert gguf_quant([]) is None
+
+
+def test_quantised_weights_need_near_ties_not_agreement(tiny_model, monkeypatch):
+    """On quantised GGUF weights agreement is reported, not required: a run with many flips
+    passes when every flip is a near-tie under the quantised margin, and fails on one that is not;
+    the float rule still wants 99%."""
+    from gqakit.engines.check import QUANTISED_RULE, RULE, run_check
+    from gqakit.engines.hf import TransformersEngine
+    from gqakit.engines.base import Generation
+
+    model_dir = tiny_model("llama", num_key_value_heads=2)
+    engine = TransformersEngine()
+    engine.load(model_dir, EngineOptions(max_len=32, max_batch=2))
+    teacher = engine.model
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    own = engine.generate(prompts, 8)
+    lps = teacher_logprobs(teacher, prompts, own.tokens)
+    # each prompt's last token: the runner-up in place of the argmax (nothing after it to shift)
+    gaps = [sorted(lp[-1].tolist(), reverse=True) for lp in lps]
+    flip = [[*toks[:-1], int(lp[-1].argsort(descending=True)[1])] for lp, toks in zip(lps, own.tokens)]
+    gap = max(g[0] - g[1] for g in gaps)
+    monkeypatch.setattr(engine, "generate", lambda p, n: Generation(tokens=flip, logprobs=None, seconds=0.0))
+    monkeypatch.setitem(MARGINS, "quantised", gap * 2)
+    q = run_check(model_dir, engine, teacher, dtype="float32", prompts=prompts, new_tokens=8, quant="Q4_1")
+    assert q.margin_row == "quantised" and q.rule == QUANTISED_RULE and q.agreement == 14 / 16
+    assert q.passed and q.unexplained == 0
+    f = run_check(model_dir, engine, teacher, dtype="float32", prompts=prompts, new_tokens=8, quant="F32")
+    assert f.rule == RULE and not f.passed  # 87.5% agreement fails the float rule whatever the gaps
+    monkeypatch.setitem(MARGINS, "quantised", min(g[0] - g[1] for g in gaps) / 2)
+    q = run_check(model_dir, engine, teacher, dtype="float32", prompts=prompts, new_tokens=8, quant="Q4_1")
+    assert not q.passed and q.unexplained >= 1
+    engine.close()
 
 
 def test_kv_prediction_sums_per_layer_heads():

@@ -114,18 +114,17 @@ def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
 
 
 def gguf_quant(folder: Any, gguf: str | None) -> str | None:
-    """The weight type of a GGUF's attention (its first attention weight's type name), for the margin."""
+    """The coarsest matmul weight type of a GGUF (`gqakit.engines.check.gguf_quant`), for the margin."""
     if not gguf:
         return None
+    from gqakit.engines.check import gguf_quant as coarsest
+
     try:
         from gguf import GGUFReader
 
-        for t in GGUFReader(str(folder / gguf)).tensors:
-            if t.name.endswith("attn_k.weight"):
-                return t.tensor_type.name
+        return coarsest(t.tensor_type.name for t in GGUFReader(str(folder / gguf)).tensors if len(t.shape) > 1)
     except Exception:  # an unreadable type: the quantised margin applies
         return "unknown"
-    return "unknown"
 
 
 def summary(b: ServingResult) -> list[str]:

@@ -67,12 +67,13 @@ def margin_for(dtype: str, quant: str | None = None) -> tuple[str, float]:
 
 
 def gguf_quant(types: Iterable[str]) -> str | None:
-    """The coarsest of a GGUF's matmul weight types (tensor type names, e.g. from
-    `GGUFReader(...).tensors`): a quantised type where any matmul weight is quantised, since
-    llama.cpp then rounds that matmul's activations to 8 bits; else a float type; None for none."""
+    """The type that sets a GGUF's margin, from its matmul weights' type names (one per tensor,
+    e.g. from `GGUFReader(...).tensors`): the most common quantised type where any matmul weight
+    is quantised, since llama.cpp then rounds that matmul's activations to 8 bits; else the most
+    common float type; None for none."""
     names = [str(t).upper() for t in types]
-    quantised = [t for t in names if t.lower() not in FLOAT_GGUF_TYPES]
-    return quantised[0] if quantised else (names[0] if names else None)
+    quantised = [t for t in names if t.lower() not in FLOAT_GGUF_TYPES] or names
+    return max(set(quantised), key=quantised.count) if quantised else None
 
 
 # ---- the rules
@@ -127,6 +128,17 @@ def layer_kv_heads(hf_config: Any) -> list[int]:
     if per_layer:
         return [int(h) for h in per_layer]
     return [shape.num_kv_heads] * shape.num_layers
+
+
+def kv_budget_for(hf_config: Any, sequences: int, seq_len: int) -> int:
+    """KV bytes for `sequences` of `seq_len` tokens at float32, each rounded up to whole
+    256-token blocks: room for any engine's block size, nothing like a server's share. What
+    gqakit asks of vLLM for a check or a speed grid, whose default (most of the machine's
+    memory) a busy CPU machine cannot give."""
+    cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    per_seq = -(-int(seq_len) // 256) * 256
+    return predicted_kv_bytes(layer_kv_heads(hf_config), head_dim, 4) * per_seq * int(sequences)
 
 
 # ---- the result
@@ -296,7 +308,7 @@ def table(c: ServingCheck) -> list[str]:
 
 
 __all__ = ["CheckFailed", "MARGINS", "MIN_AGREEMENT", "QUANTISED_RULE", "RULE", "KvCheck", "Mismatch", "ServingCheck",
-           "cache_bytes", "gguf_quant", "judge", "layer_kv_heads", "make_prompts", "margin_for", "predicted_kv_bytes",
+           "cache_bytes", "gguf_quant", "judge", "kv_budget_for", "layer_kv_heads", "make_prompts", "margin_for", "predicted_kv_bytes",
            "rule_for", "run_check", "table", "teacher_logprobs"]
 
 

@@ -245,6 +245,27 @@ def test_vllm_time_point(tmp_path):
 
 
 @pytest.mark.engines
+def test_eval_speed_on_vllm_end_to_end(tmp_path, capsys):
+    """`gqakit eval OUT --speed --engine vllm` on a converted pico Llama: every point ran on vLLM
+    and records vLLM's KV allocation, at the bytes per token gqakit predicts (vLLM gets a KV budget
+    sized for the grid, not its default share of the machine's memory)."""
+    from gqakit.cli import main
+
+    _vllm_python()
+    src = build("llama", tmp_path / "src", hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
+    out = convert(src, tmp_path / "g2", 2)
+    try:
+        main([str(a) for a in ["eval", out, "--speed", "--engine", "vllm", "--batch", "1,2", "--prompt-len", "16",
+                               "--new-tokens", "4", "--reps", "2", "--out", tmp_path / "s.json", "-q"]])
+    except SystemExit as e:
+        assert not e.code, capsys.readouterr().err
+    speed = json.loads((tmp_path / "s.json").read_text())["speed"]
+    assert [g["status"] for g in speed["grid"]] == ["ok", "ok"] and {g["engine"] for g in speed["grid"]} == {"vllm"}
+    # 2 x 2 layers x 2 KV heads x head_dim 64 x 4 bytes: vLLM's allocation is the geometry's prediction
+    assert speed["settings"]["engine_kv"]["bytes_per_token"] == speed["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 4
+
+
+@pytest.mark.engines
 @pytest.mark.assets
 @pytest.mark.slow
 def test_vllm_serves_smollm2_at_one_kv_head(tmp_path):

@@ -107,7 +107,8 @@ def test_margins_follow_the_precision():
     # float GGUF weights in llama.cpp: float activations, but its F16 KV cache rounds
     assert margin_for("float32", "F32") == margin_for("float32", "F16") == ("float16", MARGINS["float16"])
     # the coarsest matmul weight type decides: one quantised matmul rounds its activations to 8 bits
-    assert gguf_quant(["F32", "F32", "Q4_1"]) == "Q4_1" and gguf_quant(["F16", "F32"]) == "F16"
+    assert gguf_quant(["F32", "F32", "Q4_1"]) == "Q4_1" and gguf_quant(["F16", "F16", "F32"]) == "F16"
+    assert gguf_quant(["Q8_0", "Q4_1", "Q4_1", "F32"]) == "Q4_1"  # the most common quantised type names it
     assert gguf_quant([]) is None
 
 
@@ -180,3 +181,17 @@ def test_check_refusals_are_one_line(tiny_model, tmp_path, capsys):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_check_gives_the_engine_a_kv_budget_of_its_own(tiny_model, tmp_path, capsys, monkeypatch):
+    """Without a KV budget vLLM-CPU reserves most of the machine's memory and refuses to start
+    on a busy one; the check asks for its few sequences' worth, at float32, in 256-token blocks."""
+    from fake_engine import FakeEngine
+
+    seen = []
+    monkeypatch.setattr(FakeEngine, "load", lambda self, model, options: seen.append(options))
+    monkeypatch.setitem(ENGINES, "vllm", "fake_engine:FakeEngine")
+    check(tiny_model("llama", num_key_value_heads=2), tmp_path, capsys, "vllm", "--check-prompts", "3")
+    (options,) = seen
+    # 2 x 2 layers x 2 KV heads x head_dim 4 x 4 bytes per token; 24 + 16 tokens -> one block of 256; 3 + 1 sequences
+    assert options.kv_budget_bytes == 2 * 2 * 2 * 4 * 4 * 256 * 4 and options.dtype == "float32"

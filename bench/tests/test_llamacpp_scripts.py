@@ -37,3 +37,24 @@ def test_the_margin_follows_the_coarsest_matmul_weight_type(tmp_path: Path):
         assert margin_for("float32", gguf_quant(tmp_path, path.name))[0] == row
     assert MARGINS["float16"] < MARGINS["quantised"]
     assert not hasattr(driver, "MARGINS")  # the bench driver keeps no margins of its own
+
+
+def test_activation_rounding_is_llama_cpps_q8_0():
+    """bench_llamacpp_rounding rounds a matmul input as llama.cpp's Q8_0 does (gguf's reference
+    quantiser): the same values but where llama.cpp's F16 scale rounds differently, by at most one
+    step of 2^-11 relative to the scale times 127 steps."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize, quantize
+
+    from bench.bench_llamacpp_rounding import round_like_q8
+
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 1, 128)
+    ref = torch.from_numpy(dequantize(quantize(x.numpy().astype(np.float32), QT.Q8_0), QT.Q8_0).copy())
+    ours = round_like_q8(x)
+    peak = x.reshape(4, 4, 32).abs().amax(-1, keepdim=True).expand(4, 4, 32).reshape(4, 128)
+    assert torch.all((ours - ref).abs() <= peak / 127 * (1 + 127 * 2 ** -11))
+    # a whole step apart only where the F16 scale moves a value across a rounding boundary: rare
+    assert ((ours - ref).abs() <= peak / 127 * 127 * 2 ** -10).float().mean() > 0.95
+    assert not torch.equal(ours, x) and (ours - x).abs().max() <= peak.max() / 254 * (1 + 1e-6)

@@ -311,6 +311,6 @@ def test_smollm2_at_one_kv_head_allocates_a_third(llama_cpp, tmp_path):
     chosen = lp[torch.arange(8), torch.tensor(gen.tokens[0])]
     # llama.cpp multiplies Q4_1 weights by activations it rounds to 8 bits per 32-value block
     # (Q8_1), transformers by float32 ones: 0.5 nat covers that here (measured up to 0.25, see
-    # docs/serving-llamacpp.md); a wrong head or position costs nats.
+    # docs/benchmarks.md, "Serving check"); a wrong head or position costs nats.
     assert float((lp.max(-1).values - chosen).max()) < 0.5
     assert float((torch.tensor(gen.logprobs[0], dtype=torch.float64) - chosen).abs().max()) < 0.5

@@ -78,6 +78,12 @@ def test_kv_bytes_are_vllms_page_bytes_over_its_block_size():
     assert (g3.bytes_per_token, g1.bytes_per_token) == (2 * 30 * 3 * 64 * 4, 2 * 30 * 1 * 64 * 4)
     assert (g3.capacity_tokens, g1.capacity_tokens) == (11 * 128, 34 * 128)
     assert g3.total_bytes == 11 * 30 * 196608 and g3.detail["block_size"] == 128
+    # vLLM says "auto" (the model's dtype); the allocation reports what its cache holds, so the
+    # serving check predicts with 4 bytes per value, as allocated
+    from gqakit.engines.check import cache_bytes, predicted_kv_bytes
+
+    assert g3.detail["cache_dtype"] == "float32"
+    assert predicted_kv_bytes(3, 64, cache_bytes(g3.detail["cache_dtype"]), layers=30) == g3.bytes_per_token
     # a context of 160 tokens takes 2 blocks: 5.5 and 17 sequences at once
     assert (ev.max_concurrency(g3, 160), ev.max_concurrency(g1, 160)) == (5.5, 17.0)
     assert ev.max_concurrency(g3, 128) == 11.0

@@ -126,7 +126,7 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch):
 def test_importing_the_registry_imports_no_engine():
     code = "import sys, gqakit.engines; print(sorted(m for m in ('llama_cpp', 'torch', 'vllm') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
-    with pytest.raises(GqakitError, match="unknown engine 'llama'; choose one of .*llama.cpp"):
+    with pytest.raises(GqakitError, match="no engine named 'llama'; engines: .*llama.cpp"):
         get_engine("llama")
 
 

@@ -3,13 +3,11 @@
 Both models are loaded into vLLM (gqakit's vLLM engine, `gqakit.engines.vllm`) with the same
 KV-cache memory (`--kv-budget`, vLLM's `kv_cache_memory_bytes`). For each:
 
-- the serving check: greedy tokens on `--check-prompts` WikiText-2 windows (fixed token ids
-  when ../shared is absent), scored teacher-forced by transformers on the same folder: a
-  position agrees when vLLM's token is transformers' argmax; a mismatch is a near-tie when
-  transformers' log-prob of its argmax exceeds its log-prob of vLLM's token by less than the
-  dtype's margin (`NEAR_TIE`); also the largest |vLLM logprob - transformers logprob| of the
-  chosen tokens, and vLLM's allocated KV bytes per token vs gqakit's prediction
-  (2 x layers x KV heads x head_dim x cache-dtype bytes, from the architecture table);
+- the serving check (`gqakit.engines.check.run_check`, what `gqakit eval X --engine vllm
+  --check` runs, with its margins and rule): greedy tokens on `--check-prompts` WikiText-2
+  windows (fixed token ids when ../shared is absent), scored teacher-forced by transformers on
+  the same folder, the largest |vLLM logprob - transformers logprob| of the chosen tokens, and
+  vLLM's allocated KV bytes per token vs gqakit's prediction;
 - capacity: vLLM's KV blocks x block size, and its maximum concurrency at the workload's
   context (prompt + output, in whole blocks per sequence);
 - throughput of one fixed workload: `--requests` prompts of `--prompt` tokens, `--output`
@@ -40,25 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, SHARED, say, write_json
-from gqakit.core import arch
-from gqakit.core.units import DTYPE_BYTES, parse_size
+from gqakit.core.units import parse_size
 from gqakit.engines import EngineOptions, get_engine
 from gqakit.engines.vllm import max_concurrency
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 WIKI = SHARED / "data" / "wikitext-2-raw" / "wiki.test.raw"
-# A mismatch is explained by a near-tie when transformers' own argmax beats vLLM's token by
-# less than this many nats. float32: both engines sum in float32 in different orders, so a
-# logit differs by ~1e-5 relative; 1e-3 nats leaves a wide margin over that and still calls
-# any real disagreement a failure. bfloat16/float16: 8/11-bit mantissas, a logit's rounding
-# alone is ~0.05/0.01 nats on logits of size ~10.
-NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.03}
-
-
-def predicted_kv_bytes(model: Path, cache_bytes: int) -> int:
-    """gqakit's KV bytes per token of MODEL: 2 x layers x KV heads x head_dim x CACHE_BYTES."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    return arch.shape_of(arch.lookup(config), config).kv_bytes_per_token(cache_bytes)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check_prompts(model: Path, n: int, length: int) -> list[list[int]]:
@@ -80,38 +66,17 @@ def workload_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return [[(7919 * b + 31 * i + 104729 * seed) % (vocab - 3) + 3 for i in range(length)] for b in range(n)]
 
 
-def score(positions: list[dict[str, Any]], margin: float) -> dict[str, Any]:
-    """Agreement, near-tie explanations and the largest logprob difference of scored POSITIONS
-    (each: engine token, reference argmax, margin = ref lp(argmax) - ref lp(engine token),
-    logprob_diff = |engine lp - reference lp| of the engine's token, when the engine gave one)."""
-    mism = [p for p in positions if p["engine"] != p["argmax"]]
-    unexplained = [p for p in mism if p["margin"] >= margin]
-    diffs = [p["logprob_diff"] for p in positions if p.get("logprob_diff") is not None]
-    agree = 1 - len(mism) / len(positions)
-    return {"positions": len(positions), "agreement": agree, "mismatches": mism, "unexplained": len(unexplained),
-            "near_tie_margin": margin, "max_logprob_diff": max(diffs) if diffs else None,
-            "tokens_pass": agree >= 0.99 and not unexplained}
-
-
-def teacher_forced(model: Path, prompts: list[list[int]], tokens: list[list[int]],
-                   logprobs: list[list[float]] | None, dtype: str) -> list[dict[str, Any]]:
-    """Each generated position scored by transformers on prompt + the engine's tokens."""
+def serving_check(path: Path, engine: Any, prompts: list[list[int]], tokens: int, dtype: str) -> dict[str, Any]:
+    """gqakit's serving check of the loaded ENGINE against transformers on the same folder."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    out = []
-    with torch.no_grad():
-        for i, (prompt, gen) in enumerate(zip(prompts, tokens)):
-            ids = torch.tensor([prompt + gen])
-            lp = torch.log_softmax(lm(ids).logits[0].float(), dim=-1)[len(prompt) - 1: len(prompt) - 1 + len(gen)]
-            for j, t in enumerate(gen):
-                best = int(lp[j].argmax())
-                row = {"prompt": i, "step": j, "engine": t, "argmax": best, "margin": float(lp[j, best] - lp[j, t])}
-                if logprobs is not None:
-                    row["logprob_diff"] = abs(float(logprobs[i][j]) - float(lp[j, t]))
-                out.append(row)
-    return out
+    from gqakit.engines.check import run_check
+
+    teacher = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    source = "WikiText-2 test" if WIKI.is_file() else "fixed ids"
+    return run_check(path, engine, teacher, dtype=dtype, prompts=prompts, new_tokens=tokens,
+                     prompt_source=source).model_dump()
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -140,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("original", type=Path)
     ap.add_argument("converted", type=Path)
     ap.add_argument("--kv-budget", default="64MiB", help="KV-cache memory each model gets (default 64MiB)")
-    ap.add_argument("--dtype", default="float32", choices=sorted(NEAR_TIE))
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=32)
@@ -156,18 +121,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     options = EngineOptions(dtype=args.dtype, max_len=max(context, args.check_length + args.check_tokens),
                             kv_budget_bytes=budget, max_batch=args.requests, threads=args.threads)
     paths = {"original": args.original, "converted": args.converted}
-    engines, models, checks = {}, {}, {}
+    engines, models = {}, {}
     try:
         for name, path in paths.items():
             say(f"loading {name} ({path}) into vLLM")
             engines[name] = eng = get_engine("vllm")
             eng.load(path, options)
             prompts = check_prompts(path, args.check_prompts, args.check_length)
-            gen = eng.generate(prompts, args.check_tokens)
-            checks[name] = (prompts, gen)
+            say(f"serving check of {name}")
+            check = serving_check(path, eng, prompts, args.check_tokens, args.dtype)
             kv = eng.kv_allocation()
             models[name] = {"model": str(path), "kv_bytes_per_token": kv.bytes_per_token,
-                            "kv_bytes_predicted": predicted_kv_bytes(path, DTYPE_BYTES[args.dtype]),
+                            "kv_bytes_predicted": check["kv"]["predicted_bytes_per_token"], "check": check,
                             "capacity_tokens": kv.capacity_tokens, "kv_total_bytes": kv.total_bytes,
                             "num_blocks": kv.detail["num_blocks"], "block_size": kv.detail["block_size"],
                             "concurrency": max_concurrency(kv, context), "vllm": eng.info.get("vllm"),
@@ -184,16 +149,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for eng in engines.values():
             eng.close()
-    for name, path in paths.items():
-        prompts, gen = checks[name]
-        say(f"scoring {name} in transformers")
-        m = models[name]
-        m["check"] = score(teacher_forced(path, prompts, gen.tokens, gen.logprobs, args.dtype), NEAR_TIE[args.dtype])
-        m["check"]["kv_pass"] = m["kv_bytes_per_token"] == m["kv_bytes_predicted"]
+    for m in models.values():
         m["throughput_tok_s"] = spread([args.requests * args.output / s for s in m["seconds"]])
         m["seconds_spread"] = spread(m["seconds"])
     result = {
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "load_average": os.getloadavg()},
         "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "kv_budget_bytes": budget,
         "workload": {"requests": args.requests, "prompt": args.prompt, "output": args.output, "runs": args.runs,
                      "context": context},

@@ -328,7 +328,8 @@ def step_uptrain(p: dict[str, Any], out: Path, work: Path) -> None:
 STEPS = [("decode", "1. Decode grid (bench/bench_decode.py)"), ("uptrain", "2. Uptrain throughput and MFU"),
          ("convert", "3. Streamed calibrated conversion"), ("recover", "4. SmolLM2 G=1 recovery (bench/gpu_recover.py)"),
          ("decode-compiled", "5. Decode, compiled step (bench/bench_decode.py --compile)"),
-         ("refit", "6. align-refit at its defaults, 7B shape (bench/gpu_refit.py)")]
+         ("refit", "6. align-refit at its defaults, 7B shape (bench/gpu_refit.py)"),
+         ("vllm", "7. vLLM: serving check and capacity, SmolLM2 G=3 vs G=1 (bench/gpu_vllm.py)")]
 
 
 def _file(step: str) -> str:
@@ -443,6 +444,20 @@ def _step_md(step: str, data: dict[str, Any], entry: dict[str, Any]) -> list[str
                f"layer; {r['full_layers']} layers: {r['projected_full_s']:,.0f} s against the {r['target_s']:,} s "
                f"target ({'met' if r['within_target'] else 'missed'}). `--dry-run` said "
                f"{r['dry_run_expected_s']:,.0f} s, measured {r['calibration_s']:,.0f} s.", ""]
+    elif step == "vllm" and data.get("checks"):
+        entry["result"] = {"checks": data["checks"], "capacity": data.get("capacity")}
+        for g, c in data["checks"].items():
+            kv = c.get("kv") or {}
+            md.append(f"- serving check {g}: {'PASS' if c.get('passed') else 'FAIL'}, agreement "
+                      f"{100 * (c.get('agreement') or 0):.1f}%, {c.get('unexplained')} unexplained, KV "
+                      f"{kv.get('allocated_bytes_per_token')} B/token allocated vs {kv.get('predicted_bytes_per_token')} predicted")
+        cap = data.get("capacity")
+        if cap:
+            md.append(f"- capacity at a fixed KV budget: concurrency x{cap['concurrency_ratio']:.2f} (KV bytes "
+                      f"x{cap['kv_bytes_ratio']:.2f}); throughput x{cap['throughput_ratio']:.2f} "
+                      f"[{cap['throughput_ratio_range'][0]:.2f}, {cap['throughput_ratio_range'][1]:.2f}] against at most "
+                      f"x{cap['throughput_ratio_predicted_max']:.2f} from bytes (vllm_capacity.json)")
+        md.append("")
     elif step == "recover" and data.get("ppl", {}).get("final") is not None:
         p, w, t = data["ppl"], data["within_10_percent"], data["throughput"]
         first = "n/a" if w["first_curve_tokens"] is None else f"{w['first_curve_tokens']:,} tokens"

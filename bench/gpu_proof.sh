@@ -28,6 +28,11 @@
 #               (torch.compile, mode reduce-overhead: fused small kernels + CUDA graphs, the
 #               gpt-fast recipe), batch 1 and 16 at 2,048 tokens, MHA against 8 KV heads
 #                 GQAKIT_PROOF_STEPS=decode-compiled bash bench/gpu_proof.sh OUTDIR -> decode_compiled.json
+#   7. vllm     when vLLM is importable (.venv-vllm, $GQAKIT_VLLM_PYTHON or this python) and
+#               GQAKIT_SMOLLM2 names the SmolLM2 GGUF: gqakit's serving check in vLLM on CUDA for
+#               SmolLM2 G=3 and G=1 (folders made from the GGUF), and the capacity bench at a fixed
+#               KV budget (bench/gpu_vllm.py), under its own limit GQAKIT_VLLM_LIMIT_S (default 600),
+#               outside the budget; without vLLM one line says so and the step is skipped -> vllm.json
 # Then OUTDIR/gpu_proof.json (everything) and OUTDIR/gpu_proof.md (a snippet for
 # docs/benchmarks.md), with OUTDIR/log.txt (all output) and OUTDIR/steps.tsv (exit codes).
 #
@@ -39,9 +44,9 @@
 # GQAKIT_PROOF_WORK (scratch folder for models and text; default a new temporary one,
 # removed at the end; the GPU run needs about 30 GB of disk there at most),
 # GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git),
-# GQAKIT_SMOLLM2, GQAKIT_RECOVER_LIMIT_S, GQAKIT_RECOVER_TOKENS (step 4; default 50,000,000 tokens),
+# GQAKIT_SMOLLM2, GQAKIT_RECOVER_LIMIT_S, GQAKIT_VLLM_LIMIT_S, GQAKIT_RECOVER_TOKENS (step 4; default 50,000,000 tokens),
 # GQAKIT_PROOF_STEPS (the steps to run, e.g. "decode-compiled" or "convert decode"; default
-# "convert decode uptrain recover"; the others are recorded as skipped).
+# "convert decode uptrain refit recover vllm"; the others are recorded as skipped).
 set -uo pipefail
 
 usage() { echo "usage: bash bench/gpu_proof.sh [--dry-run] [OUTDIR]   (OUTDIR defaults to \$OUT)" >&2; exit 2; }
@@ -50,7 +55,7 @@ OUTDIR=
 for arg in "$@"; do
   case "$arg" in
     --dry-run) PROFILE=dry ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUTDIR" ] || usage; OUTDIR=$arg ;;
   esac
@@ -58,8 +63,8 @@ done
 OUTDIR=${OUTDIR:-${OUT:-}}
 [ -n "$OUTDIR" ] || usage
 # the steps asked for, checked before anything is written or removed
-ALL_STEPS="convert decode uptrain refit decode-compiled recover"
-SELECTED=" ${GQAKIT_PROOF_STEPS:-convert decode uptrain refit recover} "
+ALL_STEPS="convert decode uptrain refit decode-compiled recover vllm"
+SELECTED=" ${GQAKIT_PROOF_STEPS:-convert decode uptrain refit recover vllm} "
 SELECTED=${SELECTED//,/ }
 for s in $SELECTED; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "gpu_proof.sh: unknown step '$s' in GQAKIT_PROOF_STEPS (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
@@ -70,7 +75,7 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-rm -f "$OUTDIR"/{decode,decode_compiled,uptrain,convert,refit,recover,gpu_proof}.json "$OUTDIR"/recover.png "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
+rm -f "$OUTDIR"/{decode,decode_compiled,uptrain,convert,refit,recover,vllm,vllm_check_g3,vllm_check_g1,vllm_capacity,gpu_proof}.json "$OUTDIR"/recover.png "$OUTDIR"/gpu_proof.md "$OUTDIR"/steps.tsv
 LOG=$OUTDIR/log.txt
 : > "$LOG"
 
@@ -174,6 +179,15 @@ else
   printf '{"status": "skipped: GQAKIT_SMOLLM2 does not name the SmolLM2 GGUF (bench/gpu_recover.py)"}\n' > "$OUTDIR/recover.json"
   printf 'recover\t0\t0\t0\n' >> "$OUTDIR/steps.tsv"
   say "step recover: skipped (set GQAKIT_SMOLLM2 to the SmolLM2 GGUF to run bench/gpu_recover.py)"
+fi
+
+# 7. vllm: bench/gpu_vllm.py says in one line when vLLM is not importable (or the GGUF is not
+#    given) and exits 0; otherwise it runs under its own limit, outside the budget above
+if selected vllm; then
+  DEADLINE=$(( $(date +%s) + ${GQAKIT_VLLM_LIMIT_S:-600} ))
+  run_step vllm "${GQAKIT_VLLM_LIMIT_S:-600}" "$PY" -m bench.gpu_vllm "${COMMON[@]}"
+else
+  run_step vllm 0 true
 fi
 
 # ---- summary: gpu_proof.json + gpu_proof.md from what the steps wrote

@@ -11,12 +11,13 @@ log-prob of the engine's token is below the margin of the engine's dtype or quan
 
 PASS: agreement >= `MIN_AGREEMENT`, every mismatch a near-tie, and the KV bytes per token
 equal to the prediction (vLLM: exactly per token; block rounding applies to capacity only).
+On quantised GGUF weights in llama.cpp agreement is reported, not required (`QUANTISED_RULE`).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,34 +36,61 @@ MARGINS: dict[str, float] = {
     # 24-bit mantissa: a reordered sum through a few dozen layers moves logits by ~1e-4
     # relative (~1e-3 nats on logits of ~10); 0.01 leaves a tenfold guard and nothing more
     "float32": 0.01,
-    # 11-bit mantissa (~5e-4 per rounding): logits move by ~0.01-0.05 nats through the stack
+    # 11-bit mantissa (~5e-4 per rounding): logits move by ~0.01-0.05 nats through the stack.
+    # Also llama.cpp on F32/F16/BF16 GGUF weights: activations stay float, its F16 KV cache rounds
     "float16": 0.1,
     # 8-bit mantissa (~4e-3 per rounding): an order of magnitude above float16
     "bfloat16": 0.5,
-    # 8-bit weights with a scale per 32 (llama.cpp Q8_0): weight error ~0.4% of each row's
-    # range, close to bfloat16's rounding
-    "q8_0": 0.5,
-    # 4-6-bit weights (Q4/Q5/K-quants, or a GGUF whose type is not known): the logits
-    # themselves differ by tenths of a nat; only a clear argmax is held against the engine
-    "quantised": 2.0,
+    # llama.cpp on quantised GGUF weights (Q4/Q5/Q8/K-quants). The teacher dequantises the same
+    # weights, so the weights differ in nothing; llama.cpp rounds each quantised matmul's input
+    # activations to 8 bits per 32-value block (Q8_0/Q8_1: a step of the block's largest value
+    # / 127), a rounding as coarse as bfloat16's 8-bit mantissa on every matmul input, so the
+    # margin is bfloat16's. Agreement is reported but not required (`QUANTISED_RULE`).
+    "quantised": 0.5,
 }
+
+# GGUF tensor types whose matmuls keep float activations in llama.cpp.
+FLOAT_GGUF_TYPES = {"f32": "float16", "float32": "float16", "f16": "float16", "float16": "float16",
+                    "bf16": "float16", "bfloat16": "float16"}
 
 
 def margin_for(dtype: str, quant: str | None = None) -> tuple[str, float]:
     """(the row of `MARGINS` that applies, its margin) for an engine computing in `dtype` on
-    weights quantised as `quant` (a GGUF tensor type name, or None for float weights)."""
+    weights quantised as `quant` (a GGUF's coarsest matmul weight type, `gguf_quant`, or None
+    for float weights)."""
     if quant:
-        q = quant.lower()
-        if q in ("f32", "float32"):
-            return "float32", MARGINS["float32"]
-        if q in ("f16", "float16"):
-            return "float16", MARGINS["float16"]
-        if q in ("bf16", "bfloat16"):
-            return "bfloat16", MARGINS["bfloat16"]
-        return ("q8_0", MARGINS["q8_0"]) if q == "q8_0" else ("quantised", MARGINS["quantised"])
+        row = FLOAT_GGUF_TYPES.get(quant.lower(), "quantised")
+        return row, MARGINS[row]
     d = dtype_named(dtype)
     name = d.name if d is not None and d.name in MARGINS else "float32"
     return name, MARGINS[name]
+
+
+def gguf_quant(types: Iterable[str]) -> str | None:
+    """The type that sets a GGUF's margin, from its matmul weights' type names (one per tensor,
+    e.g. from `GGUFReader(...).tensors`): the most common quantised type where any matmul weight
+    is quantised, since llama.cpp then rounds that matmul's activations to 8 bits; else the most
+    common float type; None for none."""
+    names = [str(t).upper() for t in types]
+    quantised = [t for t in names if t.lower() not in FLOAT_GGUF_TYPES] or names
+    return max(set(quantised), key=quantised.count) if quantised else None
+
+
+# ---- the rules
+
+RULE = (f"agreement >= {MIN_AGREEMENT:.0%}, every mismatch a near-tie, and the engine's KV bytes per token "
+        "equal to gqakit's prediction")
+# Quantised GGUFs in llama.cpp: 8-bit activation rounding flips near-ties by the dozen where the
+# model's choices are flat (SmolLM2-135M Q4_1 on English text: ~8% of positions), so agreement
+# cannot reach 99%; every flip must still be a near-tie within the quantised margin.
+QUANTISED_RULE = ("quantised weights (8-bit activations in llama.cpp): every mismatch a near-tie within the "
+                  "quantised margin (agreement reported, not required), and the engine's KV bytes per token "
+                  "equal to gqakit's prediction")
+
+
+def rule_for(margin_row: str) -> tuple[str, float]:
+    """(the rule's text, the agreement it requires) for a row of `MARGINS`."""
+    return (QUANTISED_RULE, 0.0) if margin_row == "quantised" else (RULE, MIN_AGREEMENT)
 
 
 # ---- the KV prediction
@@ -100,6 +128,17 @@ def layer_kv_heads(hf_config: Any) -> list[int]:
     if per_layer:
         return [int(h) for h in per_layer]
     return [shape.num_kv_heads] * shape.num_layers
+
+
+def kv_budget_for(hf_config: Any, sequences: int, seq_len: int) -> int:
+    """KV bytes for `sequences` of `seq_len` tokens at float32, each rounded up to whole
+    256-token blocks: room for any engine's block size, nothing like a server's share. What
+    gqakit asks of vLLM for a check or a speed grid, whose default (most of the machine's
+    memory) a busy CPU machine cannot give."""
+    cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    per_seq = -(-int(seq_len) // 256) * 256
+    return predicted_kv_bytes(layer_kv_heads(hf_config), head_dim, 4) * per_seq * int(sequences)
 
 
 # ---- the result
@@ -148,9 +187,6 @@ class ServingCheck(BaseModel):
     rule: str
     passed: bool
 
-
-RULE = (f"agreement >= {MIN_AGREEMENT:.0%}, every mismatch a near-tie, and the engine's KV bytes per token "
-        "equal to gqakit's prediction")
 
 # The text the prompts are cut from where the model has a tokenizer (fixed, so checks repeat).
 TEXT = ("The little town sat at the edge of a wide river. Every morning the baker opened his shop before the sun "
@@ -240,11 +276,12 @@ def run_check(model_path: str | Path, engine: Any, teacher: Any, *, dtype: str, 
     kv = kv_check(engine, teacher.config, dtype)
     agreement = (positions - len(mismatches)) / positions if positions else 0.0
     unexplained = sum(not m.near_tie for m in mismatches)
-    passed = positions > 0 and agreement >= MIN_AGREEMENT and unexplained == 0 and kv.match
+    rule, required = rule_for(row)
+    passed = positions > 0 and agreement >= required and unexplained == 0 and kv.match
     return ServingCheck(engine=engine.name, model=str(model_path), prompts=len(prompts), new_tokens=new_tokens,
                         prompt_source=prompt_source, positions=positions, agreement=agreement, margin_row=row,
                         margin=margin, mismatches=mismatches, unexplained=unexplained,
-                        max_abs_logprob_diff=diff, kv=kv, rule=RULE, passed=passed)
+                        max_abs_logprob_diff=diff, kv=kv, rule=rule, passed=passed)
 
 
 def table(c: ServingCheck) -> list[str]:
@@ -254,7 +291,7 @@ def table(c: ServingCheck) -> list[str]:
     lines = [f"serving check: {c.engine} engine vs transformers, {c.prompts} prompts x {c.new_tokens} greedy tokens "
              f"({c.prompt_source})",
              f"  token agreement   {c.positions - len(c.mismatches)}/{c.positions} = {100 * c.agreement:.2f}%  "
-             f"{ok(c.agreement >= MIN_AGREEMENT)}",
+             + (f"{ok(c.agreement >= rule_for(c.margin_row)[1])}" if rule_for(c.margin_row)[1] else "(reported)"),
              f"  mismatches        {len(c.mismatches)} ({near} near-ties under {c.margin:g} nats ({c.margin_row}), "
              f"{c.unexplained} unexplained)  {ok(c.unexplained == 0)}"]
     for m in c.mismatches[:5]:
@@ -270,9 +307,9 @@ def table(c: ServingCheck) -> list[str]:
     return lines
 
 
-__all__ = ["CheckFailed", "MARGINS", "MIN_AGREEMENT", "RULE", "KvCheck", "Mismatch", "ServingCheck", "cache_bytes", "judge",
-           "layer_kv_heads", "make_prompts", "margin_for", "predicted_kv_bytes", "run_check", "table",
-           "teacher_logprobs"]
+__all__ = ["CheckFailed", "MARGINS", "MIN_AGREEMENT", "QUANTISED_RULE", "RULE", "KvCheck", "Mismatch", "ServingCheck",
+           "cache_bytes", "gguf_quant", "judge", "kv_budget_for", "layer_kv_heads", "make_prompts", "margin_for", "predicted_kv_bytes",
+           "rule_for", "run_check", "table", "teacher_logprobs"]
 
 
 class CheckFailed(GqakitError):

@@ -247,6 +247,8 @@ class LlamaCppEngine:
         geometry = gguf_geometry(llm.metadata)
         detail = {"n_ctx": capacity, "n_ctx_asked": self.options.max_len, "layers": n_layer,
                   "type_k": sorted(set(kv.k_types)), "type_v": sorted(set(kv.v_types)), "v_transposed": kv.v_trans,
+                  # the one type of every K and V row, as the serving check's prediction needs it
+                  "cache_dtype": kv.k_types[0] if len(set(kv.k_types + kv.v_types)) == 1 else None,
                   "k_row_bytes": sorted(set(kv.k_rows)), "v_row_bytes": sorted(set(kv.v_rows)),
                   "predicted_bytes_per_token": predicted_bytes_per_token(geometry, kv.k_types[0], kv.v_types[0])
                   if len(set(kv.k_types)) == 1 and len(set(kv.v_types)) == 1 else None,

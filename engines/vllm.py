@@ -193,9 +193,14 @@ def parse_kv(reply: dict[str, Any]) -> KvAllocation:
     if per_block % block:
         raise GqakitError(f"vLLM's {per_block} bytes per block do not divide by its block size {block}")
     blocks = int(reply["num_blocks"])
+    # vLLM's cache_dtype "auto" means the model's dtype: report what the cache holds (its groups' dtype)
+    cache_dtype = reply.get("cache_dtype")
+    held = {str(g["dtype"]).removeprefix("torch.") for g in groups if g.get("dtype")}
+    if cache_dtype in (None, "auto") and len(held) == 1:
+        cache_dtype = held.pop()
     return KvAllocation(bytes_per_token=per_block // block, capacity_tokens=blocks * block,
                         total_bytes=int(reply["tensor_bytes"]),
-                        detail={"num_blocks": blocks, "block_size": block, "cache_dtype": reply.get("cache_dtype"),
+                        detail={"num_blocks": blocks, "block_size": block, "cache_dtype": cache_dtype,
                                 "groups": groups})
 
 

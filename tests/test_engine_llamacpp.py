@@ -126,7 +126,7 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch):
 def test_importing_the_registry_imports_no_engine():
     code = "import sys, gqakit.engines; print(sorted(m for m in ('llama_cpp', 'torch', 'vllm') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
-    with pytest.raises(GqakitError, match="unknown engine 'llama'; choose one of .*llama.cpp"):
+    with pytest.raises(GqakitError, match="no engine named 'llama'; engines: .*llama.cpp"):
         get_engine("llama")
 
 
@@ -266,6 +266,27 @@ def test_a_pico_gguf_written_by_gqakit_serves_in_llama_cpp_as_in_transformers(ll
 
 
 @pytest.mark.engines
+def test_eval_check_and_speed_run_on_a_gguf(llama_cpp, tiny_model, tmp_path, capfd):
+    """`gqakit eval X.gguf --engine llama.cpp --check` and `--speed` end to end on gqakit's 4 -> 2
+    GGUF: the check passes with the KV prediction at llama.cpp's own F16 cache (not the teacher's
+    float32), and the speed points carry the engine and its KV allocation."""
+    import json
+
+    src = pico_gguf(tiny_model, tmp_path / "src.gguf", kv=4)
+    out = convert_gguf(src, tmp_path / "g2.gguf", 2, progress=False)
+    code, stdout, err = run_cli(["eval", out, "--engine", "llama.cpp", "--check", "--out", tmp_path / "c.json"], capfd)
+    block = json.loads((tmp_path / "c.json").read_text())["serving"]
+    assert code == 0, stdout + err
+    assert block["passed"] and block["kv"]["cache_dtype"] == "F16" and block["kv"]["match"]
+    code, stdout, err = run_cli(["eval", out, "--engine", "llama.cpp", "--speed", "--batch", "1", "--prompt-len", "16",
+                                 "--new-tokens", "4", "--reps", "2", "--out", tmp_path / "s.json"], capfd)
+    assert code == 0, stdout + err
+    speed = json.loads((tmp_path / "s.json").read_text())["speed"]
+    assert speed["grid"] and all(g["status"] == "ok" and g["engine"] == "llama.cpp" for g in speed["grid"])
+    assert all(g["engine_kv"]["bytes_per_token"] == block["kv"]["allocated_bytes_per_token"] for g in speed["grid"])
+
+
+@pytest.mark.engines
 @pytest.mark.assets
 def test_smollm2_at_one_kv_head_allocates_a_third(llama_cpp, tmp_path):
     """SmolLM2-135M Q4_1 (3 KV heads) and `gqakit convert ... -g 1`: llama.cpp's KV cache per
@@ -290,6 +311,6 @@ def test_smollm2_at_one_kv_head_allocates_a_third(llama_cpp, tmp_path):
     chosen = lp[torch.arange(8), torch.tensor(gen.tokens[0])]
     # llama.cpp multiplies Q4_1 weights by activations it rounds to 8 bits per 32-value block
     # (Q8_1), transformers by float32 ones: 0.5 nat covers that here (measured up to 0.25, see
-    # docs/serving-llamacpp.md); a wrong head or position costs nats.
+    # docs/benchmarks.md, "Serving check"); a wrong head or position costs nats.
     assert float((lp.max(-1).values - chosen).max()) < 0.5
     assert float((torch.tensor(gen.logprobs[0], dtype=torch.float64) - chosen).abs().max()) < 0.5

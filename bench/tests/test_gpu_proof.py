@@ -35,7 +35,9 @@ def test_dry_run_finishes_and_writes_every_result(dry_run):
         assert (out / name).is_file(), name
     summary = json.loads((out / "gpu_proof.json").read_text())
     assert summary["profile"] == "dry"
-    assert set(summary["steps"]) == {"decode", "uptrain", "convert", "recover", "decode-compiled", "refit"}
+    assert set(summary["steps"]) == {"decode", "uptrain", "convert", "recover", "decode-compiled", "refit", "vllm"}
+    # a dry run never starts vLLM: found or not, the step says so and is skipped
+    assert summary["steps"]["vllm"]["status"].startswith(("skipped: dry run", "skipped: vLLM is not importable"))
     assert summary["steps"]["recover"]["status"].startswith("skipped: GQAKIT_SMOLLM2")
     # the compiled decode step runs only when asked for (a call of its own on a GPU)
     assert summary["steps"]["decode-compiled"]["status"] == "skipped: not in GQAKIT_PROOF_STEPS"
@@ -192,3 +194,17 @@ def test_refit_step_projects_the_whole_model_against_its_target(dry_run):
     assert r["projected_full_s"] == pytest.approx(r["seconds_per_layer"] * r["full_layers"], rel=1e-2, abs=0.1)
     assert r["within_target"] == (r["projected_full_s"] <= r["target_s"])
     assert r["dry_run_line"].startswith("expected time: about") and r["dry_run_expected_s"] >= 0
+
+
+def test_vllm_step_without_vllm_is_one_line_and_goes_on(tmp_path):
+    """On a GPU machine without vLLM (no registry access to install it) the vLLM step says so in
+    one line, records itself as skipped and exits 0, so the proof's other steps stand."""
+    env = {**os.environ, "GQAKIT_VLLM_PYTHON": sys.executable}  # a python without vllm
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_vllm", "--profile", "gpu", "--out", str(tmp_path),
+                        "--work", str(tmp_path / "work")], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert line.startswith("gpu_vllm: skipped: vLLM is not importable")
+    status = json.loads((tmp_path / "vllm.json").read_text())["status"]
+    assert status.startswith("skipped: vLLM is not importable") and not (tmp_path / "work").exists()

@@ -89,7 +89,7 @@ def check(s: ServingSettings, model_path: Any, encoder_decoder: bool) -> None:
 def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
     from gqakit.core.loading import load_tokenizer, split_source
     from gqakit.engines import EngineOptions, get_engine
-    from gqakit.engines.check import make_prompts, run_check
+    from gqakit.engines.check import kv_budget_for, make_prompts, run_check
 
     folder, gguf = split_source(ctx.model_path)
     try:
@@ -100,8 +100,13 @@ def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
     prompts, source = make_prompts(s.prompts, s.prompt_len, vocab, tokenizer)
     dtype = str(ctx.dtype).removeprefix("torch.")
     engine = get_engine(s.engine)
-    engine.load(folder, EngineOptions(dtype=dtype, max_len=s.prompt_len + s.new_tokens, max_batch=s.prompts,
-                                      gguf_file=gguf))
+    # a GGUF computes in its own tensor types, and llama.cpp sizes its cache by the context; a
+    # folder gets a KV budget of its own, which keeps vLLM from reserving most of the machine's
+    # memory (its default) for a check of a few short sequences
+    engine.load(folder, EngineOptions(dtype="auto" if gguf else dtype, max_len=s.prompt_len + s.new_tokens,
+                                      max_batch=s.prompts, gguf_file=gguf,
+                                      kv_budget_bytes=None if gguf else kv_budget_for(ctx.model.config, s.prompts + 1,
+                                                                                      s.prompt_len + s.new_tokens)))
     try:
         # the gqakit and transformers engines compute on transformers' own dequantised weights, as the
         # teacher does; another engine on a GGUF computes on the quantised ones
@@ -114,18 +119,17 @@ def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
 
 
 def gguf_quant(folder: Any, gguf: str | None) -> str | None:
-    """The weight type of a GGUF's attention (its first attention weight's type name), for the margin."""
+    """The coarsest matmul weight type of a GGUF (`gqakit.engines.check.gguf_quant`), for the margin."""
     if not gguf:
         return None
+    from gqakit.engines.check import gguf_quant as coarsest
+
     try:
         from gguf import GGUFReader
 
-        for t in GGUFReader(str(folder / gguf)).tensors:
-            if t.name.endswith("attn_k.weight"):
-                return t.tensor_type.name
+        return coarsest(t.tensor_type.name for t in GGUFReader(str(folder / gguf)).tensors if len(t.shape) > 1)
     except Exception:  # an unreadable type: the quantised margin applies
         return "unknown"
-    return "unknown"
 
 
 def summary(b: ServingResult) -> list[str]:

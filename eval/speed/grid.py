@@ -75,6 +75,7 @@ def evaluate_speed_engine(model: Any, model_path: Any, settings: SpeedSettings, 
     `model` (loaded by transformers) gives the geometry the roofline prediction needs."""
     from gqakit.core.loading import split_source
     from gqakit.engines import EngineOptions, get_engine
+    from gqakit.engines.check import kv_budget_for
     from gqakit.eval.speed.engine_bench import EngineBench
 
     if model_path is None:
@@ -83,9 +84,14 @@ def evaluate_speed_engine(model: Any, model_path: Any, settings: SpeedSettings, 
     settings.check_positions(max_positions)
     folder, gguf = split_source(model_path)
     engine = get_engine(settings.engine)
-    options = EngineOptions(dtype=str(dtype).removeprefix("torch."),
+    # a GGUF computes in its own tensor types (llama.cpp refuses any other dtype)
+    options = EngineOptions(dtype="auto" if gguf else str(dtype).removeprefix("torch."),
                             max_len=max(settings.prompt_lens) + settings.new_tokens,
-                            max_batch=max(settings.batches), gguf_file=gguf)
+                            max_batch=max(settings.batches), gguf_file=gguf,
+                            # a folder: room for the largest point (vLLM's default is most of the memory);
+                            # llama.cpp sizes its cache by the context
+                            kv_budget_bytes=None if gguf else kv_budget_for(
+                                model.config, max(settings.batches) + 1, max(settings.prompt_lens) + settings.new_tokens))
     engine.load(folder, options)
     try:
         bench = EngineBench(engine, model, device=device, dtype=dtype)

@@ -4,8 +4,10 @@ the model folder (`source.open_checkpoint`) and the GGUF file (`gguf_out`).
 
     SRC.gguf (memory-mapped by gguf.GGUFReader)
       --> GGUFSource: the tensors under transformers' names, each dequantised only when
-          asked for, in row chunks into one float32 array (q/k rows un-permuted, see
-          below); the config comes from transformers' GGUF metadata reader
+          asked for, in row chunks (q/k rows un-permuted, see below): into one float32
+          array (`get`), or block by block as an unchanged tensor is written (`blocks`:
+          memory is a block, not the tensor); the config comes from transformers' GGUF
+          metadata reader
 
 Which GGUF tensor is which transformers tensor:
   - the architectures gqakit's GGUF writer knows (`GGUF_ARCHS`, from the `gguf` of the
@@ -31,7 +33,7 @@ G key heads, `gguf_out`), so both engines see the converted heads correctly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gqakit.convert.io import Opened, Source
+from gqakit.convert.io import BLOCK_BYTES, Opened, Source, row_step
 from gqakit.core.arch import gguf_archs
 from gqakit.core.errors import GqakitError
 
@@ -70,16 +72,18 @@ def numpy_shape(t: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in reversed(t.shape.tolist()))
 
 
-def dequantize(t: Any, path: Path, rows: np.ndarray | None = None) -> np.ndarray:
-    """The float32 values of the GGUF tensor T (only ROWS of its first axis, if given), as
-    `gguf.quants.dequantize` computes them, into one new array: a few MiB at a time, so
-    memory is the result and not gguf-py's temporaries (which hold the whole tensor twice)."""
+def dequantize(t: Any, path: Path, rows: np.ndarray | slice | None = None) -> np.ndarray:
+    """The float32 values of the GGUF tensor T (only ROWS of its first axis, if given: an
+    index array or a slice), as `gguf.quants.dequantize` computes them, into one new array:
+    a few MiB at a time, so memory is the result and not gguf-py's temporaries (which hold
+    the whole tensor twice). A quantised row is whole blocks (GGUF's first dimension is a
+    multiple of the block size), so rows never split a block."""
     from gguf.quants import dequantize as gguf_dequantize
 
     shape = numpy_shape(t)
     data = t.data if rows is None else t.data[rows]
     if rows is not None:
-        shape = (len(rows), *shape[1:])
+        shape = (data.shape[0], *shape[1:])
     flat = data.reshape(-1, data.shape[-1]) if len(shape) > 1 else data.reshape(1, -1)
     out = np.empty((flat.shape[0], shape[-1]), dtype=np.float32)
     n_rows = flat.shape[0]
@@ -133,6 +137,25 @@ class GGUFSource(Source):
             raise GqakitError(f"{self.path.name}: tensor {g} has shape {tuple(w.shape)}, but the model needs "
                               f"{self._shapes[name]} for {name}")
         return torch.from_numpy(w)
+
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[torch.Tensor]:
+        """Row blocks of at most about MAX_BYTES of float32, dequantised one at a time; a
+        block of a permuted q/k holds whole heads, so each is un-permuted on its own. A
+        tensor that transformers processes, or a 1-D one, comes whole."""
+        g = self._gguf_of[name]
+        shape = self._shapes[name]
+        if self._process is not None or len(shape) < 2 or numpy_shape(self._t[g]) != shape:
+            yield self.get(name).to(dtype)
+            return
+        heads = self._permute.get(g)
+        per_head = shape[0] // heads if heads else 1
+        step = row_step(shape, max(4, dtype.itemsize), max_bytes, per_head)
+        for a in range(0, shape[0], step):
+            w = dequantize(self._t[g], self.path, rows=slice(a, a + step))
+            if heads:
+                w = permute_rows(w, w.shape[0] // per_head, reverse=True)
+            yield torch.from_numpy(w).to(dtype)
+            del w
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of a 2-D tensor, dequantising only those (an embedding's used rows)."""

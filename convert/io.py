@@ -8,8 +8,10 @@ files (missing shard, a shard path escaping the folder, a truncated file, unsafe
 
 Writing: `ShardWriter` knows every output tensor's name, dtype and shape in advance (the
 conversion plan), so it writes each shard's safetensors header first and then streams
-the tensors into it one by one. Peak memory is the largest tensor (or one layer's
-attention block), never a whole shard.
+the tensors into it one by one. `copy_tensor` passes an unchanged tensor through: its bytes
+copied file to file by the kernel when the dtype is kept, else read, cast and written in row
+blocks of `BLOCK_BYTES` (`Source.blocks`), so that memory is a block, not the tensor. Peak
+memory is one layer's attention block or one row block, never a whole shard.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import errno
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -41,6 +43,17 @@ _ST_DTYPES = {
 _ST_DTYPES.pop(None, None)
 _FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 
+BLOCK_BYTES = 16 << 20  # an unchanged tensor that must be decoded is cast and written this much at a time
+
+
+def row_step(shape: tuple[int, ...], itemsize: int, max_bytes: int, multiple: int = 1) -> int:
+    """How many rows (first-axis slices) of a tensor of SHAPE make a block of at most
+    MAX_BYTES at ITEMSIZE bytes per value: at least MULTIPLE, and a multiple of it."""
+    row = itemsize
+    for d in shape[1:]:
+        row *= d
+    return max(1, max_bytes // max(row * multiple, 1)) * multiple
+
 
 def _read_index(folder: Path, index_name: str) -> dict[str, Path]:
     return index_map(folder, index_name)  # every shard inside the folder (core/modelfiles.py)
@@ -61,6 +74,13 @@ class Source:
     def rows(self, name: str, index: Tensor) -> Tensor:
         """Rows `index` (sorted, unique) of a 2-D tensor; subclasses read only those rows."""
         return self.get(name)[index]
+
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[Tensor]:
+        """Tensor NAME cast to DTYPE, as consecutive blocks of its first axis, each at most
+        about MAX_BYTES in DTYPE or in the source's own dtype (one row at least; a 0-D or 1-D
+        tensor may come whole). Subclasses that can read part of a tensor override this;
+        here the tensor is read whole."""
+        yield self.get(name).to(dtype)
 
     def files(self) -> list[Path]:
         return []
@@ -168,6 +188,19 @@ class SafetensorsSource(Source):
                 start = i
         return torch.cat(parts) if parts else torch.empty((0, *shape[1:]), dtype=dtype)
 
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[Tensor]:
+        """Row blocks read with pread and cast one at a time (a dtype change of an unchanged tensor)."""
+        src_dtype, shape = self._meta[name]
+        if len(shape) < 2 or not shape[0]:
+            yield self.get(name).to(dtype)
+            return
+        row = self._range[name][1] // shape[0]
+        itemsize = max(dtype.itemsize, src_dtype.itemsize)
+        step = row_step(shape, itemsize, max_bytes)
+        for a in range(0, shape[0], step):
+            b = min(a + step, shape[0])
+            yield self._tensor(self._read(name, a * row, (b - a) * row), src_dtype, (b - a, *shape[1:])).to(dtype)
+
     def files(self) -> list[Path]:
         return list(self._handles)
 
@@ -195,6 +228,16 @@ class DictSource(Source):
 
     def get(self, name: str) -> Tensor:
         return self._t[name]
+
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[Tensor]:
+        """Row blocks cast one at a time (a memory-mapped .bin's values are read as they are cast)."""
+        t = self._t[name]
+        if t.dim() < 2 or t.dtype == dtype:
+            yield t.to(dtype)
+            return
+        step = row_step(tuple(t.shape), max(dtype.itemsize, t.dtype.itemsize), max_bytes)
+        for a in range(0, t.shape[0], step):
+            yield t[a:a + step].to(dtype)
 
     def files(self) -> list[Path]:
         return self._files
@@ -345,6 +388,30 @@ class ShardWriter:
             done += os.pwrite(fd, data[done:], offset + done)
         self._written.add(name)
 
+    def write_blocks(self, name: str, blocks: Iterable[Tensor]) -> int:
+        """Write tensor NAME from consecutive blocks of its first axis (`Source.blocks`), each
+        to its place as it comes: memory is one block. Returns the bytes written."""
+        p = self._next(name)
+        i, offset = self._at
+        fd = self._file(i).fileno()
+        done = 0
+        for block in blocks:
+            shape = tuple(block.shape)
+            if block.dtype != p.dtype or len(shape) != len(p.shape) or shape[1:] != p.shape[1:]:
+                raise RuntimeError(f"{name}: got a block of {shape} {block.dtype}, planned {p.shape} {p.dtype}")
+            data = memoryview(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            if done + len(data) > p.nbytes:
+                raise RuntimeError(f"{name}: the blocks hold more than the planned {p.shape}")
+            n = 0
+            while n < len(data):
+                n += os.pwrite(fd, data[n:], offset + done + n)
+            done += len(data)
+            del data, block  # before the next block is made
+        if done != p.nbytes:
+            raise RuntimeError(f"{name}: the blocks hold {done} bytes, planned {p.nbytes} ({p.shape} {p.dtype})")
+        self._written.add(name)
+        return done
+
     def write_raw(self, name: str, path: Path, offset: int, length: int) -> None:
         """Copy a tensor's bytes unchanged from another safetensors file (kernel-side copy)."""
         p = self._next(name)
@@ -384,3 +451,14 @@ class ShardWriter:
             index = {"metadata": {"total_size": self.total_bytes},
                      "weight_map": {p.name: self.filenames[i] for i, s in enumerate(self.shards) for p in s}}
             (self.folder / ST_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_tensor(source: Source, writer: ShardWriter, name: str, dtype: torch.dtype) -> int:
+    """Pass the unchanged tensor NAME from SOURCE into WRITER as DTYPE: its bytes copied by
+    the kernel when the source file holds them as they are, else read, cast and written in
+    row blocks (`Source.blocks`). Returns the bytes written."""
+    raw = source.raw(name)
+    if raw is not None and source.meta(name)[0] == dtype:
+        writer.write_raw(name, *raw)
+        return raw[2]
+    return writer.write_blocks(name, source.blocks(name, dtype, BLOCK_BYTES))

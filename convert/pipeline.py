@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import gqakit
 from gqakit.convert.grouping import GROUPINGS
-from gqakit.convert.io import ShardWriter
+from gqakit.convert.io import ShardWriter, copy_tensor
 from gqakit.convert.layout import AttnHeads, read_heads, write_heads
 from gqakit.convert.methods import method_function
 from gqakit.convert.plan import AttentionLayer, Plan, make_plan, trained_block_tensors
@@ -203,15 +203,8 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             for name in (step.name for step in plan.pass_through()):
                 if name in done or name in from_stage:
                     continue
-                raw = opened.source.raw(name)
-                if raw is not None and opened.source.meta(name)[0] == planned_dtype[name]:
-                    writer.write_raw(name, *raw)  # unchanged: copy the bytes, decode nothing
-                    bar.update(raw[2])
-                else:
-                    t = opened.source.get(name).to(planned_dtype[name])
-                    writer.write(name, t)
-                    bar.update(t.numel() * t.dtype.itemsize)
-                    del t  # before the next tensor is read: memory is one tensor
+                # the bytes copied as they are, or decoded and written a row block at a time
+                bar.update(copy_tensor(opened.source, writer, name, planned_dtype[name]))
             # 2. the attention, layer by layer
             spec = archmod.registry()[plan.family]
             layers, stage = converted_layers(opened, plan, settings, device=dev, progress=progress,

@@ -108,7 +108,9 @@ class GGUFSource(Source):
     def __init__(self, reader: Any, path: Path, hf_names: dict[str, str], shapes: dict[str, tuple[int, ...]],
                  order: list[str], permute: dict[str, int],
                  process: Callable[[str, np.ndarray], np.ndarray] | None = None):
-        self.reader, self.path = reader, path
+        # the tensors only (their bytes stay memory-mapped): not the reader, whose metadata
+        # fields (the vocabulary, a few hundred bytes of Python objects per token) are then freed
+        self.path = path
         self._t = {t.name: t for t in reader.tensors}
         self._gguf_of = {hf: g for g, hf in hf_names.items()}
         self._shapes, self._order, self._permute, self._process = shapes, order, permute, process

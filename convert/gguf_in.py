@@ -269,28 +269,38 @@ def open_gguf_source(path: Path) -> GGUFInput:
     if arch not in GGUF_ARCHS:
         raise GqakitError(f"GGUF output does not support the {arch!r} GGUF architecture of {path.name} (supported: "
                           f"{', '.join(GGUF_ARCHS)}); write a model folder instead: gqakit convert {path.name} OUTDIR")
-    got = _stream(path, reader, arch)
+    got = _stream(path, reader, arch, gguf_config(path))
     assert isinstance(got, GGUFInput)  # a GGUF_ARCHS file always has its map
     return got
 
 
 def stream_gguf(path: Path) -> GGUFInput | NoStream:
     """PATH memory-mapped for the folder output, every tensor under its transformers name,
-    nothing decoded; or, for an architecture with no name map, why not (`NoStream`)."""
+    nothing decoded; or, for an architecture with no name map, why not (`NoStream`).
+
+    The config is read first: transformers parses the whole metadata (the vocabulary) into
+    Python objects, and that is freed before gqakit's own reader parses it again, so the two
+    peaks do not add up."""
+    config = gguf_config(path)
     reader, arch = read_gguf(path)
     if reader.byte_order != "I":
         return NoStream("a big-endian GGUF file is not read tensor by tensor", float32_bytes(reader))
-    return _stream(path, reader, arch)
+    return _stream(path, reader, arch, config)
 
 
-def _stream(path: Path, reader: Any, arch: Any) -> GGUFInput | NoStream:
+def gguf_config(path: Path) -> Any:
+    """transformers' config of the GGUF file PATH (checked first, `core.loading`)."""
+    from gqakit.core.loading import load_config
+
+    return load_config(path)
+
+
+def _stream(path: Path, reader: Any, arch: Any, config: Any) -> GGUFInput | NoStream:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from gqakit.core.loading import load_config
     from gqakit.core.modelfiles import check_loaded
 
-    config = load_config(path)
     if getattr(config, "is_encoder_decoder", False):
         raise GqakitError(f"{path.name} holds an encoder-decoder ({config.model_type}); GGUF input and output are "
                           "for decoder-only models: convert its model folder to a model folder")

@@ -121,3 +121,34 @@ def test_blocks_that_do_not_fill_the_plan_are_refused(tmp_path):
     got = load_file(tmp_path / "model.safetensors")["w"]
     assert torch.equal(got, torch.tensor([[1.0] * 3] * 3 + [[2.0] * 3]))
     assert np.array_equal(got.numpy()[3], [2.0, 2.0, 2.0])
+
+
+def test_the_metadata_is_parsed_once_at_a_time_and_not_kept(pico_gguf, monkeypatch):
+    """transformers' parse of the metadata (the config) ends before gqakit's reader is made,
+    and the opened source keeps the reader's tensors, not the reader (whose fields hold the
+    vocabulary): the two parses' memory does not add up, and none of it stays."""
+    import gc
+    import weakref
+
+    from gqakit.convert import gguf_in
+
+    order: list[str] = []
+    readers: list[weakref.ref] = []
+    config, read = gguf_in.gguf_config, gguf_in.read_gguf
+
+    def spy_config(path):
+        order.append("config")
+        return config(path)
+
+    def spy_read(path):
+        order.append("reader")
+        got = read(path)
+        readers.append(weakref.ref(got[0]))
+        return got
+    monkeypatch.setattr(gguf_in, "gguf_config", spy_config)
+    monkeypatch.setattr(gguf_in, "read_gguf", spy_read)
+    opened = open_checkpoint(pico_gguf(QT.Q8_0), progress=False)
+    gc.collect()
+    assert order == ["config", "reader"]
+    assert readers and readers[0]() is None
+    assert torch.equal(opened.source.get("model.norm.weight"), opened.source.get("model.norm.weight"))

@@ -170,7 +170,7 @@ def main() -> None:
     runs = {}
     for g in a.g:
         out = a.workdir / f"out-g{g}"
-        seconds, anon, hwm = timed_convert(src, out, g)
+        seconds, anon, hwm = timed_convert(src, out, g, ("--force",) if g == shape["heads"] else ())
         runs[f"g{g}"] = {"seconds": round(seconds, 1), "peak_rss_anon": anon, "above_bare_runtime": anon - base,
                          "vm_hwm": hwm, "out_bytes": sum(p.stat().st_size for p in out.iterdir())}
         say(f"G={g}: {seconds:.0f} s, peak RssAnon {anon / GIB:.2f} GiB ({(anon - base) / MIB:.0f} MiB above the "

@@ -119,11 +119,11 @@ def per_step_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> St
     group_fn = GROUPINGS[settings.grouping]
     for step in plan.attention_layers():
         layer, shape = step.layer, plan.shape_at(step.site)
-        tensors = {n: opened.source.get(n) for n in step.names}
         # float64 keeps fp32 checkpoints exact through the math; 16-bit values are exact in fp32
-        wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
-        heads = read_heads(spec, shape, tensors, layer, dtype=torch.float64 if wide else torch.float32,
-                           site=step.site)
+        wide = any(opened.source.meta(n)[0] in (torch.float32, torch.float64) for n in step.names)
+        dtype = torch.float64 if wide else torch.float32
+        tensors = {n: opened.source.get(n).to(dtype) for n in step.names}  # widened as read: one at a time
+        heads = read_heads(spec, shape, tensors, layer, dtype=dtype, site=step.site)
         del tensors  # memory is one layer's attention: nothing but the method's result outlives its step
         groups = group_fn(heads, settings.num_kv_heads, rotary_style=spec.rotary.style,
                           rotary_dim=shape.rotary_dim)

@@ -1,15 +1,20 @@
-"""Conversion IO benchmark: throughput against `cp` and peak anonymous memory.
+"""Conversion IO benchmark: throughput against `cp`, CPU time and peak anonymous memory.
 
 Builds a synthetic Llama-shaped MHA checkpoint (random normal values, bf16, sharded
-safetensors), then in one run times
-  1. `cp -r` of the checkpoint (the IO floor: read + write of the same bytes),
-  2. `gqakit convert` of it to G KV heads (in a subprocess, RssAnon sampled every 10 ms),
-  3. `cp -r` again (to bracket drift),
-and prints a Markdown row. Run:
+safetensors), then for ROUNDS rounds, alternating which goes first, times
+  - `cp -r` of the checkpoint (the IO floor: read + write of the same bytes),
+  - `gqakit convert` of it to G KV heads (`--method mean -q`, in a subprocess, RssAnon
+    sampled every 10 ms),
+  - a process that only starts Python and imports the convert stack (start-up),
+each followed by `sync`. Throughput is (bytes read + written) / s over `cp`'s, per round
+(each conversion against the `cp` of its own round), with and without the start-up; CPU
+time (user + system) of each child from `getrusage`. Prints medians, the spread (min-max)
+and the load average before and after. Run:
 
-    .venv/bin/python -m bench.bench_convert_io --workdir /tmp/gqakit-bench
+    .venv/bin/python -m bench.bench_convert_io --workdir /tmp/gqakit-bench --rounds 5
 
 Sizes default to a 1.26B-parameter Llama (hidden 2048, 22 layers, 32 heads, MHA).
+Writes bench/results/convert_io.json.
 """
 
 from __future__ import annotations
@@ -17,16 +22,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.common import baseline_python_rss, folder_bytes, timed_convert, write_random_llama_checkpoint
+from bench.common import RESULTS, baseline_python_rss, folder_bytes, timed_convert, write_random_llama_checkpoint
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def with_cpu(run: Callable[[], object]) -> tuple[object, float]:
+    """RUN's result and the CPU seconds its child processes used (they are waited for)."""
+    before = children_cpu()
+    got = run()
+    return got, children_cpu() - before
 
 
 def timed_cp(src: Path, dst: Path) -> float:
@@ -40,8 +59,22 @@ def timed_cp(src: Path, dst: Path) -> float:
 def import_seconds() -> float:
     """Wall time of a process that only starts Python and imports the convert stack."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import gqakit.convert.pipeline, gqakit.convert.methods"], check=True)
+    subprocess.run([sys.executable, "-c", "import gqakit.cli, gqakit.convert.pipeline, gqakit.convert.methods"],
+                   check=True)
     return time.perf_counter() - t
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    values = [v for v in values if v == v] or [float("nan")]  # without NaNs
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3)}
 
 
 def main() -> None:
@@ -53,6 +86,8 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("-g", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=RESULTS / "convert_io.json")
     ap.add_argument("--keep", action="store_true", help="keep the files afterwards")
     args = ap.parse_args()
     src = args.workdir / "src"
@@ -64,32 +99,57 @@ def main() -> None:
         n = sum(torch.Size(v["shape"]).numel() for f in src.glob("*.safetensors")
                 for k, v in _header(f).items() if k != "__metadata__")
     size = folder_bytes(src)
-    cp1 = timed_cp(src, args.workdir / "cp")
-    conv, anon, hwm = timed_convert(src, args.workdir / "out", args.g)
-    cp2 = timed_cp(src, args.workdir / "cp")
-    out_size = folder_bytes(args.workdir / "out")
-    base = baseline_python_rss()
-    startup = import_seconds()
+    load_before = os.getloadavg()
+    rows = []
+    for r in range(args.rounds):
+        row: dict[str, float] = {}
+
+        def cp() -> None:
+            row["cp_seconds"], row["cp_cpu"] = with_cpu(lambda: timed_cp(src, args.workdir / "cp"))
+
+        def convert() -> None:
+            (sec, anon, hwm), row["convert_cpu"] = with_cpu(lambda: timed_convert(src, args.workdir / "out", args.g))
+            row.update(convert_seconds=sec, peak_rss_anon=anon, vm_hwm=hwm)
+
+        def startup() -> None:
+            row["startup_seconds"], row["startup_cpu"] = with_cpu(import_seconds)
+
+        for step in ((cp, convert, startup) if r % 2 == 0 else (startup, convert, cp)):
+            step()
+        out_size = folder_bytes(args.workdir / "out")
+        cp_rate = 2 * size / row["cp_seconds"]
+        row["ratio"] = (size + out_size) / row["convert_seconds"] / cp_rate
+        work = row["convert_seconds"] - row["startup_seconds"]  # noise can make it <= 0 on a tiny model
+        row["ratio_without_startup"] = (size + out_size) / work / cp_rate if work > 0 else float("nan")
+        rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
     largest = max(v["shape"][0] * (v["shape"][1] if len(v["shape"]) > 1 else 1) * 2
                   for f in src.glob("*.safetensors") for k, v in _header(f).items() if k != "__metadata__")
-    cp = (cp1 + cp2) / 2
-    res = {"params": n, "source_bytes": size, "output_bytes": out_size, "cp_seconds": [round(cp1, 2), round(cp2, 2)],
-           "convert_seconds": round(conv, 2), "convert_vs_cp_time": round(conv / cp, 2),
-           "startup_import_seconds": round(startup, 2),
-           "throughput_ratio_vs_cp_excluding_startup": round(((size + out_size) / max(conv - startup, 1e-9))
-                                                            / ((2 * size) / cp), 2),
-           "throughput_ratio_vs_cp": round(((size + out_size) / conv) / ((2 * size) / cp), 2),
-           "peak_rss_anon_bytes": anon, "vmhwm_bytes": hwm, "import_only_rss_anon_bytes": base,
-           "largest_tensor_bytes": largest, "cpu": platform.processor() or platform.machine(),
-           "cores": os.cpu_count(), "torch": torch.__version__}
-    print(json.dumps(res, indent=2))
-    gib = 2 ** 30
-    print(f"\n| {n / 1e9:.2f}B params, bf16, {size / gib:.2f} GiB, MHA {args.heads} -> {args.g} KV heads "
-          f"| cp {cp:.1f} s | convert {conv:.1f} s (of which {startup:.1f} s Python start-up and imports) "
-          f"| throughput {res['throughput_ratio_vs_cp']:.2f}x of cp "
-          f"({res['throughput_ratio_vs_cp_excluding_startup']:.2f}x without start-up) "
-          f"| peak RssAnon {anon / gib:.2f} GiB (imports alone {base / gib:.2f} GiB; largest tensor "
-          f"{largest / gib:.2f} GiB) |")
+    keys = ("cp_seconds", "convert_seconds", "startup_seconds", "ratio", "ratio_without_startup", "cp_cpu",
+            "convert_cpu", "startup_cpu", "peak_rss_anon")
+    res = {"params": n, "source_bytes": size, "output_bytes": out_size, "g": args.g, "rounds": rows,
+           "summary": {k: spread([row[k] for row in rows]) for k in keys},
+           "load_average_before": [round(x, 2) for x in load_before],
+           "load_average_after": [round(x, 2) for x in load_after],
+           "import_only_rss_anon_bytes": baseline_python_rss(), "largest_tensor_bytes": largest,
+           "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res["summary"], indent=2))
+    s, gib = res["summary"], 2 ** 30
+
+    def fmt(k: str, unit: str = "") -> str:
+        return f"{s[k]['median']:.2f}{unit} ({s[k]['min']:.2f}-{s[k]['max']:.2f})"
+    print(f"\n{n / 1e9:.2f}B params, bf16, {size / gib:.2f} GiB, MHA {args.heads} -> {args.g} KV heads, "
+          f"{args.rounds} rounds, load {load_before[0]:.1f} -> {load_after[0]:.1f}:\n"
+          f"| cp {fmt('cp_seconds', ' s')} | convert {fmt('convert_seconds', ' s')}, start-up "
+          f"{fmt('startup_seconds', ' s')} | throughput {fmt('ratio', 'x')} of cp, "
+          f"{fmt('ratio_without_startup', 'x')} without start-up | CPU s: cp {fmt('cp_cpu')}, convert "
+          f"{fmt('convert_cpu')}, start-up {fmt('startup_cpu')} | peak RssAnon "
+          f"{s['peak_rss_anon']['max'] / gib:.2f} GiB (imports alone {res['import_only_rss_anon_bytes'] / gib:.2f} "
+          f"GiB; largest tensor {largest / gib:.2f} GiB) |")
     if not args.keep:
         shutil.rmtree(args.workdir / "cp", ignore_errors=True)
         shutil.rmtree(args.workdir / "out", ignore_errors=True)

@@ -1,19 +1,21 @@
 """GGUF -> model folder streams: peak memory of a 7B-layer-shaped Llama GGUF, and every
 output tensor against transformers' own dequantisation of the same file.
 
-A Llama GGUF with Llama-2-7B's layer shape (hidden 4096, 32 heads, MLP 11008, vocab 32000)
-but 4 layers (1.07 B parameters; 2.0 GiB as F16), random weights, written here with the
-`gguf` package tensor by tensor, q/k rows permuted as llama.cpp's converter does. Then, each
-in a subprocess as a user runs it (`gqakit convert SRC.gguf OUTDIR -g G --method mean -q`,
-float32 output):
+A Llama GGUF with Llama-2-7B's layer shape (hidden 4096, 32 heads, MLP 11008; vocabulary
+`--vocab`, 49,152 by default) but 4 layers (1.21 B parameters; 2.3 GiB as F16), random
+weights, written here with the `gguf` package tensor by tensor, q/k rows permuted as
+llama.cpp's converter does. Then, each in a subprocess as a user runs it (`gqakit convert
+SRC.gguf OUTDIR -g G --method mean -q`, float32 output):
   - G = 8: peak RssAnon (sampled every 10 ms; the memory-mapped input's pages are
     file-backed and not counted) and VmHWM;
   - G = 32 (= the source's KV heads, so mean pooling changes nothing): the same, and then
     every output tensor is compared bit for bit with transformers'
     `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` in float32 (which holds the
-    whole model, 4 GiB, in this process).
+    whole model, 4.5 GiB, in this process).
+Memory is reported above the bare runtime: a process that imports torch, transformers' model
+classes, gguf and gqakit's convert stack, and nothing else.
 
-    .venv/bin/python -m bench.bench_gguf_stream [--qtype Q8_0] [--layers 4]
+    .venv/bin/python -m bench.bench_gguf_stream [--qtype Q8_0] [--layers 4] [--vocab 128256 --g 8 --no-compare]
 
 Writes bench/results/gguf_stream.json.
 """
@@ -25,15 +27,34 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import LLAMA2_7B, RESULTS, baseline_python_rss, say, timed_convert
+from bench.common import LLAMA2_7B, RESULTS, say, timed_convert
 
 GIB = 2 ** 30
+MIB = 2 ** 20
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def bare_runtime_rss() -> int:
+    """RssAnon of a process that only imports the runtime a GGUF conversion needs: torch,
+    transformers' model classes, gguf and gqakit's convert stack."""
+    code = ("import gqakit.convert.pipeline, gqakit.convert.methods, gqakit.convert.gguf_in, gguf, pathlib;"
+            "from transformers import AutoModelForCausalLM, LlamaForCausalLM;"
+            "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
+            "if l.startswith('RssAnon')][0].split()[1])")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) * 1024
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -131,41 +152,46 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--qtype", default="F16", choices=["F16", "Q8_0"])
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--g", type=int, nargs="+", default=[8, 32], help="KV heads to convert to (32: the check)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gqakit-gguf-stream"))
     ap.add_argument("--no-compare", action="store_true", help="skip the check against transformers (4 GiB)")
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_stream.json")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    src = a.workdir / f"llama-7b-layers-{a.layers}.{a.qtype}.gguf"
+    shape = {**LLAMA2_7B, "vocab": a.vocab}
+    src = a.workdir / f"llama-7b-layers-{a.layers}-vocab-{a.vocab}.{a.qtype}.gguf"
     if not src.is_file():
         say(f"writing {src}")
         t = time.perf_counter()
-        write_llama_gguf(src, LLAMA2_7B, a.layers, a.qtype)
+        write_llama_gguf(src, shape, a.layers, a.qtype)
         say(f"wrote {src.stat().st_size / GIB:.2f} GiB in {time.perf_counter() - t:.0f} s")
+    base = bare_runtime_rss()
     runs = {}
-    for g in (8, 32):
+    for g in a.g:
         out = a.workdir / f"out-g{g}"
-        seconds, anon, hwm = timed_convert(src, out, g)
-        runs[f"g{g}"] = {"seconds": round(seconds, 1), "peak_rss_anon": anon, "vm_hwm": hwm,
-                         "out_bytes": sum(p.stat().st_size for p in out.iterdir())}
-        say(f"G={g}: {seconds:.0f} s, peak RssAnon {anon / GIB:.2f} GiB, VmHWM {hwm / GIB:.2f} GiB")
-        if g == 8:
+        seconds, anon, hwm = timed_convert(src, out, g, ("--force",) if g == shape["heads"] else ())
+        runs[f"g{g}"] = {"seconds": round(seconds, 1), "peak_rss_anon": anon, "above_bare_runtime": anon - base,
+                         "vm_hwm": hwm, "out_bytes": sum(p.stat().st_size for p in out.iterdir())}
+        say(f"G={g}: {seconds:.0f} s, peak RssAnon {anon / GIB:.2f} GiB ({(anon - base) / MIB:.0f} MiB above the "
+            f"bare runtime's {base / MIB:.0f} MiB), VmHWM {hwm / GIB:.2f} GiB")
+        if g != 32 or a.no_compare:
             shutil.rmtree(out)
-    check = None if a.no_compare else compare_with_transformers(src, a.workdir / "out-g32")
+    check = None if a.no_compare or 32 not in a.g else compare_with_transformers(src, a.workdir / "out-g32")
     if check is not None:
         say(f"against transformers: {check['tensors_compared']} tensors compared, "
             f"{len(check['tensors_differing'])} differ, {len(check['tensors_missing'])} missing, "
             f"{len(check['equal_values_other_bits'])} equal in value but not bit for bit")
     shutil.rmtree(a.workdir / "out-g32", ignore_errors=True)
     result = {"source": src.name, "source_bytes": src.stat().st_size, "qtype": a.qtype, "layers": a.layers,
-              "shape": {**LLAMA2_7B, "layers": a.layers}, "method": "mean",
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
-              "imports_rss_anon": baseline_python_rss(), "runs": runs, "check": check}
+              "shape": {**shape, "layers": a.layers}, "method": "mean",
+              "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
+              "bare_runtime_rss_anon": base, "runs": runs, "check": check}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    worst = max(r["peak_rss_anon"] for r in runs.values())
-    ok = worst < GIB and (check is None or not (check["tensors_differing"] or check["tensors_missing"]))
+    worst = max(r["above_bare_runtime"] for r in runs.values())
+    ok = worst <= 512 * MIB and (check is None or not (check["tensors_differing"] or check["tensors_missing"]))
     sys.exit(0 if ok else 1)
 
 

@@ -4,8 +4,10 @@ the model folder (`source.open_model`) and the GGUF file (`gguf_out`).
 
     SRC.gguf (memory-mapped by gguf.GGUFReader)
       --> GGUFSource: the tensors under transformers' names, each dequantised only when
-          asked for, in row chunks into one float32 array (q/k rows un-permuted, see
-          below); the config comes from transformers' GGUF metadata reader
+          asked for, in row chunks (q/k rows un-permuted, see below): into one float32
+          array (`get`), or block by block as an unchanged tensor is written (`blocks`:
+          memory is a block, not the tensor); the config comes from transformers' GGUF
+          metadata reader
 
 Which GGUF tensor is which transformers tensor:
   - the architectures gqakit's GGUF writer knows (`GGUF_ARCHS`, from the `gguf` of the
@@ -31,7 +33,7 @@ G key heads, `gguf_out`), so both engines see the converted heads correctly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gqakit.convert.io import Opened, Source
+from gqakit.convert.io import BLOCK_BYTES, Opened, Source, row_step
 from gqakit.core.arch import gguf_archs
 from gqakit.core.errors import GqakitError
 
@@ -70,16 +72,18 @@ def numpy_shape(t: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in reversed(t.shape.tolist()))
 
 
-def dequantize(t: Any, path: Path, rows: np.ndarray | None = None) -> np.ndarray:
-    """The float32 values of the GGUF tensor T (only ROWS of its first axis, if given), as
-    `gguf.quants.dequantize` computes them, into one new array: a few MiB at a time, so
-    memory is the result and not gguf-py's temporaries (which hold the whole tensor twice)."""
+def dequantize(t: Any, path: Path, rows: np.ndarray | slice | None = None) -> np.ndarray:
+    """The float32 values of the GGUF tensor T (only ROWS of its first axis, if given: an
+    index array or a slice), as `gguf.quants.dequantize` computes them, into one new array:
+    a few MiB at a time, so memory is the result and not gguf-py's temporaries (which hold
+    the whole tensor twice). A quantised row is whole blocks (GGUF's first dimension is a
+    multiple of the block size), so rows never split a block."""
     from gguf.quants import dequantize as gguf_dequantize
 
     shape = numpy_shape(t)
     data = t.data if rows is None else t.data[rows]
     if rows is not None:
-        shape = (len(rows), *shape[1:])
+        shape = (data.shape[0], *shape[1:])
     flat = data.reshape(-1, data.shape[-1]) if len(shape) > 1 else data.reshape(1, -1)
     out = np.empty((flat.shape[0], shape[-1]), dtype=np.float32)
     n_rows = flat.shape[0]
@@ -104,7 +108,9 @@ class GGUFSource(Source):
     def __init__(self, reader: Any, path: Path, hf_names: dict[str, str], shapes: dict[str, tuple[int, ...]],
                  order: list[str], permute: dict[str, int],
                  process: Callable[[str, np.ndarray], np.ndarray] | None = None):
-        self.reader, self.path = reader, path
+        # the tensors only (their bytes stay memory-mapped): not the reader, whose metadata
+        # fields (the vocabulary, a few hundred bytes of Python objects per token) are then freed
+        self.path = path
         self._t = {t.name: t for t in reader.tensors}
         self._gguf_of = {hf: g for g, hf in hf_names.items()}
         self._shapes, self._order, self._permute, self._process = shapes, order, permute, process
@@ -133,6 +139,25 @@ class GGUFSource(Source):
             raise GqakitError(f"{self.path.name}: tensor {g} has shape {tuple(w.shape)}, but the model needs "
                               f"{self._shapes[name]} for {name}")
         return torch.from_numpy(w)
+
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[torch.Tensor]:
+        """Row blocks of at most about MAX_BYTES of float32, dequantised one at a time; a
+        block of a permuted q/k holds whole heads, so each is un-permuted on its own. A
+        tensor that transformers processes, or a 1-D one, comes whole."""
+        g = self._gguf_of[name]
+        shape = self._shapes[name]
+        if self._process is not None or len(shape) < 2 or numpy_shape(self._t[g]) != shape:
+            yield self.get(name).to(dtype)
+            return
+        heads = self._permute.get(g)
+        per_head = shape[0] // heads if heads else 1
+        step = row_step(shape, max(4, dtype.itemsize), max_bytes, per_head)
+        for a in range(0, shape[0], step):
+            w = dequantize(self._t[g], self.path, rows=slice(a, a + step))
+            if heads:
+                w = permute_rows(w, w.shape[0] // per_head, reverse=True)
+            yield torch.from_numpy(w).to(dtype)
+            del w
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of a 2-D tensor, dequantising only those (an embedding's used rows)."""
@@ -244,28 +269,38 @@ def open_gguf_source(path: Path) -> GGUFInput:
     if arch not in GGUF_ARCHS:
         raise GqakitError(f"GGUF output does not support the {arch!r} GGUF architecture of {path.name} (supported: "
                           f"{', '.join(GGUF_ARCHS)}); write a model folder instead: gqakit convert {path.name} OUTDIR")
-    got = _stream(path, reader, arch)
+    got = _stream(path, reader, arch, gguf_config(path))
     assert isinstance(got, GGUFInput)  # a GGUF_ARCHS file always has its map
     return got
 
 
 def stream_gguf(path: Path) -> GGUFInput | NoStream:
     """PATH memory-mapped for the folder output, every tensor under its transformers name,
-    nothing decoded; or, for an architecture with no name map, why not (`NoStream`)."""
+    nothing decoded; or, for an architecture with no name map, why not (`NoStream`).
+
+    The config is read first: transformers parses the whole metadata (the vocabulary) into
+    Python objects, and that is freed before gqakit's own reader parses it again, so the two
+    peaks do not add up."""
+    config = gguf_config(path)
     reader, arch = read_gguf(path)
     if reader.byte_order != "I":
         return NoStream("a big-endian GGUF file is not read tensor by tensor", float32_bytes(reader))
-    return _stream(path, reader, arch)
+    return _stream(path, reader, arch, config)
 
 
-def _stream(path: Path, reader: Any, arch: Any) -> GGUFInput | NoStream:
+def gguf_config(path: Path) -> Any:
+    """transformers' config of the GGUF file PATH (checked first, `core.loading`)."""
+    from gqakit.core.loading import load_config
+
+    return load_config(path)
+
+
+def _stream(path: Path, reader: Any, arch: Any, config: Any) -> GGUFInput | NoStream:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from gqakit.core.loading import load_config
     from gqakit.core.modelfiles import check_loaded
 
-    config = load_config(path)
     if getattr(config, "is_encoder_decoder", False):
         raise GqakitError(f"{path.name} holds an encoder-decoder ({config.model_type}); GGUF input and output are "
                           "for decoder-only models: convert its model folder to a model folder")

@@ -6,40 +6,44 @@ tensor with `pread` (a file cut while it is read is then a short read, not a SIG
 files (missing shard, a shard path escaping the folder, a truncated file, unsafe pickles;
 `core/modelfiles.py`) becomes a one-line `GqakitError`.
 
-Writing: `ShardWriter` knows every output tensor's name, dtype and shape in advance (the
-conversion plan), so it writes each shard's safetensors header first and then streams
-the tensors into it one by one. Peak memory is the largest tensor (or one layer's
-attention block), never a whole shard.
+Writing: `shards.ShardWriter` (also importable from here) writes each shard's header first
+and streams the tensors into it. `copy_tensor` passes an unchanged tensor through: its bytes
+copied file to file by the kernel when the dtype is kept, else read, cast and written in row
+blocks of `BLOCK_BYTES` (`Source.blocks`), so that memory is a block, not the tensor. Peak
+memory is one layer's attention block or one row block, never a whole shard.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import struct
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from gqakit.convert.shards import FROM_ST, ST_INDEX, Planned, ShardWriter, plan_shards
 from gqakit.core.errors import GqakitError
 from gqakit.core.modelfiles import index_map, load_bin, read_st_header
 
-ST_INDEX = "model.safetensors.index.json"
+__all__ = ["BLOCK_BYTES", "DictSource", "Opened", "Planned", "SafetensorsSource", "ShardWriter", "Source",
+           "copy_tensor", "open_source", "plan_shards", "row_step"]
+
 BIN_INDEX = "pytorch_model.bin.index.json"
 
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    getattr(torch, "float8_e4m3fn", None): "F8_E4M3", getattr(torch, "float8_e5m2", None): "F8_E5M2",
-}
-_ST_DTYPES.pop(None, None)
-_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
+
+BLOCK_BYTES = 16 << 20  # an unchanged tensor that must be decoded is cast and written this much at a time
+
+
+def row_step(shape: tuple[int, ...], itemsize: int, max_bytes: int, multiple: int = 1) -> int:
+    """How many rows (first-axis slices) of a tensor of SHAPE make a block of at most
+    MAX_BYTES at ITEMSIZE bytes per value: at least MULTIPLE, and a multiple of it."""
+    row = itemsize
+    for d in shape[1:]:
+        row *= d
+    return max(1, max_bytes // max(row * multiple, 1)) * multiple
 
 
 def _read_index(folder: Path, index_name: str) -> dict[str, Path]:
@@ -61,6 +65,13 @@ class Source:
     def rows(self, name: str, index: Tensor) -> Tensor:
         """Rows `index` (sorted, unique) of a 2-D tensor; subclasses read only those rows."""
         return self.get(name)[index]
+
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[Tensor]:
+        """Tensor NAME cast to DTYPE, as consecutive blocks of its first axis, each at most
+        about MAX_BYTES in DTYPE or in the source's own dtype (one row at least; a 0-D or 1-D
+        tensor may come whole). Subclasses that can read part of a tensor override this;
+        here the tensor is read whole."""
+        yield self.get(name).to(dtype)
 
     def files(self) -> list[Path]:
         return []
@@ -101,7 +112,7 @@ class SafetensorsSource(Source):
             in_file = sorted((k for k in header if not k.startswith("__")), key=lambda k: header[k]["data_offsets"][0])
             for k in in_file:
                 if self._where.get(k) == path:
-                    dt = _FROM_ST.get(header[k]["dtype"])
+                    dt = FROM_ST.get(header[k]["dtype"])
                     if dt is None:
                         raise GqakitError(f"{path.name}: tensor {k} has unsupported dtype {header[k]['dtype']}")
                     self._meta[k] = (dt, tuple(header[k]["shape"]))
@@ -168,6 +179,19 @@ class SafetensorsSource(Source):
                 start = i
         return torch.cat(parts) if parts else torch.empty((0, *shape[1:]), dtype=dtype)
 
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[Tensor]:
+        """Row blocks read with pread and cast one at a time (a dtype change of an unchanged tensor)."""
+        src_dtype, shape = self._meta[name]
+        if len(shape) < 2 or not shape[0]:
+            yield self.get(name).to(dtype)
+            return
+        row = self._range[name][1] // shape[0]
+        itemsize = max(dtype.itemsize, src_dtype.itemsize)
+        step = row_step(shape, itemsize, max_bytes)
+        for a in range(0, shape[0], step):
+            b = min(a + step, shape[0])
+            yield self._tensor(self._read(name, a * row, (b - a) * row), src_dtype, (b - a, *shape[1:])).to(dtype)
+
     def files(self) -> list[Path]:
         return list(self._handles)
 
@@ -195,6 +219,16 @@ class DictSource(Source):
 
     def get(self, name: str) -> Tensor:
         return self._t[name]
+
+    def blocks(self, name: str, dtype: torch.dtype, max_bytes: int = BLOCK_BYTES) -> Iterator[Tensor]:
+        """Row blocks cast one at a time (a memory-mapped .bin's values are read as they are cast)."""
+        t = self._t[name]
+        if t.dim() < 2 or t.dtype == dtype:
+            yield t.to(dtype)
+            return
+        step = row_step(tuple(t.shape), max(dtype.itemsize, t.dtype.itemsize), max_bytes)
+        for a in range(0, t.shape[0], step):
+            yield t[a:a + step].to(dtype)
 
     def files(self) -> list[Path]:
         return self._files
@@ -234,153 +268,12 @@ def open_source(folder: Path) -> Source:
     raise GqakitError(f"no weights in {folder}: expected model.safetensors, {ST_INDEX} or pytorch_model.bin")
 
 
-# ----------------------------------------------------------------------------- writing
-
-@dataclass
-class Planned:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
-
-def plan_shards(plan: list[Planned], max_shard_bytes: int) -> list[list[Planned]]:
-    shards: list[list[Planned]] = [[]]
-    size = 0
-    for p in plan:
-        if shards[-1] and size + p.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(p)
-        size += p.nbytes
-    return shards
-
-
-class ShardWriter:
-    """Writes planned tensors into safetensors shards (+ index), in any order.
-
-    Every tensor's shard and byte offset follow from the plan, so each shard's header is
-    written when the shard is first touched and every tensor goes straight to its place
-    (`pwrite`, or a kernel-side copy for unchanged bytes). The pass-through tensors can
-    thus be written in file order and the converted attention layer by layer.
-    """
-
-    def __init__(self, folder: Path, plan: list[Planned], max_shard_bytes: int, metadata: dict[str, str] | None = None,
-                 written: Iterable[str] = ()):
-        """`written`: tensors an interrupted run already wrote into `folder` (resuming it)."""
-        self.folder = folder
-        self.shards = plan_shards(plan, max_shard_bytes)
-        n = len(self.shards)
-        self.filenames = (["model.safetensors"] if n == 1 else
-                          [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
-        self.metadata = {"format": "pt", **(metadata or {})}
-        self._headers = [self._header(s) for s in self.shards]
-        self._slot: dict[str, tuple[int, int, Planned]] = {}  # name -> (shard, absolute offset, plan)
-        for i, shard in enumerate(self.shards):
-            offset = len(self._headers[i])
-            for p in shard:
-                self._slot[p.name] = (i, offset, p)
-                offset += p.nbytes
-        self._files: dict[int, BinaryIO] = {}
-        self._written: set[str] = set(written)
-        self._resuming = bool(self._written)
-        self._at = (0, 0)  # (shard, offset) of the tensor being written
-        self.total_bytes = sum(p.nbytes for p in plan)
-
-    def _header(self, shard: list[Planned]) -> bytes:
-        header: dict[str, Any] = {"__metadata__": self.metadata}
-        offset = 0
-        for p in shard:
-            header[p.name] = {"dtype": _ST_DTYPES[p.dtype], "shape": list(p.shape),
-                              "data_offsets": [offset, offset + p.nbytes]}
-            offset += p.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
-        return struct.pack("<Q", len(raw)) + raw
-
-    def _file(self, i: int) -> BinaryIO:
-        if i not in self._files:
-            path = self.folder / self.filenames[i]
-            if self._resuming and path.is_file():
-                f = open(path, "r+b")  # keep what the interrupted run wrote
-                if f.read(len(self._headers[i])) != self._headers[i]:
-                    f.close()
-                    raise GqakitError(f"{path} does not belong to this conversion; delete {self.folder} and re-run")
-            else:
-                f = open(path, "wb")
-                f.write(self._headers[i])
-                f.flush()
-            self._files[i] = f
-        return self._files[i]
-
-    @property
-    def written(self) -> list[str]:
-        return sorted(self._written)
-
-    def _next(self, name: str) -> Planned:
-        """The plan entry of the next tensor written; sets where it goes."""
-        if name not in self._slot:
-            raise RuntimeError(f"tensor {name} was not planned")
-        if name in self._written:
-            raise RuntimeError(f"tensor {name} written twice")
-        i, offset, p = self._slot[name]
-        self._at = (i, offset)
-        return p
-
-    def write(self, name: str, tensor: Tensor) -> None:
-        p = self._next(name)
-        if tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
-            raise RuntimeError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {p.shape} {p.dtype}")
-        i, offset = self._at
-        fd = self._file(i).fileno()
-        data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], offset + done)
-        self._written.add(name)
-
-    def write_raw(self, name: str, path: Path, offset: int, length: int) -> None:
-        """Copy a tensor's bytes unchanged from another safetensors file (kernel-side copy)."""
-        p = self._next(name)
-        if length != p.nbytes:
-            raise RuntimeError(f"{name}: {length} bytes in the source, {p.nbytes} planned")
-        i, dst_off = self._at
-        dst_fd = self._file(i).fileno()
-        with open(path, "rb") as f:
-            src_fd = f.fileno()
-            done = 0
-            while done < length:
-                try:
-                    n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done, dst_off + done)
-                except (AttributeError, OSError) as e:
-                    if isinstance(e, OSError) and e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    f.seek(offset + done)
-                    n = os.pwrite(dst_fd, f.read(min(length - done, 64 << 20)), dst_off + done)
-                if n == 0:
-                    raise OSError(errno.EIO, f"short read copying {name} from {path.name}")
-                done += n
-        self._written.add(name)
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-
-    def finish(self) -> None:
-        missing = [n for n in self._slot if n not in self._written]
-        if missing:
-            raise RuntimeError(f"not every planned tensor was written (first missing: {missing[0]})")
-        for i in range(len(self.shards)):
-            self._file(i)  # a shard of zero-byte tensors still needs its header
-        self.close()
-        if len(self.shards) > 1:
-            index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {p.name: self.filenames[i] for i, s in enumerate(self.shards) for p in s}}
-            (self.folder / ST_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+def copy_tensor(source: Source, writer: ShardWriter, name: str, dtype: torch.dtype) -> int:
+    """Pass the unchanged tensor NAME from SOURCE into WRITER as DTYPE: its bytes copied by
+    the kernel when the source file holds them as they are, else read, cast and written in
+    row blocks (`Source.blocks`). Returns the bytes written."""
+    raw = source.raw(name)
+    if raw is not None and source.meta(name)[0] == dtype:
+        writer.write_raw(name, *raw)
+        return raw[2]
+    return writer.write_blocks(name, source.blocks(name, dtype, BLOCK_BYTES))

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import gqakit
 from gqakit.convert.budget.choose import choose_for, with_choice
 from gqakit.convert.grouping import GROUPINGS
-from gqakit.convert.io import ShardWriter
+from gqakit.convert.io import ShardWriter, copy_tensor
 from gqakit.convert.layout import AttnHeads, read_heads, write_heads
 from gqakit.convert.methods import method_function
 from gqakit.convert.plan import AttentionLayer, Plan, make_plan, trained_block_tensors
@@ -139,11 +139,11 @@ def per_step_heads(opened: Opened, plan: Plan, settings: ResolvedSettings) -> St
     for step in plan.attention_layers():
         layer, shape = step.layer, plan.shape_at(step.site).at(step.layer)
         G = settings.kv_heads_at(layer)
-        tensors = {n: opened.source.get(n) for n in step.names}
         # float64 keeps fp32 weights exact through the math; 16-bit values are exact in fp32
-        wide = any(t.dtype in (torch.float32, torch.float64) for t in tensors.values())
-        heads = read_heads(spec, shape, tensors, layer, dtype=torch.float64 if wide else torch.float32,
-                           site=step.site)
+        wide = any(opened.source.meta(n)[0] in (torch.float32, torch.float64) for n in step.names)
+        dtype = torch.float64 if wide else torch.float32
+        tensors = {n: opened.source.get(n).to(dtype) for n in step.names}  # widened as read: one at a time
+        heads = read_heads(spec, shape, tensors, layer, dtype=dtype, site=step.site)
         del tensors  # memory is one layer's attention: nothing but the method's result outlives its step
         groups = group_fn(heads, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim)
         ctx = PoolContext(G, groups, spec.rotary.style, shape.rotary_dim, layer, gen)
@@ -224,15 +224,8 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             for name in (step.name for step in plan.pass_through()):
                 if name in done or name in from_stage:
                     continue
-                raw = opened.source.raw(name)
-                if raw is not None and opened.source.meta(name)[0] == planned_dtype[name]:
-                    writer.write_raw(name, *raw)  # unchanged: copy the bytes, decode nothing
-                    bar.update(raw[2])
-                else:
-                    t = opened.source.get(name).to(planned_dtype[name])
-                    writer.write(name, t)
-                    bar.update(t.numel() * t.dtype.itemsize)
-                    del t  # before the next tensor is read: memory is one tensor
+                # the bytes copied as they are, or decoded and written a row block at a time
+                bar.update(copy_tensor(opened.source, writer, name, planned_dtype[name]))
             # 2. the attention, layer by layer
             spec = archmod.registry()[plan.family]
             layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",

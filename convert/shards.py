@@ -1,0 +1,254 @@
+"""Writing safetensors shards whose layout is planned up front, tensor by tensor.
+
+`ShardWriter` knows every output tensor's name, dtype and shape in advance (the conversion
+plan), so each shard's header is written first and every tensor then goes straight to its
+byte range: `write` (a tensor in memory), `write_blocks` (a tensor's row blocks as they
+come: memory is a block), `write_raw` (an unchanged tensor's bytes, copied file to file by
+the kernel with `copy_file_range`, no byte through Python). The kernel-side copies run on a
+writer thread, one after another, while the caller reads and converts the next tensors;
+`written`, `flush` and `finish` wait for them, and a copy's error is raised by the next call.
+Peak memory is what the caller holds, never a shard.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch import Tensor
+
+from gqakit.core.errors import GqakitError
+
+ST_INDEX = "model.safetensors.index.json"
+BACKGROUND_COPIES = True  # kernel-side copies on a writer thread (False: each copy done before write_raw returns)
+
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    getattr(torch, "float8_e4m3fn", None): "F8_E4M3", getattr(torch, "float8_e5m2", None): "F8_E5M2",
+}
+ST_DTYPES.pop(None, None)
+FROM_ST = {v: k for k, v in ST_DTYPES.items()}
+
+@dataclass
+class Planned:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(plan: list[Planned], max_shard_bytes: int) -> list[list[Planned]]:
+    shards: list[list[Planned]] = [[]]
+    size = 0
+    for p in plan:
+        if shards[-1] and size + p.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += p.nbytes
+    return shards
+
+
+class ShardWriter:
+    """Writes planned tensors into safetensors shards (+ index), in any order.
+
+    Every tensor's shard and byte offset follow from the plan, so each shard's header is
+    written when the shard is first touched and every tensor goes straight to its place
+    (`pwrite`, or a kernel-side copy for unchanged bytes). The pass-through tensors can
+    thus be written in file order and the converted attention layer by layer.
+    Not thread-safe: one caller thread (the copies run on the writer's own thread).
+    """
+
+    def __init__(self, folder: Path, plan: list[Planned], max_shard_bytes: int, metadata: dict[str, str] | None = None,
+                 written: Iterable[str] = ()):
+        """`written`: tensors an interrupted run already wrote into `folder` (resuming it)."""
+        self.folder = folder
+        self.shards = plan_shards(plan, max_shard_bytes)
+        n = len(self.shards)
+        self.filenames = (["model.safetensors"] if n == 1 else
+                          [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._headers = [self._header(s) for s in self.shards]
+        self._slot: dict[str, tuple[int, int, Planned]] = {}  # name -> (shard, absolute offset, plan)
+        for i, shard in enumerate(self.shards):
+            offset = len(self._headers[i])
+            for p in shard:
+                self._slot[p.name] = (i, offset, p)
+                offset += p.nbytes
+        self._files: dict[int, BinaryIO] = {}
+        self._written: set[str] = set(written)
+        self._resuming = bool(self._written)
+        self._at = (0, 0)  # (shard, offset) of the tensor being written
+        self._background = BACKGROUND_COPIES
+        self._copier: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future[None]] = {}  # name -> its copy in flight
+        self.total_bytes = sum(p.nbytes for p in plan)
+
+    def _header(self, shard: list[Planned]) -> bytes:
+        header: dict[str, Any] = {"__metadata__": self.metadata}
+        offset = 0
+        for p in shard:
+            header[p.name] = {"dtype": ST_DTYPES[p.dtype], "shape": list(p.shape),
+                              "data_offsets": [offset, offset + p.nbytes]}
+            offset += p.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
+        return struct.pack("<Q", len(raw)) + raw
+
+    def _file(self, i: int) -> BinaryIO:
+        if i not in self._files:
+            path = self.folder / self.filenames[i]
+            if self._resuming and path.is_file():
+                f = open(path, "r+b")  # keep what the interrupted run wrote
+                if f.read(len(self._headers[i])) != self._headers[i]:
+                    f.close()
+                    raise GqakitError(f"{path} does not belong to this conversion; delete {self.folder} and re-run")
+            else:
+                f = open(path, "wb")
+                f.write(self._headers[i])
+                f.flush()
+            self._files[i] = f
+        return self._files[i]
+
+    @property
+    def written(self) -> list[str]:
+        """The tensors in the shards (every copy in flight is waited for)."""
+        self.flush()
+        return sorted(self._written)
+
+    def _next(self, name: str) -> Planned:
+        """The plan entry of the next tensor written; sets where it goes."""
+        if name not in self._slot:
+            raise RuntimeError(f"tensor {name} was not planned")
+        if name in self._written or name in self._pending:
+            raise RuntimeError(f"tensor {name} written twice")
+        i, offset, p = self._slot[name]
+        self._at = (i, offset)
+        return p
+
+    def write(self, name: str, tensor: Tensor) -> None:
+        p = self._next(name)
+        if tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
+            raise RuntimeError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {p.shape} {p.dtype}")
+        i, offset = self._at
+        fd = self._file(i).fileno()
+        data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+        self._written.add(name)
+
+    def write_blocks(self, name: str, blocks: Iterable[Tensor]) -> int:
+        """Write tensor NAME from consecutive blocks of its first axis (`Source.blocks`), each
+        to its place as it comes: memory is one block. Returns the bytes written."""
+        p = self._next(name)
+        i, offset = self._at
+        fd = self._file(i).fileno()
+        done = 0
+        for block in blocks:
+            shape = tuple(block.shape)
+            if block.dtype != p.dtype or len(shape) != len(p.shape) or shape[1:] != p.shape[1:]:
+                raise RuntimeError(f"{name}: got a block of {shape} {block.dtype}, planned {p.shape} {p.dtype}")
+            data = memoryview(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            if done + len(data) > p.nbytes:
+                raise RuntimeError(f"{name}: the blocks hold more than the planned {p.shape}")
+            n = 0
+            while n < len(data):
+                n += os.pwrite(fd, data[n:], offset + done + n)
+            done += len(data)
+            del data, block  # before the next block is made
+        if done != p.nbytes:
+            raise RuntimeError(f"{name}: the blocks hold {done} bytes, planned {p.nbytes} ({p.shape} {p.dtype})")
+        self._written.add(name)
+        return done
+
+    def write_raw(self, name: str, path: Path, offset: int, length: int) -> None:
+        """Copy a tensor's bytes unchanged from another file (kernel-side copy), on the writer
+        thread: it is counted as written once the copy is done."""
+        p = self._next(name)
+        if length != p.nbytes:
+            raise RuntimeError(f"{name}: {length} bytes in the source, {p.nbytes} planned")
+        i, dst_off = self._at
+        dst_fd = self._file(i).fileno()
+        if not self._background:
+            copy_range(path, offset, dst_fd, dst_off, length, name)
+            self._written.add(name)
+            return
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="gqakit-copy")
+        self._pending[name] = self._copier.submit(copy_range, path, offset, dst_fd, dst_off, length, name)
+        self._reap()
+
+    def _reap(self, block: bool = False) -> None:
+        """Count the finished copies as written (all of them, waiting, with BLOCK); raise the
+        first copy that failed."""
+        for name, fut in list(self._pending.items()):
+            if block or fut.done():
+                del self._pending[name]
+                fut.result()
+                self._written.add(name)
+
+    def flush(self) -> None:
+        """Wait for every copy in flight."""
+        self._reap(block=True)
+
+    def close(self) -> None:
+        """Wait for the copies in flight (their errors are dropped: this runs on the way out
+        of a failure too), then close the shards."""
+        if self._pending:
+            wait(list(self._pending.values()))
+            self._pending.clear()
+        if self._copier is not None:
+            self._copier.shutdown()
+            self._copier = None
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def finish(self) -> None:
+        self.flush()
+        missing = [n for n in self._slot if n not in self._written]
+        if missing:
+            raise RuntimeError(f"not every planned tensor was written (first missing: {missing[0]})")
+        for i in range(len(self.shards)):
+            self._file(i)  # a shard of zero-byte tensors still needs its header
+        self.close()
+        if len(self.shards) > 1:
+            index = {"metadata": {"total_size": self.total_bytes},
+                     "weight_map": {p.name: self.filenames[i] for i, s in enumerate(self.shards) for p in s}}
+            (self.folder / ST_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_range(path: Path, offset: int, dst_fd: int, dst_offset: int, length: int, name: str) -> None:
+    """LENGTH bytes of PATH from OFFSET to DST_FD at DST_OFFSET, copied by the kernel
+    (`copy_file_range`; a plain read and write where the file systems cannot)."""
+    with open(path, "rb") as f:
+        src_fd = f.fileno()
+        done = 0
+        while done < length:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done, dst_offset + done)
+            except (AttributeError, OSError) as e:
+                if isinstance(e, OSError) and e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                f.seek(offset + done)
+                n = os.pwrite(dst_fd, f.read(min(length - done, 64 << 20)), dst_offset + done)
+            if n == 0:
+                raise OSError(errno.EIO, f"short read copying {name} from {path.name}")
+            done += n

@@ -209,15 +209,21 @@ def kv_check(engine: Any, hf_config: Any, dtype: str) -> KvCheck:
     """The engine's allocation against the prediction for the cache dtype it reports (else `dtype`)."""
     alloc = engine.kv_allocation()
     cache_dtype = str(alloc.detail.get("cache_dtype") or dtype)
+    if cache_dtype.lower() == "auto":  # vLLM's default: the cache in the model's dtype
+        cache_dtype = dtype
     heads = layer_kv_heads(hf_config)
     cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     elem = cache_bytes(cache_dtype)
     predicted = None if elem is None else predicted_kv_bytes(heads, head_dim, elem)
+    # an engine that reports each layer's KV heads (vLLM) must hold the plan's, layer by layer
+    engine_heads = alloc.detail.get("kv_heads_per_layer")
+    same_heads = not engine_heads or [int(h) for h in engine_heads] == heads
     return KvCheck(allocated_bytes_per_token=int(alloc.bytes_per_token), predicted_bytes_per_token=predicted,
                    cache_dtype=cache_dtype, kv_heads_per_layer=heads, head_dim=head_dim,
                    capacity_tokens=int(alloc.capacity_tokens), total_bytes=int(alloc.total_bytes),
-                   detail=dict(alloc.detail), match=predicted is not None and int(alloc.bytes_per_token) == predicted)
+                   detail=dict(alloc.detail), match=predicted is not None and int(alloc.bytes_per_token) == predicted
+                   and same_heads)
 
 
 def run_check(model_path: str | Path, engine: Any, teacher: Any, *, dtype: str, prompts: list[list[int]],

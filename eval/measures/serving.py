@@ -77,6 +77,9 @@ class ServingResult(Record):
     passed: StrictBool
 
 
+CHECK_KV_BYTES = 256 << 20  # the KV memory vLLM gets for the check: thousands of tokens of a small model
+
+
 def check(s: ServingSettings, model_path: Any, encoder_decoder: bool) -> None:
     from gqakit.engines import get_engine
 
@@ -100,8 +103,11 @@ def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
     prompts, source = make_prompts(s.prompts, s.prompt_len, vocab, tokenizer)
     dtype = str(ctx.dtype).removeprefix("torch.")
     engine = get_engine(s.engine)
+    # vLLM gets a KV budget of its own: without one, vLLM-CPU reserves a fixed fraction of the
+    # machine's memory and refuses to start when other processes hold more than the rest
+    budget = CHECK_KV_BYTES if s.engine == "vllm" else None
     engine.load(folder, EngineOptions(dtype=dtype, max_len=s.prompt_len + s.new_tokens, max_batch=s.prompts,
-                                      gguf_file=gguf))
+                                      gguf_file=gguf, kv_budget_bytes=budget))
     try:
         # the gqakit and transformers engines compute on transformers' own dequantised weights, as the
         # teacher does; another engine on a GGUF computes on the quantised ones

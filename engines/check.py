@@ -40,10 +40,13 @@ MARGINS: dict[str, float] = {
     # 8-bit mantissa (~4e-3 per rounding): an order of magnitude above float16
     "bfloat16": 0.5,
     # 8-bit weights with a scale per 32 (llama.cpp Q8_0): weight error ~0.4% of each row's
-    # range, close to bfloat16's rounding
+    # range, close to bfloat16's rounding; llama.cpp also quantises the activations of a
+    # quantised matmul to 8 bits (Q8_0/Q8_1), which transformers' dequantised float32 does not
     "q8_0": 0.5,
-    # 4-6-bit weights (Q4/Q5/K-quants, or a GGUF whose type is not known): the logits
-    # themselves differ by tenths of a nat; only a clear argmax is held against the engine
+    # 4-6-bit weights (Q4/Q5/K-quants, or a GGUF whose type is not known), with the activations
+    # quantised to 8 bits by llama.cpp as above: the logits themselves differ by tenths of a
+    # nat; only a clear argmax is held against the engine. The row is the GGUF's least
+    # precise matrix type (a converted GGUF may hold F32 K/V beside Q4_1 matrices)
     "quantised": 2.0,
 }
 

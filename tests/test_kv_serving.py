@@ -169,3 +169,27 @@ def test_vllm_at_the_whole_budget_is_the_source(tmp_path):
             for i, (t, e) in enumerate(zip(toks, elps))]
     assert max(gaps) <= bound, (max(gaps), bound)
     assert kv.bytes_per_token == 2 * HEADS4 * LAYERS4 * 32 * 4
+
+
+def test_the_margin_follows_a_ggufs_least_precise_matrix(tiny_model, tmp_path, capsys):
+    """A deci GGUF from a Q8_0 source with its pooled K/V written in F32: the margin is Q8_0's,
+    not the float32 one its attention K alone would give."""
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as QT
+
+    from gqakit.engines.check import margin_for
+    from gqakit.eval.measures.serving import gguf_quant
+    from test_convert_errors import run_cli
+    from test_convert_gguf import write_gguf
+    from test_kv_plan import load
+
+    src = write_gguf(load(tiny_model("llama", num_hidden_layers=4)), tmp_path / "src.gguf", qtype=QT.Q8_0)
+    code, err = run_cli(["convert", src, tmp_path / "out.gguf", "--kv-plan", plan_file(tmp_path, [1, 8, 8, 2]),
+                         "--gguf-type", "F32", "--method", "mean", "-q"], capsys)
+    assert code == 0, err
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(tmp_path / "out.gguf").tensors}
+    assert types["blk.0.attn_k.weight"] == "F32" and types["blk.0.attn_q.weight"] == "Q8_0"  # the first K: F32
+    assert gguf_quant(tmp_path, "out.gguf") == "Q8_0"
+    assert margin_for("float32", gguf_quant(tmp_path, "out.gguf"))[0] == "q8_0"

@@ -120,18 +120,19 @@ def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
 
 
 def gguf_quant(folder: Any, gguf: str | None) -> str | None:
-    """The weight type of a GGUF's attention (its first attention weight's type name), for the margin."""
+    """The least precise weight type among a GGUF's matrices, for the margin: a converted GGUF
+    may hold its changed K/V in F32 and every other matrix in Q4_1, and the margin must cover
+    the quantised ones (F32 < F16/BF16 < Q8_0 < any other type)."""
     if not gguf:
         return None
+    rank = {"F32": 0, "F16": 1, "BF16": 1, "Q8_0": 2}
     try:
         from gguf import GGUFReader
 
-        for t in GGUFReader(str(folder / gguf)).tensors:
-            if t.name.endswith("attn_k.weight"):
-                return t.tensor_type.name
+        types = {t.tensor_type.name for t in GGUFReader(str(folder / gguf)).tensors if len(t.shape) > 1}
     except Exception:  # an unreadable type: the quantised margin applies
         return "unknown"
-    return "unknown"
+    return max(types, key=lambda t: rank.get(t, 3)) if types else "unknown"
 
 
 def summary(b: ServingResult) -> list[str]:

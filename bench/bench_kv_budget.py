@@ -10,7 +10,8 @@ each budget's plan is the exact allocation (`plan_for`). Each plan's perplexity 
 ones too) is measured on the source model with the plan applied in place, the pooled K/V heads
 repeated back (`damage.apply_plan`): the same function as the converted model, so the same
 perplexity. `--via convert` instead writes each plan with `gqakit convert --kv-budget B` (or
-`-g G`) and evaluates the output; it needs per-layer output folders for a per-layer plan.
+`-g G`) and evaluates the output; with `--replay`, a budget's plan as measured here goes to
+`gqakit convert --kv-plan` (the same plan, without measuring the damages again per budget).
 
 Perplexity: `bench.common.perplexity` (context 512, stride 512, BOS prepended), float32.
 stories260K: ../shared/data/tinystories/valid-excerpt.txt; calibration text sampled from the
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--context", type=int, default=512, help="the perplexity window (stride: the same)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--via", choices=("equivalence", "convert"), default="equivalence")
+    ap.add_argument("--replay", action="store_true",
+                    help="with --via convert: write each budget's plan with --kv-plan (the plan this run measured) "
+                         "instead of --kv-budget, which measures the damages again in every conversion")
     ap.add_argument("--out", default=str(RESULTS / "kv_budget.jsonl"))
     ap.add_argument("--plot", default=None, help="write the curve as this PNG")
     args = ap.parse_args(argv)
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for b in args.budgets:
         choice = plan_for(measured, KvBudget.parse(b))
         plans.append(("budget", b, choice.kv_heads, {"total_damage": choice.measured["total_damage"]}))
-    common = {"model": args.model, "source": src.name, "method": args.method, "probe": probe, "via": args.via,
+    common = {"model": args.model, "source": src.name, "method": args.method, "probe": probe,
+              "via": args.via + (" (--kv-plan replay)" if args.replay else ""),
               "calibration": measured.measured["calibration"], "calibration_tokens": args.calibration_tokens,
               "measure_seconds": round(measure_s, 1), "eval_chars": max_chars, "context": args.context, "seed": args.seed, "device": "cpu",
               "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
@@ -158,8 +163,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             ppl = plan_ppl(src, heads, args.method, data, max_chars, args.seed, args.context) \
                 if kind != "original" else perplexity(src, data, max_chars, context=args.context)
         else:
-            how = ["-g", label.removeprefix("G=")] if kind == "uniform" else ["--kv-budget", label]
-            ppl = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data, max_chars, args.context)
+            with tempfile.TemporaryDirectory() as tmp:
+                if kind == "uniform":
+                    how = ["-g", label.removeprefix("G=")]
+                elif args.replay:
+                    (Path(tmp) / "plan.json").write_text(json.dumps({"kv_heads": list(heads)}))
+                    how = ["--kv-plan", str(Path(tmp) / "plan.json")]
+                else:
+                    how = ["--kv-budget", label]
+                ppl = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data, max_chars,
+                                  args.context)
         nbytes = sum(heads) * per_head
         row = {**common, "kind": kind, "plan": label, "kv_heads": list(heads), "kv_bytes_per_token": nbytes,
                "fraction": round(nbytes / (kv * nl * per_head), 4), "ppl": round(ppl, 3), **extra}

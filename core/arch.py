@@ -168,6 +168,10 @@ class Remote(_Strict):
     config_class: str
     model_class: str
     module: str | None = None  # the modeling file's module name; None: gqakit_modeling_<family>
+    # vLLM has its own class for the entry's `architectures` name, which reads the per-layer
+    # heads: vLLM serves the folder with trust_remote_code (gqakit's file gives it the config
+    # class), not through its Transformers backend
+    vllm_class: bool = False
 
 
 # The decoder-layer layouts the fast CPU decode step computes (`runtime/`): a layout's

@@ -105,13 +105,17 @@ def cache_bytes(name: str) -> int | None:
     return d.bytes if d is not None else CACHE_DTYPE_BYTES.get(str(name).lower())
 
 
-def predicted_kv_bytes(kv_heads: int | Sequence[int], head_dim: int, elem_bytes: int, layers: int | None = None) -> int:
+def predicted_kv_bytes(kv_heads: int | Sequence[int], head_dim: int, elem_bytes: int, layers: int | None = None,
+                       v_padded: bool = False) -> int:
     """KV-cache bytes per token: 2 (K and V) x sum over layers of KV heads x head_dim x bytes.
-    `kv_heads`: one count per layer, or one count for every one of `layers` layers."""
+    `kv_heads`: one count per layer, or one count for every one of `layers` layers.
+    `v_padded`: V of every layer as wide as the widest layer's (llama.cpp without flash
+    attention, when the layers' KV heads differ); K stays per layer."""
     heads = [int(kv_heads)] * int(layers or 0) if isinstance(kv_heads, int) else [int(h) for h in kv_heads]
     if not heads:
         raise GqakitError("predicted_kv_bytes needs the KV heads of every layer (or `layers`)")
-    return 2 * sum(heads) * int(head_dim) * int(elem_bytes)
+    v_heads = max(heads) * len(heads) if v_padded else sum(heads)
+    return (sum(heads) + v_heads) * int(head_dim) * int(elem_bytes)
 
 
 def layer_kv_heads(hf_config: Any) -> list[int]:
@@ -244,16 +248,27 @@ def teacher_logprobs(model: Any, prompts: list[list[int]], generated: list[list[
 def kv_check(engine: Any, hf_config: Any, dtype: str) -> KvCheck:
     """The engine's allocation against the prediction for the cache dtype it reports (else `dtype`)."""
     alloc = engine.kv_allocation()
-    cache_dtype = str(alloc.detail.get("cache_dtype") or dtype)
+    types = set(alloc.detail.get("type_k") or []) | set(alloc.detail.get("type_v") or [])
+    cache_dtype = str(alloc.detail.get("cache_dtype") or (types.pop() if len(types) == 1 else dtype))
+    if cache_dtype.lower() == "auto":  # vLLM's default: the cache in the model's dtype
+        cache_dtype = dtype
     heads = layer_kv_heads(hf_config)
     cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     elem = cache_bytes(cache_dtype)
     predicted = None if elem is None else predicted_kv_bytes(heads, head_dim, elem)
+    detail = dict(alloc.detail)
+    if elem is not None and detail.get("v_padded_to_widest_layer") and len(set(heads)) > 1:
+        # what llama.cpp's buffer holds besides the sequence's own rows (the check's bytes)
+        detail["buffer_bytes_per_token_v_padded"] = predicted_kv_bytes(heads, head_dim, elem, v_padded=True)
+    # an engine that reports each layer's KV heads (vLLM) must hold the plan's, layer by layer
+    engine_heads = alloc.detail.get("kv_heads_per_layer")
+    same_heads = not engine_heads or [int(h) for h in engine_heads] == heads
     return KvCheck(allocated_bytes_per_token=int(alloc.bytes_per_token), predicted_bytes_per_token=predicted,
                    cache_dtype=cache_dtype, kv_heads_per_layer=heads, head_dim=head_dim,
                    capacity_tokens=int(alloc.capacity_tokens), total_bytes=int(alloc.total_bytes),
-                   detail=dict(alloc.detail), match=predicted is not None and int(alloc.bytes_per_token) == predicted)
+                   detail=detail, match=predicted is not None and int(alloc.bytes_per_token) == predicted
+                   and same_heads)
 
 
 def run_check(model_path: str | Path, engine: Any, teacher: Any, *, dtype: str, prompts: list[list[int]],

@@ -98,6 +98,13 @@ def resolve_gguf(model: Path, gguf_file: str | None) -> Path:
 KV_TYPES = ("F16", "F32", "BF16", "Q8_0", "Q4_0")  # cache types llama.cpp offers (-ctk / -ctv); F16 is its default
 
 
+def kwargs_flash_attn(llm: Any) -> bool:
+    """Whether llama.cpp runs LLM with flash attention (llama-cpp-python's `flash_attn`, off by default)."""
+    params = getattr(llm, "context_params", None)
+    kind = getattr(params, "flash_attn_type", None)
+    return bool(kind is not None and int(kind) == 1)  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+
+
 def llama_kwargs(path: Path, options: EngineOptions, kv_type: str = "F16") -> dict[str, Any]:
     """The keyword arguments of `llama_cpp.Llama` for OPTIONS and a KV-cache type (each refusal
     in one line)."""
@@ -251,7 +258,11 @@ class LlamaCppEngine:
                   "cache_dtype": kv.k_types[0] if len(set(kv.k_types + kv.v_types)) == 1 else None,
                   "k_row_bytes": sorted(set(kv.k_rows)), "v_row_bytes": sorted(set(kv.v_rows)),
                   "predicted_bytes_per_token": predicted_bytes_per_token(geometry, kv.k_types[0], kv.v_types[0])
-                  if len(set(kv.k_types)) == 1 and len(set(kv.v_types)) == 1 else None,
+                  if len(set(kv.k_types)) == 1 and len(set(kv.v_types)) == 1 and geometry["kv_heads"] else None,
+                  # llama.cpp without flash attention (as this engine loads it) pads every layer's V
+                  # rows to the widest layer's when the layers' widths differ (llama_kv_cache:
+                  # "padding V cache"); K keeps each layer's own width
+                  "v_padded_to_widest_layer": not kwargs_flash_attn(self.llm),
                   "geometry": geometry, "threads": int(cpp.llama_n_threads(llm.ctx)),
                   "source": "llama_state_seq_get_data (one sequence's K and V rows) x llama_n_ctx"}
         return KvAllocation(bytes_per_token=kv.bytes_per_token, capacity_tokens=capacity,

@@ -139,6 +139,12 @@ def gguf_geometry(metadata: Mapping[str, str]) -> dict[str, int]:
             return default
         return int(v)
 
+    if metadata.get(f"{arch}.attention.head_count") is None and metadata.get(f"{arch}.rope.dimension_count"):
+        # per-layer head counts (llama.cpp's deci): arrays, which llama-cpp-python's metadata
+        # leaves out; kv_heads None: no one count for every layer
+        head_dim = get("rope.dimension_count")
+        return {"layers": get("block_count"), "heads": 0, "kv_heads": 0,
+                "head_dim_k": get("attention.key_length", head_dim), "head_dim_v": get("attention.value_length", head_dim)}
     heads = get("attention.head_count")
     head_dim = get("embedding_length") // heads
     return {"layers": get("block_count"), "heads": heads, "kv_heads": get("attention.head_count_kv", heads),

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
-from gqakit.core import trust
+from gqakit.core import arch, trust
 from gqakit.core.errors import GqakitError
 from gqakit.core.units import COMPUTE_DTYPES, dtype_named
 from gqakit.engines.base import EngineMissing, EngineOptions, Generation, KvAllocation, PointTiming
@@ -133,6 +133,9 @@ def check_model(model: Path) -> bool:
     files = trust.code_files(model)
     ours = [p for _, p in files if p is not None and p.name.startswith(trust.REMOTE_PREFIX)]
     if ours:
+        spec = arch.find(cfg)
+        if spec is not None and spec.remote is not None and spec.remote.vllm_class and all(map(trust.is_shipped, ours)):
+            return True  # vLLM's own class for it; gqakit's file supplies the config class
         raise GqakitError(REMOTE_REFUSAL.format(model=model, file=ours[0].name))
     return trust.check_folder(model)
 
@@ -181,7 +184,10 @@ def parse_kv(reply: dict[str, Any]) -> KvAllocation:
     vLLM gives every KV-cache group (layers of one attention kind) blocks of `block_size`
     tokens, each `page_size_bytes` per layer; all groups draw on one pool of `num_blocks`.
     So a token costs sum over groups of layers x page bytes / block size, and the pool
-    holds num_blocks x block size tokens (in each group)."""
+    holds num_blocks x block size tokens (in each group). A group's spec is its first layer's:
+    where the worker reports each layer's own page (`layers`), those are summed instead, as a
+    group of full-attention layers may mix KV-head counts (a per-layer model), each layer
+    then taking its own page per block from one pool of num_blocks x (sum of the pages)."""
     groups = reply["groups"]
     if not groups:
         raise GqakitError("vLLM allocated no KV cache for this model")
@@ -189,7 +195,12 @@ def parse_kv(reply: dict[str, Any]) -> KvAllocation:
     if len(sizes) != 1:
         raise GqakitError(f"vLLM uses several block sizes ({sorted(sizes)}); gqakit reads one")
     block = sizes.pop()
-    per_block = sum(int(g["layers"]) * int(g["page_size_bytes"]) for g in groups)
+    layers = reply.get("layers") or []
+    if layers and {int(x["block_size"]) for x in layers} != {block}:
+        raise GqakitError(f"vLLM's layers use block sizes {sorted({int(x['block_size']) for x in layers})}, "
+                          f"its groups {block}; gqakit reads one")
+    per_block = (sum(int(x["page_size_bytes"]) for x in layers) if layers
+                 else sum(int(g["layers"]) * int(g["page_size_bytes"]) for g in groups))
     if per_block % block:
         raise GqakitError(f"vLLM's {per_block} bytes per block do not divide by its block size {block}")
     blocks = int(reply["num_blocks"])
@@ -198,10 +209,13 @@ def parse_kv(reply: dict[str, Any]) -> KvAllocation:
     held = {str(g["dtype"]).removeprefix("torch.") for g in groups if g.get("dtype")}
     if cache_dtype in (None, "auto") and len(held) == 1:
         cache_dtype = held.pop()
-    return KvAllocation(bytes_per_token=per_block // block, capacity_tokens=blocks * block,
-                        total_bytes=int(reply["tensor_bytes"]),
+    # layers of different page sizes sit in one pool that several cache tensors view, each
+    # reporting the pool's size: the pool is num_blocks x the bytes per block
+    total = blocks * per_block if layers else int(reply["tensor_bytes"])
+    return KvAllocation(bytes_per_token=per_block // block, capacity_tokens=blocks * block, total_bytes=total,
                         detail={"num_blocks": blocks, "block_size": block, "cache_dtype": cache_dtype,
-                                "groups": groups})
+                                "groups": groups,
+                                "kv_heads_per_layer": [x.get("num_kv_heads") for x in layers] if layers else None})
 
 
 def max_concurrency(kv: KvAllocation, context: int) -> float:

@@ -108,7 +108,17 @@ class Worker:
                            "num_kv_heads": getattr(spec, "num_kv_heads", None),
                            "head_size": getattr(spec, "head_size", None),
                            "dtype": str(getattr(spec, "dtype", "")).replace("torch.", "")})
-        return {"num_blocks": int(config.num_blocks), "groups": groups,
+        # each layer's own spec: a group's spec is its first layer's, and the layers of one
+        # group may hold different KV heads (a per-layer model: vLLM puts every full-attention
+        # layer in one group and gives each its own page size)
+        layers = []
+        executor = getattr(core, "model_executor", None)
+        specs = executor.get_kv_cache_specs()[0] if executor is not None else {}
+        for name, spec in specs.items():
+            layers.append({"name": name, "page_size_bytes": int(spec.page_size_bytes),
+                           "block_size": int(spec.block_size), "num_kv_heads": getattr(spec, "num_kv_heads", None),
+                           "head_size": getattr(spec, "head_size", None)})
+        return {"num_blocks": int(config.num_blocks), "groups": groups, "layers": layers,
                 "tensor_bytes": sum(int(t.size) for t in config.kv_cache_tensors),
                 "cache_dtype": str(cache.cache_dtype), "num_gpu_blocks": cache.num_gpu_blocks}
 

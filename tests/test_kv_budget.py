@@ -162,3 +162,18 @@ def test_a_gguf_out_takes_g_only(llama4, tmp_path, capsys):
     src, _ = llama4
     code, _, err = run_cli(["convert", src, tmp_path / "o.gguf", "--kv-budget", "0.5"], capsys)
     assert code == 2 and "a .gguf OUT takes -g G" in err and not (tmp_path / "o.gguf").exists()
+
+
+def test_a_budget_conversion_replays_bit_for_bit_from_its_record(llama4, tmp_path, capsys, one_thread):
+    """`--kv-plan OUT/gqakit_convert.json` of a per-layer `--kv-budget` output writes the same bytes."""
+    src, calib = llama4
+    first, again = tmp_path / "first", tmp_path / "again"
+    common = ["--method", "mean", "--calibration-data", calib, "--calibration-tokens", "512", "-q"]
+    code, _, err = run_cli(["convert", src, first, "--kv-budget", "0.5", *common], capsys)
+    assert code == 0, err
+    rec = json.loads((first / "gqakit_convert.json").read_text())
+    assert len(set(rec["kv_heads"])) > 1  # a per-layer plan, so the replay goes through the per-layer writer
+    code, _, err = run_cli(["convert", src, again, "--kv-plan", first / "gqakit_convert.json", *common], capsys)
+    assert code == 0, err
+    names = ("model.safetensors", "config.json")
+    assert {n: digest(first)[n] for n in names} == {n: digest(again)[n] for n in names}

@@ -77,6 +77,8 @@ class ServingResult(Record):
     passed: StrictBool
 
 
+
+
 def check(s: ServingSettings, model_path: Any, encoder_decoder: bool) -> None:
     from gqakit.engines import get_engine
 

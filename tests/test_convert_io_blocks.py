@@ -83,10 +83,10 @@ def test_the_plain_path_is_not_the_fast_one(tiny_model, tmp_path, monkeypatch):
         return get(self, name)
     monkeypatch.setattr(ShardWriter, "write_raw", count_raw)
     monkeypatch.setattr(convert_io.SafetensorsSource, "get", count_get)
-    convert_checkpoint(src, tmp_path / "a", 2, method="mean", progress=False)
+    convert_checkpoint(src, tmp_path / "a", 2, method="mean")
     layers = 2
     assert calls == {"raw": len(open_source(src).names()) - 2 * layers, "get": 2 * layers}  # k and v read whole
     calls.update(raw=0, get=0)
-    convert_checkpoint(src, tmp_path / "b", 2, method="mean", dtype="float32", progress=False)
+    convert_checkpoint(src, tmp_path / "b", 2, method="mean", dtype="float32")
     norms = sum(len(open_source(src).meta(n)[1]) == 1 for n in open_source(src).names())
     assert calls == {"raw": 0, "get": 2 * layers + norms}  # a 1-D tensor is one block: read whole

@@ -15,7 +15,7 @@ from gqakit.convert import convert_checkpoint
 from gqakit.convert import io as convert_io
 from gqakit.convert.gguf_in import GGUFSource
 from gqakit.convert.io import Planned, ShardWriter, copy_tensor
-from gqakit.convert.source import open_checkpoint
+from gqakit.convert.source import open_model
 from tests.test_convert_gguf import assert_bitwise_equal, folder_tensors, transformers_tensors, write_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -42,7 +42,7 @@ def test_blocks_of_one_row_write_the_bytes_of_the_whole_tensor_path(pico_gguf, t
     split), the folder is byte for byte the one written with whole tensors, and every tensor is
     transformers' own dequantisation."""
     path = pico_gguf(qtype)
-    whole = convert_checkpoint(path, tmp_path / "whole", 4, method="mean", progress=False)
+    whole = convert_checkpoint(path, tmp_path / "whole", 4, method="mean")
     monkeypatch.setattr(convert_io, "BLOCK_BYTES", 1)
     made: list[tuple[str, int]] = []
     blocks = GGUFSource.blocks
@@ -52,7 +52,7 @@ def test_blocks_of_one_row_write_the_bytes_of_the_whole_tensor_path(pico_gguf, t
             made.append((name, b.shape[0]))
             yield b
     monkeypatch.setattr(GGUFSource, "blocks", spy)
-    rows = convert_checkpoint(path, tmp_path / "rows", 4, method="mean", progress=False)
+    rows = convert_checkpoint(path, tmp_path / "rows", 4, method="mean")
     assert folder_bytes(rows) == folder_bytes(whole)
     assert_bitwise_equal(folder_tensors(rows), transformers_tensors(path))
     # the embedding really came one row at a time; a permuted q came one head at a time
@@ -64,7 +64,7 @@ def test_blocks_of_one_row_write_the_bytes_of_the_whole_tensor_path(pico_gguf, t
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=[q.name for q in QTYPES])
 def test_blocks_join_to_the_whole_tensor(pico_gguf, qtype):
-    source = open_checkpoint(pico_gguf(qtype), progress=False).source
+    source = open_model(pico_gguf(qtype)).source
     assert isinstance(source, GGUFSource)
     for name in source.names():
         whole = source.get(name)
@@ -81,7 +81,7 @@ def test_memory_is_a_block_not_the_tensor(pico_gguf, tmp_path, monkeypatch):
     """Passing a 512 KiB float32 embedding through allocates a few blocks' worth, not the tensor
     (numpy's buffers are traced by tracemalloc; the input is memory-mapped)."""
     path = pico_gguf(QT.Q8_0, vocab_size=4096)
-    source = open_checkpoint(path, progress=False).source
+    source = open_model(path).source
     name = "model.embed_tokens.weight"
     dtype, shape = source.meta(name)
     tensor_bytes = Planned(name, dtype, shape).nbytes
@@ -147,7 +147,7 @@ def test_the_metadata_is_parsed_once_at_a_time_and_not_kept(pico_gguf, monkeypat
         return got
     monkeypatch.setattr(gguf_in, "gguf_config", spy_config)
     monkeypatch.setattr(gguf_in, "read_gguf", spy_read)
-    opened = open_checkpoint(pico_gguf(QT.Q8_0), progress=False)
+    opened = open_model(pico_gguf(QT.Q8_0))
     gc.collect()
     assert order == ["config", "reader"]
     assert readers and readers[0]() is None

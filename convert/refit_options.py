@@ -87,6 +87,10 @@ class RefitOptions(BaseModel):
                                   f"{SMALL_MODEL // 10**6}M parameters)")
     guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
                                                         "closed-form fit when the steps do not help)")
+    guard_checks: StrictInt = Field(4, ge=1, description="guard evaluations over a layer's steps, evenly spaced "
+                                                         "(the last after the final step)")
+    patience: StrictInt = Field(0, ge=0, description="stop a layer's steps once this many guard evaluations in a "
+                                                     "row have not improved its loss (0: take every step)")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
                             f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "

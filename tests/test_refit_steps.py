@@ -90,3 +90,12 @@ def test_steps_are_deterministic_under_a_seed(tiny_model, one_thread):
     for L in a:
         torch.testing.assert_close(a[L].q, b[L].q, rtol=0, atol=0)
         torch.testing.assert_close(a[L].o, b[L].o, rtol=0, atol=0)
+
+
+def test_the_model_card_line_says_when_layers_stop_early():
+    from gqakit.convert.calibration.refit import AlignRefit
+
+    record = {"options": {"steps": 40, "lr": 0.01, "train": "attention", "patience": 3}, "reconstruction": [{}]}
+    assert "stops after 3 guard evaluations without improvement" in AlignRefit.describe(record)
+    record["options"]["patience"] = 0
+    assert "stops after" not in AlignRefit.describe(record)

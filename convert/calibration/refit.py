@@ -148,7 +148,8 @@ class AlignRefit:
             parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on {what} "
                          f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's "
                          f"output; each layer keeps whichever of the closed-form fit and the trained weights had the "
-                         f"lower guard loss")
+                         f"lower guard loss" + (f", and stops after {int(opts['patience'])} guard evaluations without "
+                                                f"improvement" if int(opts.get("patience", 0)) else ""))
         return "; ".join(parts)
 
     def _input_moments(self, ctx: BlockContext) -> tuple[Tensor, Tensor, Tensor]:

@@ -341,7 +341,8 @@ class AlignRefit:
                     best_params = {p: t.detach().clone() for p, t in params.items()}
                 ctx.note(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
                 if stop.stop:
-                    ctx.tick(steps - step)  # the steps left are not taken
+                    if step < steps:
+                        ctx.tick(steps - step)  # the steps left are not taken
                     break
         best, best_at = stop.best, stop.best_at
         self.recon.append({"layer": L, "guard_best": best, "best_step": best_at, "steps_taken": done})

@@ -69,21 +69,25 @@ def main() -> None:
                 out = Path(tmp) / "out"
                 peak = PeakMemory("cpu")
                 peak.reset()  # the conversion's own peak (VmHWM), before the evaluation loads anything
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 convert_checkpoint(m["src"], out, g, method, grouping=grouping, calibration_data=calib,
                                    calibration_tokens=args.calibration_tokens, options=json.loads(args.options) if method == "align-refit" else None,
                                    progress=False, seed=args.seed)
-                secs = time.perf_counter() - t0
+                secs, cpu = time.perf_counter() - t0, time.process_time() - c0
                 convert_peak = peak.peak()
                 record = json.loads((out / "gqakit_convert.json").read_text())
                 ppl = perplexity(out, m["data"], m["max_chars"])
             row = {"model": args.model, "G": g, "method": method, "grouping": grouping, "ppl": round(ppl, 3),
-                   "convert_seconds": round(secs, 2), "calibration": calib if method == "align-refit" else None,
+                   "convert_seconds": round(secs, 2), "convert_cpu_seconds": round(cpu, 2),
+                   "calibration": calib if method == "align-refit" else None,
                    "calibration_tokens": args.calibration_tokens if method == "align-refit" else None,
                    "options": json.loads(args.options), "eval_chars": m["max_chars"], "seed": args.seed,
                    "convert_peak_rss_bytes": convert_peak, "device": "cpu", "cores": os.cpu_count()}
             if "calibration" in record:
                 row["final_drift"] = (record["calibration"]["residual_drift"] or [None])[-1]
+                recon = record["calibration"].get("reconstruction") or []
+                row["best_steps"] = [r["best_step"] for r in recon]
+                row["steps_taken"] = [r.get("steps_taken") for r in recon]
             rows.append(row)
             print(json.dumps(row), flush=True)
             append_jsonl(args.out, row)

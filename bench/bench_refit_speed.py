@@ -56,7 +56,8 @@ def main() -> None:
                                                                          "seq_len", "train")},
            "threads": os.environ.get("OMP_NUM_THREADS"), "rates_cpu_s": asdict(rates), "shape": shape,
            "expected_cpu_s": round(expected_seconds(rates, **shape), 1),
-           "per_layer_cpu_s": round(rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"]), 2),
+           "per_layer_cpu_s": round(rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"],
+                                                            shape["guard_checks"]), 2),
            "probe_wall_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(row))
     append_jsonl(args.out, row)

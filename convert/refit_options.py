@@ -25,12 +25,13 @@ SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in 
 
 # What align-refit's "auto" settings resolve to (`resolve_align_refit`), from the
 # measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400 steps at
-# lr 0.01 on q, k, v, o; on stories260K, 4,500 steps at lr 0.007 on the whole block with
-# similarity grouping: each the best measured for its size.
+# lr 0.01 on q, k, v, o; on stories260K, 2,000 one-sequence steps at lr 0.012 on the whole block
+# with similarity grouping (within the quality of 4,500 two-sequence steps at lr 0.007, in a
+# quarter of the time).
 MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
 REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
-BEST = {"small": {"steps": 4500, "lr": 0.007, "train": "block", "grouping": "similarity"},
-        "large": {"steps": 400, "lr": 0.01, "train": "attention", "grouping": "contiguous"}}
+BEST = {"small": {"steps": 2000, "lr": 0.012, "train": "block", "grouping": "similarity", "cpu_tokens": 512},
+        "large": {"steps": 400, "lr": 0.01, "train": "attention", "grouping": "contiguous", "cpu_tokens": 1024}}
 
 Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
 
@@ -43,8 +44,9 @@ class RefitOptions(BaseModel):
     seq_len: Literal["auto"] | Annotated[StrictInt, Field(ge=2)] = Field(
         "auto", description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
     batch: Literal["auto"] | Annotated[StrictInt, Field(ge=1)] = Field(
-        "auto", description="sequences per block forward (auto: 4 on the CPU, 8 on a GPU, fewer for "
-                                  "sequences over 256 tokens: at most 1,024 and 2,048 tokens)")
+        "auto", description="sequences per block forward and per reconstruction step (auto: 4 on the CPU, 8 on a "
+                            f"GPU, at most 2,048 tokens on a GPU and on the CPU {BEST['large']['cpu_tokens']:,}, or "
+                            f"{BEST['small']['cpu_tokens']:,} for a model under {SMALL_MODEL // 10**6}M parameters)")
     sample_batch: StrictInt = Field(
         64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
     q_ridge: Number = Field(1e-2, description="ridge strength of the query refit, relative to the mean diagonal "
@@ -87,6 +89,10 @@ class RefitOptions(BaseModel):
                                   f"{SMALL_MODEL // 10**6}M parameters)")
     guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
                                                         "closed-form fit when the steps do not help)")
+    guard_checks: StrictInt = Field(4, ge=1, description="guard evaluations over a layer's steps, evenly spaced "
+                                                         "(the last after the final step)")
+    patience: StrictInt = Field(0, ge=0, description="stop a layer's steps once this many guard evaluations in a "
+                                                     "row have not improved its loss (0: take every step)")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
                             f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "
@@ -218,11 +224,12 @@ class ResolvedRefitOptions(RefitOptions):
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def auto_batch(seq_len: int, gpu: bool) -> int:
-    """Sequences per block forward: 4 on the CPU, 8 on a GPU, at most 1,024 and 2,048 tokens
+def auto_batch(seq_len: int, gpu: bool, cpu_tokens: int = 1024) -> int:
+    """Sequences per block forward: 4 on the CPU, 8 on a GPU, at most `cpu_tokens` and 2,048 tokens
     (enough to keep it busy, while the float64 temporaries of the fits stay small next to the
-    streams; each reconstruction step sees one such batch)."""
-    return max(1, min(8 if gpu else 4, (2048 if gpu else 1024) // seq_len))
+    streams; each reconstruction step sees one such batch, so on the CPU, where a step's time
+    grows with its tokens, fewer tokens buy more steps in the same time)."""
+    return max(1, min(8 if gpu else 4, (2048 if gpu else cpu_tokens) // seq_len))
 
 
 def auto_offload(stream_bytes: int, block_bytes: int, device: Device) -> tuple[str, str]:
@@ -283,8 +290,9 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
     seq_len = int(r.get("seq_len", refit.seq_len))
     seq_len = min(seq_len, max_positions) if max_positions else seq_len
     if refit.batch == "auto":
-        r["batch"] = auto_batch(seq_len, device.gpu)
-        reasons["batch"] = f"auto: {r['batch']} ({seq_len}-token sequences on {'a GPU' if device.gpu else 'the CPU'})"
+        r["batch"] = auto_batch(seq_len, device.gpu, int(best["cpu_tokens"]))
+        reasons["batch"] = f"auto: {r['batch']} ({seq_len}-token sequences on {'a GPU' if device.gpu else 'the CPU'}" + (
+            ")" if device.gpu else f", at most {best['cpu_tokens']:,} tokens for {size})")
     if refit.dtype == "auto":
         r["dtype"] = "float64" if small and not device.gpu else "float32"
         reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
@@ -328,11 +336,12 @@ def refit_options_markdown() -> str:
 def auto_settings_markdown() -> str:
     """The README's table of what align-refit's "auto" settings resolve to (`resolve_align_refit`;
     `tests/test_convert_settings.py` keeps them equal)."""
-    rows = ["| model | `--grouping` | `seq_len` | `steps` at 65,536 tokens | `lr` | `train` |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| model | `--grouping` | `seq_len` | `batch` on the CPU | `steps` at 65,536 tokens | `lr` | `train` |",
+            "|---|---|---|---|---|---|---|"]
     for key, what in (("small", "under 20M parameters"), ("large", "20M parameters or more")):
         b = BEST[key]
-        rows.append(f"| {what} | {b['grouping']} | the model's context, at most {MAX_SEQ_LEN} | {b['steps']:,} | "
+        rows.append(f"| {what} | {b['grouping']} | the model's context, at most {MAX_SEQ_LEN} | at most "
+                    f"{b['cpu_tokens']:,} tokens | {b['steps']:,} | "
                     f"{b['lr']} | {b['train']} |")
     return "\n".join(rows)
 

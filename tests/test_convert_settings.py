@@ -80,7 +80,7 @@ def test_auto_settings_follow_the_models_size_and_context():
     s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit")
     small = resolve_settings(s, source_params=300_000, max_positions=256)
     assert (small.grouping, small.options.seq_len, small.options.steps, small.options.lr, small.options.train) == \
-        ("similarity", 256, 4500, 0.007, "block")
+        ("similarity", 256, 2000, 0.012, "block")
     large = resolve_settings(s, source_params=135_000_000, max_positions=8192)
     assert (large.grouping, large.options.seq_len, large.options.steps, large.options.lr, large.options.train) == \
         ("contiguous", 512, 400, 0.01, "attention")
@@ -137,7 +137,7 @@ def test_auto_settings_are_recorded_and_the_expected_time_is_shown(tiny_model, t
                      r"1 of 2 layers to go\)", err), err
     rec = json.loads((tmp_path / "out" / "gqakit_convert.json").read_text())["settings"]
     assert rec["options"]["steps"] == 3 and "steps" not in rec["auto"]  # given: kept, no reason
-    assert rec["grouping"] == "similarity" and rec["options"]["seq_len"] == 128 and rec["options"]["lr"] == 0.007
+    assert rec["grouping"] == "similarity" and rec["options"]["seq_len"] == 128 and rec["options"]["lr"] == 0.012
     assert rec["options"]["train"] == "block" and rec["effort"] == "best"
     assert set(rec["auto"]) == {"grouping", "seq_len", "lr", "train", "batch", "dtype", "step_dtype", "stream_dtype",
                                 "offload"}

@@ -21,7 +21,7 @@ from gqakit.convert.resolved import ResolvedSettings
 
 PROBE_SPANS = 3  # spans of `batch` sequences the probe calibrates on (the first of each pass reads the block too)
 PROBE_STEPS = 8  # reconstruction steps it times (a guard check after every other step)
-GUARD_CHECKS = 5  # guard evaluations per layer: before the steps and after each quarter of them
+GUARD_CHECKS = 4  # guard evaluations over a layer's steps by default (`guard_checks`), one more before them
 
 
 def duration(seconds: float) -> str:
@@ -44,23 +44,25 @@ class Rates:
     prepare: float      # before the first layer: calibration tokens, the outer modules, block inputs
     sampled: bool       # the calibration text is sampled from the model (`prepare` per generate call)
 
-    def per_layer(self, spans: int, steps: int, guard_spans: int) -> float:
-        guard = GUARD_CHECKS * min(guard_spans, spans) * self.forward_span if steps else 0.0
+    def per_layer(self, spans: int, steps: int, guard_spans: int, guard_checks: int = GUARD_CHECKS) -> float:
+        """Every step taken (early stopping can only make a layer shorter)."""
+        guard = (1 + min(guard_checks, steps)) * min(guard_spans, spans) * self.forward_span if steps else 0.0
         return self.layer_fixed + spans * (2 * self.fit_span + self.forward_span) + steps * self.step + guard
 
 
 def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard_spans: int,
-                     generate_calls: int = 1) -> float:
+                     guard_checks: int = GUARD_CHECKS, generate_calls: int = 1) -> float:
     """The whole calibration's expected seconds: the preparation, then `layers` layers."""
     # reading and tokenizing a file, loading the embeddings: about fixed; sampling: per generate call
     prepare = rates.prepare * (generate_calls if rates.sampled else 1)
-    return prepare + layers * rates.per_layer(spans, steps, guard_spans)
+    return prepare + layers * rates.per_layer(spans, steps, guard_spans, guard_checks)
 
 
 def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans: int, prepare_seconds: float,
-                     sampled: bool) -> Rates:
+                     sampled: bool, checks: int | None = None) -> Rates:
     """`Rates` from the clock at the start of the first layer and after each of its progress units:
-    2 x `spans` fit units, `steps` steps, then `spans` forward units (`stage.CalibrationStage`)."""
+    2 x `spans` fit units, `steps` steps, then `spans` forward units (`stage.CalibrationStage`);
+    `checks`: the guard evaluations among the steps (default: after every other step)."""
     t = ticks
     d = [b - a for a, b in zip(t, t[1:])]
     moments, o_fit = d[:spans], d[spans:2 * spans]
@@ -72,7 +74,9 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
     fwd_span = statistics.median(rest(fwd))
     # a guard check after every other step lands in the next step's interval: the others are steps alone
     step_s = statistics.median(step[1::2] or step) if step else 0.0
-    checks = 1 + sum(1 for i in range(1, steps + 1) if i % max(1, steps // 4) == 0 or i == steps) if steps else 0
+    if checks is None:
+        checks = sum(1 for i in range(1, steps + 1) if i % max(1, steps // 4) == 0 or i == steps)
+    checks = checks + 1 if steps else 0
     accounted = spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
     return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled)
 
@@ -84,7 +88,7 @@ def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
     n_seq = max(1, math.ceil(settings.calibration_tokens / seq_len))
     return {"layers": plan.shape.num_layers, "spans": math.ceil(n_seq / int(opts.batch)),
             "steps": settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads),
-            "guard_spans": int(opts.guard_spans), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}
+            "guard_spans": int(opts.guard_spans), "guard_checks": int(opts.guard_checks), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}
 
 
 def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float) -> str:
@@ -98,7 +102,7 @@ def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, 
     step_s = statistics.median(rest(step))
     fixed = max(0.0, d[0] - fit_span) + max(0.0, d[spans] - fit_span)
     rates = Rates(fit_span, fit_span, step_s, fixed, 0.0, False)
-    per_layer = rates.per_layer(spans, steps, 8)
+    per_layer = rates.per_layer(spans, steps, 8)  # the default guard
     total = elapsed + per_layer * layers_left  # elapsed: before the first layer
     return (f"expected time: about {duration(total)} in all ({duration(per_layer)} per layer: {step_s:.3g} s per "
             f"step x {steps} steps, {fit_span:.3g} s per span x {3 * spans} span passes; measured on the first "

@@ -10,6 +10,7 @@ from typing import Any
 
 from gqakit.convert.calibration.estimate import (PROBE_SPANS, PROBE_STEPS, Rates, duration, expected_seconds,
                                                  rates_from_ticks, run_shape)
+from gqakit.convert.calibration.refit import check_steps
 from gqakit.convert.calibration.stage import CalibrationStage
 from gqakit.convert.plan import Plan
 from gqakit.convert.resolved import ResolvedSettings
@@ -24,7 +25,7 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
     seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
     tokens = PROBE_SPANS * int(opts.batch) * seq_len
     small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
-                                options=_with(opts, steps=steps, save_seconds=1e9))
+                                options=_with(opts, steps=steps, save_seconds=1e9, patience=0))
     stage = CalibrationStage(opened, plan, small, device=device, progress=False)
     stage.ticks, stage.clock = [], clock
     layers = stage.layers()
@@ -34,7 +35,8 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
         layers.close()
     spans = len(stage.spans)
     return rates_from_ticks(stage.ticks, spans=spans, steps=steps, guard_spans=int(opts.guard_spans),
-                            prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None)
+                            prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None,
+                            checks=len(check_steps(steps, int(opts.guard_checks))))
 
 
 def _with(opts: Any, **update: Any) -> Any:
@@ -48,7 +50,7 @@ def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device
     rates = probe(opened, plan, settings, device=device)
     shape = run_shape(plan, settings)
     total = expected_seconds(rates, **shape)
-    per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"])
+    per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"], shape["guard_checks"])
     return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
             f"layer x {shape['layers']} layers, {shape['steps']} steps each; from a probe of the first layer on "
             f"{PROBE_SPANS} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))

@@ -63,6 +63,43 @@ def _clone_tree(x: Any, dtype: torch.dtype) -> Any:
     return x
 
 
+def span_order(n: int, steps: int, gen: torch.Generator) -> list[int]:
+    """Which of `n` spans each of `steps` reconstruction steps trains on: every span once per
+    epoch, in a fresh random order each epoch (drawn from `gen`, so a seed fixes the order)."""
+    order: list[int] = []
+    while len(order) < steps:
+        order += torch.randperm(n, generator=gen).tolist()
+    return order[:steps]
+
+
+def check_steps(steps: int, checks: int) -> set[int]:
+    """The steps after which the guard is evaluated: `checks` of them, evenly spaced, the last one
+    included (at most one per step)."""
+    n = min(checks, steps)
+    return {round(steps * i / n) for i in range(1, n + 1)} if steps else set()
+
+
+class EarlyStop:
+    """The guard's bookkeeping over a layer's steps: the best loss so far (the closed-form fit's
+    to begin with, at step 0) and when it was reached; `stop` once `patience` evaluations in a row
+    have not improved on it (never with `patience` 0)."""
+
+    def __init__(self, start: float, patience: int):
+        self.best, self.best_at, self.patience, self.since = start, 0, patience, 0
+
+    def update(self, loss: float, step: int) -> bool:
+        """Record the guard loss after `step`; whether it is the best so far."""
+        if loss < self.best:
+            self.best, self.best_at, self.since = loss, step, 0
+            return True
+        self.since += 1
+        return False
+
+    @property
+    def stop(self) -> bool:
+        return self.patience > 0 and self.since >= self.patience
+
+
 class AlignRefit:
     """The `align-refit` fit (see the module docstring); one instance per conversion."""
 
@@ -111,7 +148,8 @@ class AlignRefit:
             parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on {what} "
                          f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's "
                          f"output; each layer keeps whichever of the closed-form fit and the trained weights had the "
-                         f"lower guard loss")
+                         f"lower guard loss" + (f", and stops after {int(opts['patience'])} guard evaluations without "
+                                                f"improvement" if int(opts.get("patience", 0)) else ""))
         return "; ".join(parts)
 
     def _input_moments(self, ctx: BlockContext) -> tuple[Tensor, Tensor, Tensor]:
@@ -221,13 +259,14 @@ class AlignRefit:
         converted block's attention weights (q, k, v, o and their biases; K/V shared by each
         group, everything else in the block frozen), minimising the relative squared error
         between the block's output on the converted stream and the original block's output
-        on the original stream (which `_fit_o_proj` has just advanced), one random span of
-        `batch` sequences per step. Each tensor's learning rate is `lr` times its RMS, decaying
-        linearly to 0 over the steps. The
-        steps are seeded by (seed, layer), so a resumed run takes the same ones. A guard
-        keeps the best of the closed-form start and the weights after each quarter of the
-        steps, by the loss on the last `guard_spans` spans' measured rows (the held-out
-        sequences when `holdout` > 0)."""
+        on the original stream (which `_fit_o_proj` has just advanced), one span of `batch`
+        sequences per step, each span once per epoch in a fresh random order (`span_order`).
+        Each tensor's learning rate is `lr` times its RMS, decaying linearly to 0 over the
+        steps. The steps are seeded by (seed, layer), so a resumed run takes the same ones. A
+        guard keeps the best of the closed-form start and the weights at `guard_checks` evenly
+        spaced steps, by the loss on the last `guard_spans` spans' measured rows (the held-out
+        sequences when `holdout` > 0); with `patience` > 0 the layer's steps stop once that
+        many guard evaluations in a row have not improved on the best (`EarlyStop`)."""
         blk, opts, L = ctx.block, self.opts, ctx.layer
         steps = int(opts.steps)
         # the steps compute in `step_dtype`: bfloat16 is autocast, over float32 weights and streams
@@ -281,12 +320,13 @@ class AlignRefit:
                 cur = {p: t.detach() for p, t in params.items()}
                 return sum(float(loss_on(sl, m, cur)) for sl, m in guard) / max(len(guard), 1)
 
-        best, best_at = guard_loss(), 0
         best_params = {p: t.detach().clone() for p, t in params.items()}
+        stop = EarlyStop(guard_loss(), int(opts.patience))
         gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + L)
-        check = max(1, steps // 4)
-        for step in range(1, steps + 1):
-            sl = fit[int(torch.randint(len(fit), (1,), generator=gen))]
+        checks = check_steps(steps, int(opts.guard_checks))
+        done = 0
+        for step, i in enumerate(span_order(len(fit), steps, gen), start=1):
+            sl = fit[i]
             with torch.enable_grad():
                 loss = loss_on(sl, ctx.masks(sl)[0], params)
                 optim.zero_grad(set_to_none=True)
@@ -294,13 +334,18 @@ class AlignRefit:
             optim.step()
             sched.step()
             ctx.tick(1)
-            if step % check == 0 or step == steps:
+            done = step
+            if step in checks:
                 g = guard_loss()
-                if g < best:
-                    best, best_at = g, step
+                if stop.update(g, step):
                     best_params = {p: t.detach().clone() for p, t in params.items()}
                 ctx.note(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
-        self.recon.append({"layer": L, "guard_best": best, "best_step": best_at})
+                if stop.stop:
+                    if step < steps:
+                        ctx.tick(steps - step)  # the steps left are not taken
+                    break
+        best, best_at = stop.best, stop.best_at
+        self.recon.append({"layer": L, "guard_best": best, "best_step": best_at, "steps_taken": done})
         del optim, sched, params, calls, frozen
         for r in rest:  # the block keeps its trained weights for the converted stream and the writer
             blk.block.get_parameter(r).data = best_params.pop(r).to(self.dtype)

@@ -100,7 +100,7 @@ def test_summary_records_timeouts_failures_and_steps_not_run(tmp_path: Path):
     st = {k: v["status"] for k, v in res["steps"].items()}
     assert st == {"decode": "timed out after 200 s", "uptrain": "failed (exit 1, in convert; see log.txt)",
                   "convert": "not run: no time left in the budget", "recover": "not run", "decode-compiled": "not run",
-                  "refit": "not run"}
+                  "refit": "not run", "vllm": "not run"}
     md = (tmp_path / "gpu_proof.md").read_text()
     assert "timed out after 200 s" in md and "Dry run" not in md
     assert json.loads((tmp_path / "gpu_proof.json").read_text())["steps"]["convert"]["file"] is None

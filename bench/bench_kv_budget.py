@@ -67,14 +67,18 @@ def plan_ppl(src: Path, kv_heads: tuple[int, ...], method: str, data: Path, max_
 
 
 def convert_ppl(src: Path, how: list[str], method: str, calib: str | None, tokens: int, data: Path,
-                max_chars: int | None, context: int = 512) -> float:
-    """Perplexity of `gqakit convert SRC OUT HOW --method M` (HOW: -g G or --kv-budget B)."""
+                max_chars: int | None, context: int = 512) -> tuple[float, float]:
+    """Perplexity of `gqakit convert SRC OUT HOW --method M` (HOW: -g G or --kv-budget B, and any
+    further convert options), and the conversion's wall seconds (with --kv-budget, the damage
+    measurement is part of them)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         cmd = [sys.executable, "-m", "gqakit", "convert", str(src), str(out), *how, "--method", method,
                "--calibration-tokens", str(tokens), "-q", *(["--calibration-data", calib] if calib else [])]
+        t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
-        return perplexity(out, data, max_chars, context=context)
+        seconds = time.perf_counter() - t0
+        return perplexity(out, data, max_chars, context=context), seconds
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -118,6 +122,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--replay", action="store_true",
                     help="with --via convert: write each budget's plan with --kv-plan (the plan this run measured) "
                          "instead of --kv-budget, which measures the damages again in every conversion")
+    ap.add_argument("--uniform-option", action="append", default=[], metavar="K=V",
+                    help="with --via convert: a --refit-option for the uniform conversions only (e.g. steps=3000, "
+                         "to give them the time the per-layer conversion spends measuring damages)")
     ap.add_argument("--out", default=str(RESULTS / "kv_budget.jsonl"))
     ap.add_argument("--plot", default=None, help="write the curve as this PNG")
     args = ap.parse_args(argv)
@@ -166,13 +173,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             with tempfile.TemporaryDirectory() as tmp:
                 if kind == "uniform":
                     how = ["-g", label.removeprefix("G=")]
+                    for opt in args.uniform_option:
+                        how += ["--refit-option", opt]
                 elif args.replay:
                     (Path(tmp) / "plan.json").write_text(json.dumps({"kv_heads": list(heads)}))
                     how = ["--kv-plan", str(Path(tmp) / "plan.json")]
                 else:
                     how = ["--kv-budget", label]
-                ppl = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data, max_chars,
-                                  args.context)
+                ppl, seconds = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data,
+                                           max_chars, args.context)
+                extra = {**extra, "convert_seconds": round(seconds, 1),
+                         **({"uniform_options": args.uniform_option} if kind == "uniform" and args.uniform_option
+                            else {})}
         nbytes = sum(heads) * per_head
         row = {**common, "kind": kind, "plan": label, "kv_heads": list(heads), "kv_bytes_per_token": nbytes,
                "fraction": round(nbytes / (kv * nl * per_head), 4), "ppl": round(ppl, 3), **extra}

@@ -13,20 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gqakit.cli import main
+from cli_helpers import run_cli
 
 GOLDEN = Path(__file__).parent / "data" / "eval_golden"
 
 
-def run_cli(args: list, capsys) -> tuple[int, str, str]:
-    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def assert_refused(code: int, err: str, *needles: str) -> None:

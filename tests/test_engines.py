@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import fake_engine
-from gqakit.cli import main
+from cli_helpers import assert_one_line_error, run_cli
 from gqakit.core.errors import GqakitError
 from gqakit.engines import ENGINES, NEEDS, EngineMissing, EngineOptions, get_engine
 
@@ -22,23 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def run_cli(args: list, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()  # what building the test's model printed
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("gqakit: error: "), (code, err)
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 TORCH_FREE = """

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fake_engine
-from gqakit.cli import main
+from cli_helpers import run_cli
 from gqakit.engines import ENGINES
 from gqakit.engines import EngineOptions
 from gqakit.engines.check import (MARGINS, gguf_quant, judge, layer_kv_heads, margin_for, predicted_kv_bytes,
@@ -20,15 +20,6 @@ from gqakit.engines.check import (MARGINS, gguf_quant, judge, layer_kv_heads, ma
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def run_cli(args: list, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def check(model, tmp_path, capsys, engine: str, *extra) -> tuple[int, str, str, dict]:

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gqakit.cli import main
 from gqakit.core.spans import SpanCorruption, sentinel_ids
 from gqakit.eval.perplexity import PerplexitySettings, Spans, Window
 from gqakit.eval.results import EvalResult, read_results
 from gqakit.eval.runner import run_eval
 from tiny_models import build_seq2seq
+from cli_helpers import run_cli as cli
 
 TEXT = " ".join(f"the dog {i % 7} ran to the cat {i % 5}, and they sat." for i in range(40))
 PAIRS = [{"input": f"say {w} twice", "target": f"{w} {w}."} for w in ("dog", "cat", "sun", "tree", "ball")]
@@ -45,15 +45,6 @@ def files(tmp_path_factory):
     return root
 
 
-def cli(args, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def one_line_error(code: int, err: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gqakit.cli import main
+from cli_helpers import run_cli as cli
 
 TASK = "gqakit_test_mc"
 METRICS = ("acc", "acc_norm")
@@ -51,15 +52,6 @@ def write_task(folder: Path, name: str = TASK, n: int = 16, data_file: str | Non
     return folder
 
 
-def cli(args: list[str], capsys) -> tuple[int, str, str]:
-    capsys.readouterr()  # what building the fixtures printed is not the command's
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def harness_reference(model: Path, tasks_dir: Path, *, limit: int | None, num_fewshot: int | None = None) -> dict:

@@ -11,23 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gqakit.cli import main
 from gqakit.convert.budget.choose import choose_kv_heads
 from gqakit.convert.budget.damage import repeated
 from gqakit.convert.settings import ConvertSettings
 from gqakit.convert.source import open_model
+from cli_helpers import run_cli
 
 CALIB = "".join(chr(33 + (i * 7919) % 61) + (" " if i % 5 == 4 else "") for i in range(6000))
 
 
-def run_cli(args: list, capsys) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def digest(folder: Path) -> dict[str, str]:

@@ -10,9 +10,9 @@ HIDDEN / HEADS), the kind of checkpoint gqakit converts. Each source is converte
 recorded as skipped, with gqakit's one-line reason).
 
 For each source and depth D (--context), every model is loaded in gqakit's llama.cpp engine
-(`gqakit.engines.llamacpp`, F16 cache, flash attention as the engine sets it) and its cache
-filled once with D prompt tokens (the ids `time_point` uses, in batches of 512, on
---prefill-threads threads). Then, for each thread count, in rounds that alternate the models
+(`gqakit.engines.llamacpp`, F16 cache, flash attention as the engine sets it, recorded per
+model as `flash_attn`) and its cache filled once with D prompt tokens (the ids `time_point`
+uses, in batches of 512, on --prefill-threads threads). Then, for each thread count, in rounds that alternate the models
 (drift hits all alike): the copy bandwidth of that many threads (torch, 256 MiB), then per
 model N = --decode single-token steps timed as `time_point` times them (llama.cpp's decode of
 one token, then the argmax of its logits), after 2 untimed steps and a rewind of the cache to D

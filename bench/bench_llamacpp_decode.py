@@ -10,14 +10,14 @@ HIDDEN / HEADS), the kind of checkpoint gqakit converts. Each source is converte
 recorded as skipped, with gqakit's one-line reason).
 
 For each source and depth D (--context), every model is loaded in gqakit's llama.cpp engine
-(`gqakit.engines.llamacpp`, F16 cache, flash attention as the engine sets it, recorded per
-model as `flash_attn`) and its cache filled once with D prompt tokens (the ids `time_point`
-uses, in batches of 512, on --prefill-threads threads). Then, for each thread count, in rounds that alternate the models
-(drift hits all alike): the copy bandwidth of that many threads (torch, 256 MiB), then per
-model N = --decode single-token steps timed as `time_point` times them (llama.cpp's decode of
-one token, then the argmax of its logits), after 2 untimed steps and a rewind of the cache to D
-(llama-cpp-python's eval drops the cells from `n_tokens` on), so every round decodes at depths
-D+1 .. D+N.
+(`gqakit.engines.llamacpp`, F16 cache, flash attention as the engine sets it, recorded per model
+as `flash_attn`) and its cache filled once with D prompt tokens (the ids `time_point` uses, in
+batches of 512, on --prefill-threads threads). Then, for each thread count, in rounds that
+alternate the models (drift hits all alike): the copy bandwidth of that many threads (torch, 256
+MiB), then per model N = --decode single-token steps timed as `time_point` times them
+(llama.cpp's decode of one token, then the argmax of its logits), after 2 untimed steps and a
+rewind of the cache to D (llama-cpp-python's eval drops the cells from `n_tokens` on), so every
+round decodes at depths D+1 .. D+N.
 
 Bytes per step: the GGUF's tensors (of the token embedding one row when the LM head is a
 matrix of its own) plus the cache at the mean depth, with llama.cpp's own bytes per cached

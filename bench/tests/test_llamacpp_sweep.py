@@ -97,7 +97,8 @@ def test_the_random_mha_gguf_has_its_heads_and_no_zero_weights(tmp_path: Path):
     assert field("llama.block_count") == 2 and field("llama.embedding_length") == 128
     assert field("llama.rope.dimension_count") == 32 and field("llama.feed_forward_length") == 512  # 8/3 x 128 -> 512
     tensors = {t.name: t for t in r.tensors}
-    assert tensors["blk.1.attn_k.weight"].tensor_type.name == "F16" and len(r.fields["tokenizer.ggml.tokens"].data) == 512
+    assert tensors["blk.1.attn_k.weight"].tensor_type.name == "F16"
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == 512
     assert all(np.abs(np.asarray(t.data, dtype=np.float32)).sum() > 0 for t in r.tensors)
     again = write_random_mha(tmp_path / "again.gguf", shape, seed=3)
     assert again.read_bytes() == path.read_bytes()  # a fixed seed: the same file

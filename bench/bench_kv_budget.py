@@ -67,18 +67,21 @@ def plan_ppl(src: Path, kv_heads: tuple[int, ...], method: str, data: Path, max_
 
 
 def convert_ppl(src: Path, how: list[str], method: str, calib: str | None, tokens: int, data: Path,
-                max_chars: int | None, context: int = 512) -> tuple[float, float]:
+                max_chars: int | None, context: int = 512) -> tuple[float, float, float]:
     """Perplexity of `gqakit convert SRC OUT HOW --method M` (HOW: -g G or --kv-budget B, and any
-    further convert options), and the conversion's wall seconds (with --kv-budget, the damage
-    measurement is part of them)."""
+    further convert options), and the conversion's wall and CPU seconds (with --kv-budget, the
+    damage measurement is part of them; CPU seconds compare on a machine shared with other work)."""
+    import resource
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         cmd = [sys.executable, "-m", "gqakit", "convert", str(src), str(out), *how, "--method", method,
                "--calibration-tokens", str(tokens), "-q", *(["--calibration-data", calib] if calib else [])]
-        t0 = time.perf_counter()
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True)
-        seconds = time.perf_counter() - t0
-        return perplexity(out, data, max_chars, context=context), seconds
+        seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        return perplexity(out, data, max_chars, context=context), seconds, cpu
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -180,9 +183,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     how = ["--kv-plan", str(Path(tmp) / "plan.json")]
                 else:
                     how = ["--kv-budget", label]
-                ppl, seconds = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data,
+                ppl, seconds, cpu = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data,
                                            max_chars, args.context)
-                extra = {**extra, "convert_seconds": round(seconds, 1),
+                extra = {**extra, "convert_seconds": round(seconds, 1), "convert_cpu_seconds": round(cpu, 1),
                          **({"uniform_options": args.uniform_option} if kind == "uniform" and args.uniform_option
                             else {})}
         nbytes = sum(heads) * per_head

@@ -135,37 +135,22 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def reference_weights(path: str | Path, model: Any, spec: Any = None) -> dict[str, Any]:
-    """Every tensor of the per-layer GGUF at PATH under MODEL's state-dict name, float32, q/k rows
-    in transformers' order (each layer's k with its own KV heads). The tied LM head is left out."""
-    import torch
+def tensor_map(path: str | Path, model: Any) -> dict[str, Any]:
+    """MODEL's state-dict name -> gguf-py's record (type, shape, mapped bytes) of the tensor of
+    the GGUF at PATH that holds it, by gguf-py's own name table; a tied LM head is left out.
+    Every GGUF tensor must find a place."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-    from gguf.quants import dequantize
 
-    spec = spec or layout()
     path = Path(path)
     reader, arch = _open(path)
     key = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
     if key is None:
         raise GqakitError(f"{path.name}: gguf-py has no tensor-name table for the {arch!r} GGUF architecture")
-    from gqakit.core.loaded import loaded_shape
-
-    cfg = model.config
-    shape = loaded_shape(cfg)
-    layers = shape.num_layers
-    kv = shape.kv_heads_per_layer or [shape.num_kv_heads] * layers
-    table = get_tensor_name_map(key, layers)
+    table = get_tensor_name_map(key, int(model.config.num_hidden_layers))
     tensors = {t.name: t for t in reader.tensors}
-    at = spec.attention
-    heads = {}
-    for L in range(layers):
-        prefix = at.prefix.format(layer=L)
-        for suffix in ("weight", "bias"):
-            heads[f"{prefix}{at.q}.{suffix}"] = shape.num_heads
-            heads[f"{prefix}{at.k}.{suffix}"] = int(kv[L])
-    out, used = {}, set()
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    for name, p in model.state_dict(keep_vars=True).items():
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    out = {}
+    for name in model.state_dict(keep_vars=True):
         base, _, suffix = name.rpartition(".")
         g = table.get_name(base) if suffix in ("weight", "bias") else None
         t = tensors.get(f"{g}.{suffix}") if g is not None else None
@@ -173,14 +158,38 @@ def reference_weights(path: str | Path, model: Any, spec: Any = None) -> dict[st
             if tied and name == "lm_head.weight":
                 continue
             raise GqakitError(f"{path.name} has no tensor for {name} (gguf-py's name: {g}.{suffix})")
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(p.shape))
+        out[name] = t
+    left = sorted(set(tensors) - {t.name for t in out.values()})
+    if left:
+        raise GqakitError(f"{path.name}: tensor {left[0]} has no place in the {type(model).__name__} layout")
+    return out
+
+
+def reference_weights(path: str | Path, model: Any, spec: Any = None) -> dict[str, Any]:
+    """Every tensor of the per-layer GGUF at PATH under MODEL's state-dict name, float32, q/k rows
+    in transformers' order (each layer's k with its own KV heads). The tied LM head is left out."""
+    import torch
+    from gguf.quants import dequantize
+
+    from gqakit.core.loaded import loaded_shape
+
+    spec = spec or layout()
+    shape = loaded_shape(model.config)
+    kv = shape.kv_heads_per_layer or [shape.num_kv_heads] * shape.num_layers
+    at = spec.attention
+    heads = {}
+    for L in range(shape.num_layers):
+        prefix = at.prefix.format(layer=L)
+        for suffix in ("weight", "bias"):
+            heads[f"{prefix}{at.q}.{suffix}"] = shape.num_heads
+            heads[f"{prefix}{at.k}.{suffix}"] = int(kv[L])
+    params = model.state_dict(keep_vars=True)
+    out = {}
+    for name, t in tensor_map(path, model).items():
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(params[name].shape))
         if name in heads:  # the layout's GGUF families are those whose q/k rows llama.cpp permutes
             w = _unpermute(w, heads[name])
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a copy: never the mapped file
-        used.add(t.name)
-    left = sorted(set(tensors) - used)
-    if left:
-        raise GqakitError(f"{path.name}: tensor {left[0]} has no place in the {spec.architectures[0]} layout")
     return out
 
 
@@ -232,4 +241,4 @@ def reference_tokenizer(path: str | Path) -> Any:
 
 
 __all__ = ["layout", "per_layer_gguf", "reference_config", "reference_model", "reference_tokenizer",
-           "reference_weights"]
+           "reference_weights", "tensor_map"]

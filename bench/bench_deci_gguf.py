@@ -18,7 +18,13 @@ Per (GGUF, cache, teacher): positions, agreement, each mismatch's gap (the teach
 its argmax minus of llama.cpp's token, nats) and the largest |log-prob difference| of llama.cpp's
 tokens.
 
-    python -m bench.bench_deci_gguf --gguf plan-f32.gguf --gguf plan-q41.gguf --folder plan-q41.gguf=plan-folder
+`--control SRC.gguf` (a `llama` GGUF): SRC rewritten byte for byte as a `deci` GGUF whose
+per-layer head counts are all SRC's (a temporary file), and llama.cpp's greedy tokens and
+log-probs on both files compared: whether llama.cpp's `deci` graph computes what its `llama`
+graph computes on the same quantised weights.
+
+    python -m bench.bench_deci_gguf --gguf plan-f32.gguf --gguf plan-q41.gguf --folder plan-q41.gguf=plan-folder \
+        --control SmolLM2.Q4_1.gguf
 
 Writes bench/results/deci_gguf.json.
 """
@@ -116,11 +122,77 @@ def measure(path: Path, folder: Path | None, kv_types: list[str], n: int, new: i
     return rows
 
 
+def as_deci(src: Path, out: Path) -> None:
+    """SRC (a GGUF of one head count per model) written to OUT as llama.cpp's `deci`: every tensor's
+    bytes and every key as they are, `{arch}.*` keys renamed `deci.*`, the head counts as
+    per-layer arrays of SRC's counts."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    layers = int(r.fields[f"{arch}.block_count"].contents())
+    per_layer = {f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"}
+    w = gguf.GGUFWriter(str(out), "deci")
+    for f in r.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+            continue
+        name = "deci." + f.name[len(arch) + 1:] if f.name.startswith(arch + ".") else f.name
+        vtype = f.types[0]
+        if f.name in per_layer:
+            w.add_key_value(name, [int(f.contents())] * layers, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
+        else:
+            sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, f.contents(), vtype, sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data)
+    w.close()
+
+
+def control(src: Path, kv_types: list[str], n: int, new: int, length: int, threads: int) -> list[dict]:
+    """llama.cpp on SRC and on SRC as `deci` (`as_deci`): same tokens, log-probs apart by how much."""
+    import tempfile
+
+    from gqakit.engines.base import EngineOptions
+    from gqakit.engines.check import make_prompts
+    from gqakit.engines.llamacpp import LlamaCppEngine
+    from gqakit.engines.llamacpp_ref import reference_tokenizer
+
+    tok = reference_tokenizer(src)
+    prompts, source = make_prompts(n, length, len(tok), tok)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-deci-") as tmp:
+        deci = Path(tmp) / f"{src.stem}.deci.gguf"
+        as_deci(src, deci)
+        for kv in kv_types:
+            gens = []
+            for path in (src, deci):
+                engine = LlamaCppEngine(kv_type=kv)
+                engine.load(path, EngineOptions(max_len=length + new, threads=threads))
+                try:
+                    gens.append(engine.generate(prompts, new))
+                finally:
+                    engine.close()
+            a, b = gens
+            diff = max(abs(x - y) for la, lb in zip(a.logprobs, b.logprobs) for x, y in zip(la, lb))
+            row = {"control": src.name, "kv_cache": kv, "prompts": n, "new_tokens": new, "prompt_len": length,
+                   "prompt_source": source, "same_tokens": a.tokens == b.tokens, "max_abs_logprob_diff": diff}
+            say(json.dumps(row))
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", type=Path, action="append", required=True)
+    ap.add_argument("--gguf", type=Path, action="append", default=[])
     ap.add_argument("--folder", action="append", default=[], metavar="GGUF=FOLDER",
                     help="also score against this model folder for the GGUF of that path")
+    ap.add_argument("--control", type=Path, action="append", default=[],
+                    help="a llama GGUF to compare with itself written as deci")
     ap.add_argument("--kv", action="append", choices=["F32", "F16"], help="llama.cpp KV-cache types (F32 and F16)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
@@ -133,6 +205,8 @@ def main() -> None:
     for path in a.gguf:
         rows += measure(path, folders.get(path.resolve()), a.kv or ["F32", "F16"], a.prompts, a.tokens, a.prompt_len,
                         a.threads)
+    for src in a.control:
+        rows += control(src, a.kv or ["F32", "F16"], a.prompts, a.tokens, a.prompt_len, a.threads)
     import llama_cpp
 
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,8 @@ teacher-forced, as `gqakit eval --check` scores it, by:
 
 Per (GGUF, cache, teacher): positions, agreement, each mismatch's gap (the teacher's log-prob of
 its argmax minus of llama.cpp's token, nats) and the largest |log-prob difference| of llama.cpp's
-tokens.
+tokens; for `reference_q8` also how far the rounding alone moves the reference's log-prob of
+llama.cpp's tokens (`rounding_moves_logprob_by`).
 
 `--control SRC.gguf` (a `llama` GGUF): SRC rewritten byte for byte as a `deci` GGUF whose
 per-layer head counts are all SRC's (a temporary file), and llama.cpp's greedy tokens and
@@ -69,15 +70,24 @@ def rounding_hooks(model, modules: set[str]) -> list:
             if n in modules and isinstance(m, torch.nn.Linear)]
 
 
-def score(gen, prompts, teacher) -> dict:
+def score(gen, prompts, teacher, plain: list | None = None) -> tuple[dict, list]:
+    """The row of one teacher, and its log-probs; PLAIN: the unrounded teacher's log-probs, to
+    report how far the rounding alone moves the log-prob of llama.cpp's tokens."""
     from gqakit.engines.check import judge, teacher_logprobs
 
     lps = teacher_logprobs(teacher, prompts, gen.tokens)
     positions, mismatches = judge(gen.tokens, lps, float("inf"))
-    diffs = [abs(float(lp[t, tok]) - float(e)) for toks, lp, elps in zip(gen.tokens, lps, gen.logprobs)
-             for t, (tok, e) in enumerate(zip(toks, elps))]
-    return {"positions": positions, "agree": positions - len(mismatches),
-            "gaps": sorted(round(m.margin, 4) for m in mismatches), "max_abs_logprob_diff": round(max(diffs), 5)}
+
+    def at(tables):
+        return [float(lp[t, tok]) for toks, lp in zip(gen.tokens, tables) for t, tok in enumerate(toks)]
+
+    engine = [float(e) for elps in gen.logprobs for e in elps]
+    row = {"positions": positions, "agree": positions - len(mismatches),
+           "gaps": sorted(round(m.margin, 4) for m in mismatches),
+           "max_abs_logprob_diff": round(max(abs(a - b) for a, b in zip(at(lps), engine)), 5)}
+    if plain is not None:
+        row["rounding_moves_logprob_by"] = round(max(abs(a - b) for a, b in zip(at(lps), at(plain))), 5)
+    return row, lps
 
 
 def measure(path: Path, folder: Path | None, kv_types: list[str], n: int, new: int, length: int,
@@ -108,13 +118,15 @@ def measure(path: Path, folder: Path | None, kv_types: list[str], n: int, new: i
             gen = engine.generate(prompts, new)
         finally:
             engine.close()
+        plain = None
         for name, (model, modules) in teachers.items():
             handles = rounding_hooks(model, modules)
             try:
-                r = score(gen, prompts, model)
+                r, lps = score(gen, prompts, model, plain if modules else None)
             finally:
                 for h in handles:
                     h.remove()
+            plain = lps if name == "reference" else plain
             row = {"gguf": path.name, "kv_cache": kv, "teacher": name, "prompts": n, "new_tokens": new,
                    "prompt_len": length, "prompt_source": source, **r}
             say(json.dumps(row))

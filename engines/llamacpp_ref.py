@@ -51,6 +51,9 @@ def per_layer_gguf(path: str | Path) -> bool:
         return False
     from gguf import GGUFValueType
 
+    from gqakit.core.loading import check_gguf
+
+    check_gguf(path)  # a damaged file: gqakit's one-line error, not the reader's
     reader, arch = _open(path)
     field = reader.fields.get(f"{arch}.attention.head_count_kv")
     return field is not None and bool(field.types) and field.types[0] == GGUFValueType.ARRAY

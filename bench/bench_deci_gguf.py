@@ -151,7 +151,8 @@ def as_deci(src: Path, out: Path) -> None:
         name = "deci." + f.name[len(arch) + 1:] if f.name.startswith(arch + ".") else f.name
         vtype = f.types[0]
         if f.name in per_layer:
-            w.add_key_value(name, [int(f.contents())] * layers, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
+            w.add_key_value(name, [int(f.contents())] * layers, gguf.GGUFValueType.ARRAY,
+                            sub_type=gguf.GGUFValueType.UINT32)
         else:
             sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(name, f.contents(), vtype, sub_type=sub)
@@ -222,8 +223,9 @@ def main() -> None:
     import llama_cpp
 
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-                                 "cpus": os.cpu_count(), "llama_cpp_python": llama_cpp.__version__,
+    a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"),
+                                 "machine": platform.processor() or platform.machine(),
+                                 "cpus": os.cpu_count(), "threads": a.threads, "llama_cpp_python": llama_cpp.__version__,
                                  "results": rows}, indent=2) + "\n")
 
 

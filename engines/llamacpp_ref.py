@@ -81,6 +81,7 @@ def _per_layer(value: Any, layers: int, what: str) -> list[int]:
 
 def reference_config(path: str | Path, spec: Any = None) -> dict[str, Any]:
     """config.json of the per-layer GGUF at PATH in the table's per-layer layout (`layout()`)."""
+    from gguf import MODEL_TENSOR, TENSOR_NAMES
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     spec = spec or layout()
@@ -89,10 +90,10 @@ def reference_config(path: str | Path, spec: Any = None) -> dict[str, Any]:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     present = {t.name for t in reader.tensors}
     del reader
-    from gguf import TENSOR_NAMES, MODEL_TENSOR
 
-    def has(tensor: Any, suffix: str) -> bool:  # gguf-py's name of a tensor (of block 0) is in the file
+    def has(tensor: Any, suffix: str) -> bool:  # gguf-py's name of the tensor (of block 0) is in the file
         return f"{TENSOR_NAMES[tensor].format(bid=0)}.{suffix}" in present
+
     parsed = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     layers = int(parsed["num_hidden_layers"])
     heads = _per_layer(parsed.pop("num_attention_heads"), layers, "query heads")
@@ -125,7 +126,8 @@ def reference_config(path: str | Path, spec: Any = None) -> dict[str, Any]:
             "auto_map": {"AutoConfig": f"{module}.{spec.remote.config_class}",
                          "AutoModelForCausalLM": f"{module}.{spec.remote.model_class}"},
             spec.config.num_heads: H, "num_key_value_heads": max(kv), "intermediate_size": max(widths),
-            spec.config.head_dim: int(key_length.contents()) if key_length is not None else hidden // H, list_key: blocks,
+            spec.config.head_dim: int(key_length.contents()) if key_length is not None else hidden // H,
+            list_key: blocks,
             "tie_word_embeddings": not has(MODEL_TENSOR.OUTPUT, "weight"),  # llama.cpp writes no tied LM head
             "qkv_bias": has(MODEL_TENSOR.ATTN_Q, "bias"), "attention_bias": has(MODEL_TENSOR.ATTN_OUT, "bias"),
             "dtype": "float32"}

@@ -114,7 +114,8 @@ def test_reference_of_a_deci_gguf_is_the_folder_conversion(sources, tmp_path, mo
     assert sorted(got) == sorted(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
-    ids = torch.tensor([[1] + [int(i) for i in torch.randint(3, 64, (15,), generator=torch.Generator().manual_seed(1))]])
+    rand = torch.randint(3, 64, (15,), generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[1] + [int(i) for i in rand]])
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, folder(ids).logits)
     assert reference_tokenizer(out).convert_ids_to_tokens([1, 2]) == ["<s>", "</s>"]

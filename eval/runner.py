@@ -169,7 +169,12 @@ def measure(model_path: str | Path, measures: dict[str, Any], prepared: dict[str
     dt = resolve_dtype(dtype, dev)
     if encoder_decoder is None:
         encoder_decoder = is_encoder_decoder(model_path)
-    model = (load_seq2seq_lm if encoder_decoder else load_causal_lm)(model_path, dtype=dt, device=dev)
+    from gqakit.engines.llamacpp_ref import per_layer_gguf, reference_model
+
+    if not encoder_decoder and per_layer_gguf(model_path):  # transformers has no class for it: gqakit reads it
+        model = reference_model(model_path, dtype=dt, device=dev)
+    else:
+        model = (load_seq2seq_lm if encoder_decoder else load_causal_lm)(model_path, dtype=dt, device=dev)
     info = model_info(model, model_path, torch.finfo(dt).bits // 8)
     results = EvalResult(schema=SCHEMA, run=run_info(command=command, device=dev, dtype=dt), model=info)
     ctx = Context(model=model, model_path=model_path, device=dev, dtype=dt, info=info,

@@ -85,3 +85,85 @@ def test_per_layer_gguf_of_a_non_llama_layout_refused(tiny_model, tmp_path, caps
     code, err = run_cli(["convert", src, tmp_path / "out.gguf", "--kv-plan", plan_file(tmp_path, PLAN)], capsys)
     assert_one_line_error(code, err, "deci architecture", "the nearest uniform plan is -g 4")
     assert not (tmp_path / "out.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- the check's reference
+
+
+def test_reference_of_a_deci_gguf_is_the_folder_conversion(sources, tmp_path, monkeypatch):
+    """transformers cannot load a deci GGUF; gqakit's reference reads it: the same weights, the
+    same per-layer config, hence the very logits of the folder converted with the same plan
+    (same class, same values, same op order: equal to the bit). Its temporary folder is gone."""
+    import tempfile
+
+    from gqakit.core.loaded import loaded_shape
+    from gqakit.engines.llamacpp_ref import per_layer_gguf, reference_model, reference_tokenizer
+
+    folder_src, gguf_src = sources
+    out = to_gguf(gguf_src, tmp_path / "out.gguf", plan_file(tmp_path, PLAN))
+    assert per_layer_gguf(out) and not per_layer_gguf(gguf_src)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    ref = reference_model(out)
+    assert not list(scratch.iterdir())
+    folder = load(convert(folder_src, tmp_path / "folder", kv_plan=plan_file(tmp_path, PLAN, "p2.json")))
+    assert list(loaded_shape(ref.config).kv_heads_per_layer) == PLAN
+    want = folder.state_dict()
+    got = ref.state_dict()
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    rand = torch.randint(3, 64, (15,), generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[1] + [int(i) for i in rand]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, folder(ids).logits)
+    assert reference_tokenizer(out).convert_ids_to_tokens([1, 2]) == ["<s>", "</s>"]
+
+
+def test_reference_reads_quantised_k_rows_with_each_layers_heads(sources, tmp_path):
+    """A Q8_0 deci GGUF: each reference tensor is gguf-py's dequantisation of the file's bytes,
+    k un-permuted with its own layer's KV heads (a wrong head count scrambles its rows)."""
+    from gguf.quants import dequantize
+
+    from gqakit.engines.llamacpp_ref import reference_model
+
+    settings = ConvertSettings(source=str(sources[1]), kv_plan=plan_file(tmp_path, PLAN), method="mean",
+                               grouping="contiguous", max_shard_size=None)
+    out = convert_gguf_file(settings, tmp_path / "q8.gguf", gguf_type="Q8_0")
+    ref = reference_model(out)
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    for i, g in enumerate(PLAN):
+        k = tensors[f"blk.{i}.attn_k.weight"]
+        assert k.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        raw = dequantize(k.data, k.tensor_type).reshape(g * HEAD_DIM, 32)
+        want = _unpermute(raw, g)
+        np.testing.assert_array_equal(_permute(want, g), raw)
+        np.testing.assert_array_equal(ref.model.layers[i].self_attn.k_proj.weight.detach().numpy(), want)
+        if g > 1:  # another head count reads other rows
+            assert not np.array_equal(_unpermute(raw, g // 2), want)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `_permute` (transformers' un-permutation of llama.cpp's q/k rows)."""
+    d2 = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.engines
+def test_eval_check_passes_on_a_deci_gguf(sources, tmp_path, capfd):
+    """`gqakit eval OUT.gguf --engine llama.cpp --check` on a deci GGUF (float32 weights): the
+    reference is gqakit's reading of the file, the check passes, and llama.cpp's KV bytes per
+    token are each layer's own heads at its F16 cache."""
+    import json
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'gqakit[llamacpp]')")
+    from test_hostile import run_cli
+
+    out = to_gguf(sources[1], tmp_path / "out.gguf", plan_file(tmp_path, PLAN))
+    code, stdout, err = run_cli(["eval", out, "--engine", "llama.cpp", "--check", "--out", tmp_path / "c.json"], capfd)
+    assert code == 0, stdout + err
+    block = json.loads((tmp_path / "c.json").read_text())["serving"]
+    assert block["passed"] and block["agreement"] == 1.0 and block["margin_row"] == "float16"
+    assert block["kv"]["kv_heads_per_layer"] == PLAN
+    assert block["kv"]["allocated_bytes_per_token"] == 2 * sum(PLAN) * HEAD_DIM * 2

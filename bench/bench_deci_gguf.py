@@ -98,12 +98,13 @@ def measure(path: Path, folder: Path | None, kv_types: list[str], n: int, new: i
     from gqakit.engines.base import EngineOptions
     from gqakit.engines.check import make_prompts
     from gqakit.engines.llamacpp import LlamaCppEngine
-    from gqakit.engines.llamacpp_ref import reference_model, reference_tokenizer, tensor_map
+    from gqakit.core.loading import load_tokenizer
+    from gqakit.engines.llamacpp_ref import reference_model, tensor_map
 
     torch.set_num_threads(threads)
     ref = reference_model(path)
     types = {k: t.tensor_type.name for k, t in tensor_map(path, ref).items()}
-    prompts, source = make_prompts(n, length, int(ref.config.vocab_size), reference_tokenizer(path))
+    prompts, source = make_prompts(n, length, int(ref.config.vocab_size), load_tokenizer(path))
     teachers = {"reference": (ref, set())}
     rounded = quantised_inputs(types, bool(ref.config.tie_word_embeddings))
     if rounded:
@@ -173,9 +174,9 @@ def control(src: Path, kv_types: list[str], n: int, new: int, length: int, threa
     from gqakit.engines.base import EngineOptions
     from gqakit.engines.check import make_prompts
     from gqakit.engines.llamacpp import LlamaCppEngine
-    from gqakit.engines.llamacpp_ref import reference_tokenizer
+    from gqakit.engines.llamacpp_ref import load_tokenizer
 
-    tok = reference_tokenizer(src)
+    tok = load_tokenizer(src)
     prompts, source = make_prompts(n, length, len(tok), tok)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-deci-") as tmp:

@@ -259,6 +259,13 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf, trust_remote_code=remote_code(folder, gguf))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        if gguf:  # an architecture transformers' GGUF config reader lacks: the vocabulary alone
+            from transformers import PreTrainedTokenizerFast
+
+            try:
+                return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=gguf)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass
         _refuse_code(folder, e)
         raise GqakitError(f"cannot load the tokenizer of {path}: {first_line(e)}") from None
 

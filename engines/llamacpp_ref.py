@@ -18,7 +18,7 @@ gqakit builds that model from the very bytes llama.cpp reads:
 
 config.json and the modeling file go to a temporary folder that is removed as soon as the
 model is built; the weights never touch the disk. The tokenizer is transformers' reading of
-the GGUF's vocabulary (`reference_tokenizer`).
+the GGUF's vocabulary (`core.loading.load_tokenizer`).
 """
 
 from __future__ import annotations
@@ -233,17 +233,5 @@ def reference_model(path: str | Path, *, dtype: Any = None, device: Any = "cpu")
     return model.to(dtype=dtype or torch.float32, device=device).eval()
 
 
-def reference_tokenizer(path: str | Path) -> Any:
-    """transformers' tokenizer of the vocabulary in the GGUF at PATH (its GGUF tokenizer reader,
-    without the config that `AutoTokenizer` would look the architecture up in)."""
-    from transformers import PreTrainedTokenizerFast
-
-    path = Path(path)
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise GqakitError(f"cannot read the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else e}") from None
-
-
-__all__ = ["layout", "per_layer_gguf", "reference_config", "reference_model", "reference_tokenizer",
+__all__ = ["layout", "per_layer_gguf", "reference_config", "reference_model",
            "reference_weights", "tensor_map"]

@@ -78,11 +78,11 @@ def test_llama_cpp_runs_the_deci_gguf_as_transformers_does(sources, tmp_path):
 
 
 def test_per_layer_gguf_of_a_non_llama_layout_refused(tiny_model, tmp_path, capsys):
-    from test_convert_errors import assert_one_line_error, run_cli
+    from cli_helpers import assert_one_line_error, run_cli
 
     src = write_gguf(load(tiny_model("qwen2", num_hidden_layers=LAYERS)), tmp_path / "q.gguf", arch="qwen2")
     capsys.readouterr()
-    code, err = run_cli(["convert", src, tmp_path / "out.gguf", "--kv-plan", plan_file(tmp_path, PLAN)], capsys)
+    code, _, err = run_cli(["convert", src, tmp_path / "out.gguf", "--kv-plan", plan_file(tmp_path, PLAN)], capsys)
     assert_one_line_error(code, err, "deci architecture", "the nearest uniform plan is -g 4")
     assert not (tmp_path / "out.gguf").exists()
 
@@ -97,7 +97,8 @@ def test_reference_of_a_deci_gguf_is_the_folder_conversion(sources, tmp_path, mo
     import tempfile
 
     from gqakit.core.loaded import loaded_shape
-    from gqakit.engines.llamacpp_ref import per_layer_gguf, reference_model, reference_tokenizer
+    from gqakit.core.loading import load_tokenizer
+    from gqakit.engines.llamacpp_ref import per_layer_gguf, reference_model
 
     folder_src, gguf_src = sources
     out = to_gguf(gguf_src, tmp_path / "out.gguf", plan_file(tmp_path, PLAN))
@@ -118,7 +119,7 @@ def test_reference_of_a_deci_gguf_is_the_folder_conversion(sources, tmp_path, mo
     ids = torch.tensor([[1] + [int(i) for i in rand]])
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, folder(ids).logits)
-    assert reference_tokenizer(out).convert_ids_to_tokens([1, 2]) == ["<s>", "</s>"]
+    assert load_tokenizer(out).convert_ids_to_tokens([1, 2]) == ["<s>", "</s>"]
 
 
 def test_reference_reads_quantised_k_rows_with_each_layers_heads(sources, tmp_path):
@@ -167,3 +168,33 @@ def test_eval_check_passes_on_a_deci_gguf(sources, tmp_path, capfd):
     assert block["passed"] and block["agreement"] == 1.0 and block["margin_row"] == "float16"
     assert block["kv"]["kv_heads_per_layer"] == PLAN
     assert block["kv"]["allocated_bytes_per_token"] == 2 * sum(PLAN) * HEAD_DIM * 2
+
+
+def test_perplexity_of_a_deci_gguf_is_its_references(sources, tmp_path, capsys):
+    """`gqakit eval OUT.gguf --data TEXT` on a deci GGUF: the tokenizer comes from the file's own
+    vocabulary (transformers' AutoTokenizer has no deci config to look up) and the model is the
+    reference read from the same file, so the perplexity equals that of the reference saved as a
+    folder with that tokenizer (same weights, same tokens, same op order: equal to the bit)."""
+    import json
+
+    from cli_helpers import run_cli
+    from gqakit.core.loading import load_tokenizer
+    from gqakit.engines.llamacpp_ref import reference_model
+
+    _, gguf_src = sources
+    out = to_gguf(gguf_src, tmp_path / "out.gguf", plan_file(tmp_path, PLAN))
+    tok = load_tokenizer(out)  # the file's vocabulary: <s> and </s> at 1 and 2, as the converter wrote them
+    assert tok.convert_ids_to_tokens([1, 2]) == ["<s>", "</s>"]
+    folder = tmp_path / "ref"
+    reference_model(out).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(tok.convert_ids_to_tokens(list(range(3, 60)))) * 4)
+    ppl = {}
+    for name, model in (("gguf", out), ("folder", folder)):
+        code, _, err = run_cli(["eval", model, "--data", text, "--context", "16", "--out",
+                                tmp_path / f"{name}.json", "-q"], capsys)
+        assert code == 0, err
+        ppl[name] = json.loads((tmp_path / f"{name}.json").read_text())["perplexity"]
+    assert ppl["gguf"]["tokens"] == ppl["folder"]["tokens"] > 0
+    assert ppl["gguf"]["token_perplexity"] == ppl["folder"]["token_perplexity"]

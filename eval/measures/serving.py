@@ -93,11 +93,9 @@ def run(ctx: Context, s: ServingSettings, prepared: Any) -> ServingResult:
     from gqakit.engines import EngineOptions, get_engine
     from gqakit.engines.check import kv_budget_for, make_prompts, run_check
 
-    from gqakit.engines.llamacpp_ref import per_layer_gguf, reference_tokenizer
-
     folder, gguf = split_source(ctx.model_path)
-    try:  # a per-layer GGUF: transformers reads its vocabulary, not its architecture
-        tokenizer = (reference_tokenizer if gguf and per_layer_gguf(folder / gguf) else load_tokenizer)(ctx.model_path)
+    try:
+        tokenizer = load_tokenizer(ctx.model_path)
     except GqakitError:
         tokenizer = None
     vocab = int(ctx.model.config.get_text_config(decoder=True).vocab_size)

@@ -18,10 +18,10 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -176,6 +176,32 @@ def converted_layers(opened: Opened, plan: Plan, settings: ResolvedSettings, *, 
     return per_step_heads(opened, plan, settings), None
 
 
+T = TypeVar("T")
+
+
+def leaving_a_core(items: Iterable[T], copying: Callable[[], bool]) -> Generator[T, None, None]:
+    """ITEMS, each made (and used, up to the next one) with one torch intra-op thread fewer
+    than the process has while `copying()` says the writer thread's kernel-side copies are in
+    flight: they keep a core busy, and a team of as many torch threads as cores then waits,
+    spinning, on the thread that the copies push off a core at every parallel op. Torch's
+    thread count is put back when the copies are done and when ITEMS ends or fails."""
+    full = torch.get_num_threads()
+    it = iter(items)
+    try:
+        while True:
+            n = max(1, full - 1) if copying() else full
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            yield item
+    finally:
+        if torch.get_num_threads() != full:
+            torch.set_num_threads(full)
+
+
 # ----------------------------------------------------------------------------- a model folder
 
 def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: bool = False,
@@ -216,6 +242,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                              written=state["written"] if state else ())
         done = set(writer.written)
         from_stage = trained_block_tensors(plan, settings)
+        steps: Generator[tuple[AttentionLayer, AttnHeads], None, None] | None = None
         try:
             planned_dtype = {p.name: p.dtype for p in plan.tensors}
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
@@ -231,7 +258,8 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",
                                              resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
             orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
-            for step, new in layers:
+            steps = leaving_a_core(layers, lambda: writer.copying)
+            for step, new in steps:
                 layer = step.layer
                 if step.site == "self":
                     orders[layer] = new.q_order
@@ -250,6 +278,8 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             writer.finish()
             bar.close()
         finally:
+            if steps is not None:
+                steps.close()  # torch's own thread count back
             writer.close()
             opened.source.close()
             shutil.rmtree(tmp / ".scratch", ignore_errors=True)

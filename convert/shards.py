@@ -195,6 +195,13 @@ class ShardWriter:
         self._pending[name] = self._copier.submit(copy_range, path, offset, dst_fd, dst_off, length, name)
         self._reap()
 
+    @property
+    def copying(self) -> bool:
+        """Whether kernel-side copies are still queued or running on the writer thread (a
+        copy that failed is raised here)."""
+        self._reap()
+        return bool(self._pending)
+
     def _reap(self, block: bool = False) -> None:
         """Count the finished copies as written (all of them, waiting, with BLOCK); raise the
         first copy that failed."""

@@ -190,10 +190,10 @@ class ShardWriter:
             copy_range(path, offset, dst_fd, dst_off, length, name)
             self._written.add(name)
             return
+        self._reap()  # the copies done so far (raising one that failed); this one's error comes with the next call
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="gqakit-copy")
         self._pending[name] = self._copier.submit(copy_range, path, offset, dst_fd, dst_off, length, name)
-        self._reap()
 
     @property
     def copying(self) -> bool:

@@ -213,7 +213,6 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     calibration stage that holds one decoder block at a time (align-refit) on `device`.
     Bars and messages as the run context says (`core.run`).
     """
-    from gqakit.convert.calibration import load_state
     from gqakit.core.device import resolve_device
 
     src, out, staged = Path(settings.source), Path(out), settings.staged
@@ -234,7 +233,11 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     else:
         folder = _not_resumable(atomic_output_dir(out, overwrite=overwrite, inputs=inputs))
     with folder as (tmp, resumed):
-        state = load_state(tmp / RESUME_DIR) if resumed else None
+        state = None
+        if resumed:  # (the calibration package is imported by the runs that calibrate)
+            from gqakit.convert.calibration import load_state
+
+            state = load_state(tmp / RESUME_DIR)
         if resumed and progress:
             tqdm.write(resume_line(tmp, state, plan.shape.num_layers), file=sys.stderr)
         assert settings.max_shard_bytes is not None  # a model folder

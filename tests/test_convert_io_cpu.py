@@ -108,3 +108,36 @@ def test_mean_output_is_the_bytes_of_the_plain_torch_recipe(tiny_model, tmp_path
         assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
         assert torch.equal(got[name].view(torch.uint8), want.contiguous().view(torch.uint8)), name
     assert pooled == 2 * 2  # K and V of both layers
+
+
+def test_the_convert_command_leaves_its_objects_to_the_os_at_exit(tiny_model, tmp_path, monkeypatch):
+    """`gqakit convert` registers `gc.freeze` at exit once per process, so the interpreter's last
+    collections skip the objects torch's import made."""
+    import gc
+    from types import SimpleNamespace
+
+    from gqakit.cli import main
+    from gqakit.convert import cli as convert_cli
+
+    registered: list = []
+    monkeypatch.setattr(convert_cli, "_exit_collections_skipped", False)
+    monkeypatch.setattr(convert_cli, "atexit", SimpleNamespace(register=registered.append))
+    src = tiny_model("llama", num_key_value_heads=8)
+    main(["convert", str(src), str(tmp_path / "a"), "-g", "2", "-q"])
+    main(["convert", str(src), str(tmp_path / "b"), "-g", "2", "-q"])
+    assert registered == [gc.freeze]
+
+
+def test_a_convert_process_exits_with_its_objects_frozen(tmp_path):
+    """In a real process: an exit handler registered before the command runs after gqakit's
+    (atexit is last in, first out) and sees the objects frozen, on the error path too."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, gc\n"
+            "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"
+            "from gqakit.cli import main\n"
+            f"main(['convert', {str(tmp_path / 'missing')!r}, {str(tmp_path / 'out')!r}, '-g', '1'])\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert got.returncode == 2 and "source not found" in got.stderr
+    assert got.stdout.strip() == "frozen True"

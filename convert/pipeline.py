@@ -182,9 +182,10 @@ T = TypeVar("T")
 def leaving_a_core(items: Iterable[T], copying: Callable[[], bool]) -> Generator[T, None, None]:
     """ITEMS, each made (and used, up to the next one) with one torch intra-op thread fewer
     than the process has while `copying()` says the writer thread's kernel-side copies are in
-    flight: they keep a core busy, and a team of as many torch threads as cores then waits,
-    spinning, on the thread that the copies push off a core at every parallel op. Torch's
-    thread count is put back when the copies are done and when ITEMS ends or fails."""
+    flight: they keep a core busy, and a team of as many torch threads as cores would then
+    wait, at every parallel op, for the one the copies push off its core (the per-layer math
+    of a pooling method is a few memory-bound ops per layer). Torch's thread count is put
+    back when the copies are done and when ITEMS ends or is closed."""
     full = torch.get_num_threads()
     it = iter(items)
     try:

@@ -228,12 +228,12 @@ class ShardWriter:
                 self._written.add(name)
 
     def flush(self) -> None:
-        """Wait for every copy in flight."""
+        """Finish every copy in flight (those not started yet on the calling thread)."""
         self._reap(block=True)
 
     def close(self) -> None:
-        """Wait for the copies in flight (their errors are dropped: this runs on the way out
-        of a failure too), then close the shards."""
+        """Drop the copies not started yet and wait for the running one (errors are dropped:
+        this runs on the way out of a failure too), then close the shards."""
         if self._pending:
             futures = [fut for fut, _ in self._pending.values()]
             for fut in futures:

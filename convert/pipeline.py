@@ -246,7 +246,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                              written=state["written"] if state else ())
         done = set(writer.written)
         from_stage = trained_block_tensors(plan, settings)
-        steps: Generator[tuple[AttentionLayer, AttnHeads], None, None] | None = None
+        paced: Generator[tuple[AttentionLayer, AttnHeads], None, None] | None = None
         try:
             planned_dtype = {p.name: p.dtype for p in plan.tensors}
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
@@ -262,8 +262,10 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",
                                              resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
             orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
-            steps = leaving_a_core(layers, lambda: writer.copying)
-            for step, new in steps:
+            # a layer made from its weights is a few short ops: it leaves the copies a core (a
+            # calibrated block is long work, on its device, long after the copies are done)
+            paced = leaving_a_core(layers, lambda: writer.copying) if stage is None else None
+            for step, new in paced or layers:
                 layer = step.layer
                 if step.site == "self":
                     orders[layer] = new.q_order
@@ -282,8 +284,8 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             writer.finish()
             bar.close()
         finally:
-            if steps is not None:
-                steps.close()  # torch's own thread count back
+            if paced is not None:
+                paced.close()  # torch's own thread count back
             writer.close()
             opened.source.close()
             shutil.rmtree(tmp / ".scratch", ignore_errors=True)

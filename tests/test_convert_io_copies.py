@@ -75,10 +75,10 @@ def test_the_caller_does_the_copies_the_writer_thread_has_not_started(tmp_path, 
     def spy(*a):
         name = a[-1]
         by[name] = threading.current_thread().name
-        if name == "a":  # the writer thread stays in its first copy until the caller has copied another
+        if name == "a":  # the writer thread stays in its first copy until the caller has taken the others
             started.set()
             release.wait(10)
-        else:
+        elif name == "b":  # the last the caller takes (it goes from the end of the queue)
             release.set()
         return copy(*a)
     monkeypatch.setattr(shards, "copy_range", spy)

@@ -5,11 +5,12 @@ safetensors), then for ROUNDS rounds, alternating which goes first, times
   - `cp -r` of the checkpoint (the IO floor: read + write of the same bytes),
   - `gqakit convert` of it to G KV heads (`--method mean -q`, in a subprocess, RssAnon
     sampled every 10 ms),
-  - a process that only starts Python and imports the convert stack (start-up),
+  - a process that only starts Python, imports the convert stack and exits as the convert
+    command does (start-up),
 each followed by `sync`. Throughput is (bytes read + written) / s over `cp`'s, per round
 (each conversion against the `cp` of its own round), with and without the start-up; CPU
-time (user + system) of each child from `getrusage`. Prints medians, the spread (min-max)
-and the load average before and after. Run:
+time (user + system, and the system part alone: the kernel's copies) of each child from
+`getrusage`. Prints medians, the spread (min-max) and the load average before and after. Run:
 
     .venv/bin/python -m bench.bench_convert_io --workdir /tmp/gqakit-bench --rounds 5
 
@@ -36,16 +37,19 @@ import torch
 from bench.common import RESULTS, baseline_python_rss, folder_bytes, timed_convert, write_random_llama_checkpoint
 
 
-def children_cpu() -> float:
+def children_cpu() -> tuple[float, float]:
+    """(user + system, system) CPU seconds of the waited-for child processes so far."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime, r.ru_stime
 
 
-def with_cpu(run: Callable[[], object]) -> tuple[object, float]:
-    """RUN's result and the CPU seconds its child processes used (they are waited for)."""
+def with_cpu(run: Callable[[], object]) -> tuple[object, float, float]:
+    """RUN's result and the CPU seconds its child processes used (they are waited for): all, and
+    the system part alone."""
     before = children_cpu()
     got = run()
-    return got, children_cpu() - before
+    after = children_cpu()
+    return got, after[0] - before[0], after[1] - before[1]
 
 
 def timed_cp(src: Path, dst: Path) -> float:
@@ -57,10 +61,11 @@ def timed_cp(src: Path, dst: Path) -> float:
 
 
 def import_seconds() -> float:
-    """Wall time of a process that only starts Python and imports the convert stack."""
+    """Wall time of a process that only starts Python, imports the convert stack and exits as
+    `gqakit convert` does (`skip_exit_collections`)."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import gqakit.cli, gqakit.convert.pipeline, gqakit.convert.methods"],
-                   check=True)
+    subprocess.run([sys.executable, "-c", "import gqakit.cli, gqakit.convert.pipeline, gqakit.convert.methods, "
+                    "gqakit.convert.cli as c; c.skip_exit_collections()"], check=True)
     return time.perf_counter() - t
 
 
@@ -105,14 +110,15 @@ def main() -> None:
         row: dict[str, float] = {}
 
         def cp() -> None:
-            row["cp_seconds"], row["cp_cpu"] = with_cpu(lambda: timed_cp(src, args.workdir / "cp"))
+            row["cp_seconds"], row["cp_cpu"], row["cp_sys_cpu"] = with_cpu(lambda: timed_cp(src, args.workdir / "cp"))
 
         def convert() -> None:
-            (sec, anon, hwm), row["convert_cpu"] = with_cpu(lambda: timed_convert(src, args.workdir / "out", args.g))
+            (sec, anon, hwm), row["convert_cpu"], row["convert_sys_cpu"] = with_cpu(
+                lambda: timed_convert(src, args.workdir / "out", args.g))
             row.update(convert_seconds=sec, peak_rss_anon=anon, vm_hwm=hwm)
 
         def startup() -> None:
-            row["startup_seconds"], row["startup_cpu"] = with_cpu(import_seconds)
+            row["startup_seconds"], row["startup_cpu"], row["startup_sys_cpu"] = with_cpu(import_seconds)
 
         for step in ((cp, convert, startup) if r % 2 == 0 else (startup, convert, cp)):
             step()
@@ -127,7 +133,7 @@ def main() -> None:
     largest = max(v["shape"][0] * (v["shape"][1] if len(v["shape"]) > 1 else 1) * 2
                   for f in src.glob("*.safetensors") for k, v in _header(f).items() if k != "__metadata__")
     keys = ("cp_seconds", "convert_seconds", "startup_seconds", "ratio", "ratio_without_startup", "cp_cpu",
-            "convert_cpu", "startup_cpu", "peak_rss_anon")
+            "convert_cpu", "startup_cpu", "cp_sys_cpu", "convert_sys_cpu", "startup_sys_cpu", "peak_rss_anon")
     res = {"params": n, "source_bytes": size, "output_bytes": out_size, "g": args.g, "rounds": rows,
            "summary": {k: spread([row[k] for row in rows]) for k in keys},
            "load_average_before": [round(x, 2) for x in load_before],
@@ -147,7 +153,8 @@ def main() -> None:
           f"| cp {fmt('cp_seconds', ' s')} | convert {fmt('convert_seconds', ' s')}, start-up "
           f"{fmt('startup_seconds', ' s')} | throughput {fmt('ratio', 'x')} of cp, "
           f"{fmt('ratio_without_startup', 'x')} without start-up | CPU s: cp {fmt('cp_cpu')}, convert "
-          f"{fmt('convert_cpu')}, start-up {fmt('startup_cpu')} | peak RssAnon "
+          f"{fmt('convert_cpu')}, start-up {fmt('startup_cpu')} (system: cp {fmt('cp_sys_cpu')}, convert "
+          f"{fmt('convert_sys_cpu')}, start-up {fmt('startup_sys_cpu')}) | peak RssAnon "
           f"{s['peak_rss_anon']['max'] / gib:.2f} GiB (imports alone {res['import_only_rss_anon_bytes'] / gib:.2f} "
           f"GiB; largest tensor {largest / gib:.2f} GiB) |")
     if not args.keep:

@@ -18,10 +18,10 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -176,6 +176,33 @@ def converted_layers(opened: Opened, plan: Plan, settings: ResolvedSettings, *, 
     return per_step_heads(opened, plan, settings), None
 
 
+T = TypeVar("T")
+
+
+def leaving_a_core(items: Iterable[T], copying: Callable[[], bool]) -> Generator[T, None, None]:
+    """ITEMS, each made (and used, up to the next one) with one torch intra-op thread fewer
+    than the process has while `copying()` says the writer thread's kernel-side copies are in
+    flight: they keep a core busy, and a team of as many torch threads as cores would then
+    wait, at every parallel op, for the one the copies push off its core (the per-layer math
+    of a pooling method is a few memory-bound ops per layer). Torch's thread count is put
+    back when the copies are done and when ITEMS ends or is closed."""
+    full = torch.get_num_threads()
+    it = iter(items)
+    try:
+        while True:
+            n = max(1, full - 1) if copying() else full
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            yield item
+    finally:
+        if torch.get_num_threads() != full:
+            torch.set_num_threads(full)
+
+
 # ----------------------------------------------------------------------------- a model folder
 
 def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: bool = False,
@@ -187,7 +214,6 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     calibration stage that holds one decoder block at a time (align-refit) on `device`.
     Bars and messages as the run context says (`core.run`).
     """
-    from gqakit.convert.calibration import load_state
     from gqakit.core.device import resolve_device
 
     src, out, staged = Path(settings.source), Path(out), settings.staged
@@ -208,7 +234,11 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
     else:
         folder = _not_resumable(atomic_output_dir(out, overwrite=overwrite, inputs=inputs))
     with folder as (tmp, resumed):
-        state = load_state(tmp / RESUME_DIR) if resumed else None
+        state = None
+        if resumed:  # (the calibration package is imported by the runs that calibrate)
+            from gqakit.convert.calibration import load_state
+
+            state = load_state(tmp / RESUME_DIR)
         if resumed and progress:
             tqdm.write(resume_line(tmp, state, plan.shape.num_layers), file=sys.stderr)
         assert settings.max_shard_bytes is not None  # a model folder
@@ -216,6 +246,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                              written=state["written"] if state else ())
         done = set(writer.written)
         from_stage = trained_block_tensors(plan, settings)
+        paced: Generator[tuple[AttentionLayer, AttnHeads], None, None] | None = None
         try:
             planned_dtype = {p.name: p.dtype for p in plan.tensors}
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
@@ -231,7 +262,10 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",
                                              resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
             orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
-            for step, new in layers:
+            # a layer made from its weights is a few short ops: it leaves the copies a core (a
+            # calibrated block is long work, on its device, long after the copies are done)
+            paced = leaving_a_core(layers, lambda: writer.copying) if stage is None else None
+            for step, new in paced or layers:
                 layer = step.layer
                 if step.site == "self":
                     orders[layer] = new.q_order
@@ -250,6 +284,8 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             writer.finish()
             bar.close()
         finally:
+            if paced is not None:
+                paced.close()  # torch's own thread count back
             writer.close()
             opened.source.close()
             shutil.rmtree(tmp / ".scratch", ignore_errors=True)

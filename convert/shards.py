@@ -6,7 +6,8 @@ byte range: `write` (a tensor in memory), `write_blocks` (a tensor's row blocks 
 come: memory is a block), `write_raw` (an unchanged tensor's bytes, copied file to file by
 the kernel with `copy_file_range`, no byte through Python). The kernel-side copies run on a
 writer thread, one after another, while the caller reads and converts the next tensors;
-`written`, `flush` and `finish` wait for them, and a copy's error is raised by the next call.
+`written`, `flush` and `finish` wait for them (the calling thread takes the copies not yet
+started, from the end of the queue), and a copy's error is raised by the next call.
 Peak memory is what the caller holds, never a shard.
 """
 
@@ -97,7 +98,7 @@ class ShardWriter:
         self._at = (0, 0)  # (shard, offset) of the tensor being written
         self._background = BACKGROUND_COPIES
         self._copier: ThreadPoolExecutor | None = None
-        self._pending: dict[str, Future[None]] = {}  # name -> its copy in flight
+        self._pending: dict[str, tuple[Future[None], tuple[Any, ...]]] = {}  # name -> its copy in flight, its arguments
         self.total_bytes = sum(p.nbytes for p in plan)
 
     def _header(self, shard: list[Planned]) -> bytes:
@@ -190,29 +191,54 @@ class ShardWriter:
             copy_range(path, offset, dst_fd, dst_off, length, name)
             self._written.add(name)
             return
+        self._reap()  # the copies done so far (raising one that failed); this one's error comes with the next call
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="gqakit-copy")
-        self._pending[name] = self._copier.submit(copy_range, path, offset, dst_fd, dst_off, length, name)
+        args = (path, offset, dst_fd, dst_off, length, name)
+        self._pending[name] = (self._copier.submit(copy_range, *args), args)
+
+    @property
+    def copying(self) -> bool:
+        """Whether kernel-side copies are still queued or running on the writer thread (a
+        copy that failed is raised here)."""
         self._reap()
+        return bool(self._pending)
 
     def _reap(self, block: bool = False) -> None:
-        """Count the finished copies as written (all of them, waiting, with BLOCK); raise the
-        first copy that failed."""
-        for name, fut in list(self._pending.items()):
+        """Count the finished copies as written (all of them, with BLOCK: the calling thread
+        does the copies the writer thread has not started, then waits); raise the first copy
+        that failed."""
+        if block:
+            self._help()
+        for name, (fut, _) in list(self._pending.items()):
             if block or fut.done():
                 del self._pending[name]
                 fut.result()
                 self._written.add(name)
 
+    def _help(self) -> None:
+        """Do the queued copies that the writer thread has not started, last queued first, on
+        the calling thread, which would otherwise only wait: the two threads copy from the two
+        ends of the queue and meet in it, so the tail of a conversion keeps two cores copying."""
+        for name in reversed(list(self._pending)):
+            fut, args = self._pending[name]
+            if fut.cancel():  # not started: the writer thread will skip it
+                del self._pending[name]
+                copy_range(*args)
+                self._written.add(name)
+
     def flush(self) -> None:
-        """Wait for every copy in flight."""
+        """Finish every copy in flight (those not started yet on the calling thread)."""
         self._reap(block=True)
 
     def close(self) -> None:
-        """Wait for the copies in flight (their errors are dropped: this runs on the way out
-        of a failure too), then close the shards."""
+        """Drop the copies not started yet and wait for the running one (errors are dropped:
+        this runs on the way out of a failure too), then close the shards."""
         if self._pending:
-            wait(list(self._pending.values()))
+            futures = [fut for fut, _ in self._pending.values()]
+            for fut in futures:
+                fut.cancel()  # the copies not started yet are not made
+            wait(futures)
             self._pending.clear()
         if self._copier is not None:
             self._copier.shutdown()

@@ -21,7 +21,6 @@ import torch
 from gqakit.convert.budget import allocate as A
 from gqakit.convert.budget.damage import candidate_heads, measure_damage
 from gqakit.convert.budget.kvbudget import KvBudget
-from gqakit.convert.calibration.tokens import calibration_sequences
 from gqakit.convert.refit_options import MAX_SEQ_LEN
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.settings import ConvertSettings
@@ -124,6 +123,8 @@ def measure(opened: Opened, settings: ConvertSettings, *, device: str = "cpu", p
         raise GqakitError(f"measuring each layer's KV damage holds the whole model in float32 ({need / 1e9:.1f} GB, "
                           f"{free / 1e9:.1f} GB free on {device}); give -g G for a uniform conversion")
     seq_len = settings.refit.seq_len if isinstance(getattr(settings.refit, "seq_len", None), int) else MAX_SEQ_LEN
+    from gqakit.convert.calibration.tokens import calibration_sequences  # the calibration package: only with a budget
+
     seqs, where = calibration_sequences(opened, settings.calibration_data, settings.calibration_tokens, seq_len,
                                         settings.seed, device=device, progress=progress, source_params=source_params)
     from gqakit.core.loading import load_causal_lm

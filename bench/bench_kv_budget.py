@@ -67,7 +67,7 @@ def plan_ppl(src: Path, kv_heads: tuple[int, ...], method: str, data: Path, max_
 
 
 def convert_ppl(src: Path, how: list[str], method: str, calib: str | None, tokens: int, data: Path,
-                max_chars: int | None, context: int = 512) -> tuple[float, float, float]:
+                max_chars: int | None, context: int = 512, seed: int = 0) -> tuple[float, float, float]:
     """Perplexity of `gqakit convert SRC OUT HOW --method M` (HOW: -g G or --kv-budget B, and any
     further convert options), and the conversion's wall and CPU seconds (with --kv-budget, the
     damage measurement is part of them; CPU seconds compare on a machine shared with other work)."""
@@ -76,7 +76,8 @@ def convert_ppl(src: Path, how: list[str], method: str, calib: str | None, token
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         cmd = [sys.executable, "-m", "gqakit", "convert", str(src), str(out), *how, "--method", method,
-               "--calibration-tokens", str(tokens), "-q", *(["--calibration-data", calib] if calib else [])]
+               "--calibration-tokens", str(tokens), "--seed", str(seed), "-q",
+               *(["--calibration-data", calib] if calib else [])]
         t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True)
         seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--uniform-option", action="append", default=[], metavar="K=V",
                     help="with --via convert: a --refit-option for the uniform conversions only (e.g. steps=3000, "
                          "to give them the time the per-layer conversion spends measuring damages)")
+    ap.add_argument("--budget-option", action="append", default=[], metavar="K=V",
+                    help="with --via convert: a --refit-option for the per-layer conversions only (e.g. steps=625, "
+                         "the uniform conversions' steps spread over the layers the plan converts)")
     ap.add_argument("--out", default=str(RESULTS / "kv_budget.jsonl"))
     ap.add_argument("--plot", default=None, help="write the curve as this PNG")
     args = ap.parse_args(argv)
@@ -183,10 +187,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     how = ["--kv-plan", str(Path(tmp) / "plan.json")]
                 else:
                     how = ["--kv-budget", label]
+                for opt in (args.budget_option if kind == "budget" else []):
+                    how += ["--refit-option", opt]
                 ppl, seconds, cpu = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data,
-                                           max_chars, args.context)
+                                                max_chars, args.context, args.seed)
                 extra = {**extra, "convert_seconds": round(seconds, 1), "convert_cpu_seconds": round(cpu, 1),
-                         **({"uniform_options": args.uniform_option} if kind == "uniform" and args.uniform_option
+                         **({"refit_options": args.uniform_option} if kind == "uniform" and args.uniform_option
+                            else {}),
+                         **({"refit_options": args.budget_option} if kind == "budget" and args.budget_option
                             else {})}
         nbytes = sum(heads) * per_head
         row = {**common, "kind": kind, "plan": label, "kv_heads": list(heads), "kv_bytes_per_token": nbytes,

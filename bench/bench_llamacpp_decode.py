@@ -50,16 +50,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def weight_bytes_per_step(path: Path) -> int:
-    """Bytes of weights a decode step reads: every tensor, but of the token embedding only one
-    row when an output matrix of its own is the LM head."""
-    from gguf import GGUFReader
+    """Bytes of weights a decode step reads, in the GGUF's own types (the engine's count)."""
+    from gqakit.engines.llamacpp_kv import gguf_step_weight_bytes
 
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
-    total = sum(int(t.n_bytes) for t in tensors.values())
-    if "output.weight" in tensors and "token_embd.weight" in tensors:
-        emb = tensors["token_embd.weight"]
-        total -= int(emb.n_bytes) - int(emb.n_bytes) // int(emb.shape[-1])
-    return total
+    return gguf_step_weight_bytes(path)
 
 
 def model_name() -> str:

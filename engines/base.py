@@ -101,5 +101,9 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: `step_bytes() -> (weight bytes one decode step reads, KV bytes per cached token)`
+    # in the engine's own storage, for an engine that keeps the model in other types than the
+    # compute dtype (llama.cpp); without it the speed prediction uses the model's geometry.
+
 
 __all__ = ["Engine", "EngineMissing", "EngineOptions", "Generation", "KvAllocation", "PointTiming"]

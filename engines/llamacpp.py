@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 
 from gqakit.core.errors import GqakitError
 from gqakit.engines.base import EngineMissing, EngineOptions, Generation, KvAllocation, PointTiming
-from gqakit.engines.llamacpp_kv import gguf_geometry, predicted_bytes_per_token, read_kv_state
+from gqakit.engines.llamacpp_kv import (gguf_geometry, gguf_step_weight_bytes, predicted_bytes_per_token,
+                                        read_kv_state)
 
 INSTALL = ("llama.cpp is not installed: run `bash scripts/engines.sh llama.cpp` or "
            "`pip install 'gqakit[llamacpp]'` (pip compiles llama.cpp: needs cmake and a C++ compiler)")
@@ -276,6 +277,12 @@ class LlamaCppEngine:
         buf = (ctypes.c_uint8 * size)()
         n = cpp.llama_state_seq_get_data(ctx, buf, size, 0)
         return bytes(buf[:n])
+
+    def step_bytes(self) -> tuple[int, int]:
+        """(bytes of the weights one decode step reads, KV bytes per cached token) in llama.cpp's
+        own storage: the GGUF's tensor types (quantised weights are read as stored) and its
+        cache's rows (F16 by default), not the float32 model transformers dequantises."""
+        return gguf_step_weight_bytes(self.path), self.kv_allocation().bytes_per_token
 
     def weight_types(self) -> dict[str, int]:
         """How many tensors of each ggml type the GGUF holds (what its quantisation is)."""

@@ -157,3 +157,18 @@ def predicted_bytes_per_token(geometry: Mapping[str, int], type_k: str = "F16", 
     kv = geometry["kv_heads"]
     return geometry["layers"] * (row_bytes(type_k, kv * geometry["head_dim_k"])
                                  + row_bytes(type_v, kv * geometry["head_dim_v"]))
+
+
+def gguf_step_weight_bytes(path: Any) -> int:
+    """Bytes of weights one decode step reads from a GGUF, in its own tensor types: every
+    tensor, but of the token embedding only one row when an output matrix of its own is the LM
+    head (a lookup reads one row; a tied embedding is read whole as the LM head)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    if "output.weight" in tensors and "token_embd.weight" in tensors:
+        emb = tensors["token_embd.weight"]
+        total -= int(emb.n_bytes) - int(emb.n_bytes) // int(emb.shape[-1])
+    return total
+

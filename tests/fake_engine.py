@@ -74,3 +74,16 @@ class OverAllocatingEngine(TransformersEngine):
         a = super().kv_allocation()
         return KvAllocation(bytes_per_token=2 * a.bytes_per_token, capacity_tokens=a.capacity_tokens,
                             total_bytes=2 * a.total_bytes, detail=a.detail)
+
+
+STEP_WEIGHT_BYTES = 5000   # weight bytes a step reads, as a storing engine states them
+STEP_KV_PER_TOKEN = 77     # KV bytes per token in its own storage
+
+
+class StoringEngine(FakeEngine):
+    """A fake that keeps the model in its own types and says what a step reads (`step_bytes`)."""
+
+    name: ClassVar[str] = "storing"
+
+    def step_bytes(self) -> tuple[int, int]:
+        return STEP_WEIGHT_BYTES, STEP_KV_PER_TOKEN

@@ -284,6 +284,14 @@ def test_eval_check_and_speed_run_on_a_gguf(llama_cpp, tiny_model, tmp_path, cap
     speed = json.loads((tmp_path / "s.json").read_text())["speed"]
     assert speed["grid"] and all(g["status"] == "ok" and g["engine"] == "llama.cpp" for g in speed["grid"])
     assert all(g["engine_kv"]["bytes_per_token"] == block["kv"]["allocated_bytes_per_token"] for g in speed["grid"])
+    # the bytes a step reads are the GGUF's own tensors and llama.cpp's F16 cache, not the
+    # float32 model transformers dequantises
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(out).tensors}
+    emb = tensors["token_embd.weight"]
+    rows = int(next(t for t in gguf.GGUFReader(out).tensors if t.name == "token_embd.weight").shape[-1])
+    weights = sum(tensors.values()) - ((emb - emb // rows) if "output.weight" in tensors else 0)
+    assert speed["kv_bytes_per_token"] == block["kv"]["allocated_bytes_per_token"]
+    assert all(g["bytes_per_step"]["weights"] == weights for g in speed["grid"])
 
 
 @pytest.mark.engines

@@ -183,3 +183,20 @@ def test_compare_says_plainly_when_transformers_shows_little_gain():
     assert little_gain_warnings([base, row("g1", "gqakit", 1.05, 1.42)], "mha") == []       # another engine
     assert little_gain_warnings([base, row("g1", "transformers", 1.0, 1.01)], "mha") == []  # nothing to show
     assert len(little_gain_warnings([base, row("g1", "transformers", 1.3, 1.42, noise=True)], "mha")) == 1
+
+
+def test_an_engine_that_states_its_own_bytes_prices_the_steps_with_them(tiny_model, tmp_path, capsys, monkeypatch):
+    """llama.cpp reads a quantised GGUF's weights as stored and keeps an F16 cache: an engine
+    with `step_bytes` has its points' bytes (and the prediction built on them) from its own
+    storage, not from the float32 model transformers dequantises."""
+    monkeypatch.setitem(ENGINES, "vllm", "fake_engine:StoringEngine")
+    model = tiny_model("llama", num_key_value_heads=2)
+    out = tmp_path / "storing.json"
+    code, _, err = run_cli(["eval", model, "--speed", "--engine", "vllm", "--batch", "1", "--prompt-len", "8",
+                            "--new-tokens", "3", "--reps", "1", "--warmup", "0", "--out", out, "-q"], capsys)
+    assert code == 0, err
+    speed = json.loads(out.read_text())["speed"]
+    assert speed["kv_bytes_per_token"] == fake_engine.STEP_KV_PER_TOKEN
+    g = speed["grid"][0]
+    assert g["bytes_per_step"]["weights"] == fake_engine.STEP_WEIGHT_BYTES
+    assert g["bytes_per_step"]["kv"] == pytest.approx(fake_engine.STEP_KV_PER_TOKEN * (8 + (3 + 1) / 2))

@@ -1,8 +1,8 @@
 """`EngineBench`: the decode grid on any engine of `gqakit.engines` (vLLM, llama.cpp, ...).
 
 It follows the `Bench` protocol (`point.Bench`) on top of an `Engine`, so speed points, the
-roofline prediction (the bytes a step must read, from the model's geometry, whichever engine
-reads them), `summarize`, the report and the plots are the same for every engine. The engine
+roofline prediction (the bytes a step must read, from the model's geometry in the compute
+dtype, or in the engine's own storage where it states them: `step_bytes`), `summarize`, the report and the plots are the same for every engine. The engine
 times a whole point itself (`Engine.time_point`: prefill per repetition, seconds per decode
 step); each point records the engine and the KV cache the engine allocated
 (`Engine.kv_allocation`). An engine's steps cannot alternate one by one with another
@@ -38,6 +38,11 @@ class EngineBench:
         self.weight_bytes, self.matmul_params = step_weights(model, self.elem)
         self.kv_bytes_per_token = shape.kv_bytes_per_token(self.elem)
         self.allocation = engine.kv_allocation()
+        # an engine that stores the model in other types than the compute dtype (llama.cpp: a
+        # quantised GGUF, an F16 cache) states the bytes a step reads in its own storage
+        own = getattr(engine, "step_bytes", None)
+        if callable(own):
+            self.weight_bytes, self.kv_bytes_per_token = own()
         self.graph_error: str | None = None
         self.warmups: dict[int, int] = {}   # open point (id) -> warm-up runs its first repetitions take
 

@@ -18,10 +18,10 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -176,33 +176,6 @@ def converted_layers(opened: Opened, plan: Plan, settings: ResolvedSettings, *, 
     return per_step_heads(opened, plan, settings), None
 
 
-T = TypeVar("T")
-
-
-def leaving_a_core(items: Iterable[T], copying: Callable[[], bool]) -> Generator[T, None, None]:
-    """ITEMS, each made (and used, up to the next one) with one torch intra-op thread fewer
-    than the process has while `copying()` says the writer thread's kernel-side copies are in
-    flight: they keep a core busy, and a team of as many torch threads as cores would then
-    wait, at every parallel op, for the one the copies push off its core (the per-layer math
-    of a pooling method is a few memory-bound ops per layer). Torch's thread count is put
-    back when the copies are done and when ITEMS ends or is closed."""
-    full = torch.get_num_threads()
-    it = iter(items)
-    try:
-        while True:
-            n = max(1, full - 1) if copying() else full
-            if torch.get_num_threads() != n:
-                torch.set_num_threads(n)
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            yield item
-    finally:
-        if torch.get_num_threads() != full:
-            torch.set_num_threads(full)
-
-
 # ----------------------------------------------------------------------------- a model folder
 
 def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: bool = False,
@@ -246,7 +219,6 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
                              written=state["written"] if state else ())
         done = set(writer.written)
         from_stage = trained_block_tensors(plan, settings)
-        paced: Generator[tuple[AttentionLayer, AttnHeads], None, None] | None = None
         try:
             planned_dtype = {p.name: p.dtype for p in plan.tensors}
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
@@ -262,10 +234,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",
                                              resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
             orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
-            # a layer made from its weights is a few short ops: it leaves the copies a core (a
-            # calibrated block is long work, on its device, long after the copies are done)
-            paced = leaving_a_core(layers, lambda: writer.copying) if stage is None else None
-            for step, new in paced or layers:
+            for step, new in layers:
                 layer = step.layer
                 if step.site == "self":
                     orders[layer] = new.q_order
@@ -284,8 +253,6 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             writer.finish()
             bar.close()
         finally:
-            if paced is not None:
-                paced.close()  # torch's own thread count back
             writer.close()
             opened.source.close()
             shutil.rmtree(tmp / ".scratch", ignore_errors=True)

@@ -1,17 +1,14 @@
-"""The conversion's CPU use: torch leaves the writer thread's kernel-side copies a core while
-they are in flight, and what is written stays the bytes of the plain torch recipe."""
+"""The conversion's CPU use: what is written stays the bytes of the plain torch recipe, with
+torch's threads splitting the work, and the convert command leaves its objects to the OS at
+exit."""
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from gqakit.convert import convert_checkpoint
-from gqakit.convert import pipeline, shards
-from gqakit.convert.pipeline import leaving_a_core
 
 
 @pytest.fixture
@@ -30,65 +27,12 @@ def tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_leaving_a_core_while_copying_and_back(threads):
-    torch.set_num_threads(3)
-    copying = [True, True]  # then done
-    seen = [torch.get_num_threads() for _ in leaving_a_core(range(3), lambda: bool(copying and copying.pop()))]
-    assert seen == [2, 2, 3] and torch.get_num_threads() == 3
-    torch.set_num_threads(1)  # one thread: none to give up
-    assert [torch.get_num_threads() for _ in leaving_a_core(range(2), lambda: True)] == [1, 1]
-
-
-def test_leaving_a_core_puts_the_threads_back_on_a_failure_and_on_close(threads):
-    torch.set_num_threads(3)
-
-    def failing():
-        yield 1
-        raise ValueError("boom")
-    with pytest.raises(ValueError):
-        for _ in leaving_a_core(failing(), lambda: True):
-            assert torch.get_num_threads() == 2
-    assert torch.get_num_threads() == 3
-    steps = leaving_a_core(range(5), lambda: True)
-    next(steps)
-    assert torch.get_num_threads() == 2
-    steps.close()  # a consumer that stops early (convert_folder's finally closes it)
-    assert torch.get_num_threads() == 3
-
-
-def test_a_layer_made_while_copies_are_in_flight_uses_one_thread_fewer(tiny_model, tmp_path, monkeypatch, threads):
-    src = tiny_model("llama", num_key_value_heads=8)
-    torch.set_num_threads(3)
-    release = threading.Event()
-    copy = shards.copy_range
-
-    def held(*a):  # the unchanged tensors' copies wait until the first layer has been made
-        release.wait(10)
-        return copy(*a)
-    monkeypatch.setattr(shards, "copy_range", held)
-    seen: list[int] = []
-    method = pipeline.method_function
-
-    def spying(name):
-        fn = method(name)
-
-        def run(heads, ctx):
-            seen.append(torch.get_num_threads())
-            release.set()
-            return fn(heads, ctx)
-        return run
-    monkeypatch.setattr(pipeline, "method_function", spying)
-    convert_checkpoint(src, tmp_path / "out", 2, method="mean", progress=False)
-    assert seen[0] == 2  # the first layer: every copy still held
-    assert torch.get_num_threads() == 3  # and back after the run
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mean_output_is_the_bytes_of_the_plain_torch_recipe(tiny_model, tmp_path, dtype, threads):
     """Every tensor bit for bit: unchanged ones are the source's, each pooled K/V the group mean
     taken in float32 (float64 for a float32 source) and rounded once to the source dtype. K and
-    V hold 65,536 values, above torch's grain for splitting an op across threads, so the
-    thread count set while copies run reaches the pooling."""
+    V hold 65,536 values, above torch's grain for splitting an op across threads, so two
+    threads split the pooling."""
     torch.set_num_threads(2)
     src = tiny_model("llama", hidden_size=256, intermediate_size=64, num_attention_heads=8, num_key_value_heads=8,
                      dtype=dtype)

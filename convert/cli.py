@@ -114,8 +114,8 @@ def skip_exit_collections() -> None:
     machine, after the conversion is done). Objects are still freed by reference counting
     and every atexit handler runs; only cycles left at exit are not collected, and the
     command relies on none of them (its files are closed and OUT renamed into place before
-    it returns). Registered once per process; in a longer-lived process (a test session) it
-    acts only when that process exits."""
+    it returns). Registered once per process; in a program that calls `run_convert` many times
+    it acts only when that program exits."""
     global _exit_collections_skipped
     if not _exit_collections_skipped:
         atexit.register(gc.freeze)

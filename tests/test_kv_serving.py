@@ -128,6 +128,17 @@ def _logprob_bound(model, n_tokens: int) -> float:
     return rounding_tolerance(torch.float32, path, scale)
 
 
+def _assert_served_as(model, gen) -> None:
+    """vLLM's greedy tokens are MODEL's argmax at every position, and its log-probs MODEL's
+    within the float32 bound of the path."""
+    teacher = _teacher(model, gen.tokens)
+    assert gen.tokens == [lp.argmax(-1).tolist() for lp in teacher]
+    bound = _logprob_bound(model, max(map(len, PROMPTS)) + NEW)
+    gaps = [abs(float(lp[i, t]) - e) for lp, toks, elps in zip(teacher, gen.tokens, gen.logprobs)
+            for i, (t, e) in enumerate(zip(toks, elps))]
+    assert max(gaps) <= bound, (max(gaps), bound)
+
+
 @pytest.mark.engines
 def test_vllm_serves_a_per_layer_llama_as_the_pooled_reference(tmp_path):
     _vllm()
@@ -137,13 +148,8 @@ def test_vllm_serves_a_per_layer_llama_as_the_pooled_reference(tmp_path):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DeciLMForCausalLM"]
     gen, kv = _serve(out)
     ref = pooled_reference(src, PLAN4)  # the source with the chosen layers pooled, apart from gqakit
-    teacher = _teacher(ref, gen.tokens)
     # the random pico model has no near-ties on these prompts at float32: every token is the argmax
-    assert gen.tokens == [lp.argmax(-1).tolist() for lp in teacher]
-    bound = _logprob_bound(ref, max(map(len, PROMPTS)) + NEW)
-    gaps = [abs(float(lp[i, t]) - e) for lp, toks, elps in zip(teacher, gen.tokens, gen.logprobs)
-            for i, (t, e) in enumerate(zip(toks, elps))]
-    assert max(gaps) <= bound, (max(gaps), bound)
+    _assert_served_as(ref, gen)
     # vLLM holds each layer's own heads: 2 x (8 + 1 + 2 + 8) x 32 x 4 bytes
     assert kv.detail["kv_heads_per_layer"] == PLAN4
     assert kv.bytes_per_token == 2 * sum(PLAN4) * 32 * 4
@@ -162,12 +168,7 @@ def test_vllm_at_the_whole_budget_is_the_source(tmp_path):
     out = convert(src, tmp_path / "out", kv_plan=plan_file(tmp_path, [HEADS4] * LAYERS4), force=True)
     gen, kv = _serve(out)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    teacher = _teacher(model, gen.tokens)
-    assert gen.tokens == [lp.argmax(-1).tolist() for lp in teacher]
-    bound = _logprob_bound(model, max(map(len, PROMPTS)) + NEW)
-    gaps = [abs(float(lp[i, t]) - e) for lp, toks, elps in zip(teacher, gen.tokens, gen.logprobs)
-            for i, (t, e) in enumerate(zip(toks, elps))]
-    assert max(gaps) <= bound, (max(gaps), bound)
+    _assert_served_as(model, gen)
     assert kv.bytes_per_token == 2 * HEADS4 * LAYERS4 * 32 * 4
 
 

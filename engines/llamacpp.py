@@ -12,6 +12,8 @@ from its state's K and V rows, the capacity from `llama_n_ctx` (n_ctx rounded up
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import math
 import time
 from pathlib import Path
@@ -29,12 +31,38 @@ N_BATCH = 512  # llama-cpp-python's default batch: the prompt is decoded 512 tok
 
 
 def import_llama_cpp() -> ModuleType:
-    """The llama_cpp module, or EngineMissing saying how to install it."""
+    """The llama_cpp module, or EngineMissing saying how to install it. llama.cpp's log goes to
+    `LOG` (kept for the error of a failed load) instead of stderr."""
     try:
         import llama_cpp
     except ImportError as e:  # also a wheel whose shared library does not load
         raise EngineMissing(f"{INSTALL} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None and hasattr(llama_cpp, "llama_log_set"):  # (a stand-in module has no log)
+        # llama-cpp-python prints llama.cpp's log lines that it takes for errors to stderr, and its
+        # table of ggml's log levels predates ggml's current order, so warnings (such as a context
+        # longer than the model's training context) reach stderr even with verbose=False
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(_keep_log)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
     return llama_cpp
+
+
+WARN, ERROR, CONT = 3, 4, 5  # ggml's log levels (debug 1 and info 2 are not kept)
+LOG: collections.deque[tuple[int, str]] = collections.deque(maxlen=50)  # llama.cpp's latest warnings, errors
+_LOG_CALLBACK: Any = None  # the ctypes callback llama.cpp holds: referenced here so it is never freed
+
+
+def _keep_log(level: int, text: bytes, user_data: Any) -> None:
+    if level == CONT and LOG:  # the rest of the line before
+        LOG.append((LOG[-1][0], text.decode("utf-8", "replace")))
+    elif level in (WARN, ERROR):
+        LOG.append((level, text.decode("utf-8", "replace")))
+
+
+def first_error() -> str:
+    """The first error llama.cpp logged since `LOG` was cleared (its reason for a failure), or ''."""
+    lines = "".join(t for lv, t in LOG if lv == ERROR).strip().splitlines()
+    return lines[0].strip() if lines else ""
 
 
 def _folder_source_hint(folder: Path) -> str:
@@ -152,10 +180,13 @@ class LlamaCppEngine:
         path = resolve_gguf(Path(model), options.gguf_file)
         kwargs = llama_kwargs(path, options, self.kv_type)
         llama_cpp = import_llama_cpp()
+        LOG.clear()
         try:
             llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError) as e:
-            raise GqakitError(f"llama.cpp could not load {path}: {str(e).splitlines()[0] if str(e) else e}") from e
+            said = first_error()
+            raise GqakitError(f"llama.cpp could not load {path}: {str(e).splitlines()[0] if str(e) else e}"
+                              + (f" (llama.cpp: {said})" if said else "")) from e
         if llama_cpp.llama_model_has_encoder(llm.model):
             llm.close()
             raise GqakitError(f"{path.name} is an encoder-decoder GGUF: this engine serves decoder-only models "

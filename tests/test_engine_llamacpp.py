@@ -28,6 +28,7 @@ from gqakit.core.errors import GqakitError
 from gqakit.engines import get_engine
 from gqakit.engines.base import EngineMissing, EngineOptions
 from gqakit.engines.llamacpp import LlamaCppEngine, llama_kwargs, resolve_gguf
+from gqakit.engines import llamacpp as llamacpp_engine
 from gqakit.engines.llamacpp_kv import gguf_geometry, predicted_bytes_per_token, read_kv_state, row_bytes
 
 gguf = pytest.importorskip("gguf")
@@ -322,3 +323,24 @@ def test_smollm2_at_one_kv_head_allocates_a_third(llama_cpp, tmp_path):
     # docs/benchmarks.md, "Serving check"); a wrong head or position costs nats.
     assert float((lp.max(-1).values - chosen).max()) < 0.5
     assert float((torch.tensor(gen.logprobs[0], dtype=torch.float64) - chosen).abs().max()) < 0.5
+
+
+@pytest.mark.engines
+def test_llama_cpps_log_stays_off_stderr_and_a_failed_load_names_its_reason(llama_cpp, tiny_model, tmp_path, capfd):
+    """A context longer than the model's training context (128 positions) makes llama.cpp log a
+    warning; the engine keeps llama.cpp's log off stderr (so `-q` is quiet) and puts its last
+    line into the one-line error of a load that fails."""
+    src = pico_gguf(tiny_model, tmp_path / "src.gguf", kv=4)
+    capfd.readouterr()
+    engine = LlamaCppEngine()
+    engine.load(src, EngineOptions(max_len=512, threads=1))
+    engine.generate([[1, 5, 9]], 2)
+    engine.close()
+    out, err = capfd.readouterr()
+    assert err == "" and out == ""
+    assert any("n_ctx_train" in line for _, line in llamacpp_engine.LOG)  # the warning was logged, not printed
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 60)  # the magic, then a version llama.cpp does not know
+    with pytest.raises(GqakitError, match=r"could not load .*bad\.gguf: .* \(llama\.cpp: gguf_init.+\)$"):
+        LlamaCppEngine().load(bad, EngineOptions(max_len=64, threads=1))
+    assert capfd.readouterr().err == ""

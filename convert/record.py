@@ -71,13 +71,16 @@ def per_layer_family(plan: Plan, settings: ResolvedSettings) -> str | None:
 def own_layout_config(plan: Plan, settings: ResolvedSettings, cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json of a family whose own modeling file takes each layer's KV heads as a list
     (the table's `config.kv_heads_list`): the family's GQA config, `num_key_value_heads` the
-    largest layer's, and the list."""
+    largest layer's, and the list where the layers differ."""
     from gqakit.convert.remote import remote_config_updates
 
     spec = archmod.registry()[plan.family]
     assert spec.config.kv_heads_list is not None
     out = {**cfg, **remote_config_updates(plan.family, settings.num_kv_heads)}
-    out[spec.config.kv_heads_list] = [settings.kv_heads_at(L) for L in range(plan.shape.num_layers)]
+    heads = [settings.kv_heads_at(L) for L in range(plan.shape.num_layers)]
+    out.pop(spec.config.kv_heads_list, None)
+    if len(set(heads)) > 1:  # one count in every layer: num_key_value_heads alone, as -g writes it
+        out[spec.config.kv_heads_list] = heads
     return out
 
 

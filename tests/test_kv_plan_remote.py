@@ -104,6 +104,8 @@ def test_second_conversion_reads_per_layer_output(tiny_model, tmp_path):
     # a uniform output of a converted source keeps no stale list
     again = convert(first, tmp_path / "again", kv_plan=plan_file(tmp_path, [1] * LAYERS, "p3.json"))
     assert cache_heads(load(again)) == [1] * LAYERS
+    cfg = json.loads((again / "config.json").read_text())
+    assert spec.config.kv_heads_list not in cfg and cfg["num_key_value_heads"] == 1
 
 
 def test_gguf_output_of_a_per_layer_plan_is_refused(tiny_model, tmp_path, capsys):
@@ -179,3 +181,16 @@ def test_eval_and_uptrain_take_the_per_layer_output(tiny_model, tmp_path, capsys
     trained = json.loads((final / "config.json").read_text())
     assert trained[spec.config.kv_heads_list] == plan
     assert cache_heads(load(final)) == plan
+
+
+def test_vllm_refuses_a_per_layer_remote_output_before_starting(tiny_model, tmp_path, monkeypatch):
+    """vLLM has no class for gqakit's remote families, per-layer or not: refused in one line
+    before vLLM starts (docs/serving.md)."""
+    from gqakit.engines import EngineOptions, get_engine
+    from gqakit.engines import vllm as ev
+
+    src, spec, H = source(tiny_model, "opt")
+    out = convert(src, tmp_path / "out", kv_plan=plan_file(tmp_path, [4, 1, 4, 2]))
+    monkeypatch.setattr(ev, "find_python", lambda: pytest.fail("vLLM must not start"))
+    with pytest.raises(GqakitError, match=r"needs gqakit's modeling file \(gqakit_modeling_opt\.py\)"):
+        get_engine("vllm").load(out, EngineOptions())

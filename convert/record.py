@@ -44,6 +44,8 @@ def output_config(plan: Plan, settings: ResolvedSettings,
     else:
         from gqakit.convert.remote import remote_config_updates
 
+        if spec.config.kv_heads_list:  # the family's own layout: one count in every layer, no list
+            cfg.pop(spec.config.kv_heads_list, None)
         enc = plan.encoder_shape
         encoder_kv = None if enc is None else settings.num_kv_heads if "encoder" in plan.sites else enc.num_kv_heads
         cfg.update(remote_config_updates(plan.family, settings.num_kv_heads, encoder_kv_heads=encoder_kv))
@@ -60,21 +62,40 @@ def per_layer_family(plan: Plan, settings: ResolvedSettings) -> str | None:
     """The family whose layout the output is written in when its layers' KV heads differ (or
     the source's already did), or None: the source family's own layout."""
     spec = archmod.registry()[plan.family]
-    if settings.per_layer or plan.shape.kv_heads_per_layer is not None or spec.family == spec.per_layer_kv:
+    if settings.per_layer or plan.shape.kv_heads_per_layer is not None:
         return spec.per_layer_kv
-    return None
+    # a family whose layout always states its layers' heads (not as an optional list) keeps it
+    return spec.per_layer_kv if spec.family == spec.per_layer_kv and not spec.config.kv_heads_list else None
+
+
+def own_layout_config(plan: Plan, settings: ResolvedSettings, cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a family whose own modeling file takes each layer's KV heads as a list
+    (the table's `config.kv_heads_list`): the family's GQA config, `num_key_value_heads` the
+    largest layer's, and the list where the layers differ."""
+    from gqakit.convert.remote import remote_config_updates
+
+    spec = archmod.registry()[plan.family]
+    assert spec.config.kv_heads_list is not None
+    out = {**cfg, **remote_config_updates(plan.family, settings.num_kv_heads)}
+    heads = [settings.kv_heads_at(L) for L in range(plan.shape.num_layers)]
+    out.pop(spec.config.kv_heads_list, None)
+    if len(set(heads)) > 1:  # one count in every layer: num_key_value_heads alone, as -g writes it
+        out[spec.config.kv_heads_list] = heads
+    return out
 
 
 def per_layer_config(plan: Plan, settings: ResolvedSettings, cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json in the per-layer layout (the table's `per_layer_kv` family: model type,
     class, `auto_map` to its modeling file, and per layer `block_configs[i]` with the attention's
-    query heads per KV head and the FFN width). A source already in that layout keeps its FFN
-    entries."""
+    query heads per KV head and the FFN width; or, for a family that is its own per-layer
+    layout, `own_layout_config`). A source already in that layout keeps its FFN entries."""
     from gqakit.convert.layout import layer_names
 
     family = per_layer_family(plan, settings)
     assert family is not None
     target, spec, s = archmod.registry()[family], archmod.registry()[plan.family], plan.shape
+    if target.config.kv_heads_list:
+        return own_layout_config(plan, settings, cfg)
     assert target.remote is not None
     module = target.remote.module or f"gqakit_modeling_{family}"
     planned = {p.name for p in plan.tensors}

@@ -57,6 +57,15 @@ class ConfigKeys(_Strict):
     # per-layer KV heads: "LIST[].PATH", a list of one entry per layer whose dotted PATH holds
     # the layer's query heads per KV head (nemotron-nas: block_configs[].attention.n_heads_in_group)
     heads_in_group: str | None = None
+    # per-layer KV heads as a plain list of one count per layer (gqakit's own modeling files:
+    # num_key_value_heads_per_layer); optional in a config: without it every layer has num_kv_heads
+    kv_heads_list: str | None = None
+
+    @model_validator(mode="after")
+    def _one_per_layer_key(self) -> "ConfigKeys":
+        if self.heads_in_group and self.kv_heads_list:
+            raise ValueError("give heads_in_group or kv_heads_list, not both")
+        return self
 
 
 class QkNorm(_Strict):
@@ -407,11 +416,11 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
             if rot > head_dim or rot % 2:
                 raise GqakitError(f"config.json's {spec.rotary.dim_key}={rot} must be even and at most "
                                   f"the head size {head_dim}")
-    per_layer = kv_heads_in_layers(keys.heads_in_group, config, heads) if keys.heads_in_group else None
+    per_layer = layer_kv_heads_of(keys, config, heads)
     if per_layer is not None:
         if len(per_layer) != need(keys.num_layers):
-            raise GqakitError(f"config.json's {keys.heads_in_group} has {len(per_layer)} entries for "
-                              f"{need(keys.num_layers)} layers")
+            raise GqakitError(f"config.json's {keys.heads_in_group or keys.kv_heads_list} has {len(per_layer)} "
+                              f"entries for {need(keys.num_layers)} layers")
         kv = max(per_layer)
         per_layer = None if len(set(per_layer)) == 1 else per_layer
     if heads % kv:
@@ -421,6 +430,22 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
                           f"{spec.attention.qkv} holds {spec.attention.blocks} blocks, which must each hold whole heads")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
                  positions_of(config, keys.max_positions), per_layer)
+
+
+def layer_kv_heads_of(keys: ConfigKeys, config: Mapping[str, Any], heads: int) -> tuple[int, ...] | None:
+    """Each layer's KV heads where the family's config states them per layer (`heads_in_group`,
+    or a `kv_heads_list` the config holds), checked to divide the query heads; None otherwise."""
+    if keys.heads_in_group:
+        return kv_heads_in_layers(keys.heads_in_group, config, heads)
+    if not keys.kv_heads_list or config.get(keys.kv_heads_list) is None:
+        return None
+    entries = config[keys.kv_heads_list]
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise GqakitError(f"config.json's {keys.kv_heads_list} must be a list of each layer's KV heads")
+    for i, g in enumerate(entries):
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1 or heads % g:
+            raise GqakitError(f"config.json's {keys.kv_heads_list}[{i}] = {g!r} must divide the {heads} query heads")
+    return tuple(entries)
 
 
 def kv_heads_in_layers(key: str, config: Mapping[str, Any], heads: int) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gqakit.core.arch import (ArchSpec, Seq2SeqShape, Shape, find, kv_heads_in_layers, lookup, max_positions,
+from gqakit.core.arch import (ArchSpec, Seq2SeqShape, Shape, find, layer_kv_heads_of, lookup, max_positions,
                               positions_of)
 from gqakit.core.errors import GqakitError
 
@@ -15,14 +15,16 @@ from gqakit.core.errors import GqakitError
 def loaded_shape(hf_config: Any) -> Shape:
     """The geometry of a loaded model's config (any family: transformers maps every family's
     own key names onto num_attention_heads, num_hidden_layers, ...). No rotary facts. A family
-    whose layers have their own KV heads (the table's `config.heads_in_group`) gets them per layer."""
+    whose layers have their own KV heads (the table's `config.heads_in_group` or `kv_heads_list`) gets
+    them per layer."""
     cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     spec = find(cfg.to_dict())
     per_layer = None
-    if spec is not None and spec.config.heads_in_group:
-        per_layer = kv_heads_in_layers(spec.config.heads_in_group, cfg.to_dict(), heads)
+    if spec is not None:
+        per_layer = layer_kv_heads_of(spec.config, cfg.to_dict(), heads)
+    if per_layer is not None:
         kv_heads = max(per_layer)
         per_layer = None if len(set(per_layer)) == 1 else per_layer
     hidden = getattr(cfg, "hidden_size", None)

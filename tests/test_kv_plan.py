@@ -153,7 +153,7 @@ def test_bad_plans_one_line_nothing_written(tiny_model, tmp_path, capsys, heads,
 def test_family_without_per_layer_layout_refused_with_nearest_uniform(tiny_model, tmp_path, capsys):
     from test_convert_errors import assert_one_line_error, run_cli
 
-    src = tiny_model("gpt2", n_layer=LAYERS)
+    src = tiny_model("phi", num_hidden_layers=LAYERS)  # a family on a stock class that is not Llama-shaped
     code, err = run_cli(["convert", src, tmp_path / "out", "--kv-plan", plan_file(tmp_path, [4, 1, 4, 2])], capsys)
     # 4 query heads of 8 dims: the plan holds 11 heads over 4 layers (704 B/token in float32),
     # uniform G = 2 (8 heads) is nearest

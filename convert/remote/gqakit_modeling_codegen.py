@@ -28,14 +28,44 @@ class GqakitCodeGenConfig(CodeGenConfig):
     model_type = "gqakit_codegen"
 
     num_key_value_heads: int | None = None
+    # each layer's KV heads (the largest is num_key_value_heads); None: num_key_value_heads in every layer
+    num_key_value_heads_per_layer: list[int] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        check_kv_heads_per_layer(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.n_head
         if self.num_key_value_heads < 1 or self.n_head % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must divide "
                              f"n_head ({self.n_head})")
         super().__post_init__(**kwargs)
+
+
+def check_kv_heads_per_layer(config: Any) -> None:
+    """`num_key_value_heads_per_layer`, when given: one entry per layer, each dividing the query
+    heads; `num_key_value_heads` is the largest of them (set to it when not given)."""
+    per_layer = config.num_key_value_heads_per_layer
+    if per_layer is None:
+        return
+    if config.num_key_value_heads is None and per_layer:
+        config.num_key_value_heads = max(per_layer)
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    if (len(per_layer) != layers or any(not isinstance(g, int) or g < 1 or heads % g for g in per_layer)
+            or config.num_key_value_heads != max(per_layer)):
+        raise ValueError(f"num_key_value_heads_per_layer ({per_layer}) must give each of the {layers} layers KV "
+                         f"heads that divide the {heads} query heads, the largest being num_key_value_heads "
+                         f"({config.num_key_value_heads})")
+
+
+def kv_heads_at(config: Any, layer_idx: int | None) -> int:
+    """The KV heads of layer `layer_idx`: its entry of `num_key_value_heads_per_layer`, else
+    `num_key_value_heads` (every layer the same)."""
+    per_layer = getattr(config, "num_key_value_heads_per_layer", None)
+    if per_layer is None:
+        return config.num_key_value_heads
+    if layer_idx is None:
+        raise ValueError("a model whose layers have their own KV heads builds each attention with its layer_idx")
+    return int(per_layer[layer_idx])
 
 
 def eager_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -52,7 +82,7 @@ class GqakitCodeGenAttention(modeling_codegen.CodeGenAttention):
 
     def __init__(self, config: GqakitCodeGenConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
-        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_heads = kv_heads_at(config, layer_idx)
         # Read by transformers' sdpa/flash/flex attention functions to take the GQA path.
         self.num_key_value_groups = self.num_attention_heads // self.num_key_value_heads
         blocks, g = 4, self.num_key_value_heads  # the blocks: gcd(4, G), by Euclid (no imports beyond torch)

@@ -30,9 +30,12 @@ class GqakitMptConfig(MptConfig):
     model_type = "gqakit_mpt"
 
     num_key_value_heads: int | None = None
+    # each layer's KV heads (the largest is num_key_value_heads); None: num_key_value_heads in every layer
+    num_key_value_heads_per_layer: list[int] | None = None
     gqakit_query_head_order: list | None = None  # per layer: the source head of each query head
 
     def __post_init__(self, **kwargs: Any) -> None:
+        check_kv_heads_per_layer(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.n_heads
         if self.num_key_value_heads < 1 or self.n_heads % self.num_key_value_heads:
@@ -43,6 +46,33 @@ class GqakitMptConfig(MptConfig):
             raise ValueError(f"gqakit_query_head_order must hold, for each of the {self.n_layers} layers, "
                              f"an order of the {self.n_heads} query heads")
         super().__post_init__(**kwargs)
+
+
+def check_kv_heads_per_layer(config: Any) -> None:
+    """`num_key_value_heads_per_layer`, when given: one entry per layer, each dividing the query
+    heads; `num_key_value_heads` is the largest of them (set to it when not given)."""
+    per_layer = config.num_key_value_heads_per_layer
+    if per_layer is None:
+        return
+    if config.num_key_value_heads is None and per_layer:
+        config.num_key_value_heads = max(per_layer)
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    if (len(per_layer) != layers or any(not isinstance(g, int) or g < 1 or heads % g for g in per_layer)
+            or config.num_key_value_heads != max(per_layer)):
+        raise ValueError(f"num_key_value_heads_per_layer ({per_layer}) must give each of the {layers} layers KV "
+                         f"heads that divide the {heads} query heads, the largest being num_key_value_heads "
+                         f"({config.num_key_value_heads})")
+
+
+def kv_heads_at(config: Any, layer_idx: int | None) -> int:
+    """The KV heads of layer `layer_idx`: its entry of `num_key_value_heads_per_layer`, else
+    `num_key_value_heads` (every layer the same)."""
+    per_layer = getattr(config, "num_key_value_heads_per_layer", None)
+    if per_layer is None:
+        return config.num_key_value_heads
+    if layer_idx is None:
+        raise ValueError("a model whose layers have their own KV heads builds each attention with its layer_idx")
+    return int(per_layer[layer_idx])
 
 
 def head_order(config: GqakitMptConfig, layer_idx: int | None) -> list[int] | None:
@@ -58,7 +88,7 @@ class GqakitMptAttention(modeling_mpt.MptAttention):
 
     def __init__(self, config: GqakitMptConfig, layer_idx: int | None = None) -> None:
         super().__init__(config, layer_idx)
-        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_heads = kv_heads_at(config, layer_idx)
         self.num_key_value_groups = self.n_heads // self.num_key_value_heads
         out = (self.n_heads + 2 * self.num_key_value_heads) * self.head_dim
         self.Wqkv = nn.Linear(self.hidden_size, out, bias=False)

@@ -268,9 +268,8 @@ def _neox_layers(model: Any, inner: Any) -> SimpleNamespace:
     cfg = model.config
     H = cfg.num_attention_heads
     D = cfg.hidden_size // H
-    G = (inner.layers[0].attention.query_key_value.out_features // D - H) // 2  # rows: (H + 2G) D
 
-    def restack(t: Any) -> Any:  # grouped rows -> all queries, all keys, all values
+    def restack(t: Any, G: int) -> Any:  # grouped rows -> all queries, all keys, all values
         return torch.cat(split_grouped_qkv(t.detach(), H, G, D))
 
     layers = []
@@ -278,12 +277,13 @@ def _neox_layers(model: Any, inner: Any) -> SimpleNamespace:
         a, m = layer.attention, layer.mlp
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         qkv = a.query_key_value
+        G = (qkv.out_features // D - H) // 2  # this layer's K/V heads: rows (H + 2G) D
         layers.append(SimpleNamespace(
-            mats=[(*qkv.weight.shape, lambda qkv=qkv: restack(qkv.weight)),
+            mats=[(*qkv.weight.shape, lambda qkv=qkv, G=G: restack(qkv.weight, G)),
                   (*a.dense.weight.shape, a.dense.weight.detach),
                   (*m.dense_h_to_4h.weight.shape, m.dense_h_to_4h.weight.detach),
                   (*m.dense_4h_to_h.weight.shape, m.dense_4h_to_h.weight.detach)],
-            bqkv=None if qkv.bias is None else restack(qkv.bias),
+            bqkv=None if qkv.bias is None else restack(qkv.bias, G),
             bo=None if a.dense.bias is None else a.dense.bias.detach(),
             bup=None if m.dense_h_to_4h.bias is None else m.dense_h_to_4h.bias.detach(),
             bdown=None if m.dense_4h_to_h.bias is None else m.dense_4h_to_h.bias.detach(),

@@ -61,7 +61,8 @@ class DecodeSteps:
         from transformers import StaticCache
 
         cache = StaticCache(config=self.model.config, max_cache_len=max_len)
-        cache.early_initialization(batch, self.kv_heads, self.head_dim, self.dtype, self.device)
+        heads = list(self.shape.kv_heads_per_layer or ()) or self.kv_heads  # each layer's own K/V heads
+        cache.early_initialization(batch, heads, self.head_dim, self.dtype, self.device)
         return cache
 
     @staticmethod

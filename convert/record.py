@@ -248,6 +248,9 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
         described = " ".join(doc.split())
     if described:
         facts["method"] = f"{settings.method}: {described}"
+    remote_code = not plan.native_gqa or layout_family is not None
+    written = archmod.registry()[layout_family or plan.family].remote  # the modeling file's classes
+    vllm_class = written is not None and written.vllm_class  # vLLM's own class reads the folder
     summary = ("Grouped-query-attention conversion made with gqakit. Each group of K/V heads was pooled into "
                "one head; quality usually drops until the model is uptrained (`gqakit uptrain`).")
     # the card names the source by its Hub id (or folder name), never by a local path
@@ -258,8 +261,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
         summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name,
                                                 **({"kv_plan": settings.asked.kv_plan.name} if settings.asked.kv_plan
                                                    else {})},
-        use_it=use_it_body(remote_code=not plan.native_gqa or layout_family is not None,
-                           encoder_decoder=enc is not None, gguf_arch=spec_gguf_arch(plan.family))))
+        use_it=use_it_body(remote_code=remote_code, encoder_decoder=enc is not None,
+                           gguf_arch=spec_gguf_arch(plan.family), vllm=not remote_code or vllm_class)))
 
 
 def kv_budget_fact(choice: dict[str, Any]) -> str:

@@ -169,4 +169,16 @@ def test_vllm_refuses_a_per_layer_stock_class_output_not_a_uniform_one(tiny_mode
     monkeypatch.setattr(ev, "find_python", lambda: pytest.fail("vLLM must not start"))
     with pytest.raises(GqakitError, match=r"needs gqakit's modeling file \(gqakit_modeling_phi\.py\)"):
         get_engine("vllm").load(out, EngineOptions())
-    assert ev.check_model(convert(src, tmp_path / "g", num_kv_heads=2)) is False  # no code to trust
+    uniform = convert(src, tmp_path / "g", num_kv_heads=2)
+    assert ev.check_model(uniform) is False  # the stock folder: no code to trust
+    # the model cards say so: vLLM is offered for the stock folder only
+    assert "vllm serve OUT\n" in (uniform / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "vllm serve" not in card and "gqakit eval OUT --engine transformers --check" in card
+
+
+def test_a_per_layer_card_offers_vllm_where_its_class_reads_the_layout(tiny_model, tmp_path):
+    """The nemotron-nas folder of a Llama-shaped family: vLLM's own DeciLMForCausalLM serves it."""
+    src = tiny_model("llama", num_hidden_layers=LAYERS)
+    card = (convert(src, tmp_path / "out", kv_plan=plan_file(tmp_path, [8, 1, 8, 2])) / "README.md").read_text()
+    assert "vllm serve OUT --trust-remote-code" in card and "gqakit eval OUT --engine vllm --check" in card

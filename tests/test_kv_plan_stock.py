@@ -182,3 +182,15 @@ def test_a_per_layer_card_offers_vllm_where_its_class_reads_the_layout(tiny_mode
     src = tiny_model("llama", num_hidden_layers=LAYERS)
     card = (convert(src, tmp_path / "out", kv_plan=plan_file(tmp_path, [8, 1, 8, 2])) / "README.md").read_text()
     assert "vllm serve OUT --trust-remote-code" in card and "gqakit eval OUT --engine vllm --check" in card
+
+
+@pytest.mark.parametrize("family", ["phi", "qwen3"])
+def test_rebuilt_attentions_follow_the_models_attention_implementation(tiny_model, tmp_path, family):
+    """A rebuilt layer's attention reads the model's own config at run time: switching the model to
+    eager after loading switches every layer, and eager computes what sdpa does."""
+    src, spec, H = source(tiny_model, family)
+    model = load(convert(src, tmp_path / "out", kv_plan=plan_file(tmp_path, [H, 1, H, 2])))
+    sdpa = logits(model)
+    model.set_attn_implementation("eager")
+    assert {layer.self_attn.config._attn_implementation for layer in model.model.layers} == {"eager"}
+    assert_close_by_rounding(logits(model), sdpa, PATH)

@@ -153,7 +153,8 @@ def layer_kv_heads(spec: archmod.ArchSpec, shape: archmod.Shape, settings: Conve
     elif gguf_out and (spec.gguf is None or not spec.gguf.permute_qk):
         why = ("a per-layer GGUF is llama.cpp's deci architecture, which takes the Llama GGUF layout; "
                f"convert this {spec.family} GGUF to a model folder")
-    elif isinstance(config.get("sliding_window"), int) and config["sliding_window"] < (shape.max_positions or 0):
+    elif (spec.per_layer_kv != spec.family  # the family's own layout keeps its attention, window included
+          and isinstance(config.get("sliding_window"), int) and config["sliding_window"] < (shape.max_positions or 0)):
         why = f"SRC's attention has a sliding window ({config['sliding_window']}), which the per-layer layout lacks"
     if why is not None:
         raise GqakitError(f"the per-layer KV plan cannot be written: {why}; the nearest uniform plan is "

@@ -41,6 +41,10 @@ def output_config(plan: Plan, settings: ResolvedSettings,
         cfg = per_layer_config(plan, settings, cfg)
     elif plan.native_gqa:
         cfg[spec.config.num_kv_heads or "num_key_value_heads"] = settings.num_kv_heads
+        if spec.remote is not None and cfg.get("model_type") == f"gqakit_{spec.family}":
+            # a per-layer source in the modeling file's layout, a uniform output: the stock folder
+            cfg.pop(spec.config.kv_heads_list or "", None)
+            cfg.update(model_type=spec.model_types[0], architectures=[spec.architectures[0]])
     else:
         from gqakit.convert.remote import remote_config_updates
 
@@ -62,8 +66,10 @@ def per_layer_family(plan: Plan, settings: ResolvedSettings) -> str | None:
     """The family whose layout the output is written in when its layers' KV heads differ (or
     the source's already did), or None: the source family's own layout."""
     spec = archmod.registry()[plan.family]
-    if settings.per_layer or plan.shape.kv_heads_per_layer is not None:
+    if settings.per_layer:
         return spec.per_layer_kv
+    if plan.shape.kv_heads_per_layer is not None:  # a uniform output of a per-layer source
+        return None if plan.native_gqa else spec.per_layer_kv  # native: the stock folder
     # a family whose layout always states its layers' heads (not as an optional list) keeps it
     return spec.per_layer_kv if spec.family == spec.per_layer_kv and not spec.config.kv_heads_list else None
 
@@ -242,6 +248,9 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
         described = " ".join(doc.split())
     if described:
         facts["method"] = f"{settings.method}: {described}"
+    remote_code = not plan.native_gqa or layout_family is not None
+    written = archmod.registry()[layout_family or plan.family].remote  # the modeling file's classes
+    vllm_class = written is not None and written.vllm_class  # vLLM's own class reads the folder
     summary = ("Grouped-query-attention conversion made with gqakit. Each group of K/V heads was pooled into "
                "one head; quality usually drops until the model is uptrained (`gqakit uptrain`).")
     # the card names the source by its Hub id (or folder name), never by a local path
@@ -252,8 +261,8 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
         summary=summary, facts=facts, settings={**settings.record(), "source": settings.source_name,
                                                 **({"kv_plan": settings.asked.kv_plan.name} if settings.asked.kv_plan
                                                    else {})},
-        use_it=use_it_body(remote_code=not plan.native_gqa or layout_family is not None,
-                           encoder_decoder=enc is not None, gguf_arch=spec_gguf_arch(plan.family))))
+        use_it=use_it_body(remote_code=remote_code, encoder_decoder=enc is not None,
+                           gguf_arch=spec_gguf_arch(plan.family), vllm=not remote_code or vllm_class)))
 
 
 def kv_budget_fact(choice: dict[str, Any]) -> str:

@@ -6,7 +6,8 @@ from `config.architectures[0]`, falling back to `config.model_type`. An entry sa
 the decoder blocks are (`block`), where each block's attention tensors are and how they
 are laid out (`attention`), which config.json keys hold the geometry (`config`, the
 context length included), how rotary embeddings rotate (`rotary`), and, for families whose
-stock transformers class has no GQA, the classes of gqakit's modeling file (`remote`).
+stock transformers class has no GQA (or no per-layer KV heads: `remote.per_layer_only`), the
+classes of gqakit's modeling file (`remote`).
 It also holds what the other stages decide per family: the decoder-layer layout of the fast
 CPU decode step (`decode`), and the GGUF architecture gqakit reads and writes with its own
 tensor-name map (`gguf`). No code outside the table names a family or tells families apart
@@ -172,7 +173,7 @@ class PositionBias(_Strict):
 class Remote(_Strict):
     """Classes of `convert/remote/gqakit_modeling_<family>.py` (or of `module`, when the family's
     classes live in another family's file), for families whose stock transformers class
-    ignores num_key_value_heads."""
+    ignores num_key_value_heads, or (`per_layer_only`) reads one count for every layer."""
 
     config_class: str
     model_class: str
@@ -181,6 +182,9 @@ class Remote(_Strict):
     # heads: vLLM serves the folder with trust_remote_code (gqakit's file gives it the config
     # class), not through its Transformers backend
     vllm_class: bool = False
+    # the stock class has GQA, so a uniform output is the stock folder (no modeling file); the file
+    # is written only for an output whose layers have different KV heads (`config.kv_heads_list`)
+    per_layer_only: bool = False
 
 
 # The decoder-layer layouts the fast CPU decode step computes (`runtime/`): a layout's
@@ -263,6 +267,10 @@ class ArchSpec(_Strict):
                              if self.decode == "t5" else "a decoder-only model's layer layout"))
         if self.gguf is not None and self.is_encoder_decoder:
             raise ValueError("gguf: GGUF input and output are for decoder-only models")
+        if self.remote is not None and self.remote.per_layer_only and (
+                self.per_layer_kv != self.family or not self.config.kv_heads_list):
+            raise ValueError("remote.per_layer_only: the modeling file is the family's own per-layer layout "
+                             "(per_layer_kv names the family, config.kv_heads_list its list)")
         if self.position_bias is not None and (self.remote is None or self.is_encoder_decoder):
             raise ValueError("position_bias: the family's own decoder-only modeling file (remote) reads the "
                              "query head order")
@@ -270,8 +278,9 @@ class ArchSpec(_Strict):
 
     @property
     def native_gqa(self) -> bool:
-        """Stock transformers reads num_key_value_heads for this family."""
-        return self.remote is None
+        """Stock transformers reads num_key_value_heads for this family (a uniform output is the
+        stock folder)."""
+        return self.remote is None or self.remote.per_layer_only
 
     @property
     def is_encoder_decoder(self) -> bool:

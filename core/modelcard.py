@@ -30,13 +30,15 @@ def render_model_card(*, title: str, base_model: str | None, summary: str, facts
     return "\n".join(lines)
 
 
-def use_it_body(*, remote_code: bool, encoder_decoder: bool = False, gguf_arch: str | None = None) -> str:
+def use_it_body(*, remote_code: bool, encoder_decoder: bool = False, gguf_arch: str | None = None,
+                vllm: bool = True) -> str:
     """The card's "Use it" section: how transformers, vLLM and llama.cpp load the folder (OUT),
     and the command that checks an engine serves it (`gqakit eval OUT --engine ENGINE --check`).
 
     `remote_code`: the folder carries gqakit's modeling file (trust_remote_code=True);
     `encoder_decoder`: AutoModelForSeq2SeqLM; `gguf_arch`: the GGUF architecture llama.cpp runs
-    the family as (None: llama.cpp is not offered)."""
+    the family as (None: llama.cpp is not offered); `vllm`: vLLM has a class that reads the
+    folder's KV heads (False: vLLM is not offered, and the check runs on transformers)."""
     trc = ", trust_remote_code=True" if remote_code else ""
     auto = "AutoModelForSeq2SeqLM" if encoder_decoder else "AutoModelForCausalLM"
     out = ["`OUT` is this folder (a path, or its Hub id once uploaded).", "",
@@ -52,15 +54,17 @@ def use_it_body(*, remote_code: bool, encoder_decoder: bool = False, gguf_arch: 
                 "serves.", ""]
     else:
         flag = " --trust-remote-code" if remote_code else ""
-        out += ["**vLLM**:", "", "```bash", f"vllm serve OUT{flag}", "```", "", "```python", "from vllm import LLM", "",
-                f'llm = LLM("OUT"{trc})', 'print(llm.generate(["Once upon a time"])[0].outputs[0].text)', "```", ""]
+        out += (["**vLLM**:", "", "```bash", f"vllm serve OUT{flag}", "```", "", "```python", "from vllm import LLM",
+                 "", f'llm = LLM("OUT"{trc})', 'print(llm.generate(["Once upon a time"])[0].outputs[0].text)', "```", ""]
+                if vllm else ["**vLLM** has no class that reads this folder's KV heads (`gqakit eval --engine vllm` "
+                              "refuses it; gqakit's docs/serving.md lists what vLLM serves).", ""])
         if gguf_arch:
             out += ["**llama.cpp** (a GGUF file: convert the source's GGUF with gqakit, `gqakit convert SRC.gguf "
                     "OUT.gguf -g G`, or this folder with llama.cpp's own `convert_hf_to_gguf.py OUT --outfile "
                     "OUT.gguf`):", "", "```bash", 'llama-cli -m OUT.gguf -p "Once upon a time" -n 20', "```", ""]
         out += ["**Check that an engine serves it** (greedy tokens against transformers, and the KV cache the "
                 "engine allocates against gqakit's prediction; PASS or FAIL):", "", "```bash",
-                "gqakit eval OUT --engine vllm --check --out check.json"]
+                f"gqakit eval OUT --engine {'vllm' if vllm else 'transformers'} --check --out check.json"]
         if gguf_arch:
             out += ["gqakit eval OUT.gguf --engine llama.cpp --check --out check-gguf.json"]
         out += ["```"]

@@ -45,14 +45,16 @@ GGUF_REFUSAL = ("{model} is a GGUF file, which vLLM 0.32 does not load (it has n
 SEQ2SEQ_REFUSAL = ("{model} is an encoder-decoder, which vLLM 0.32 does not serve (its V1 engine dropped them; a "
                    "T5 folder fails in vLLM's Transformers backend); measure it with --engine gqakit or "
                    "--engine transformers")
-# vLLM's own class for these families reads no KV-head count, so the architectures name is
-# gqakit's; vLLM then falls back to its Transformers backend, which builds `AutoModel` from
-# the config, and gqakit's auto_map names only AutoConfig and AutoModelForCausalLM:
+# vLLM's own class for these families reads no KV-head count (or, for a per-layer output of a
+# stock GQA family, one for every layer), so the architectures name is gqakit's; vLLM then
+# falls back to its Transformers backend, which builds `AutoModel` from the config, and
+# gqakit's auto_map names only AutoConfig and AutoModelForCausalLM:
 # "Unrecognized configuration class ... for this kind of AutoModel".
 REMOTE_REFUSAL = ("{model} needs gqakit's modeling file ({file}): its family's own class reads no KV-head count, "
-                  "and vLLM 0.32 has no class for it that does (vLLM's Transformers backend cannot run gqakit's "
-                  "file); serve it with --engine transformers or --engine gqakit, or convert a family that "
-                  "loads as GQA in vLLM (one whose transformers class reads num_key_value_heads)")
+                  "or one for every layer where this model's layers differ, and vLLM 0.32 has no class for it "
+                  "that reads them (vLLM's Transformers backend cannot run gqakit's file); serve it with --engine "
+                  "transformers or --engine gqakit, or convert with one -g for every layer a family that loads as "
+                  "GQA in vLLM (one whose transformers class reads num_key_value_heads)")
 _LIVE: set[VllmEngine] = set()
 
 

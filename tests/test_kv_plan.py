@@ -150,10 +150,15 @@ def test_bad_plans_one_line_nothing_written(tiny_model, tmp_path, capsys, heads,
     assert not (tmp_path / "out").exists()
 
 
-def test_family_without_per_layer_layout_refused_with_nearest_uniform(tiny_model, tmp_path, capsys):
+def test_family_without_per_layer_layout_refused_with_nearest_uniform(tiny_model, tmp_path, capsys, monkeypatch):
+    from gqakit.core import arch as archmod
     from test_convert_errors import assert_one_line_error, run_cli
 
-    src = tiny_model("phi", num_hidden_layers=LAYERS)  # a family on a stock class that is not Llama-shaped
+    # every decoder-only family of the table has a per-layer layout: an entry without one (no
+    # `per_layer_kv`), as a newly added family may be, stands in for it
+    table = archmod.registry()
+    monkeypatch.setitem(table, "phi", table["phi"].model_copy(update={"per_layer_kv": None}))
+    src = tiny_model("phi", num_hidden_layers=LAYERS)
     code, err = run_cli(["convert", src, tmp_path / "out", "--kv-plan", plan_file(tmp_path, [4, 1, 4, 2])], capsys)
     # 4 query heads of 8 dims: the plan holds 11 heads over 4 layers (704 B/token in float32),
     # uniform G = 2 (8 heads) is nearest

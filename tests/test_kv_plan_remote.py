@@ -1,7 +1,9 @@
-"""`--kv-plan` for the families that load through gqakit's own modeling file (the table's
-`per_layer_kv` is the family itself, `config.kv_heads_list` its config key): the output is the
-family's GQA folder plus each layer's KV heads as a list, and each attention sizes its K/V and
-its cache from its own layer's entry."""
+"""`--kv-plan` for the families whose own layout takes per-layer KV heads through gqakit's
+modeling file (the table's `per_layer_kv` is the family itself, `config.kv_heads_list` its config
+key): the families without GQA in stock transformers, and those on a stock GQA class that is not
+Llama-shaped (`remote.per_layer_only`: their modeling file is written for a per-layer output
+only). The output is the family's gqakit folder plus each layer's KV heads as a list, and each
+attention sizes its K/V and its cache from its own layer's entry."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ PATH = LAYERS * (4 * HIDDEN + 2 * IDS.shape[1] + 4 * HIDDEN) + HIDDEN
 
 def test_the_remote_families_take_a_per_layer_plan():
     assert {"gpt2", "gpt_neox", "opt"} <= set(OWN)
+    # the stock-class families that are not Llama-shaped: their own layout, not nemotron-nas
+    assert {"phi", "phi3", "gemma", "gemma2", "olmo", "olmo2", "qwen3", "stablelm"} <= set(OWN)
 
 
 def source(tiny_model, family: str) -> tuple[Path, archmod.ArchSpec, int]:
@@ -79,7 +83,7 @@ def test_plan_pools_exactly_the_chosen_layers(tiny_model, tmp_path, family):
     assert loaded_shape(model.config).kv_heads_per_layer == tuple(plan)
     record = json.loads((out / "gqakit_convert.json").read_text())
     assert record["kv_heads"] == plan and "trust_remote_code=True" in record["loads_with"]
-    D = HIDDEN // H
+    D = archmod.shape_of(spec, cfg).head_dim  # gemma's pico model: 16, not HIDDEN / H
     assert record["kv_cache_bytes_per_token_after"] == 2 * sum(plan) * D * 4  # float32
 
 
@@ -151,11 +155,13 @@ def test_config_class_checks_the_list(family, tmp_path):
     base = config_class()
     H, L = base.num_attention_heads, base.num_hidden_layers
     assert [module.kv_heads_at(base, i) for i in range(L)] == [base.num_key_value_heads] * L
-    ok = config_class(num_key_value_heads_per_layer=[H] + [1] * (L - 1))
+    ok = config_class(num_key_value_heads=H, num_key_value_heads_per_layer=[H] + [1] * (L - 1))
     assert ok.num_key_value_heads == H and module.kv_heads_at(ok, 1) == 1
-    for bad in ([H] * (L - 1), [H] + [0] * (L - 1)):
+    if getattr(config_class, "num_key_value_heads", None) is None:  # no default count: the list's largest
+        assert config_class(num_key_value_heads_per_layer=[H] + [1] * (L - 1)).num_key_value_heads == H
+    for bad in ([H] * (L - 1), [H] + [0] * (L - 1), [H // 2] + [1] * (L - 1)):  # the last: its largest is not H
         with pytest.raises(ValueError, match="num_key_value_heads_per_layer"):
-            config_class(num_key_value_heads_per_layer=bad)
+            config_class(num_key_value_heads=H, num_key_value_heads_per_layer=bad)
 
 
 def test_eval_and_uptrain_take_the_per_layer_output(tiny_model, tmp_path, capsys):

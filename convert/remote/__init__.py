@@ -1,4 +1,6 @@
-"""Modeling files for families whose stock transformers class has no GQA support.
+"""Modeling files for families whose stock transformers class has no GQA support, and for the
+per-layer outputs of those whose class reads one KV-head count for every layer (the table's
+`remote.per_layer_only`: their uniform outputs are stock folders, without a file).
 
 `gqakit convert` copies `modeling_file(family)` next to the converted weights and merges
 `remote_config_updates(family, G)` into config.json; stock transformers then loads the folder

@@ -83,7 +83,7 @@ class KvChoice:
                    f"{self.source_bytes:,}; budget {self.budget_bytes:,})")
         if self.measured:
             m = self.measured
-            out.append(f"  damage measured with {m.get('probe', m['method'])} on {m['calibration']} in {m['seconds']:.1f} s "
+            out.append(f"  damage measured with {m['probe']} on {m['calibration']} in {m['seconds']:.1f} s "
                        f"(source loss {m['base_loss']:.4f}; planned total damage {m['total_damage']:+.4g})")
         return out
 

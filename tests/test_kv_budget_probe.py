@@ -5,6 +5,7 @@ the conversion's own closed-form fit of a layer whose input is the source's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,11 +17,14 @@ from gqakit.convert.budget.damage import calibration_loss
 from gqakit.convert.budget.refit_probe import FitOptions, LayerProbe, closed_form_heads
 from gqakit.convert.calibration.tokens import calibration_sequences
 from gqakit.convert.layout import read_heads
+from gqakit.convert.refit_options import RefitOptions
 from gqakit.convert.source import open_model
 from gqakit.core import arch as archmod
 from cli_helpers import run_cli
 from test_kv_budget import CALIB
 from tolerance import rounding_tolerance
+
+DEFAULTS = FitOptions.of(RefitOptions())  # align-refit's defaults: q_ridge 1e-2, o_ridge 3e-2, relative rows
 
 
 @pytest.fixture
@@ -57,7 +61,7 @@ def test_at_the_source_heads_the_fits_leave_the_layer_exact(llama4, one_thread):
     path = shape.num_layers * (3 * H + shape.head_dim + T + cfg["intermediate_size"]) + H
     tol = rounding_tolerance(torch.float32, path, float(ref.abs().max()))
     for layer in range(shape.num_layers):
-        probe = LayerProbe(model, spec, shape, layer, seqs, FitOptions(), batch=4)
+        probe = LayerProbe(model, spec, shape, layer, seqs, DEFAULTS, batch=4)
         heads = probe.fit(shape.num_kv_heads)
         assert heads.num_kv_heads == shape.num_kv_heads
         probe.put(heads)
@@ -87,7 +91,7 @@ def test_the_fits_lower_the_attention_output_error_below_align(llama4, one_threa
     model, spec, shape, seqs, _ = loaded(src, calib, 2048)
     style, rdim = spec.rotary.style, shape.rotary_dim
     align = method_function("align")
-    opts = FitOptions()
+    opts = DEFAULTS
     for layer in range(shape.num_layers):
         probe = LayerProbe(model, spec, shape, layer, seqs, opts, batch=8)
         for g in (2, 1):
@@ -117,7 +121,8 @@ def test_a_budget_conversion_with_align_refit_records_its_probe(llama4, tmp_path
     assert "damage measured with align-refit's closed-form fits on" in text
 
 
-def test_the_probe_fits_what_the_conversion_fits_in_its_first_layer(tiny_model, tmp_path, one_thread):
+@pytest.mark.parametrize("given", [{}, {"skip_first": 3, "holdout": 0.25, "row_weight": "none", "q_ridge": 0.1}])
+def test_the_probe_fits_what_the_conversion_fits_in_its_first_layer(tiny_model, tmp_path, one_thread, given):
     """Layer 0's input is the source's in both: the probe's fitted heads at G=2 are the heads an
     align-refit conversion (closed-form fits only, contiguous groups, float64 throughout) writes
     for layer 0. Both sum the same float64 moments over the same 2,048 rows in a different order
@@ -129,10 +134,11 @@ def test_the_probe_fits_what_the_conversion_fits_in_its_first_layer(tiny_model, 
 
     out = convert_checkpoint(src, tmp_path / "g2", 2, "align-refit", grouping="contiguous",
                              calibration_data=str(tmp_path / "calib.txt"), calibration_tokens=2048,
-                             options={"steps": 0, "dtype": "float64", "stream_dtype": "float64", "batch": 4},
+                             options={"steps": 0, "dtype": "float64", "stream_dtype": "float64", "batch": 4, **given},
                              device="cpu", progress=False)
     model, spec, shape, seqs, cfg = loaded(src, tmp_path / "calib.txt", 2048, torch.float64)
-    got = LayerProbe(model, spec, shape, 0, seqs, FitOptions(), batch=8).fit(2)
+    opts = FitOptions.of(RefitOptions(**given))
+    got = LayerProbe(model, spec, shape, 0, seqs, opts, batch=8).fit(2)
     written = load_file(str(next(out.glob("*.safetensors"))))
     want = read_heads(spec, archmod.shape_of(spec, json.loads((out / "config.json").read_text())), written, 0,
                       dtype=torch.float64)
@@ -140,5 +146,5 @@ def test_the_probe_fits_what_the_conversion_fits_in_its_first_layer(tiny_model, 
         a, b = getattr(got, part), getattr(want, part)
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9 * float(b.abs().max()), msg=part)
     # the test can fail: another G's fit, or the fit without the query refit, is far from it
-    other = LayerProbe(model, spec, shape, 0, seqs, FitOptions(q_ridge=-1), batch=8).fit(2)
+    other = LayerProbe(model, spec, shape, 0, seqs, dataclasses.replace(opts, q_ridge=-1), batch=8).fit(2)
     assert (other.q - want.q).abs().max() > 1e-3 * want.q.abs().max()

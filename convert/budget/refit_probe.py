@@ -48,13 +48,13 @@ PROBE = "closed-form fits"  # the record's name for this probe (`choose.Measured
 
 @dataclass(frozen=True)
 class FitOptions:
-    """The align-refit options the closed-form fits read (`RefitOptions` has them all)."""
+    """The align-refit options the closed-form fits read (`of` a `RefitOptions`, which has them all)."""
 
-    q_ridge: float = 1e-2
-    o_ridge: float = 3e-2
-    row_weight: str = "relative"
-    skip_first: int = 0
-    holdout: float = 0.0
+    q_ridge: float
+    o_ridge: float
+    row_weight: str
+    skip_first: int
+    holdout: float
 
     @classmethod
     def of(cls, refit: Any) -> FitOptions:

@@ -44,7 +44,8 @@ def loaded(src: Path, calib: Path, tokens: int, dtype: torch.dtype = torch.float
     return model, spec, archmod.shape_of(spec, cfg), seqs, cfg
 
 
-def test_at_the_source_heads_the_fits_leave_the_layer_exact(llama4, one_thread):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])  # separate q/k/v; with biases; fused, o_proj bias
+def test_at_the_source_heads_the_fits_leave_the_layer_exact(family, tiny_model, tmp_path, one_thread):
     """G = the source's KV heads: groups of one head are not moved, the query refit's map is the
     identity (its two moments are equal) and the o_proj refit's exact solution is o itself, so the
     fitted layer gives the source's logits, and no loss increase. The fits are float64 (their
@@ -52,13 +53,14 @@ def test_at_the_source_heads_the_fits_leave_the_layer_exact(llama4, one_thread):
     each weight rounded back to float32, one unit roundoff, which moves the logits by at most the
     rounding of the reductions along their path (per layer: hidden, head_dim, the sequence,
     hidden again and the MLP's width; then the head's hidden)."""
-    src, calib = llama4
-    model, spec, shape, seqs, cfg = loaded(src, calib, 1024)
+    (tmp_path / "calib.txt").write_text(CALIB)
+    src = tiny_model(family, **({"num_key_value_heads": 4} if family == "llama" else {}))
+    model, spec, shape, seqs, cfg = loaded(src, tmp_path / "calib.txt", 1024)
     with torch.inference_mode():
         ref = model(input_ids=seqs).logits
     base = calibration_loss(model, seqs, 4, torch.device("cpu"))
-    H, T = cfg["hidden_size"], seqs.shape[1]
-    path = shape.num_layers * (3 * H + shape.head_dim + T + cfg["intermediate_size"]) + H
+    H, T = shape.hidden_size, seqs.shape[1]
+    path = shape.num_layers * (3 * H + shape.head_dim + T + 4 * H) + H  # the MLP's width: at most 4 x hidden
     tol = rounding_tolerance(torch.float32, path, float(ref.abs().max()))
     for layer in range(shape.num_layers):
         probe = LayerProbe(model, spec, shape, layer, seqs, DEFAULTS, batch=4)

@@ -41,7 +41,7 @@ def loaded(src: Path, calib: Path, tokens: int, dtype: torch.dtype = torch.float
     spec = archmod.lookup(cfg)
     seqs, _ = calibration_sequences(open_model(src), str(calib), tokens, 128, 0, progress=False)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
-    return model, spec, archmod.shape_of(spec, cfg), seqs, cfg
+    return model, spec, archmod.shape_of(spec, cfg), seqs
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])  # separate q/k/v; with biases; fused, o_proj bias
@@ -55,7 +55,7 @@ def test_at_the_source_heads_the_fits_leave_the_layer_exact(family, tiny_model, 
     hidden again and the MLP's width; then the head's hidden)."""
     (tmp_path / "calib.txt").write_text(CALIB)
     src = tiny_model(family, **({"num_key_value_heads": 4} if family == "llama" else {}))
-    model, spec, shape, seqs, cfg = loaded(src, tmp_path / "calib.txt", 1024)
+    model, spec, shape, seqs = loaded(src, tmp_path / "calib.txt", 1024)
     with torch.inference_mode():
         ref = model(input_ids=seqs).logits
     base = calibration_loss(model, seqs, 4, torch.device("cpu"))
@@ -90,7 +90,7 @@ def test_the_fits_lower_the_attention_output_error_below_align(llama4, one_threa
     from gqakit.convert.pooling import PoolContext
 
     src, calib = llama4
-    model, spec, shape, seqs, _ = loaded(src, calib, 2048)
+    model, spec, shape, seqs = loaded(src, calib, 2048)
     style, rdim = spec.rotary.style, shape.rotary_dim
     align = method_function("align")
     opts = DEFAULTS
@@ -138,7 +138,7 @@ def test_the_probe_fits_what_the_conversion_fits_in_its_first_layer(tiny_model, 
                              calibration_data=str(tmp_path / "calib.txt"), calibration_tokens=2048,
                              options={"steps": 0, "dtype": "float64", "stream_dtype": "float64", "batch": 4, **given},
                              device="cpu", progress=False)
-    model, spec, shape, seqs, cfg = loaded(src, tmp_path / "calib.txt", 2048, torch.float64)
+    model, spec, shape, seqs = loaded(src, tmp_path / "calib.txt", 2048, torch.float64)
     opts = FitOptions.of(RefitOptions(**given))
     got = LayerProbe(model, spec, shape, 0, seqs, opts, batch=8).fit(2)
     written = load_file(str(next(out.glob("*.safetensors"))))

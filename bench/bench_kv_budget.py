@@ -5,7 +5,9 @@
         --uniform 1 --original --calibration-tokens 4096
 
 The damage of every layer's candidates is measured once (`gqakit.convert.budget.choose.measure`:
-the loss increase on the calibration text when only that layer is pooled, by `--method`), then
+the loss increase on the calibration text when only that layer is converted, by `--probe`, which
+is `--method` unless given: a closed-form method, or align-refit's closed-form fits for
+align-refit; `--probe align` measures an align-refit conversion's candidates with align), then
 each budget's plan is the exact allocation (`plan_for`). Each plan's perplexity (the uniform
 ones too) is measured on the source model with the plan applied in place, the pooled K/V heads
 repeated back (`damage.apply_plan`): the same function as the converted model, so the same
@@ -118,7 +120,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--uniform", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--original", action="store_true", help="also the source model")
     ap.add_argument("--method", default="align", help="a closed-form method: the damage probe and the conversion")
-    ap.add_argument("--probe", default=None, help="the method the damages are measured with [default: --method]")
+    ap.add_argument("--probe", default=None,
+                    help="the method the damages are measured with: a closed-form method, or align-refit (its "
+                         "closed-form fits) [default: --method]")
     ap.add_argument("--max-chars", type=int, default=None)
     ap.add_argument("--context", type=int, default=512, help="the perplexity window (stride: the same)")
     ap.add_argument("--seed", type=int, default=0)
@@ -150,9 +154,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     probe = args.probe or args.method
     settings = ConvertSettings(source=src, kv_budget=args.budgets[0], method=probe, calibration_data=calib,
                                calibration_tokens=args.calibration_tokens, seed=args.seed)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     measured = measure(open_model(src, progress=False), settings, progress=False)
-    measure_s = time.perf_counter() - t0
+    measure_s, measure_cpu = time.perf_counter() - t0, time.process_time() - c0
     say(f"measured every layer's damage in {measure_s:.1f} s ({measured.measured['calibration']})")
     per_head = measured.layers[0][0].cost // measured.layers[0][0].heads
     kv = measured.layers[0][0].heads
@@ -165,10 +169,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for b in args.budgets:
         choice = plan_for(measured, KvBudget.parse(b))
         plans.append(("budget", b, choice.kv_heads, {"total_damage": choice.measured["total_damage"]}))
-    common = {"model": args.model, "source": src.name, "method": args.method, "probe": probe,
+    common = {"model": args.model, "source": src.name, "method": args.method, "probe": measured.measured["probe"],
               "via": args.via + (" (--kv-plan replay)" if args.replay else ""),
               "calibration": measured.measured["calibration"], "calibration_tokens": args.calibration_tokens,
-              "measure_seconds": round(measure_s, 1), "eval_chars": max_chars, "context": args.context, "seed": args.seed, "device": "cpu",
+              "measure_seconds": round(measure_s, 1), "measure_cpu_seconds": round(measure_cpu, 1),
+              "eval_chars": max_chars, "context": args.context, "seed": args.seed, "device": "cpu",
               "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     rows = []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,9 @@ on the calibration text (`damage`), the exact allocation (`allocate`), and the r
 all: the per-layer table with each candidate's damage and why the layer got its G.
 
 The candidates are converted by a closed-form method: the conversion's own when it needs no
-data, else `align` (the closed-form start that align-refit refines). Damages add up across
-layers in the allocation's model (`allocate`).
+data; for align-refit, its closed-form fits (alignment, query refit, o_proj refit on the
+calibration text: `refit_probe`), what its layers are before the reconstruction steps. Damages
+add up across layers in the allocation's model (`allocate`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from gqakit.convert.budget import allocate as A
 from gqakit.convert.budget.damage import candidate_heads, measure_damage
 from gqakit.convert.budget.kvbudget import KvBudget
+from gqakit.convert.budget.refit_probe import PROBE, FitOptions, measure_refit_damage
 from gqakit.convert.refit_options import MAX_SEQ_LEN
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.settings import ConvertSettings
@@ -30,12 +32,21 @@ from gqakit.core.device import available_memory
 from gqakit.core.errors import GqakitError
 from gqakit.core.units import DTYPE_BYTES, config_dtype, kv_bytes_text
 
-PROBE_FOR_DATA_METHODS = "align"  # the closed-form conversion align-refit starts from
+REFIT_PROBE = "align-refit"  # the calibrated method whose closed-form fits `refit_probe` measures
+PROBE_FOR_DATA_METHODS = "align"  # any other calibrated method: the closed-form start align-refit refines
 
 
 def probe_method(settings: ConvertSettings) -> str:
-    """The closed-form method the candidates are measured with."""
-    return PROBE_FOR_DATA_METHODS if settings.staged else settings.method
+    """What the candidates are measured with: the method itself when it needs no data, align-refit's
+    closed-form fits for align-refit (`refit_probe`), else `align`."""
+    if not settings.staged:
+        return settings.method
+    return REFIT_PROBE if settings.method == REFIT_PROBE else PROBE_FOR_DATA_METHODS
+
+
+def probe_name(method: str) -> str:
+    """The probe as the record and the card name it."""
+    return f"{method}'s {PROBE}" if method == REFIT_PROBE else method
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class KvChoice:
                    f"{self.source_bytes:,}; budget {self.budget_bytes:,})")
         if self.measured:
             m = self.measured
-            out.append(f"  damage measured with {m['method']} on {m['calibration']} in {m['seconds']:.1f} s "
+            out.append(f"  damage measured with {m['probe']} on {m['calibration']} in {m['seconds']:.1f} s "
                        f"(source loss {m['base_loss']:.4f}; planned total damage {m['total_damage']:+.4g})")
         return out
 
@@ -132,13 +143,17 @@ def measure(opened: Opened, settings: ConvertSettings, *, device: str = "cpu", p
     model = load_causal_lm(source_path(opened), dtype=torch.float32, device=device, progress=progress)
     method = probe_method(settings)
     try:
-        dmg = measure_damage(model, spec, shape, seqs, method=method, candidates=cands, device=device,
-                             seed=settings.seed, progress=progress)
+        if method == REFIT_PROBE:
+            dmg = measure_refit_damage(model, spec, shape, seqs, options=FitOptions.of(settings.refit),
+                                       candidates=cands, device=device, progress=progress)
+        else:
+            dmg = measure_damage(model, spec, shape, seqs, method=method, candidates=cands, device=device,
+                                 seed=settings.seed, progress=progress)
     finally:
         del model
     layers = [[A.Candidate(g, g * per_head, d[g]) for g in cands] for d in dmg.per_layer]
-    return Measured(layers, full, dtype, {"method": method, "grouping": "contiguous", "calibration": where,
-                                          "tokens": dmg.tokens, "base_loss": dmg.base_loss,
+    return Measured(layers, full, dtype, {"method": method, "probe": probe_name(method), "grouping": "contiguous",
+                                          "calibration": where, "tokens": dmg.tokens, "base_loss": dmg.base_loss,
                                           "seconds": round(time.perf_counter() - t0, 3), "device": str(device)})
 
 

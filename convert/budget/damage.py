@@ -46,7 +46,7 @@ class Damage:
     tokens: int                          # predicted tokens per measurement
 
 
-def _loss(model: torch.nn.Module, seqs: Tensor, batch: int, device: torch.device) -> float:
+def calibration_loss(model: torch.nn.Module, seqs: Tensor, batch: int, device: torch.device) -> float:
     """Mean next-token loss (nats per token) over `seqs`, in float32, batch by batch."""
     total, n = 0.0, 0
     with torch.inference_mode():
@@ -60,6 +60,11 @@ def _loss(model: torch.nn.Module, seqs: Tensor, batch: int, device: torch.device
     return total / n
 
 
+def default_batch(seqs: Tensor, vocab: int) -> int:
+    """Sequences per forward: the logits of a batch stay near 128 MiB in float32."""
+    return max(1, min(seqs.shape[0], (1 << 25) // max(1, seqs.shape[1] * vocab)))
+
+
 def measure_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmod.Shape, seqs: Tensor, *,
                    method: str, candidates: Sequence[int], device: torch.device | str = "cpu", seed: int = 0,
                    batch: int | None = None, progress: bool = True) -> Damage:
@@ -71,22 +76,22 @@ def measure_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmo
     todo = [g for g in candidates if g != KV]
     params = dict(model.named_parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    if batch is None:  # logits of a batch stay near 128 MiB in float32
-        batch = max(1, min(seqs.shape[0], (1 << 25) // max(1, seqs.shape[1] * vocab)))
+    if batch is None:
+        batch = default_batch(seqs, vocab)
     fn = method_function(method)
     gen = torch.Generator().manual_seed(seed)
     bar = tqdm(total=1 + shape.num_layers * len(todo), desc="measuring each layer's damage", unit="pass",
                disable=not progress)
-    base = _loss(model, seqs, batch, device)
+    base = calibration_loss(model, seqs, batch, device)
     bar.update(1)
     per_layer: list[dict[int, float]] = []
     for layer in range(shape.num_layers):
-        saved, heads = _layer(model, spec, shape, layer, params)
+        saved, heads = layer_heads(model, spec, shape, layer, params)
         damage = {KV: 0.0}
         for g in todo:
             try:
                 _write(params, spec, shape, layer, heads, g, fn, gen, saved)
-                loss = _loss(model, seqs, batch, device)
+                loss = calibration_loss(model, seqs, batch, device)
             finally:
                 with torch.no_grad():
                     for n, t in saved.items():
@@ -100,7 +105,7 @@ def measure_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmo
     return Damage(base, per_layer, int(seqs[:, 1:].numel()))
 
 
-def _layer(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
+def layer_heads(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
            params: dict[str, torch.nn.Parameter]) -> tuple[dict[str, Tensor], AttnHeads]:
     """A copy of the layer's attention tensors, and its heads (float64)."""
     missing = [n for role, n in layer_names(spec, layer).items() if role.endswith("weight") and n not in params]
@@ -135,5 +140,5 @@ def apply_plan(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmod.Sh
         if g not in candidate_heads(shape.num_heads, shape.num_kv_heads):
             raise GqakitError(f"G={g} in layer {layer}: choose from {candidate_heads(shape.num_heads, shape.num_kv_heads)}")
         if g != shape.num_kv_heads:
-            saved, heads = _layer(model, spec, shape, layer, params)
+            saved, heads = layer_heads(model, spec, shape, layer, params)
             _write(params, spec, shape, layer, heads, g, fn, gen, saved)

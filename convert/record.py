@@ -268,8 +268,10 @@ def write_metadata(tmp: Path, opened: Opened, plan: Plan, settings: ResolvedSett
 def kv_budget_fact(choice: dict[str, Any]) -> str:
     """The card's line on a `--kv-budget` allocation: the budget, the plan, each layer's G and why."""
     rows = "; ".join(f"layer {r['layer']}: G={r['kv_heads']} ({r['why']})" for r in choice["layers"])
+    probe = (choice.get("measured") or {}).get("probe")
     return (f"{choice['plan_bytes_per_token']:,} of {choice['budget_bytes_per_token']:,} bytes per token "
-            f"(the source's: {choice['source_bytes_per_token']:,}); {rows}")
+            f"(the source's: {choice['source_bytes_per_token']:,})"
+            + (f", each layer's damage measured with {probe}" if probe else "") + f"; {rows}")
 
 
 def spec_gguf_arch(family: str) -> str | None:

@@ -108,7 +108,8 @@ def test_convert_records_the_plan(llama4, tmp_path, capsys, one_thread):
     assert [r["kv_heads"] for r in table["layers"]] == [1, 1, 1]
     assert set(table["layers"][0]["damage"]) == {"4", "2", "1"} and table["measured"]["method"] == "mean"
     assert table["plan_bytes_per_token"] == table["budget_bytes_per_token"] == table["source_bytes_per_token"] // 4
-    assert "| KV budget |" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "| KV budget |" in card and f"each layer's damage measured with {table['measured']['probe']};" in card
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
 
 

@@ -142,8 +142,9 @@ def check(model, out, capsys, engine: str, *extra):
 @pytest.mark.parametrize("engine", ["transformers", "gqakit"])
 def test_check_passes_on_sliding_layers_uniform_and_per_layer(tiny_model, tmp_path, capsys, engine):
     """Pico Gemma 2 (window 16, 4 layers, float32) at -g 2 and at the plan 8/1/8/2: the check's
-    capacity (2 x 8 prompt + generated tokens ... as the engine sizes it) exceeds the window, so
-    the sliding layers hold 16 positions and the full ones the capacity."""
+    capacity (24 prompt + 8 generated tokens) exceeds the window, so the sliding layers hold 16
+    positions and the full ones the capacity; a prediction of every layer at every position
+    (the bytes per token of a model without sliding layers) fails this check."""
     src = tiny_model("gemma2", num_hidden_layers=LAYERS, sliding_window=WINDOW)
     outs = {"uniform": convert(src, tmp_path / "g2", num_kv_heads=2),
             "plan": convert(src, tmp_path / "plan", kv_plan=plan_file(tmp_path, [8, 1, 8, 2]))}

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gqakit.core.errors import GqakitError
 from gqakit.core.geometry import SITE_NAMES, Seq2SeqShape, Shape
+from gqakit.core.windows import SlidingWindow, layer_windows_of
 
 ARCH_DIR = "core/architectures/"
 # context-length keys tried for a model whose family is not in the table (eval of any model)
@@ -253,6 +254,7 @@ class ArchSpec(_Strict):
     # the family whose layout (and `remote` modeling file) writes this family's output when its
     # layers get different KV heads; None: a per-layer plan is refused for it
     per_layer_kv: str | None = None
+    sliding: SlidingWindow | None = None  # which layers attend over a sliding window (core/windows.py)
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -438,7 +440,8 @@ def shape_of(spec: ArchSpec, config: Mapping[str, Any]) -> Shape:
         raise GqakitError(f"{spec.family} with {heads} heads is not supported: its fused "
                           f"{spec.attention.qkv} holds {spec.attention.blocks} blocks, which must each hold whole heads")
     return Shape(need(keys.num_layers), heads, int(kv), int(head_dim), hidden, rot,
-                 positions_of(config, keys.max_positions), per_layer)
+                 positions_of(config, keys.max_positions), per_layer,
+                 layer_windows_of(spec.sliding, config, need(keys.num_layers)))
 
 
 def layer_kv_heads_of(keys: ConfigKeys, config: Mapping[str, Any], heads: int) -> tuple[int, ...] | None:

@@ -1,7 +1,7 @@
 """Attention geometry: the numbers the table reads off a model's config (`core.arch.shape_of`),
 which every stage prices and shapes tensors by: layers, query and KV heads (per layer when
-they differ), head and hidden sizes, the rotated dims and the context length; and an
-encoder-decoder's pair of them."""
+they differ), head and hidden sizes, the rotated dims, the context length and the layers that
+attend over a sliding window; and an encoder-decoder's pair of them."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ class Shape:
     # each layer's KV heads when they differ between layers (`num_kv_heads` is then their
     # largest); None: every layer has `num_kv_heads`
     kv_heads_per_layer: tuple[int, ...] | None = None
+    # each layer's sliding window (the last positions its attention sees, and all its cache
+    # needs to hold) where some layers slide, None in a full-attention layer; None: no layer slides
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def group_size(self) -> int:
@@ -40,14 +43,43 @@ class Shape:
             return self
         return replace(self, num_kv_heads=self.kv_heads_per_layer[layer], kv_heads_per_layer=None)
 
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (0-based); None: it attends to every position."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def layer_heads(self, kv_heads: int | Sequence[int] | None = None) -> list[int]:
+        """Each layer's KV heads: this shape's own, or `kv_heads` (one count for every layer, or one per layer)."""
+        if kv_heads is None:
+            kv_heads = self.kv_heads_per_layer or self.num_kv_heads
+        return [kv_heads] * self.num_layers if isinstance(kv_heads, int) else list(kv_heads)
+
     def kv_bytes_per_token(self, bytes_per_elem: int, kv_heads: int | Sequence[int] | None = None) -> int:
         """KV-cache bytes one token costs: K and V, every layer, every KV head, summed over the
         layers (`kv_heads` instead of this shape's own, to price a conversion target: one count
-        for every layer, or one per layer)."""
-        if kv_heads is None:
-            kv_heads = self.kv_heads_per_layer or self.num_kv_heads
-        per_layer = [kv_heads] * self.num_layers if isinstance(kv_heads, int) else list(kv_heads)
-        return 2 * sum(per_layer) * self.head_dim * bytes_per_elem
+        for every layer, or one per layer). Sliding layers included: a token within their window
+        costs them as much (`kv_cache_bytes` counts what a cache of some length holds)."""
+        return 2 * sum(self.layer_heads(kv_heads)) * self.head_dim * bytes_per_elem
+
+    def kv_cache_bytes(self, bytes_per_elem: int, positions: int,
+                       kv_heads: int | Sequence[int] | None = None) -> int:
+        """KV-cache bytes of one sequence at `positions` positions: a full-attention layer holds
+        all of them, a sliding layer min(window, positions) (as transformers' static cache sizes
+        it; also what a decode step at that depth reads). Without sliding layers, exactly
+        `positions` x `kv_bytes_per_token`."""
+        heads = self.layer_heads(kv_heads)
+        windows = self.layer_windows or (None,) * len(heads)
+        held = sum(h * (positions if w is None else min(w, positions)) for h, w in zip(heads, windows))
+        return 2 * held * self.head_dim * bytes_per_elem
+
+    def window_shares(self, kv_heads: int | Sequence[int] | None = None) -> dict[int, float]:
+        """Each sliding window's share of a token's KV bytes (the layers with that window over
+        all layers, weighted by their KV heads); empty without sliding layers."""
+        heads = self.layer_heads(kv_heads)
+        out: dict[int, float] = {}
+        for h, w in zip(heads, self.layer_windows or ()):
+            if w is not None:
+                out[w] = out.get(w, 0.0) + h / sum(heads)
+        return out
 
 
 # How the model card and gqakit_convert.json name each site an encoder-decoder's conversion grouped.

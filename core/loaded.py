@@ -10,13 +10,14 @@ from typing import Any
 from gqakit.core.arch import (ArchSpec, Seq2SeqShape, Shape, find, layer_kv_heads_of, lookup, max_positions,
                               positions_of)
 from gqakit.core.errors import GqakitError
+from gqakit.core.windows import layer_windows_of
 
 
 def loaded_shape(hf_config: Any) -> Shape:
     """The geometry of a loaded model's config (any family: transformers maps every family's
     own key names onto num_attention_heads, num_hidden_layers, ...). No rotary facts. A family
     whose layers have their own KV heads (the table's `config.heads_in_group` or `kv_heads_list`) gets
-    them per layer."""
+    them per layer; layers that attend over a sliding window get their windows."""
     cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
@@ -30,7 +31,8 @@ def loaded_shape(hf_config: Any) -> Shape:
     hidden = getattr(cfg, "hidden_size", None)
     head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
     return Shape(int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(hidden or heads * head_dim), 0,
-                 max_positions(cfg.to_dict()), per_layer)
+                 max_positions(cfg.to_dict()), per_layer,
+                 layer_windows_of(spec.sliding if spec else None, cfg.to_dict(), int(cfg.num_hidden_layers)))
 
 
 # config.json keys of an encoder-decoder's geometry: (T5 / mT5 names, BART names)

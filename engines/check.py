@@ -7,7 +7,12 @@ teacher-forced. A position agrees when the engine's token is transformers' argma
 mismatch is explained by a near-tie when transformers' log-prob of its own argmax minus its
 log-prob of the engine's token is below the margin of the engine's dtype or quantisation
 (`MARGINS`). The engine's allocated KV bytes per token must equal gqakit's prediction,
-2 x sum over layers of (KV heads x head_dim) x cache-dtype bytes (`predicted_kv_bytes`).
+2 x sum over layers of (KV heads x head_dim) x cache-dtype bytes (`predicted_kv_bytes`); both
+sides are a cache of the engine's capacity divided by that capacity. An engine that sizes each
+layer's cache itself (it reports `positions_per_layer`: transformers' static cache) holds the
+capacity in a full-attention layer and min(window, capacity) in a sliding one
+(`held_positions`), so the prediction counts those; one that pages every layer per token (vLLM)
+is predicted per token, every layer.
 
 PASS: agreement >= `MIN_AGREEMENT`, every mismatch a near-tie, and the KV bytes per token
 equal to the prediction (vLLM: exactly per token; block rounding applies to capacity only).
@@ -118,6 +123,28 @@ def predicted_kv_bytes(kv_heads: int | Sequence[int], head_dim: int, elem_bytes:
     return (sum(heads) + v_heads) * int(head_dim) * int(elem_bytes)
 
 
+def held_positions(windows: Sequence[int | None] | None, capacity: int, layers: int) -> list[int]:
+    """The positions each layer's cache holds at `capacity`: all of them in a full-attention
+    layer, min(window, capacity) in a sliding one (as transformers' StaticCache sizes it)."""
+    windows = list(windows or [None] * layers)
+    return [int(capacity) if w is None else min(int(w), int(capacity)) for w in windows]
+
+
+def predicted_cache_bytes(kv_heads: Sequence[int], head_dim: int, elem_bytes: int, positions: Sequence[int]) -> int:
+    """KV-cache bytes of a cache whose layer l holds `positions[l]` positions of `kv_heads[l]`
+    heads: 2 (K and V) x sum over layers of heads x positions x head_dim x bytes."""
+    return 2 * sum(int(h) * int(p) for h, p in zip(kv_heads, positions, strict=True)) * int(head_dim) * int(elem_bytes)
+
+
+def layer_windows(hf_config: Any) -> list[int | None] | None:
+    """Each decoder layer's sliding window (None: full attention), as transformers reads the
+    config and the architecture table states the family's rule; None when no layer slides."""
+    from gqakit.core.loaded import loaded_shape
+
+    windows = loaded_shape(hf_config).layer_windows
+    return None if windows is None else list(windows)
+
+
 def layer_kv_heads(hf_config: Any) -> list[int]:
     """The KV heads of each decoder layer: a per-layer list where the config has one (the
     geometry's `kv_heads_per_layer`, or a list-valued `num_key_value_heads`), else the one count."""
@@ -170,6 +197,12 @@ class KvCheck(BaseModel):
     total_bytes: int
     detail: dict[str, Any]
     match: bool
+    # the sliding window of each layer (None: full attention) where some layers slide
+    layer_windows: list[int | None] | None = None
+    # whether the prediction holds min(window, capacity) positions in a sliding layer (an engine
+    # that sizes each layer's cache) or every position (an engine that pages every layer per token)
+    windows_held: bool = False
+    predicted_total_bytes: int | None = None  # the predicted cache at the capacity
 
 
 class ServingCheck(BaseModel):
@@ -256,7 +289,15 @@ def kv_check(engine: Any, hf_config: Any, dtype: str) -> KvCheck:
     cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     elem = cache_bytes(cache_dtype)
-    predicted = None if elem is None else predicted_kv_bytes(heads, head_dim, elem)
+    capacity = int(alloc.capacity_tokens)
+    windows = layer_windows(hf_config)
+    # an engine that reports the positions each layer holds sizes each layer's cache itself
+    engine_positions = alloc.detail.get("positions_per_layer")
+    windows_held = engine_positions is not None
+    positions = held_positions(windows if windows_held else None, capacity, len(heads))
+    total = None if elem is None else predicted_cache_bytes(heads, head_dim, elem, positions)
+    # per token as the engines state it: the cache at the capacity over the capacity
+    predicted = None if total is None else (total // capacity if capacity else predicted_kv_bytes(heads, head_dim, elem))
     detail = dict(alloc.detail)
     if elem is not None and detail.get("v_padded_to_widest_layer") and len(set(heads)) > 1:
         # what llama.cpp's buffer holds besides the sequence's own rows (the check's bytes)
@@ -264,11 +305,15 @@ def kv_check(engine: Any, hf_config: Any, dtype: str) -> KvCheck:
     # an engine that reports each layer's KV heads (vLLM) must hold the plan's, layer by layer
     engine_heads = alloc.detail.get("kv_heads_per_layer")
     same_heads = not engine_heads or [int(h) for h in engine_heads] == heads
+    # and one that sizes each layer's cache must hold the predicted positions, layer by layer, in all
+    same_held = not windows_held or ([int(p) for p in engine_positions] == positions
+                                     and int(alloc.total_bytes) == total)
     return KvCheck(allocated_bytes_per_token=int(alloc.bytes_per_token), predicted_bytes_per_token=predicted,
                    cache_dtype=cache_dtype, kv_heads_per_layer=heads, head_dim=head_dim,
-                   capacity_tokens=int(alloc.capacity_tokens), total_bytes=int(alloc.total_bytes),
+                   capacity_tokens=capacity, total_bytes=int(alloc.total_bytes),
                    detail=detail, match=predicted is not None and int(alloc.bytes_per_token) == predicted
-                   and same_heads)
+                   and same_heads and same_held, layer_windows=windows, windows_held=windows_held,
+                   predicted_total_bytes=total)
 
 
 def run_check(model_path: str | Path, engine: Any, teacher: Any, *, dtype: str, prompts: list[list[int]],
@@ -299,6 +344,18 @@ def run_check(model_path: str | Path, engine: Any, teacher: Any, *, dtype: str, 
                         max_abs_logprob_diff=diff, kv=kv, rule=rule, passed=passed)
 
 
+def sliding_clause(kv: KvCheck) -> str:
+    """The KV line's clause on sliding layers ("" without them): how many slide, their window,
+    and how the prediction counts them."""
+    slid = [w for w in kv.layer_windows or [] if w is not None]
+    if not slid:
+        return ""
+    held = (f"each holds min(window, capacity) = {min(min(slid), kv.capacity_tokens)}" if len(set(slid)) == 1
+            else "each holds min(window, capacity)") if kv.windows_held else "paged per token as full layers"
+    wins = "/".join(str(w) for w in sorted(set(slid)))
+    return f"; {len(slid)} of {len(kv.layer_windows or [])} layers slide (window {wins}: {held})"
+
+
 def table(c: ServingCheck) -> list[str]:
     """The short table `gqakit eval --check` prints, ending in PASS or FAIL."""
     ok = lambda b: "ok" if b else "FAIL"  # noqa: E731
@@ -317,13 +374,14 @@ def table(c: ServingCheck) -> list[str]:
     pred = "n/a (quantised cache)" if c.kv.predicted_bytes_per_token is None else c.kv.predicted_bytes_per_token
     lines.append(f"  KV bytes per token {c.kv.allocated_bytes_per_token} allocated, {pred} predicted "
                  f"({c.kv.cache_dtype}, KV heads {sorted(set(c.kv.kv_heads_per_layer))} x head_dim {c.kv.head_dim}); "
-                 f"capacity {c.kv.capacity_tokens} tokens  {ok(c.kv.match)}")
+                 f"capacity {c.kv.capacity_tokens} tokens{sliding_clause(c.kv)}  {ok(c.kv.match)}")
     lines.append(("PASS" if c.passed else "FAIL") + f" ({c.rule})")
     return lines
 
 
 __all__ = ["CheckFailed", "MARGINS", "MIN_AGREEMENT", "QUANTISED_RULE", "RULE", "KvCheck", "Mismatch", "ServingCheck",
-           "cache_bytes", "gguf_quant", "judge", "kv_budget_for", "layer_kv_heads", "make_prompts", "margin_for", "predicted_kv_bytes",
+           "cache_bytes", "gguf_quant", "held_positions", "judge", "kv_budget_for", "layer_kv_heads", "layer_windows",
+           "make_prompts", "margin_for", "predicted_cache_bytes", "predicted_kv_bytes",
            "rule_for", "run_check", "table", "teacher_logprobs"]
 
 

@@ -4,7 +4,7 @@
 where transformers has it), with no stop token and no logits processor, so every prompt
 gets exactly `max_new_tokens` argmax tokens. `time_point` times the same modules step by
 step on a static cache (prefill, then one forward per new token). `kv_allocation` reads the
-bytes of the static cache transformers allocates for `max_len` tokens, layer by layer.
+bytes of the static cache transformers allocates for `max_len` tokens, layer by layer (a sliding-window layer's holds its window, where that is shorter).
 """
 
 from __future__ import annotations
@@ -164,7 +164,9 @@ class TransformersEngine:
         dtype = str(cache.layers[0].keys.dtype).removeprefix("torch.")
         return KvAllocation(bytes_per_token=total // length, capacity_tokens=length, total_bytes=total,
                             detail={"cache": "transformers StaticCache", "cache_dtype": dtype, "layers": len(per_layer),
-                                    "kv_heads_per_layer": [int(layer.keys.shape[1]) for layer in cache.layers]})
+                                    "kv_heads_per_layer": [int(layer.keys.shape[1]) for layer in cache.layers],
+                                    # a sliding layer's cache holds min(window, max_len) positions
+                                    "positions_per_layer": [int(layer.keys.shape[-2]) for layer in cache.layers]})
 
     def close(self) -> None:
         self.model = None

@@ -118,6 +118,7 @@ class DecodeBench(DecodeSteps):
         self.engine: str | None = None   # the engine name the points record (eval.speed.grid sets it)
         self.weight_bytes, self.matmul_params = step_weights(model, self.elem)
         self.kv_bytes_per_token = self.shape.kv_bytes_per_token(self.elem)
+        self.kv_window_shares = self.shape.window_shares()  # sliding layers read min(window, depth)
         self.compiled = False
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and not compile
         self.graph_error: str | None = None

@@ -37,6 +37,7 @@ class EngineBench:
                                                                  shape.head_dim, shape.num_layers)
         self.weight_bytes, self.matmul_params = step_weights(model, self.elem)
         self.kv_bytes_per_token = shape.kv_bytes_per_token(self.elem)
+        self.kv_window_shares = shape.window_shares()  # sliding layers read min(window, depth)
         self.allocation = engine.kv_allocation()
         # an engine that stores the model in other types than the compute dtype (llama.cpp: a
         # quantised GGUF, an F16 cache) states the bytes a step reads in its own storage

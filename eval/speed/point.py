@@ -77,17 +77,33 @@ class PointCost(NamedTuple):
     kv_analytic: float
 
 
+def held_tokens(shares: dict[int, float], depth: int) -> float:
+    """Positions' worth of a token's KV bytes a cache at `depth` holds (and a step at that depth
+    reads): every position in the full layers, min(window, depth) in the sliding ones, whose
+    share of a token's bytes `shares` gives by window (`Shape.window_shares`)."""
+    return (1 - sum(shares.values())) * depth + sum(s * min(w, depth) for w, s in shares.items())
+
+
 def step_cost(bench: Any, pt: OpenPoint) -> PointCost:
     """Minimum bytes a decoder-only step must read: the weights once and the filled cache (mean
-    over the steps); its FLOPs. `bench` gives the geometry (`weight_bytes`, `matmul_params`,
-    `kv_bytes_per_token`, `layers`, `heads`, `head_dim`), whichever engine runs the steps."""
+    over the steps; a sliding layer reads min(window, depth) positions); its FLOPs. `bench`
+    gives the geometry (`weight_bytes`, `matmul_params`, `kv_bytes_per_token`, `layers`,
+    `heads`, `head_dim`; `kv_window_shares` where layers slide), whichever engine runs the steps."""
     batch, prompt_len, new_tokens = pt.batch, pt.prompt_len, pt.new_tokens
     mean_len = prompt_len + (new_tokens + 1) / 2
-    kv_read = batch * bench.kv_bytes_per_token * mean_len
+    shares = getattr(bench, "kv_window_shares", None) or {}
+    capacity = prompt_len + new_tokens
+    if shares:
+        depths = range(prompt_len + 1, capacity + 1)  # the positions step i attends to
+        kv_read = batch * bench.kv_bytes_per_token * sum(held_tokens(shares, d) for d in depths) / len(depths)
+        kv_analytic = batch * held_tokens(shares, capacity) * bench.kv_bytes_per_token
+    else:
+        kv_read = batch * bench.kv_bytes_per_token * mean_len
+        kv_analytic = batch * capacity * bench.kv_bytes_per_token
     bytes_step = bench.weight_bytes + kv_read
     flops_step = 2 * bench.matmul_params * batch + 4 * batch * bench.layers * bench.heads * bench.head_dim * mean_len
     return PointCost(bytes={"weights": bench.weight_bytes, "kv": kv_read, "total": bytes_step}, flops=flops_step,
-                     kv_analytic=batch * (prompt_len + new_tokens) * bench.kv_bytes_per_token)
+                     kv_analytic=kv_analytic)
 
 
 @runtime_checkable

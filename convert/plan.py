@@ -122,6 +122,13 @@ def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, set
                       "unchanged copy; pass --force to write it anyway")
 
 
+def sliding_windows(shape: archmod.Shape) -> list[int]:
+    """The windows of the layers that attend to fewer positions than the model's context (the
+    table's rule for the family, or the config's `layer_types`: `core.windows`)."""
+    limit = shape.max_positions or 0
+    return [w for w in (shape.layer_windows or ()) if w is not None and w < limit]
+
+
 def layer_kv_heads(spec: archmod.ArchSpec, shape: archmod.Shape, settings: ConvertSettings,
                    config: dict[str, Any], *, gguf_out: bool,
                    chosen: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
@@ -153,9 +160,9 @@ def layer_kv_heads(spec: archmod.ArchSpec, shape: archmod.Shape, settings: Conve
     elif gguf_out and (spec.gguf is None or not spec.gguf.permute_qk):
         why = ("a per-layer GGUF is llama.cpp's deci architecture, which takes the Llama GGUF layout; "
                f"convert this {spec.family} GGUF to a model folder")
-    elif (spec.per_layer_kv != spec.family  # the family's own layout keeps its attention, window included
-          and isinstance(config.get("sliding_window"), int) and config["sliding_window"] < (shape.max_positions or 0)):
-        why = f"SRC's attention has a sliding window ({config['sliding_window']}), which the per-layer layout lacks"
+    elif spec.per_layer_kv != spec.family and (windows := sliding_windows(shape)):
+        # the family's own layout keeps its attention, window included; another family's may not
+        why = f"SRC's attention has a sliding window ({min(windows)}), which the per-layer layout lacks"
     if why is not None:
         raise GqakitError(f"the per-layer KV plan cannot be written: {why}; the nearest uniform plan is "
                           f"{nearest_uniform(shape, heads, config)}")

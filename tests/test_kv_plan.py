@@ -237,3 +237,19 @@ def test_sliding_window_refused_for_a_per_layer_plan(tiny_model, tmp_path, capsy
     code, err = run_cli(["convert", src, tmp_path / "out", "--kv-plan", plan_file(tmp_path, PLAN)], capsys)
     assert_one_line_error(code, err, "sliding window (16)", "the nearest uniform plan is -g 4")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sliding_window_that_no_layer_uses_is_not_refused(tiny_model, tmp_path):
+    """A Qwen2 config.json may keep `sliding_window` with `use_sliding_window` off: no layer
+    slides, so a per-layer plan is written (and with it on, the plan is refused)."""
+    from gqakit.core.errors import GqakitError
+
+    src = tiny_model("qwen2", num_hidden_layers=LAYERS, use_sliding_window=False)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))  # as Qwen's own configs keep it
+    out = convert(src, tmp_path / "out", kv_plan=plan_file(tmp_path, PLAN))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "nemotron-nas"
+    slid = tiny_model("qwen2", num_hidden_layers=LAYERS, sliding_window=16, use_sliding_window=True, max_window_layers=0)
+    with pytest.raises(GqakitError, match=r"sliding window \(16\)"):
+        convert(slid, tmp_path / "out2", kv_plan=plan_file(tmp_path, PLAN, "p2.json"))
+    assert not (tmp_path / "out2").exists()

@@ -170,3 +170,19 @@ def test_a_budget_conversion_replays_bit_for_bit_from_its_record(llama4, tmp_pat
     assert code == 0, err
     names = ("model.safetensors", "config.json")
     assert {n: digest(first)[n] for n in names} == {n: digest(again)[n] for n in names}
+
+
+def test_damages_are_measured_on_at_most_damage_tokens(llama4, monkeypatch):
+    """The damage passes read at most `DAMAGE_TOKENS` of the calibration text (each runs the whole
+    model), whatever --calibration-tokens the conversion itself uses."""
+    from gqakit.convert.budget import choose
+    from gqakit.convert.source import open_model
+
+    src, calib = llama4
+    monkeypatch.setattr(choose, "DAMAGE_TOKENS", 128)
+    settings = ConvertSettings(source=src, kv_budget="0.5", method="mean", calibration_data=str(calib),
+                               calibration_tokens=512)
+    measured = choose.measure(open_model(src, progress=False), settings, progress=False)
+    assert 0 < measured.measured["tokens"] <= 128
+    monkeypatch.setattr(choose, "DAMAGE_TOKENS", 16_384)
+    assert choose.measure(open_model(src, progress=False), settings, progress=False).measured["tokens"] > 128

@@ -33,6 +33,10 @@ from gqakit.core.errors import GqakitError
 from gqakit.core.units import DTYPE_BYTES, config_dtype, kv_bytes_text
 
 REFIT_PROBE = "align-refit"  # the calibrated method whose closed-form fits `refit_probe` measures
+# Damages are measured on at most this many calibration tokens: each candidate costs a pass of the
+# whole model over them (the conversion itself streams one block at a time), so at the conversion's
+# 65,536 tokens a 30-layer model would spend hours ranking layers.
+DAMAGE_TOKENS = 16_384
 PROBE_FOR_DATA_METHODS = "align"  # any other calibrated method: the closed-form start align-refit refines
 
 
@@ -125,7 +129,8 @@ def _geometry(opened: Opened, settings: ConvertSettings) -> tuple[archmod.ArchSp
 
 
 def measure(opened: Opened, settings: ConvertSettings, *, device: str = "cpu", progress: bool = True) -> Measured:
-    """The damage of every layer's candidates on the calibration text (loads the model in float32)."""
+    """The damage of every layer's candidates on the calibration text, at most its first
+    `DAMAGE_TOKENS` tokens (loads the model in float32)."""
     spec, shape, per_head, cands, full, dtype = _geometry(opened, settings)
     t0 = time.perf_counter()
     source_params = sum(int(torch.Size(opened.source.meta(n)[1]).numel()) for n in opened.source.names())
@@ -136,7 +141,8 @@ def measure(opened: Opened, settings: ConvertSettings, *, device: str = "cpu", p
     seq_len = settings.refit.seq_len if isinstance(getattr(settings.refit, "seq_len", None), int) else MAX_SEQ_LEN
     from gqakit.convert.calibration.tokens import calibration_sequences  # the calibration package: only with a budget
 
-    seqs, where = calibration_sequences(opened, settings.calibration_data, settings.calibration_tokens, seq_len,
+    tokens = min(settings.calibration_tokens, DAMAGE_TOKENS)
+    seqs, where = calibration_sequences(opened, settings.calibration_data, tokens, seq_len,
                                         settings.seed, device=device, progress=progress, source_params=source_params)
     from gqakit.core.loading import load_causal_lm
 

@@ -67,6 +67,25 @@ def _split(aug: Tensor, has_bias: bool) -> tuple[Tensor, Tensor | None]:
     return aug[..., :-1], (aug[..., -1] if has_bias else None)
 
 
+# ----------------------------------------------------------------------------- activation moments
+
+def add_moment(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += [a 1]^T [b 1] in place, without building the augmented copies."""
+    D = a.shape[1]
+    acc[:D, :D].addmm_(a.T, b)
+    acc[:D, D] += a.sum(0)
+    acc[D, :D] += b.sum(0)
+    acc[D, D] += a.shape[0]
+
+
+def metric_factor(moment: Tensor) -> Tensor:
+    """The Cholesky factor of a second moment E[x~ x~^T], with a 1e-8 relative jitter on its
+    diagonal (the `whiten` metric of alignment and similarity grouping)."""
+    m = moment.clone()
+    m.diagonal().add_(1e-8 * float(torch.diagonal(m).mean()))
+    return torch.linalg.cholesky(m)
+
+
 # ----------------------------------------------------------------------------- Procrustes
 
 def _fit_rope_rotation(n: Tensor, pairs: tuple[Tensor, Tensor, Tensor]) -> Tensor:

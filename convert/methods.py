@@ -11,12 +11,14 @@ for it, one decoder block at a time. Every method first reorders heads into `ctx
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from gqakit.convert import align as A
 from gqakit.convert.layout import AttnHeads
 from gqakit.convert.pooling import Method, PoolContext, pool_contiguous, regroup
 from gqakit.core.methods import METHODS, MethodSpec, load, method_spec, register_method
 
-__all__ = ["METHODS", "MethodSpec", "align_method", "align_scale_method", "align_transform", "method_function",
+__all__ = ["METHODS", "MethodSpec", "align_method", "aligned_mean", "align_scale_method", "align_transform", "method_function",
            "method_spec", "register_method"]
 
 
@@ -24,6 +26,19 @@ def align_transform(h: AttnHeads, ctx: PoolContext) -> AttnHeads:
     """Regroup and align, without pooling: the same function as `h`, with KV heads kept."""
     return A.align_heads(regroup(h, ctx.groups), ctx.num_kv_heads, rotary_style=ctx.rotary_style,
                          rotary_dim=ctx.rotary_dim)
+
+
+def aligned_mean(h: AttnHeads, G: int, *, rotary_style: str, rotary_dim: int, whiten: Tensor | None = None,
+                 s_ab: Tensor | None = None, s_bb: Tensor | None = None, q_ridge: float | None = None) -> AttnHeads:
+    """Heads whose groups are contiguous aligned in the metric `whiten` (None: the weights'),
+    mean pooled to G, then (with `q_ridge`) each query refitted by ridge least squares on the
+    activation moments `s_ab`, `s_bb` (None: the weights'): align-refit's closed-form heads."""
+    al = A.align_heads(h, G, rotary_style=rotary_style, rotary_dim=rotary_dim, whiten=whiten)
+    pooled = pool_contiguous(al, G, "mean")
+    if q_ridge is None:
+        return pooled
+    return A.refit_queries(al, pooled, rotary_style=rotary_style, rotary_dim=rotary_dim, s_ab=s_ab, s_bb=s_bb,
+                           ridge=q_ridge)
 
 
 def align_method(h: AttnHeads, ctx: PoolContext) -> AttnHeads:

@@ -35,11 +35,12 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gqakit.convert.align import align_heads, refit_o_proj_moments, refit_queries
+from gqakit.convert.align import add_moment, metric_factor, refit_o_proj_moments
 from gqakit.convert.budget.damage import Damage, calibration_loss, default_batch, layer_heads, repeated
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, layer_names, write_heads
-from gqakit.convert.pooling import pool_contiguous, regroup
+from gqakit.convert.methods import aligned_mean
+from gqakit.convert.pooling import regroup
 from gqakit.core import arch as archmod
 from gqakit.core.errors import GqakitError
 
@@ -122,27 +123,14 @@ def fit_rows(n_seq: int, seq_len: int, opts: FitOptions, sl: slice) -> Tensor:
     return (pos >= opts.skip_first) & (seq < n_seq - n_hold)
 
 
-def _add_moment(acc: Tensor, a: Tensor) -> None:
-    """acc += [a 1]^T [a 1] in place."""
-    D = a.shape[1]
-    acc[:D, :D].addmm_(a.T, a)
-    acc[:D, D] += a.sum(0)
-    acc[D, :D] += a.sum(0)
-    acc[D, D] += a.shape[0]
-
-
 def closed_form_heads(heads: AttnHeads, g: int, moment: Tensor, whiten: Tensor, spec: archmod.ArchSpec,
                       shape: archmod.Shape, q_ridge: float) -> AttnHeads:
     """2. contiguous groups, alignment in the metric `whiten`, mean pooling, the query refit on
     `moment` (both of its moments: the streams are equal), float64 (`AlignRefit._fit_heads`)."""
     style, rdim = spec.rotary.style, shape.rotary_dim
     h = regroup(heads, GROUPINGS["contiguous"](heads, g, rotary_style=style, rotary_dim=rdim, whiten=whiten))
-    al = align_heads(h, g, rotary_style=style, rotary_dim=rdim, whiten=whiten)
-    pooled = pool_contiguous(al, g, "mean")
-    if q_ridge >= 0:
-        pooled = refit_queries(al, pooled, rotary_style=style, rotary_dim=rdim, s_ab=moment, s_bb=moment,
-                               ridge=q_ridge)
-    return pooled
+    return aligned_mean(h, g, rotary_style=style, rotary_dim=rdim, whiten=whiten, s_ab=moment, s_bb=moment,
+                        q_ridge=q_ridge if q_ridge >= 0 else None)
 
 
 class LayerProbe:
@@ -175,15 +163,13 @@ class LayerProbe:
             for sl in self._spans():
                 keep = self._keep(sl)
                 h = _forward(self.model, self.seqs[sl].to(self.device), self.sites, ["h"])["h"][keep].double()
-                _add_moment(acc, h)
+                add_moment(acc, h, h)
                 n += h.shape[0]
         if n == 0:
             raise GqakitError("no calibration rows left for the fits: lower skip_first or holdout, or pass "
                               "more --calibration-tokens")
         moment = (acc / n).cpu()
-        jittered = moment.clone()
-        jittered.diagonal().add_(1e-8 * float(torch.diagonal(jittered).mean()))
-        return moment, torch.linalg.cholesky(jittered)
+        return moment, metric_factor(moment)
 
     def fit(self, g: int) -> AttnHeads:
         """The layer's closed-form align-refit heads at G=`g` (G K/V heads, float64). Leaves the

@@ -32,23 +32,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gqakit.convert.align import align_heads, refit_o_proj_moments, refit_queries
+from gqakit.convert.align import add_moment, metric_factor, refit_o_proj_moments
 from gqakit.convert.calibration.block import BlockContext, Fitted, Grab
 from gqakit.convert.calibration.memory import trim
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, read_heads
-from gqakit.convert.pooling import pool_contiguous, regroup
+from gqakit.convert.methods import aligned_mean
+from gqakit.convert.pooling import regroup
 from gqakit.convert.refit_options import ResolvedRefitOptions
 from gqakit.core.errors import GqakitError
-
-
-def _add_moment(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += [a 1]^T [b 1] in place, without building the augmented copies."""
-    D = a.shape[1]
-    acc[:D, :D].addmm_(a.T, b)
-    acc[:D, D] += a.sum(0)
-    acc[D, :D] += b.sum(0)
-    acc[D, D] += a.shape[0]
 
 
 def _clone_tree(x: Any, dtype: torch.dtype) -> Any:
@@ -169,9 +161,9 @@ class AlignRefit:
                     xo = g.rows[keep].to(f64)
                     blk.run(sl, "new")
                     xn = g.rows[keep].to(f64)
-                    _add_moment(s_oo, xo, xo)
-                    _add_moment(s_on, xo, xn)
-                    _add_moment(s_nn, xn, xn)
+                    add_moment(s_oo, xo, xo)
+                    add_moment(s_on, xo, xn)
+                    add_moment(s_nn, xn, xn)
                     n_rows += xo.shape[0]
                     del xo, xn
                     ctx.tick(1)
@@ -182,9 +174,7 @@ class AlignRefit:
                               "more --calibration-tokens")
         for m in (s_oo, s_on, s_nn):
             m /= n_rows
-        s_oo, s_on, s_nn = s_oo.cpu(), s_on.cpu(), s_nn.cpu()
-        s_oo.diagonal().add_(1e-8 * float(torch.diagonal(s_oo).mean()))
-        return torch.linalg.cholesky(s_oo), s_on, s_nn
+        return metric_factor(s_oo.cpu()), s_on.cpu(), s_nn.cpu()
 
     def _fit_heads(self, ctx: BlockContext, whiten: Tensor, s_on: Tensor, s_nn: Tensor) -> AttnHeads:
         """2.-3. grouping, alignment, pooling and the query refit, on the CPU in float64."""
@@ -193,13 +183,10 @@ class AlignRefit:
         heads = read_heads(spec, shape, src_t, ctx.layer, dtype=torch.float64)
         h = regroup(heads, GROUPINGS[self.grouping](heads, G, rotary_style=spec.rotary.style,
                                                      rotary_dim=shape.rotary_dim, whiten=whiten))
-        al = align_heads(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten)
-        del heads, h, src_t
-        pooled = pool_contiguous(al, G, "mean")
-        if float(self.opts.q_ridge) >= 0:
-            pooled = refit_queries(al, pooled, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim,
-                                   s_ab=s_on, s_bb=s_nn, ridge=float(self.opts.q_ridge))
-        return pooled
+        del heads, src_t
+        q_ridge = float(self.opts.q_ridge)
+        return aligned_mean(h, G, rotary_style=spec.rotary.style, rotary_dim=shape.rotary_dim, whiten=whiten,
+                            s_ab=s_on, s_bb=s_nn, q_ridge=q_ridge if q_ridge >= 0 else None)
 
     def _fit_o_proj(self, ctx: BlockContext, pooled: AttnHeads) -> tuple[AttnHeads, dict[str, Tensor]]:
         """4. o_proj's float64 normal equations on the converted block, towards the original

@@ -22,6 +22,7 @@ from gqakit.convert.source import open_model
 from gqakit.core import arch as archmod
 from cli_helpers import run_cli
 from test_kv_budget import CALIB
+from tiny_models import FAMILIES
 from tolerance import rounding_tolerance
 
 DEFAULTS = FitOptions.of(RefitOptions())  # align-refit's defaults: q_ridge 1e-2, o_ridge 3e-2, relative rows
@@ -150,3 +151,52 @@ def test_the_probe_fits_what_the_conversion_fits_in_its_first_layer(tiny_model, 
     # the test can fail: another G's fit, or the fit without the query refit, is far from it
     other = LayerProbe(model, spec, shape, 0, seqs, dataclasses.replace(opts, q_ridge=-1), batch=8).fit(2)
     assert (other.q - want.q).abs().max() > 1e-3 * want.q.abs().max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_damages_started_at_each_layer_equal_full_forwards(family, tiny_model, tmp_path, one_thread):
+    """The damage passes start at the measured layer, on the source's hidden state kept batch by
+    batch (`stream.SourceStream`): the blocks before it are not run again. The same inputs go
+    through the same operations as in a full forward of the model, so both probes' damages equal,
+    bit for bit, the losses of full forwards with the candidate written into the model (every
+    family of the table: blocks that return a tuple or a tensor, hidden states given by position
+    or by keyword, logits transformed after the head)."""
+    from gqakit.convert.budget.damage import _write, layer_heads, measure_damage
+    from gqakit.convert.budget.refit_probe import measure_refit_damage
+    from gqakit.convert.methods import method_function
+
+    (tmp_path / "calib.txt").write_text(CALIB)
+    src = tiny_model(family)
+    cfg = json.loads((src / "config.json").read_text())
+    spec = archmod.lookup(cfg)
+    shape = archmod.shape_of(spec, cfg)
+    if shape.num_kv_heads < 2:
+        pytest.skip("one KV head: nothing to measure")
+    model, spec, shape, seqs = loaded(src, tmp_path / "calib.txt", 1024)
+    batch, cands = 3, [shape.num_kv_heads, 1]  # 3 does not divide the sequences: a short last batch
+    base = calibration_loss(model, seqs, batch, torch.device("cpu"))
+    got = measure_refit_damage(model, spec, shape, seqs, options=DEFAULTS, candidates=cands, batch=batch,
+                               progress=False)
+    assert got.base_loss == base
+    params = dict(model.named_parameters())
+    for layer in range(shape.num_layers):
+        probe = LayerProbe(model, spec, shape, layer, seqs, DEFAULTS, batch=batch)
+        probe.put(probe.fit(1))
+        try:
+            want = calibration_loss(model, seqs, batch, torch.device("cpu")) - base
+        finally:
+            probe.restore()
+        assert got.per_layer[layer][1] == want, (layer, got.per_layer[layer][1], want)
+    got = measure_damage(model, spec, shape, seqs, method="mean", candidates=cands, batch=batch, progress=False)
+    fn = method_function("mean")
+    for layer in range(shape.num_layers):
+        saved, heads = layer_heads(model, spec, shape, layer, params)
+        _write(params, spec, shape, layer, heads, 1, fn, torch.Generator(), saved)
+        try:
+            want = calibration_loss(model, seqs, batch, torch.device("cpu")) - base
+        finally:
+            with torch.no_grad():
+                for n, t in saved.items():
+                    params[n].copy_(t)
+        assert got.per_layer[layer][1] == want, (layer, got.per_layer[layer][1], want)
+        assert want != 0.0  # the candidate changes the model: a pass that ignored it would fail above

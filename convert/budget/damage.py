@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from gqakit.convert.budget.stream import SourceStream, token_loss
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.methods import method_function
@@ -51,12 +52,8 @@ def calibration_loss(model: torch.nn.Module, seqs: Tensor, batch: int, device: t
     total, n = 0.0, 0
     with torch.inference_mode():
         for i in range(0, seqs.shape[0], batch):
-            ids = seqs[i:i + batch].to(device)
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                             ids[:, 1:].reshape(-1), reduction="sum"))
-            n += ids[:, 1:].numel()
-            del logits
+            t, c = token_loss(model, seqs[i:i + batch].to(device))
+            total, n = total + t, n + c
     return total / n
 
 
@@ -82,16 +79,19 @@ def measure_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmo
     gen = torch.Generator().manual_seed(seed)
     bar = tqdm(total=1 + shape.num_layers * len(todo), desc="measuring each layer's damage", unit="pass",
                disable=not progress)
-    base = calibration_loss(model, seqs, batch, device)
+    stream = SourceStream(model, spec, shape.num_layers, seqs, batch, device)  # the loss passes start at the layer
+    base = stream.base_loss
     bar.update(1)
     per_layer: list[dict[int, float]] = []
     for layer in range(shape.num_layers):
+        if layer:
+            stream.advance()  # the source's weights are in the model
         saved, heads = layer_heads(model, spec, shape, layer, params)
         damage = {KV: 0.0}
         for g in todo:
             try:
                 _write(params, spec, shape, layer, heads, g, fn, gen, saved)
-                loss = calibration_loss(model, seqs, batch, device)
+                loss = stream.loss()
             finally:
                 with torch.no_grad():
                     for n, t in saved.items():

@@ -20,8 +20,11 @@ the fits are the same rows. For layer l and each candidate G, on the loaded sour
   4. the damage: the calibration loss increase with the fitted layer in the model.
 
 Forward hooks on the loaded model read the rows at the layer's roles (module names from the
-family table, `layout.layer_names`), and stop the forward once they have them. The normal
-equations are accumulated batch by batch, so memory does not grow with the calibration text.
+family table, `layout.layer_names`), and stop the forward once they have them. Every pass starts
+at the layer, on the source's hidden state kept there batch by batch (`stream.SourceStream`, moved
+on one block per layer), so the layers before it are not run again. The normal equations are
+accumulated batch by batch, so memory does not grow with the calibration text (the kept hidden
+state is tokens x hidden in the model's dtype).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from gqakit.convert.align import add_moment, metric_factor, refit_o_proj_moments
-from gqakit.convert.budget.damage import Damage, calibration_loss, default_batch, layer_heads, repeated
+from gqakit.convert.budget.damage import Damage, default_batch, layer_heads, repeated
+from gqakit.convert.budget.stream import SourceStream
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, layer_names, write_heads
 from gqakit.convert.methods import aligned_mean
@@ -135,23 +139,31 @@ def closed_form_heads(heads: AttnHeads, g: int, moment: Tensor, whiten: Tensor, 
 
 class LayerProbe:
     """Layer `layer` of the loaded `model`: its input moments (on creation), the closed-form fit
-    of any G, and the fitted heads written into (and the source's put back into) the model."""
+    of any G, and the fitted heads written into (and the source's put back into) the model. Its
+    forwards start at the layer, on `stream`'s kept inputs (`stream.SourceStream`, which must be
+    at `layer`; without one, a stream is run up to the layer)."""
 
     def __init__(self, model: torch.nn.Module, spec: archmod.ArchSpec, shape: archmod.Shape, layer: int,
-                 seqs: Tensor, opts: FitOptions, *, batch: int, device: torch.device | str = "cpu"):
+                 seqs: Tensor, opts: FitOptions, *, batch: int, device: torch.device | str = "cpu",
+                 stream: SourceStream | None = None):
         self.model, self.spec, self.shape, self.layer, self.seqs = model, spec, shape, layer, seqs
         self.opts, self.batch, self.device = opts, batch, torch.device(device)
+        if stream is None:
+            stream = SourceStream(model, spec, shape.num_layers, seqs, batch, self.device).advanced_to(layer)
+        if stream.layer != layer:
+            raise ValueError(f"the stream is at layer {stream.layer}, the probe at {layer}")
+        self.stream = stream
         self.params = dict(model.named_parameters())
         self.saved, self.heads = layer_heads(model, spec, shape, layer, self.params)
         self.sites = _Sites(model, spec, layer)
         self.moment, self.whiten = self._moments()
 
-    def _spans(self) -> list[slice]:
-        n = self.seqs.shape[0]
-        return [slice(i, min(i + self.batch, n)) for i in range(0, n, self.batch)]
-
     def _keep(self, sl: slice) -> Tensor:
         return fit_rows(self.seqs.shape[0], self.seqs.shape[1], self.opts, sl).to(self.device)
+
+    def _forward(self, i: int, want: Sequence[str]) -> dict[str, Tensor]:
+        with self.stream.at(i):
+            return _forward(self.model, self.stream.ids(self.stream.spans[i]), self.sites, want)
 
     def _moments(self) -> tuple[Tensor, Tensor]:
         """1. E[h~ h~^T] of the layer's attention input h with 1 appended (float64, on the CPU), and
@@ -160,9 +172,9 @@ class LayerProbe:
         acc = torch.zeros(D + 1, D + 1, dtype=torch.float64, device=self.device)
         n = 0
         with torch.inference_mode():
-            for sl in self._spans():
+            for i, sl in self.stream.batches():
                 keep = self._keep(sl)
-                h = _forward(self.model, self.seqs[sl].to(self.device), self.sites, ["h"])["h"][keep].double()
+                h = self._forward(i, ["h"])["h"][keep].double()
                 add_moment(acc, h, h)
                 n += h.shape[0]
         if n == 0:
@@ -210,10 +222,10 @@ class LayerProbe:
         source's attention output less o_proj's bias), float64, both times the row weights."""
         bias = None if self.sites.o_bias is None else self.sites.o_bias.to(self.device)
         with torch.inference_mode():
-            for sl in self._spans():
-                keep, ids = self._keep(sl), self.seqs[sl].to(self.device)
+            for i, sl in self.stream.batches():
+                keep = self._keep(sl)
                 self.restore()
-                src = _forward(self.model, ids, self.sites, ["x", "out"])
+                src = self._forward(i, ["x", "out"])
                 out, x = src["out"][keep].double(), src["x"][keep].double()
                 if self.opts.row_weight == "relative":
                     w = (1.0 / (x + out).pow(2).mean(dim=1).clamp_min(1e-30)).sqrt().unsqueeze(1)
@@ -221,7 +233,7 @@ class LayerProbe:
                     w = torch.ones(out.shape[0], 1, dtype=torch.float64, device=self.device)
                 target = out if bias is None else out - bias
                 self.put(heads)
-                z = _forward(self.model, ids, self.sites, ["z"])["z"][keep].double()
+                z = self._forward(i, ["z"])["z"][keep].double()
                 yield z * w, target * w
 
     def put(self, heads: AttnHeads) -> None:
@@ -252,11 +264,14 @@ def measure_refit_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: 
     per_g = 2 if options.o_ridge >= 0 else 1
     bar = tqdm(total=1 + shape.num_layers * (1 + per_g * len(todo)), desc="measuring each layer's damage",
                unit="pass", disable=not progress)
-    base = calibration_loss(model, seqs, batch, device)
+    stream = SourceStream(model, spec, shape.num_layers, seqs, batch, device)
+    base = stream.base_loss
     bar.update(1)
     per_layer: list[dict[int, float]] = []
     for layer in range(shape.num_layers):
-        probe = LayerProbe(model, spec, shape, layer, seqs, options, batch=batch, device=device)
+        if layer:
+            stream.advance()  # the source's weights are in the model
+        probe = LayerProbe(model, spec, shape, layer, seqs, options, batch=batch, device=device, stream=stream)
         bar.update(1)
         damage = {KV: 0.0}
         for g in todo:
@@ -264,7 +279,7 @@ def measure_refit_damage(model: torch.nn.Module, spec: archmod.ArchSpec, shape: 
             bar.update(per_g - 1)
             try:
                 probe.put(heads)
-                loss = calibration_loss(model, seqs, batch, device)
+                loss = stream.loss()
             finally:
                 probe.restore()
             if not math.isfinite(loss):

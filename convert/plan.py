@@ -257,12 +257,13 @@ def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, tuple[in
 
 def trained_block_tensors(plan: Plan, settings: ResolvedSettings) -> set[str]:
     """The pass-through tensors the calibration stage rewrites (`--refit-option train=block`
-    with reconstruction steps: each converted block's MLP and norms), which the writer
+    with reconstruction steps: the MLP and norms of each block whose KV heads are pooled), which the writer
     takes from the stage rather than from the source."""
     trains_block = getattr(settings.options, "trains_block", None)
-    fewest = min(settings.kv_heads or (settings.num_kv_heads,))  # a per-layer plan trains if any layer pools
-    if not settings.staged or trains_block is None or not trains_block(plan.shape.num_kv_heads, fewest):
+    if not settings.staged or trains_block is None:
         return set()
     spec = archmod.registry()[plan.family]
-    prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers))
-    return {s.name for s in plan.pass_through() if s.name.startswith(prefixes)}
+    # the layers whose KV heads are pooled (a per-layer plan's others keep their heads and take no steps)
+    prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers)
+                     if trains_block(plan.shape.kv_heads_of(L), settings.kv_heads_at(L)))
+    return {s.name for s in plan.pass_through() if s.name.startswith(prefixes)} if prefixes else set()

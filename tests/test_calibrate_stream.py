@@ -475,7 +475,7 @@ def test_a_new_calibrated_method_is_a_new_fit(tiny_model, one_thread):
         def __init__(self, advance: bool):
             self.advance, self.seen = advance, []
 
-        def units(self, n_spans):
+        def units(self, n_spans, layer):
             return n_spans if self.advance else 0
 
         def fit(self, ctx: BlockContext) -> Fitted:

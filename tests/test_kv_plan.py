@@ -229,6 +229,35 @@ def test_calibration_stage_follows_the_plan(tiny_model, tmp_path):
     assert drift[0] == pytest.approx(0, abs=1e-12) and drift[1] > 1e-3
 
 
+@pytest.mark.parametrize("train", ["block", "attention"])
+def test_reconstruction_steps_only_where_the_plan_pools(tiny_model, tmp_path, train, capsys):
+    """align-refit's steps run in the layers whose KV heads are pooled, none in a layer that keeps
+    them (as -g at the source's heads takes none); with train=block a kept layer's MLP and norms
+    are the source's bytes, a pooled layer's are retrained. The dry run counts the steps so."""
+    from safetensors.torch import load_file
+
+    from cli_helpers import run_cli
+
+    src = tiny_model("llama", num_hidden_layers=LAYERS)
+    plan = plan_file(tmp_path, PLAN)
+    settings = ConvertSettings(source=str(src), kv_plan=plan, method="align-refit", calibration_tokens=256,
+                               refit={"seq_len": 32, "steps": 4, "train": train})
+    out = convert_folder(settings, tmp_path / "out", device="cpu")
+    rec = json.loads((out / "gqakit_convert.json").read_text())["calibration"]["reconstruction"]
+    pooled = [L for L, g in enumerate(PLAN) if g < HEADS]
+    assert [r["layer"] for r in rec] == pooled and all(r["steps_taken"] == 4 for r in rec)
+    got, was = load_file(str(next(out.glob("*.safetensors")))), load_file(str(next(src.glob("*.safetensors"))))
+    for L in range(LAYERS):
+        name = f"model.layers.{L}.mlp.up_proj.weight"
+        same = torch.equal(got[name], was[name])
+        assert same == (L not in pooled or train == "attention"), (L, train)
+    code, text, err = run_cli(["convert", src, tmp_path / "dry", "--kv-plan", plan, "--method", "align-refit",
+                               "--calibration-tokens", "256", "--refit-option", "seq_len=32",
+                               "--refit-option", "steps=4", "--dry-run"], capsys)
+    assert code == 0, err
+    assert f"4 steps in each of {len(pooled)} layers" in text + err
+
+
 def test_sliding_window_refused_for_a_per_layer_plan(tiny_model, tmp_path, capsys):
     from test_convert_errors import assert_one_line_error, run_cli
 

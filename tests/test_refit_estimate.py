@@ -58,11 +58,17 @@ def test_probe_runs_the_first_layer_and_scales_to_the_run(tiny_model, steps):
         assert (rates.fit_span, rates.forward_span, rates.step) == (1.0, 1.0, 1.0 if steps else 0.0)
         shape = run_shape(plan, plan.settings)
         assert shape["spans"] == 512 // 32 // 4 and shape["steps"] == steps and shape["layers"] == layers
+        assert shape["trained"] == (layers if steps else 0)
         shapes[layers] = (rates, shape)
     r2, s2 = shapes[2]
     total2 = expected_seconds(r2, **s2)
-    assert expected_seconds(r2, **{**s2, "layers": 4}) - total2 == pytest.approx(2 * r2.per_layer(
+    more = {**s2, "layers": 4, "trained": 4 if steps else 0}
+    assert expected_seconds(r2, **more) - total2 == pytest.approx(2 * r2.per_layer(
         s2["spans"], s2["steps"], s2["guard_spans"]))
+    # layers that keep their KV heads (a per-layer plan's) take no steps: they cost a layer without them
+    kept = expected_seconds(r2, **{**more, "trained": 1 if steps else 0})
+    p0, ps = (r2.per_layer(s2["spans"], n, s2["guard_spans"]) for n in (0, s2["steps"]))
+    assert kept - total2 == pytest.approx(3 * p0 - ps if steps else 2 * p0)  # 1 + 3 layers against 2
     assert expected_seconds(r2, **{**s2, "spans": 2 * s2["spans"]}) > total2
 
 

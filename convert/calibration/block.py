@@ -195,8 +195,8 @@ class Fitted:
 class Fit(Protocol):
     """A calibrated method, fitted one block at a time by the stage (`stage.CalibrationStage`)."""
 
-    def units(self, n_spans: int) -> int:
-        """Progress units one block takes (the stage adds its own pass over the spans)."""
+    def units(self, n_spans: int, layer: int) -> int:
+        """Progress units block `layer` takes (the stage adds its own pass over the spans)."""
 
     def fit(self, ctx: BlockContext) -> Fitted:
         """Fit block `ctx.layer`. On return the block is loaded, with either weights set."""

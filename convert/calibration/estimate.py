@@ -51,11 +51,14 @@ class Rates:
 
 
 def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard_spans: int,
-                     guard_checks: int = GUARD_CHECKS, generate_calls: int = 1) -> float:
-    """The whole calibration's expected seconds: the preparation, then `layers` layers."""
+                     guard_checks: int = GUARD_CHECKS, generate_calls: int = 1, trained: int | None = None) -> float:
+    """The whole calibration's expected seconds: the preparation, then `layers` layers, `trained`
+    of them (all by default) with `steps` steps each."""
     # reading and tokenizing a file, loading the embeddings: about fixed; sampling: per generate call
     prepare = rates.prepare * (generate_calls if rates.sampled else 1)
-    return prepare + layers * rates.per_layer(spans, steps, guard_spans, guard_checks)
+    trained = layers if trained is None else trained
+    return (prepare + trained * rates.per_layer(spans, steps, guard_spans, guard_checks)
+            + (layers - trained) * rates.per_layer(spans, 0, guard_spans, guard_checks))
 
 
 def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans: int, prepare_seconds: float,
@@ -82,12 +85,15 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
 
 
 def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
-    """What the real run does: its layers, spans, steps per layer, guard spans and generate calls."""
+    """What the real run does: its layers, spans, steps per layer and how many layers take them, guard
+    spans and generate calls."""
     opts = settings.options
     seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
     n_seq = max(1, math.ceil(settings.calibration_tokens / seq_len))
+    steps_at = [opts.train_steps(plan.shape.kv_heads_of(L), settings.kv_heads_at(L))
+                for L in range(plan.shape.num_layers)]  # none in a layer that keeps its KV heads
     return {"layers": plan.shape.num_layers, "spans": math.ceil(n_seq / int(opts.batch)),
-            "steps": settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads),
+            "steps": max(steps_at, default=0), "trained": sum(1 for s in steps_at if s),
             "guard_spans": int(opts.guard_spans), "guard_checks": int(opts.guard_checks), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}
 
 

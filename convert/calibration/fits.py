@@ -25,7 +25,7 @@ FitFactory = Callable[[ResolvedSettings, Plan, torch.dtype, str], Fit]
 def align_refit_fit(settings: ResolvedSettings, plan: Plan, dtype: torch.dtype, device: str) -> Fit:
     """align-refit's fit: input-weighted alignment, query refit, o_proj refit, reconstruction."""
     return AlignRefit(settings.options, grouping=settings.grouping, seed=settings.seed,
-                      kv_from=plan.shape.num_kv_heads, kv_to=min(settings.kv_heads or (settings.num_kv_heads,)),
+                      kv=[(plan.shape.kv_heads_of(L), settings.kv_heads_at(L)) for L in range(plan.shape.num_layers)],
                       dtype=dtype, device=device)
 
 

@@ -21,11 +21,13 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
     """Run the first block of the calibration on `PROBE_SPANS` spans with `PROBE_STEPS` steps
     (none when the run takes none) and time it."""
     opts = settings.options
-    steps = PROBE_STEPS if settings.options.train_steps(plan.shape.num_kv_heads, settings.num_kv_heads) else 0
+    steps = PROBE_STEPS if run_shape(plan, settings)["steps"] else 0
     seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
     tokens = PROBE_SPANS * int(opts.batch) * seq_len
     small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
                                 options=_with(opts, steps=steps, save_seconds=1e9, patience=0))
+    if settings.kv_heads is not None:  # a per-layer plan: the first block is timed as a layer that pools
+        small = dataclasses.replace(small, kv_heads=None, uniform_kv_heads=min(settings.kv_heads))
     stage = CalibrationStage(opened, plan, small, device=device, progress=False)
     stage.ticks, stage.clock = [], clock
     layers = stage.layers()
@@ -51,6 +53,7 @@ def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device
     shape = run_shape(plan, settings)
     total = expected_seconds(rates, **shape)
     per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"], shape["guard_checks"])
+    each = "each" if shape["trained"] == shape["layers"] else f"in each of {shape['trained']} layers"
     return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
-            f"layer x {shape['layers']} layers, {shape['steps']} steps each; from a probe of the first layer on "
+            f"layer x {shape['layers']} layers, {shape['steps']} steps {each}; from a probe of the first layer on "
             f"{PROBE_SPANS} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))

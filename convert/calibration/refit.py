@@ -27,6 +27,7 @@ The math itself is in `convert.align` and `convert.grouping`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -95,19 +96,27 @@ class EarlyStop:
 class AlignRefit:
     """The `align-refit` fit (see the module docstring); one instance per conversion."""
 
-    def __init__(self, opts: ResolvedRefitOptions, *, grouping: str, seed: int, kv_from: int, kv_to: int,
+    def __init__(self, opts: ResolvedRefitOptions, *, grouping: str, seed: int, kv: Sequence[tuple[int, int]],
                  dtype: torch.dtype, device: str):
+        """`kv`: each layer's KV heads in the source and in the output."""
         self.opts, self.grouping, self.seed, self.dtype, self.device = opts, grouping, seed, dtype, device
-        # block-wise reconstruction steps per layer; none at G = KV heads (the conversion is exact)
-        self.train_steps = opts.train_steps(kv_from, kv_to)
-        self.train_block = opts.trains_block(kv_from, kv_to)
+        # block-wise reconstruction steps, in the layers whose KV heads are pooled: none in a layer
+        # that keeps them (with -g, none at all: the conversion is exact)
+        self.steps_at = [opts.train_steps(a, b) for a, b in kv]
+        self.block_at = [opts.trains_block(a, b) for a, b in kv]
         self.recon: list[dict[str, Any]] = []
 
-    def units(self, n_spans: int) -> int:
-        return 2 * n_spans + self.train_steps
+    @property
+    def train_steps(self) -> int:
+        """Steps in each layer that takes them."""
+        return max(self.steps_at, default=0)
+
+    def units(self, n_spans: int, layer: int) -> int:
+        return 2 * n_spans + self.steps_at[layer]
 
     def fit(self, ctx: BlockContext) -> Fitted:
         blk = ctx.block
+        self.train_block = self.block_at[ctx.layer]
         whiten, s_on, s_nn = self._input_moments(ctx)
         blk.free()  # the CPU fits do not need it: back to meta, read again after
         pooled = self._fit_heads(ctx, whiten, s_on, s_nn)
@@ -116,7 +125,7 @@ class AlignRefit:
         blk.load()
         pooled, converted = self._fit_o_proj(ctx, pooled)
         rest: dict[str, Tensor] = {}
-        if self.train_steps:
+        if self.steps_at[ctx.layer]:
             pooled, converted = self._reconstruct(ctx, pooled)
             if self.train_block:
                 rest = blk.trained_rest()
@@ -137,7 +146,8 @@ class AlignRefit:
             parts.append(f"o_proj ridge refit towards the original model's {opts.get('target', 'residual')} stream")
         if calibration.get("reconstruction"):
             what = "every weight of the block" if opts.get("train") == "block" else "q, k, v and o"
-            parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer on {what} "
+            parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer whose KV heads were "
+                         f"pooled, on {what} "
                          f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's "
                          f"output; each layer keeps whichever of the closed-form fit and the trained weights had the "
                          f"lower guard loss" + (f", and stops after {int(opts['patience'])} guard evaluations without "

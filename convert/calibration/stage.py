@@ -99,8 +99,8 @@ class CalibrationStage:
         start = self._prepare()
         self.prepare_seconds = self.clock() - tp
         L_n = self.plan.shape.num_layers
-        per_layer = self.fit.units(len(self.spans)) + len(self.spans)
-        self.bar = tqdm(total=L_n * per_layer, initial=start * per_layer, desc="calibrating",
+        units = [self.fit.units(len(self.spans), L) + len(self.spans) for L in range(L_n)]
+        self.bar = tqdm(total=sum(units), initial=sum(units[:start]), desc="calibrating",
                         unit="batch", disable=not self.progress, dynamic_ncols=True)
         last_save = time.perf_counter()
         for L in range(start, L_n):
@@ -109,7 +109,7 @@ class CalibrationStage:
                 self.ticks.append(tl)
             self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
             n = len(self.spans)
-            self._early_steps = self.fit.units(n) - 2 * n
+            self._early_steps = self.fit.units(n, L) - 2 * n
             if L == start and self.progress and self._early_steps > 0:  # said early: after a few steps
                 # before this layer: the preparation; from it: every layer left, this one included
                 self._early, self._t0, self._layers_left = [tl], time.perf_counter() - t0, L_n - L

@@ -80,9 +80,10 @@ class Block:
         params = dict(self.block.named_parameters())
         return params[rel].data.to(torch.float64) if rel in params else None
 
-    def attention_tensors(self, heads: AttnHeads) -> dict[str, Tensor]:
+    def attention_tensors(self, heads: AttnHeads, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """`heads` as this block's attention tensors (K/V repeated back to the block's head count;
-        for a position scheme bound to the head index, every head back at its source index)."""
+        for a position scheme bound to the head index, every head back at its source index), in
+        `dtype` (default: the block's)."""
         heads = expand_kv(heads, self.kv_heads)
         back = self._source_order(heads)
         if back is not None:
@@ -91,7 +92,7 @@ class Block:
             heads = AttnHeads(q=heads.q[q_back], k=heads.k[kv_back], v=heads.v[kv_back], o=heads.o[:, q_back],
                               q_bias=pick(heads.q_bias, q_back), k_bias=pick(heads.k_bias, kv_back),
                               v_bias=pick(heads.v_bias, kv_back))
-        return write_heads(self.spec, heads, self.L, {n: self.dtype for n in self.attn_rel})
+        return write_heads(self.spec, heads, self.L, {n: dtype or self.dtype for n in self.attn_rel})
 
     def _source_order(self, heads: AttnHeads) -> tuple[Tensor, Tensor] | None:
         """The permutations (query heads, KV heads) that put `heads` (with KV heads expanded to the

@@ -36,24 +36,13 @@ from torch import Tensor
 from gqakit.convert.align import add_moment, metric_factor, refit_o_proj_moments
 from gqakit.convert.calibration.block import BlockContext, Fitted, Grab
 from gqakit.convert.calibration.memory import trim
+from gqakit.convert.calibration.steploss import SpanLoss
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, read_heads
 from gqakit.convert.methods import aligned_mean
 from gqakit.convert.pooling import regroup
 from gqakit.convert.refit_options import ResolvedRefitOptions
 from gqakit.core.errors import GqakitError
-
-
-def _clone_tree(x: Any, dtype: torch.dtype) -> Any:
-    """Tensors in nested tuples / lists / dicts cloned (inference-mode tensors made usable by
-    autograd), the floating ones in `dtype`."""
-    if isinstance(x, Tensor):
-        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x.clone()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_clone_tree(i, dtype) for i in x)
-    if isinstance(x, dict):
-        return {k: _clone_tree(v, dtype) for k, v in x.items()}
-    return x
 
 
 def span_order(n: int, steps: int, gen: torch.Generator) -> list[int]:
@@ -275,75 +264,47 @@ class AlignRefit:
         rest = blk.rest_names() if self.train_block else []
         for r in rest:  # the block's other weights, by their name in the block ("mlp.up_proj.weight")
             params[r] = blk.block.get_parameter(r).detach().to(sd).clone().requires_grad_()
-        # the frozen weights in the step dtype (the block's own when it is the compute dtype)
-        frozen = {r: t.detach().to(sd) for r, t in blk.block.named_parameters()
-                  if r not in rest and r not in blk.attn_rel.values() and t.dtype != sd}
         groups = [{"params": [t], "lr": float(opts.lr) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}
                   for t in params.values()]
         optim = torch.optim.Adam(groups)
         # the learning rate decays linearly to zero over the steps (as AutoRound's does)
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 - i / steps)
-        calls: dict[int, tuple] = {}
-
-        def call_of(B: int) -> tuple:
-            # the recorded block inputs were made under inference mode: clone them for autograd
-            if B not in calls:
-                args, kwargs, positional = blk.call(B)
-                calls[B] = (_clone_tree(args, sd), _clone_tree(kwargs, sd), positional)
-            return calls[B]
-
-        def loss_on(sl: slice, mask: Tensor, current: dict[str, Tensor]) -> Tensor:
-            heads = pooled.replace(**{p: current[p] for p in parts})
-            w = blk.attention_tensors(heads)
-            args, kwargs, positional = call_of(sl.stop - sl.start)
-            x = ctx.streams.get("new", sl, sd)
-            if positional:
-                a, k = (x, *args), kwargs
-            else:
-                a, k = (), {**kwargs, "hidden_states": x}
-            weights = frozen | {blk.attn_rel[n]: t.to(sd) for n, t in w.items()} | {r: current[r] for r in rest}
-            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=autocast):
-                out = torch.func.functional_call(blk.block, weights, a, k)
-            out = (out[0] if isinstance(out, tuple) else out).reshape(-1, ctx.hidden)[mask].to(sd)
-            y = ctx.streams.get("orig", sl, sd).reshape(-1, ctx.hidden)[mask]
-            return ((out - y).pow(2).sum(1) / y.pow(2).sum(1).clamp_min(1e-30)).mean()
-
+        loss_on = SpanLoss(ctx, pooled, parts, rest, sd=sd, autocast=autocast, device=self.device)
         fit = [sl for sl in ctx.spans if bool(ctx.masks(sl)[0].any())]
-        guard = [(sl, ctx.masks(sl)[1]) for sl in ctx.spans[-int(opts.guard_spans):]]
-        guard = [(sl, m) for sl, m in guard if bool(m.any())]
+        guard = [sl for sl in ctx.spans[-int(opts.guard_spans):] if bool(ctx.masks(sl)[1].any())]
 
         def guard_loss() -> float:
             with torch.no_grad():
                 cur = {p: t.detach() for p, t in params.items()}
-                return sum(float(loss_on(sl, m, cur)) for sl, m in guard) / max(len(guard), 1)
+                return sum(float(loss_on(sl, 1, cur)) for sl in guard) / max(len(guard), 1)
 
         best_params = {p: t.detach().clone() for p, t in params.items()}
-        stop = EarlyStop(guard_loss(), int(opts.patience))
         gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + L)
         checks = check_steps(steps, int(opts.guard_checks))
         done = 0
-        for step, i in enumerate(span_order(len(fit), steps, gen), start=1):
-            sl = fit[i]
-            with torch.enable_grad():
-                loss = loss_on(sl, ctx.masks(sl)[0], params)
-                optim.zero_grad(set_to_none=True)
-                loss.backward()
-            optim.step()
-            sched.step()
-            ctx.tick(1)
-            done = step
-            if step in checks:
-                g = guard_loss()
-                if stop.update(g, step):
-                    best_params = {p: t.detach().clone() for p, t in params.items()}
-                ctx.note(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
-                if stop.stop:
-                    if step < steps:
-                        ctx.tick(steps - step)  # the steps left are not taken
-                    break
+        with loss_on.installed():
+            stop = EarlyStop(guard_loss(), int(opts.patience))
+            for step, i in enumerate(span_order(len(fit), steps, gen), start=1):
+                with torch.enable_grad():
+                    loss = loss_on(fit[i], 0, params)
+                    optim.zero_grad(set_to_none=True)
+                    loss.backward()
+                optim.step()
+                sched.step()
+                ctx.tick(1)
+                done = step
+                if step in checks:
+                    g = guard_loss()
+                    if stop.update(g, step):
+                        best_params = {p: t.detach().clone() for p, t in params.items()}
+                    ctx.note(f"reconstruction loss {float(loss.detach()):.4f}, guard {g:.4f}")
+                    if stop.stop:
+                        if step < steps:
+                            ctx.tick(steps - step)  # the steps left are not taken
+                        break
         best, best_at = stop.best, stop.best_at
         self.recon.append({"layer": L, "guard_best": best, "best_step": best_at, "steps_taken": done})
-        del optim, sched, params, calls, frozen
+        del optim, sched, params, loss_on
         for r in rest:  # the block keeps its trained weights for the converted stream and the writer
             blk.block.get_parameter(r).data = best_params.pop(r).to(self.dtype)
         pooled = pooled.replace(**{p: t.to(getattr(pooled, p).dtype).cpu() for p, t in best_params.items()})

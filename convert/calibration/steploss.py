@@ -1,0 +1,145 @@
+"""The loss of align-refit's reconstruction steps on one span (`SpanLoss`): the relative squared
+error between the converted block's output on the converted stream and the original block's
+output on the original stream, on the span's fitted (or measured) rows.
+
+A layer takes thousands of steps, and on a small model a step is a few milliseconds, so what is
+the same at every step is prepared once per layer:
+
+  - the trained and frozen tensors are put into the block's modules directly (and the block's
+    own put back afterwards), not through `torch.func.functional_call` on a dict rebuilt at
+    every step;
+  - the attention tensors are written in the step dtype when the block's dtype is at least as
+    wide (the round trip through the wider dtype is exact both ways, gradients included);
+  - each span's rows (`ctx.masks`) are taken once, and no row selection is made where a span
+    keeps every row;
+  - where they are small (`CACHE_BYTES`), each span's converted-stream input and original-stream
+    target rows (with the loss's denominators) are kept in the step dtype for the layer; larger
+    streams are converted span by span, at every step, as they are read.
+
+Each of these computes the same numbers in the same order as the plain per-step path, so the
+steps' results are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gqakit.convert.calibration.block import BlockContext
+from gqakit.convert.layout import AttnHeads
+
+# A layer's float32 copies of both streams' spans are kept while they take at most this much
+# memory (stories260K at 65,536 tokens: 32 MiB); beyond it they are converted at every step,
+# where the conversion is a small part of a step on a model that wide.
+CACHE_BYTES = 64 * 2**20
+
+
+def _clone_tree(x: Any, dtype: torch.dtype) -> Any:
+    """Tensors in nested tuples / lists / dicts cloned (inference-mode tensors made usable by
+    autograd), the floating ones in `dtype`."""
+    if isinstance(x, Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x.clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone_tree(i, dtype) for i in x)
+    if isinstance(x, dict):
+        return {k: _clone_tree(v, dtype) for k, v in x.items()}
+    return x
+
+
+class SpanLoss:
+    """The reconstruction loss of block `ctx.layer` on a span, as a function of the trained tensors
+    (`parts` of the pooled heads by name, `rest` of the block by block-relative name). Use it
+    inside `installed()`, which holds the frozen tensors in the block for the layer's steps."""
+
+    def __init__(self, ctx: BlockContext, pooled: AttnHeads, parts: list[str], rest: list[str], *,
+                 sd: torch.dtype, autocast: bool, device: str):
+        blk = ctx.block
+        self.ctx, self.blk, self.pooled, self.parts, self.rest = ctx, blk, pooled, parts, rest
+        self.sd, self.autocast, self.device, self.D = sd, autocast, device, ctx.hidden
+        # written in the step dtype where the block's dtype would round nothing away on the way
+        wide = torch.finfo(blk.dtype).bits >= torch.finfo(sd).bits
+        self.write_dtype = sd if wide else blk.dtype
+        # the frozen tensors in the step dtype (the block's own when they are in it already)
+        attn = set(blk.attn_rel.values())
+        self.frozen = {r: t.detach().to(sd) for r, t in blk.block.named_parameters()
+                       if r not in rest and r not in attn and t.dtype != sd}
+        self.slots = {r: self._slot(r) for r in [*attn, *rest, *self.frozen]}
+        self.calls: dict[int, tuple] = {}
+        self.masks: dict[tuple[int, int], Tensor | None] = {}
+        self.inputs: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        n_tok = ctx.streams.orig.shape[0] * ctx.streams.orig.shape[1]
+        self.cache = 2 * n_tok * self.D * torch.finfo(sd).bits // 8 <= CACHE_BYTES
+
+    def _slot(self, rel: str) -> tuple[torch.nn.Module, str]:
+        owner, _, attr = rel.rpartition(".")
+        return (self.blk.block.get_submodule(owner) if owner else self.blk.block), attr
+
+    def _put(self, rel: str, t: Tensor) -> None:
+        mod, attr = self.slots[rel]
+        mod._parameters[attr] = t
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """The frozen tensors in the block's modules for the steps; the block's own parameters
+        back on exit (also on an error)."""
+        saved = {r: mod._parameters[attr] for r, (mod, attr) in self.slots.items()}
+        try:
+            for r, t in self.frozen.items():
+                self._put(r, t)
+            yield
+        finally:
+            for r, p in saved.items():
+                self._put(r, p)
+            self.inputs.clear()
+            self.calls.clear()
+
+    def mask(self, sl: slice, which: int) -> Tensor | None:
+        """Span `sl`'s rows (`which`: 0 fitted, 1 measured, as `ctx.masks`); None when it keeps all."""
+        key = (sl.start, which)
+        if key not in self.masks:
+            m = self.ctx.masks(sl)[which]
+            self.masks[key] = None if bool(m.all()) else m
+        return self.masks[key]
+
+    def _call(self, B: int) -> tuple:
+        # the recorded block inputs were made under inference mode: clone them for autograd
+        if B not in self.calls:
+            args, kwargs, positional = self.blk.call(B)
+            self.calls[B] = (_clone_tree(args, self.sd), _clone_tree(kwargs, self.sd), positional)
+        return self.calls[B]
+
+    def _inputs(self, sl: slice, which: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The span's converted-stream input, its original-stream target rows and their squared
+        norms (the loss's denominators), in the step dtype."""
+        key = (sl.start, which)
+        got = self.inputs.get(key)
+        if got is None:
+            streams, mask = self.ctx.streams, self.mask(sl, which)
+            x = streams.get("new", sl, self.sd)
+            y = streams.get("orig", sl, self.sd).reshape(-1, self.D)
+            y = y if mask is None else y[mask]
+            got = (x, y, y.pow(2).sum(1).clamp_min(1e-30))
+            if self.cache:
+                self.inputs[key] = got
+        return got
+
+    def __call__(self, sl: slice, which: int, current: dict[str, Tensor]) -> Tensor:
+        heads = self.pooled.replace(**{p: current[p] for p in self.parts})
+        w = self.blk.attention_tensors(heads, dtype=self.write_dtype)
+        for n, t in w.items():
+            self._put(self.blk.attn_rel[n], t.to(self.sd))
+        for r in self.rest:
+            self._put(r, current[r])
+        args, kwargs, positional = self._call(sl.stop - sl.start)
+        x, y, den = self._inputs(sl, which)
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.blk.block(x, *args, **kwargs) if positional else self.blk.block(*args, hidden_states=x,
+                                                                                         **kwargs)
+        out = (out[0] if isinstance(out, tuple) else out).reshape(-1, self.D)
+        mask = self.mask(sl, which)
+        out = (out if mask is None else out[mask]).to(self.sd)
+        return ((out - y).pow(2).sum(1) / den).mean()

@@ -93,3 +93,15 @@ def test_the_run_says_its_expected_time_after_a_few_steps_of_the_first_layer(tin
     err = capsys.readouterr().err
     early = err.index("measured on the first layer's passes and 8 steps; 2 layers)")
     assert "per layer: " in err[:early] and early < err.index("measured on the first; 1 of 2 layers to go")
+
+
+def test_the_first_layers_line_scales_by_each_layers_steps():
+    """After the first layer the stage says the expected time from that layer's seconds; where the
+    layers differ (a per-layer plan's kept layers take no steps), by their progress units."""
+    from gqakit.convert.calibration.stage import expected_time
+
+    same = expected_time(10.0, 60.0, 3, 4)
+    assert "about 3 min 10 s in all, 3 min 00 s left" in same and "scaled" not in same
+    # the first layer took 60 s for 100 units; the 3 left have 100 + 20 + 20 units
+    mixed = expected_time(10.0, 60.0, 3, 4, left_units=1.4)
+    assert "about 1 min 34 s in all, 1 min 24 s left" in mixed and "scaled by each layer's steps" in mixed

@@ -48,12 +48,18 @@ from gqakit.core.device import PeakMemory
 from gqakit.core.run import show_bars
 
 
-def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers: int) -> str:
+def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers: int,
+                  left_units: float | None = None) -> str:
     """The progress line after the first layer: the expected time of the whole calibration, from
-    the time so far and the first layer's seconds times the layers still to do."""
-    total = elapsed + layer_seconds * layers_left
-    return (f"expected time: about {duration(total)} in all, {duration(layer_seconds * layers_left)} left "
-            f"({duration(layer_seconds)} per layer, measured on the first; {layers_left} of {layers} layers to go)")
+    the time so far and the first layer's seconds times the layers still to do; `left_units`:
+    those layers' progress units over the first one's, where the layers differ (a per-layer
+    plan's kept layers take no steps)."""
+    share = layers_left if left_units is None else left_units
+    left = layer_seconds * share
+    scaled = "" if left_units is None else ", scaled by each layer's steps"
+    return (f"expected time: about {duration(elapsed + left)} in all, {duration(left)} left "
+            f"({duration(layer_seconds)} per layer, measured on the first{scaled}; {layers_left} of {layers} layers "
+            f"to go)")
 
 
 class CalibrationStage:
@@ -126,7 +132,8 @@ class CalibrationStage:
             self.bar.set_postfix_str(f"{self.tokens / secs:,.0f} tok/s"
                                      + (f", drift {self.drift[-1]:.3f}" if self.drift else ""))
             if L == start and self.progress:  # measured, not guessed: this device, these settings
-                tqdm.write(expected_time(time.perf_counter() - t0, secs, L_n - L - 1, L_n), file=sys.stderr)
+                left = None if len(set(units[L:])) == 1 else sum(units[L + 1:]) / units[L]
+                tqdm.write(expected_time(time.perf_counter() - t0, secs, L_n - L - 1, L_n, left), file=sys.stderr)
             self.q_orders[L] = fitted.heads.q_order
             yield L, fitted.heads
             if (self.resume_dir is not None and L + 1 < L_n

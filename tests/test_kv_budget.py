@@ -95,22 +95,43 @@ def test_a_damaging_layer_keeps_more_heads(llama4, tmp_path, one_thread):
     assert choice.plan_bytes <= choice.budget_bytes == choice.source_bytes // 2
 
 
-def test_convert_records_the_plan(llama4, tmp_path, capsys, one_thread):
-    """A budget that fits one head per layer: the plan is uniform G=1, written, recorded, carded."""
+def test_convert_records_the_plan(llama4, tmp_path, capsys, one_thread, monkeypatch):
+    """A budget that fits one head per layer and no more: the only plan is uniform G=1, so nothing
+    is measured (no damage pass runs); it is written, recorded and carded as such."""
+    from gqakit.convert.budget import choose
+
     src, calib = llama4
     out = tmp_path / "out"
+    passes = []
+    real = choose.measure
+    monkeypatch.setattr(choose, "measure", lambda *a, **k: passes.append(1) or real(*a, **k))
     code, _, err = run_cli(["convert", src, out, "--kv-budget", "0.25", "--method", "mean", "--calibration-data",
                             calib, "--calibration-tokens", "512", "-q"], capsys)
     assert code == 0, err
     rec = json.loads((out / "gqakit_convert.json").read_text())
     assert rec["num_kv_heads"] == 1 and rec["settings"]["kv_budget"] == "0.25"
     table = rec["kv_budget"]
-    assert [r["kv_heads"] for r in table["layers"]] == [1, 1, 1]
-    assert set(table["layers"][0]["damage"]) == {"4", "2", "1"} and table["measured"]["method"] == "mean"
+    assert [r["kv_heads"] for r in table["layers"]] == [1, 1, 1] and "measured" not in table and not passes
+    assert all(r["damage"] == {} and "the only plan within the budget" in r["why"] for r in table["layers"])
     assert table["plan_bytes_per_token"] == table["budget_bytes_per_token"] == table["source_bytes_per_token"] // 4
     card = (out / "README.md").read_text()
-    assert "| KV budget |" in card and f"each layer's damage measured with {table['measured']['probe']};" in card
+    assert "| KV budget |" in card and "damage measured" not in card and "the only plan within the budget" in card
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+
+
+def test_a_budget_with_room_for_one_more_head_measures(llama4, tmp_path, capsys, one_thread):
+    """One head over the smallest cache: a layer may take 2 heads, so the damages are measured and
+    the record and the card name the probe."""
+    src, calib = llama4
+    out = tmp_path / "out"
+    code, _, err = run_cli(["convert", src, out, "--kv-budget", "4/12", "--method", "mean", "--calibration-data",
+                            calib, "--calibration-tokens", "512", "-q"], capsys)
+    assert code == 0, err
+    table = json.loads((out / "gqakit_convert.json").read_text())["kv_budget"]
+    assert sorted(r["kv_heads"] for r in table["layers"]) == [1, 1, 2]
+    assert set(table["layers"][0]["damage"]) == {"4", "2", "1"} and table["measured"]["method"] == "mean"
+    card = (out / "README.md").read_text()
+    assert f"each layer's damage measured with {table['measured']['probe']};" in card
 
 
 @pytest.mark.parametrize(("b", "needle"), [

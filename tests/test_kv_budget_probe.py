@@ -112,7 +112,7 @@ def test_a_budget_conversion_with_align_refit_records_its_probe(llama4, tmp_path
     in the record and the plan's lines (`inspect` prints them as the card does)."""
     src, calib = llama4
     out = tmp_path / "out"
-    code, _, err = run_cli(["convert", src, out, "--kv-budget", "0.25", "--method", "align-refit",
+    code, _, err = run_cli(["convert", src, out, "--kv-budget", "4/12", "--method", "align-refit",
                             "--calibration-data", calib, "--calibration-tokens", "512",
                             "--refit-option", "steps=0", "-q"], capsys)
     assert code == 0, err

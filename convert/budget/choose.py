@@ -193,6 +193,14 @@ def choose_kv_heads(opened: Opened, settings: ConvertSettings, *, device: str = 
         picks = A.allocate(layers, limit)
         why = ["kept every head: the budget holds the source's whole cache"] * shape.num_layers
         return _choice(layers, picks, why, damages, limit, full, dtype, None)
+    fewest = sorted(cands)[:2]
+    if len(fewest) == 1 or limit < smallest + (fewest[1] - fewest[0]) * per_head:
+        # no layer can take more than the fewest heads: one plan fits, and nothing needs measuring
+        g = fewest[0]
+        layers = [[A.Candidate(g, g * per_head, 0.0)]] * shape.num_layers
+        why = [f"G={g}: the only plan within the budget (no layer can take more heads; nothing measured)"] \
+            * shape.num_layers
+        return _choice(layers, A.allocate(layers, limit), why, [{}] * shape.num_layers, limit, full, dtype, None)
     return plan_for(measure(opened, settings, device=device, progress=progress), budget)
 
 

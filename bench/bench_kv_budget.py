@@ -13,7 +13,8 @@ ones too) is measured on the source model with the plan applied in place, the po
 repeated back (`damage.apply_plan`): the same function as the converted model, so the same
 perplexity. `--via convert` instead writes each plan with `gqakit convert --kv-budget B` (or
 `-g G`) and evaluates the output; with `--replay`, a budget's plan as measured here goes to
-`gqakit convert --kv-plan` (the same plan, without measuring the damages again per budget).
+`gqakit convert --kv-plan` (the same plan, without measuring the damages again per budget);
+`--plan 1,2,1,2,4` also writes a hand-written plan that way.
 
 Perplexity: `bench.common.perplexity` (context 512, stride 512, BOS prepended), float32.
 stories260K: ../shared/data/tinystories/valid-excerpt.txt; calibration text sampled from the
@@ -94,11 +95,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind, style in (("uniform", "o-"), ("budget", "s"), ("original", "^")):
+    for kind, style in (("uniform", "o-"), ("budget", "s"), ("plan", "D"), ("original", "^")):
         pts = sorted((r["kv_bytes_per_token"], r["ppl"]) for r in rows if r["kind"] == kind)
         if pts:
             ax.plot(*zip(*pts), style, label={"uniform": "uniform G", "budget": "--kv-budget (per-layer G)",
-                                              "original": "original"}[kind])
+                                              "plan": "--kv-plan (hand-written)", "original": "original"}[kind])
     ax.set_xlabel("KV cache bytes per token")
     ax.set_ylabel("perplexity")
     ax.set_yscale("log")
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--budget-option", action="append", default=[], metavar="K=V",
                     help="with --via convert: a --refit-option for the per-layer conversions only (e.g. steps=625, "
                          "the uniform conversions' steps spread over the layers the plan converts)")
+    ap.add_argument("--plan", action="append", default=[], metavar="G,G,...",
+                    help="also a hand-written per-layer plan, written by gqakit convert --kv-plan (with "
+                         "--budget-option's options), e.g. 1,2,1,2,4")
     ap.add_argument("--out", default=str(RESULTS / "kv_budget.jsonl"))
     ap.add_argument("--plot", default=None, help="write the curve as this PNG")
     args = ap.parse_args(argv)
@@ -169,6 +173,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for b in args.budgets:
         choice = plan_for(measured, KvBudget.parse(b))
         plans.append(("budget", b, choice.kv_heads, {"total_damage": choice.measured["total_damage"]}))
+    for hand in args.plan:
+        heads = tuple(int(g) for g in hand.split(","))
+        if len(heads) != nl:
+            ap.error(f"--plan {hand}: {len(heads)} layers, the model has {nl}")
+        plans.append(("plan", hand, heads, {}))
     common = {"model": args.model, "source": src.name, "method": args.method, "probe": measured.measured["probe"],
               "via": args.via + (" (--kv-plan replay)" if args.replay else ""),
               "calibration": measured.measured["calibration"], "calibration_tokens": args.calibration_tokens,
@@ -187,19 +196,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     how = ["-g", label.removeprefix("G=")]
                     for opt in args.uniform_option:
                         how += ["--refit-option", opt]
-                elif args.replay:
+                elif args.replay or kind == "plan":
                     (Path(tmp) / "plan.json").write_text(json.dumps({"kv_heads": list(heads)}))
                     how = ["--kv-plan", str(Path(tmp) / "plan.json")]
                 else:
                     how = ["--kv-budget", label]
-                for opt in (args.budget_option if kind == "budget" else []):
+                for opt in (args.budget_option if kind in ("budget", "plan") else []):
                     how += ["--refit-option", opt]
                 ppl, seconds, cpu = convert_ppl(src, how, args.method, calib, args.calibration_tokens, data,
                                                 max_chars, args.context, args.seed)
                 extra = {**extra, "convert_seconds": round(seconds, 1), "convert_cpu_seconds": round(cpu, 1),
                          **({"refit_options": args.uniform_option} if kind == "uniform" and args.uniform_option
                             else {}),
-                         **({"refit_options": args.budget_option} if kind == "budget" and args.budget_option
+                         **({"refit_options": args.budget_option} if kind in ("budget", "plan") and args.budget_option
                             else {})}
         nbytes = sum(heads) * per_head
         row = {**common, "kind": kind, "plan": label, "kv_heads": list(heads), "kv_bytes_per_token": nbytes,
@@ -216,7 +225,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| plan | KV heads per layer | KV bytes/token (fraction) | perplexity |", "|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["kv_bytes_per_token"]):
-        name = {"budget": f"--kv-budget {r['plan']}", "uniform": f"uniform {r['plan']}"}.get(r["kind"], "original")
+        name = {"budget": f"--kv-budget {r['plan']}", "uniform": f"uniform {r['plan']}",
+                "plan": f"--kv-plan {r['plan']}"}.get(r["kind"], "original")
         heads = ",".join(map(str, r["kv_heads"]))
         lines.append(f"| {name} | {heads} | {r['kv_bytes_per_token']:,} ({r['fraction']:.3g}) | {r['ppl']:.3f} |")
     return "\n".join(lines)

@@ -41,3 +41,18 @@ def test_equivalence_equals_the_converted_model(pico):
     assert by["original", "-"]["fraction"] == 1 and by["uniform", "G=1"]["fraction"] == 0.25
     assert (tmp / "curve.png").stat().st_size > 1000 and len((tmp / "eq.jsonl").read_text().splitlines()) == 4
     assert "--kv-budget 0.5" in table(eq) and "uniform G=1" in table(eq)
+
+
+def test_a_hand_written_plan_is_converted_and_measured(pico):
+    """`--plan`: a per-layer plan of one's own, written by `gqakit convert --kv-plan`, has the
+    perplexity of the same plan applied in place; a plan of the wrong length is refused."""
+    src, tmp = pico
+    eq = main(args(src, tmp, "--budgets", "0.5", "--uniform", "--plan", "4,1,2", "--out", str(tmp / "eq.jsonl")))
+    conv = main(args(src, tmp, "--budgets", "0.5", "--uniform", "--plan", "4,1,2", "--via", "convert", "--out",
+                     str(tmp / "cv.jsonl")))
+    e, c = ({r["kind"]: r for r in rows}["plan"] for rows in (eq, conv))
+    assert e["kv_heads"] == c["kv_heads"] == [4, 1, 2] and c["fraction"] == round(7 / 12, 4)
+    assert c["ppl"] == pytest.approx(e["ppl"], rel=1e-4)  # the same function in two op orders, as above
+    assert "--kv-plan 4,1,2" in table(conv)
+    with pytest.raises(SystemExit):
+        main(args(src, tmp, "--budgets", "0.5", "--plan", "4,1", "--out", str(tmp / "bad.jsonl")))

@@ -255,6 +255,12 @@ def _walk(spec: archmod.ArchSpec, names: list[str], layer_of: dict[str, tuple[in
                                  site)
 
 
+def layer_kv_pairs(plan: Plan, settings: ResolvedSettings) -> list[tuple[int, int]]:
+    """Each decoder layer's KV heads in the source and in the output (a layer whose two are equal
+    keeps its heads: with align-refit it takes no reconstruction steps)."""
+    return [(plan.shape.kv_heads_of(L), settings.kv_heads_at(L)) for L in range(plan.shape.num_layers)]
+
+
 def trained_block_tensors(plan: Plan, settings: ResolvedSettings) -> set[str]:
     """The pass-through tensors the calibration stage rewrites (`--refit-option train=block`
     with reconstruction steps: the MLP and norms of each block whose KV heads are pooled), which the writer
@@ -264,6 +270,6 @@ def trained_block_tensors(plan: Plan, settings: ResolvedSettings) -> set[str]:
         return set()
     spec = archmod.registry()[plan.family]
     # the layers whose KV heads are pooled (a per-layer plan's others keep their heads and take no steps)
-    prefixes = tuple(spec.block_name(L) + "." for L in range(plan.shape.num_layers)
-                     if trains_block(plan.shape.kv_heads_of(L), settings.kv_heads_at(L)))
+    prefixes = tuple(spec.block_name(L) + "." for L, (a, b) in enumerate(layer_kv_pairs(plan, settings))
+                     if trains_block(a, b))
     return {s.name for s in plan.pass_through() if s.name.startswith(prefixes)} if prefixes else set()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gqakit.convert.budget.damage import calibration_loss
 from gqakit.convert.budget.refit_probe import FitOptions, LayerProbe, closed_form_heads
+from gqakit.convert.budget.stream import token_loss
 from gqakit.convert.calibration.tokens import calibration_sequences
 from gqakit.convert.layout import read_heads
 from gqakit.convert.refit_options import RefitOptions
@@ -24,6 +24,17 @@ from cli_helpers import run_cli
 from test_kv_budget import CALIB
 from tiny_models import FAMILIES
 from tolerance import rounding_tolerance
+
+def calibration_loss(model, seqs, batch: int, device) -> float:
+    """Mean next-token loss over `seqs` from full forwards of the model, batch by batch (the
+    reference the damage passes, which start at their layer, are compared with)."""
+    total, n = 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, seqs.shape[0], batch):
+            t, c = token_loss(model, seqs[i:i + batch].to(device))
+            total, n = total + t, n + c
+    return total / n
+
 
 DEFAULTS = FitOptions.of(RefitOptions())  # align-refit's defaults: q_ridge 1e-2, o_ridge 3e-2, relative rows
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gqakit.convert.budget.stream import SourceStream, token_loss
+from gqakit.convert.budget.stream import SourceStream
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, layer_names, read_heads, write_heads
 from gqakit.convert.methods import method_function
@@ -45,16 +45,6 @@ class Damage:
     base_loss: float                     # mean loss per token of the source on the calibration text
     per_layer: list[dict[int, float]]    # layer -> {G: loss increase when only that layer has G heads}
     tokens: int                          # predicted tokens per measurement
-
-
-def calibration_loss(model: torch.nn.Module, seqs: Tensor, batch: int, device: torch.device) -> float:
-    """Mean next-token loss (nats per token) over `seqs`, in float32, batch by batch."""
-    total, n = 0.0, 0
-    with torch.inference_mode():
-        for i in range(0, seqs.shape[0], batch):
-            t, c = token_loss(model, seqs[i:i + batch].to(device))
-            total, n = total + t, n + c
-    return total / n
 
 
 def default_batch(seqs: Tensor, vocab: int) -> int:

@@ -147,7 +147,7 @@ class LayerProbe:
                  seqs: Tensor, opts: FitOptions, *, batch: int, device: torch.device | str = "cpu",
                  stream: SourceStream | None = None):
         self.model, self.spec, self.shape, self.layer, self.seqs = model, spec, shape, layer, seqs
-        self.opts, self.batch, self.device = opts, batch, torch.device(device)
+        self.opts, self.device = opts, torch.device(device)
         if stream is None:
             stream = SourceStream(model, spec, shape.num_layers, seqs, batch, self.device).advanced_to(layer)
         if stream.layer != layer:

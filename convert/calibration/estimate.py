@@ -16,7 +16,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from gqakit.convert.plan import Plan
+from gqakit.convert.plan import Plan, layer_kv_pairs
 from gqakit.convert.resolved import ResolvedSettings
 
 PROBE_SPANS = 3  # spans of `batch` sequences the probe calibrates on (the first of each pass reads the block too)
@@ -90,8 +90,7 @@ def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
     opts = settings.options
     seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
     n_seq = max(1, math.ceil(settings.calibration_tokens / seq_len))
-    steps_at = [opts.train_steps(plan.shape.kv_heads_of(L), settings.kv_heads_at(L))
-                for L in range(plan.shape.num_layers)]  # none in a layer that keeps its KV heads
+    steps_at = [opts.train_steps(a, b) for a, b in layer_kv_pairs(plan, settings)]  # none where heads are kept
     return {"layers": plan.shape.num_layers, "spans": math.ceil(n_seq / int(opts.batch)),
             "steps": max(steps_at, default=0), "trained": sum(1 for s in steps_at if s),
             "guard_spans": int(opts.guard_spans), "guard_checks": int(opts.guard_checks), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}

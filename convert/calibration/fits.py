@@ -15,7 +15,7 @@ import torch
 
 from gqakit.convert.calibration.block import Fit
 from gqakit.convert.calibration.refit import AlignRefit
-from gqakit.convert.plan import Plan
+from gqakit.convert.plan import Plan, layer_kv_pairs
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.core.methods import load
 
@@ -25,7 +25,7 @@ FitFactory = Callable[[ResolvedSettings, Plan, torch.dtype, str], Fit]
 def align_refit_fit(settings: ResolvedSettings, plan: Plan, dtype: torch.dtype, device: str) -> Fit:
     """align-refit's fit: input-weighted alignment, query refit, o_proj refit, reconstruction."""
     return AlignRefit(settings.options, grouping=settings.grouping, seed=settings.seed,
-                      kv=[(plan.shape.kv_heads_of(L), settings.kv_heads_at(L)) for L in range(plan.shape.num_layers)],
+                      kv=layer_kv_pairs(plan, settings),
                       dtype=dtype, device=device)
 
 

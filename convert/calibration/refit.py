@@ -95,17 +95,11 @@ class AlignRefit:
         self.block_at = [opts.trains_block(a, b) for a, b in kv]
         self.recon: list[dict[str, Any]] = []
 
-    @property
-    def train_steps(self) -> int:
-        """Steps in each layer that takes them."""
-        return max(self.steps_at, default=0)
-
     def units(self, n_spans: int, layer: int) -> int:
         return 2 * n_spans + self.steps_at[layer]
 
     def fit(self, ctx: BlockContext) -> Fitted:
         blk = ctx.block
-        self.train_block = self.block_at[ctx.layer]
         whiten, s_on, s_nn = self._input_moments(ctx)
         blk.free()  # the CPU fits do not need it: back to meta, read again after
         pooled = self._fit_heads(ctx, whiten, s_on, s_nn)
@@ -116,12 +110,12 @@ class AlignRefit:
         rest: dict[str, Tensor] = {}
         if self.steps_at[ctx.layer]:
             pooled, converted = self._reconstruct(ctx, pooled)
-            if self.train_block:
+            if self.block_at[ctx.layer]:
                 rest = blk.trained_rest()
         return Fitted(pooled, converted, rest)
 
     def record(self) -> dict[str, Any]:
-        return {"reconstruction": self.recon} if self.train_steps else {}
+        return {"reconstruction": self.recon} if any(self.steps_at) else {}
 
     @staticmethod
     def describe(calibration: dict[str, Any]) -> str:
@@ -254,14 +248,14 @@ class AlignRefit:
         sequences when `holdout` > 0); with `patience` > 0 the layer's steps stop once that
         many guard evaluations in a row have not improved on the best (`EarlyStop`)."""
         blk, opts, L = ctx.block, self.opts, ctx.layer
-        steps = int(opts.steps)
+        steps = self.steps_at[L]
         # the steps compute in `step_dtype`: bfloat16 is autocast, over float32 weights and streams
         autocast = opts.step_dtype == "bfloat16"
         sd = torch.float32 if autocast else getattr(torch, opts.step_dtype)
         parts = [p for p in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias") if getattr(pooled, p) is not None]
         params = {p: getattr(pooled, p).detach().to(device=self.device, dtype=sd).clone().requires_grad_()
                   for p in parts}
-        rest = blk.rest_names() if self.train_block else []
+        rest = blk.rest_names() if self.block_at[L] else []
         for r in rest:  # the block's other weights, by their name in the block ("mlp.up_proj.weight")
             params[r] = blk.block.get_parameter(r).detach().to(sd).clone().requires_grad_()
         groups = [{"params": [t], "lr": float(opts.lr) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}

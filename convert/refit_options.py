@@ -62,9 +62,10 @@ class RefitOptions(BaseModel):
                                 "dominate (relative), or all alike (none)")
     holdout: Number = Field(0.0, ge=0, lt=1, description="fraction of the sequences kept out of the fits; the "
                                                          "reported residual drift is then measured on them")
-    dtype: Literal["auto", "float32", "float64"] = Field(
-        "auto", description="block compute dtype: auto (float64 for models under 20M parameters on the CPU, "
-                            "else float32), float32 or float64")
+    dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
+        "auto", description="compute dtype of the block passes (the fits' rows, both streams' advance): auto "
+                            "(float64 for models under 20M parameters on the CPU, else float32), float32, float64 "
+                            "or bfloat16 (autocast over float32 weights and streams)")
     step_dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights "
                             f"and streams; auto: float32 for a model under {SMALL_MODEL // 10**6}M parameters, else "
@@ -213,12 +214,18 @@ class ResolvedRefitOptions(RefitOptions):
     steps: StrictInt = Field(ge=0, description=RefitOptions.model_fields["steps"].description)
     lr: Number = Field(gt=0, description=RefitOptions.model_fields["lr"].description)
     train: Literal["attention", "block"] = Field(description=RefitOptions.model_fields["train"].description)
-    dtype: Literal["float32", "float64"] = Field(description=RefitOptions.model_fields["dtype"].description)
+    dtype: Literal["float32", "float64", "bfloat16"] = Field(description=RefitOptions.model_fields["dtype"].description)
     step_dtype: Literal["float32", "float64", "bfloat16"] = Field(
         description=RefitOptions.model_fields["step_dtype"].description)
     stream_dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
         description=RefitOptions.model_fields["stream_dtype"].description)
     offload: Literal["device", "cpu", "disk"] = Field(description=RefitOptions.model_fields["offload"].description)
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the blocks' weights and the passes' outputs are held in (bfloat16 passes are
+        autocast over float32)."""
+        return "float32" if self.dtype == "bfloat16" else self.dtype
 
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -297,6 +304,7 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         r["dtype"] = "float64" if small and not device.gpu else "float32"
         reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
     dtype = str(r.get("dtype", refit.dtype))
+    dtype = "float32" if dtype == "bfloat16" else dtype  # what the weights and passes' outputs are held in
     if refit.step_dtype == "auto":
         if small:  # float64 buys the steps nothing over float32 (the fits before them stay in float64)
             r["step_dtype"] = "float32"
@@ -309,7 +317,7 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
             reasons["step_dtype"] = f"auto: float32 ({size}; {device.name} has no native bfloat16)"
     if refit.stream_dtype == "auto":
         r["stream_dtype"] = dtype
-        reasons["stream_dtype"] = f"auto: {dtype} (the compute dtype)"
+        reasons["stream_dtype"] = f"auto: {dtype} (the passes' output dtype)"
     if refit.offload == "auto":
         if hidden is None:
             r["offload"] = "cpu"

@@ -117,3 +117,42 @@ def test_the_steps_compute_in_step_dtype(tiny_model, tmp_path, monkeypatch, step
     cal = json.loads((out / "gqakit_convert.json").read_text())["calibration"]
     assert cal["compute_dtype"] == "float64" and cal["options"]["step_dtype"] == step_dtype
     assert len(cal["reconstruction"]) == 2
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_the_block_passes_compute_in_dtype(tiny_model, tmp_path, dtype):
+    """The passes over the calibration spans (the fits' rows, both streams' advance) see the streams in
+    `dtype`'s storage dtype, bfloat16 as autocast over float32 weights and streams; the steps keep
+    their own `step_dtype`."""
+    import json
+
+    import torch
+
+    from gqakit.convert.pipeline import convert_checkpoint
+
+    seen = []
+
+    def spy(module, args):  # a decoder block's input in a pass (no gradients) of the calibration
+        if not torch.is_grad_enabled() and type(module).__name__.endswith("DecoderLayer"):
+            seen.append((args[0].dtype, torch.is_autocast_enabled("cpu")))
+
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=2)
+    data = tmp_path / "calib.txt"  # given text: no sampling from the model before the passes
+    data.write_text("abc def ghi jkl mno pqr stu vwx yz " * 200)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(spy)
+    try:
+        out = convert_checkpoint(src, tmp_path / "out", 2, "align-refit", calibration_data=str(data),
+                                 calibration_tokens=256, progress=False, device="cpu",
+                                 options={"seq_len": 32, "steps": 0, "dtype": dtype})
+    finally:
+        hook.remove()
+    autocast = dtype == "bfloat16"
+    want = torch.float32 if autocast else getattr(torch, dtype)
+    if autocast:  # the blocks' inputs are recorded first, in float32 (no block computes in them)
+        first = [a for _, a in seen].index(True)
+        assert set(seen[:first]) == {(torch.float32, False)}
+        seen = seen[first:]
+    assert seen and set(seen) == {(want, autocast)}
+    cal = json.loads((out / "gqakit_convert.json").read_text())["calibration"]
+    assert cal["compute_dtype"] == dtype and cal["stream_dtype"] == str(want).replace("torch.", "")
+    assert cal["options"]["dtype"] == dtype

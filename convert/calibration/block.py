@@ -28,9 +28,11 @@ class Block:
     """Decoder block L of `skeleton`, loaded on creation."""
 
     def __init__(self, skeleton: Skeleton, spec: archmod.ArchSpec, L: int, *, kv_heads: int, dtype: torch.dtype,
-                 device: str, streams: Streams, calls: dict[int, list[BlockCall]]):
+                 device: str, streams: Streams, calls: dict[int, list[BlockCall]], autocast: bool = False):
+        """`autocast`: the passes (`run`) compute in bfloat16 over the block's `dtype` weights."""
         self.skeleton, self.spec, self.L, self.kv_heads = skeleton, spec, L, kv_heads
         self.dtype, self.device, self.streams, self.calls = dtype, device, streams, calls
+        self.autocast = autocast
         a = spec.attention
         self.prefix = skeleton.block_names[L] + "."
         attn = a.prefix.format(layer=L)
@@ -131,9 +133,11 @@ class Block:
         if isinstance(x, str):
             x = self.streams.get(x, sl, self.dtype)
         try:
-            return call_block(self.block, x, self.call(sl.stop - sl.start))
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+                out = call_block(self.block, x, self.call(sl.stop - sl.start))
         except Stop:
             return None
+        return out.to(self.dtype)
 
 
 class Grab:

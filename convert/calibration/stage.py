@@ -81,7 +81,7 @@ class CalibrationStage:
         self.opts = settings.options
         self.spec = archmod.registry()[plan.family]
         # every setting decided for this model and device (`refit_options.resolve_align_refit`)
-        self.dtype = getattr(torch, self.opts.dtype)
+        self.dtype = getattr(torch, self.opts.weights_dtype)
         self.batch = int(self.opts.batch)
         self.stream_dtype = getattr(torch, self.opts.stream_dtype)
         self.fit = fit if fit is not None else fit_for(settings, plan, dtype=self.dtype, device=device)
@@ -146,7 +146,7 @@ class CalibrationStage:
         self.bar.close()
         self.summary = {
             "calibration": self.where, "calibration_sequences": self.seqs.shape[0], "seq_len": self.seqs.shape[1],
-            "tokens": self.tokens, "device": self.device, "compute_dtype": str(self.dtype).replace("torch.", ""),
+            "tokens": self.tokens, "device": self.device, "compute_dtype": self.opts.dtype,
             "stream_dtype": str(self.stream_dtype).replace("torch.", ""), "streams_on": self.streams.where,
             "stream_bytes": self.streams.nbytes, "batch": self.batch, "options": self.opts.model_dump(),
             "residual_drift": self.drift, "residual_drift_first": self.drift_first,
@@ -210,6 +210,7 @@ class CalibrationStage:
         """Block L loaded, with what a fit may use of it."""
         assert self.skeleton is not None
         block = Block(self.skeleton, self.spec, L, kv_heads=self.plan.shape.kv_heads_of(L), dtype=self.dtype,
+                      autocast=self.opts.dtype == "bfloat16",
                       device=self.device, streams=self.streams, calls=self.calls)
         return BlockContext(block, self.streams, self.spans, self._masks, self.spec, self.plan.shape.at(L),
                             self.settings.kv_heads_at(L), self.hidden, tick=self._tick,

@@ -95,6 +95,23 @@ def test_the_run_says_its_expected_time_after_a_few_steps_of_the_first_layer(tin
     assert "per layer: " in err[:early] and early < err.index("measured on the first; 1 of 2 layers to go")
 
 
+def test_a_per_layer_plan_says_its_expected_time_early_when_its_first_layer_keeps_its_heads(tiny_model, tmp_path,
+                                                                                             capsys):
+    """The early line comes from the first layer that takes steps, and counts the kept layers after
+    it as layers without steps."""
+    import json
+
+    from gqakit.cli import main
+
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=3)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kv_heads": [4, 2, 4]}))
+    main(["convert", str(src), str(tmp_path / "out"), "--kv-plan", str(plan), "--method", "align-refit",
+          "--device", "cpu", "--calibration-tokens", "256", "--refit-option", "steps=12"])
+    err = capsys.readouterr().err
+    assert "measured on the first layer's passes and 8 steps; 1 layer, and 1 without steps)" in err, err
+
+
 def test_the_first_layers_line_scales_by_each_layers_steps():
     """After the first layer the stage says the expected time from that layer's seconds; where the
     layers differ (a per-layer plan's kept layers take no steps), by their progress units."""

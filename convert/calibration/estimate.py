@@ -96,10 +96,12 @@ def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
             "guard_spans": int(opts.guard_spans), "guard_checks": int(opts.guard_checks), "generate_calls": math.ceil(n_seq / int(opts.sample_batch))}
 
 
-def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float) -> str:
-    """The run's first progress line: the expected time, from its own first layer so far (the clock
-    at the layer's start and after its 2 x `spans` fit passes and its first steps), the converted
-    stream's pass counted as a fit pass."""
+def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float,
+               kept_left: int = 0) -> str:
+    """The run's first progress line: the expected time, from its own first layer with steps so far
+    (the clock at the layer's start and after its 2 x `spans` fit passes and its first steps), the
+    converted stream's pass counted as a fit pass; `layers_left` layers with `steps` steps to go, this
+    one included, and `kept_left` that take none (a per-layer plan's kept layers)."""
     d = [b - a for a, b in zip(ticks, ticks[1:])]
     moments, o_fit, step = d[:spans], d[spans:2 * spans], d[2 * spans:]
     rest = lambda x: x[1:] or x  # noqa: E731
@@ -108,7 +110,8 @@ def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, 
     fixed = max(0.0, d[0] - fit_span) + max(0.0, d[spans] - fit_span)
     rates = Rates(fit_span, fit_span, step_s, fixed, 0.0, False)
     per_layer = rates.per_layer(spans, steps, 8)  # the default guard
-    total = elapsed + per_layer * layers_left  # elapsed: before the first layer
+    total = elapsed + per_layer * layers_left + rates.per_layer(spans, 0, 8) * kept_left  # elapsed: before it
+    kept = f", and {kept_left} without steps" if kept_left else ""
     return (f"expected time: about {duration(total)} in all ({duration(per_layer)} per layer: {step_s:.3g} s per "
             f"step x {steps} steps, {fit_span:.3g} s per span x {3 * spans} span passes; measured on the first "
-            f"layer's passes and {len(step)} steps; {layers_left} layers)")
+            f"layer's passes and {len(step)} steps; {layers_left} layer{'s' if layers_left != 1 else ''}{kept})")

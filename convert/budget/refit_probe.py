@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from gqakit.convert.align import add_moment, metric_factor, refit_o_proj_moments
 from gqakit.convert.budget.damage import Damage, default_batch, layer_heads, repeated
 from gqakit.convert.budget.stream import SourceStream
+from gqakit.convert.calibration.stage import span_rows
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, layer_names, write_heads
 from gqakit.convert.methods import aligned_mean
@@ -118,15 +119,6 @@ def _forward(model: torch.nn.Module, ids: Tensor, sites: _Sites, want: Sequence[
     return got
 
 
-def fit_rows(n_seq: int, seq_len: int, opts: FitOptions, sl: slice) -> Tensor:
-    """Which rows of the sequences `sl` enter the fits: align-refit's (`skip_first` positions
-    and the `holdout` sequences left out)."""
-    n_hold = min(n_seq - 1, int(round(opts.holdout * n_seq)))
-    seq = torch.arange(sl.start, sl.stop).repeat_interleave(seq_len)
-    pos = torch.arange(seq_len).repeat(sl.stop - sl.start)
-    return (pos >= opts.skip_first) & (seq < n_seq - n_hold)
-
-
 def closed_form_heads(heads: AttnHeads, g: int, moment: Tensor, whiten: Tensor, spec: archmod.ArchSpec,
                       shape: archmod.Shape, q_ridge: float) -> AttnHeads:
     """2. contiguous groups, alignment in the metric `whiten`, mean pooling, the query refit on
@@ -159,7 +151,9 @@ class LayerProbe:
         self.moment, self.whiten = self._moments()
 
     def _keep(self, sl: slice) -> Tensor:
-        return fit_rows(self.seqs.shape[0], self.seqs.shape[1], self.opts, sl).to(self.device)
+        n_seq, T = self.seqs.shape  # align-refit's rows (`skip_first` and `holdout` left out)
+        return span_rows(n_seq, T, sl, holdout=self.opts.holdout, skip_first=self.opts.skip_first,
+                         device=self.device)[0]
 
     def _forward(self, i: int, want: Sequence[str]) -> dict[str, Tensor]:
         with self.stream.at(i):

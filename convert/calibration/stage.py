@@ -62,6 +62,21 @@ def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers
             f"to go)")
 
 
+def span_rows(n_seq: int, seq_len: int, sl: slice, *, holdout: float, skip_first: int,
+              device: str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of the calibration sequences `sl` (of `n_seq` sequences of `seq_len` tokens): those that
+    enter the fits, those the drift is measured on, and the first positions of the measured
+    sequences (align-refit's `holdout` and `skip_first`)."""
+    n_hold = min(n_seq - 1, int(round(holdout * n_seq)))
+    seq = torch.arange(sl.start, sl.stop, device=device).repeat_interleave(seq_len)
+    p = torch.arange(seq_len, device=device).repeat(sl.stop - sl.start)
+    held = seq >= n_seq - n_hold
+    skip = p >= skip_first
+    measure = (skip & held) if n_hold else skip
+    first = (p == 0) & held if n_hold else (p == 0)
+    return skip & ~held, measure, first
+
+
 class CalibrationStage:
     """A calibrated method, one block at a time: `layers()` yields (layer, converted heads) in order.
 
@@ -235,17 +250,9 @@ class CalibrationStage:
                 self._early = None
 
     def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:
-        """Rows of span `sl`: those that enter the fits, those the drift is measured on, and
-        the first positions of the measured sequences (see `holdout`, `skip_first`)."""
         n_seq, T = self.seqs.shape
-        n_hold = min(n_seq - 1, int(round(float(self.opts.holdout) * n_seq)))
-        seq = torch.arange(sl.start, sl.stop, device=self.device).repeat_interleave(T)
-        p = torch.arange(T, device=self.device).repeat(sl.stop - sl.start)
-        held = seq >= n_seq - n_hold
-        skip = p >= int(self.opts.skip_first)
-        measure = (skip & held) if n_hold else skip
-        first = (p == 0) & held if n_hold else (p == 0)
-        return skip & ~held, measure, first
+        return span_rows(n_seq, T, sl, holdout=float(self.opts.holdout), skip_first=int(self.opts.skip_first),
+                         device=self.device)
 
     def _advance_original(self, ctx: BlockContext) -> None:
         """The original stream advanced one block on every span the fit has not advanced."""

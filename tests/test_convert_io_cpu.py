@@ -27,7 +27,7 @@ def tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_mean_output_is_the_bytes_of_the_plain_torch_recipe(tiny_model, tmp_path, dtype, threads):
     """Every tensor bit for bit: unchanged ones are the source's, each pooled K/V the group mean
     taken in float32 (float64 for a float32 source) and rounded once to the source dtype. K and

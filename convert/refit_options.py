@@ -63,9 +63,10 @@ class RefitOptions(BaseModel):
     holdout: Number = Field(0.0, ge=0, lt=1, description="fraction of the sequences kept out of the fits; the "
                                                          "reported residual drift is then measured on them")
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
-        "auto", description="compute dtype of the block passes (the fits' rows, both streams' advance): auto "
-                            "(float64 for models under 20M parameters on the CPU, else float32), float32, float64 "
-                            "or bfloat16 (autocast over float32 weights and streams)")
+        "auto", description="compute dtype of the block passes (the fits' rows, both streams' advance): "
+                            "float32, float64 or bfloat16 (autocast over float32 weights and streams); auto: "
+                            f"float64 for a model under {SMALL_MODEL // 10**6}M parameters on the CPU, bfloat16 for "
+                            "a larger one on a CPU that multiplies it natively, else float32")
     step_dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights "
                             f"and streams; auto: float32 for a model under {SMALL_MODEL // 10**6}M parameters, else "
@@ -301,8 +302,15 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         reasons["batch"] = f"auto: {r['batch']} ({seq_len}-token sequences on {'a GPU' if device.gpu else 'the CPU'}" + (
             ")" if device.gpu else f", at most {best['cpu_tokens']:,} tokens for {size})")
     if refit.dtype == "auto":
-        r["dtype"] = "float64" if small and not device.gpu else "float32"
-        reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
+        if small:
+            r["dtype"] = "float32" if device.gpu else "float64"
+            reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
+        elif device.bf16 and not device.gpu:
+            r["dtype"] = "bfloat16"
+            reasons["dtype"] = f"auto: bfloat16 ({size}; {device.name} multiplies bfloat16 natively)"
+        else:
+            r["dtype"] = "float32"
+            reasons["dtype"] = f"auto: float32 ({size}, on {device.name})"
     dtype = str(r.get("dtype", refit.dtype))
     dtype = "float32" if dtype == "bfloat16" else dtype  # what the weights and passes' outputs are held in
     if refit.step_dtype == "auto":

@@ -72,7 +72,8 @@ class RefitOptions(BaseModel):
                             f"and streams; auto: float32 for a model under {SMALL_MODEL // 10**6}M parameters, else "
                             "bfloat16 where the device multiplies it natively, else float32)")
     stream_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
-        "auto", description="storage dtype of the two hidden-state streams: auto (the compute dtype), float32, "
+        "auto", description="storage dtype of the two hidden-state streams: auto (the passes' output dtype: "
+                            "float32 for bfloat16 passes), float32, "
                             "float64, bfloat16 or float16")
     offload: Literal["auto", "device", "cpu", "disk"] = Field(
         "auto", description="where the streams live: device, cpu (host memory), disk (files beside OUT) or auto "
@@ -224,9 +225,13 @@ class ResolvedRefitOptions(RefitOptions):
 
     @property
     def weights_dtype(self) -> str:
-        """The dtype the blocks' weights and the passes' outputs are held in (bfloat16 passes are
-        autocast over float32)."""
-        return "float32" if self.dtype == "bfloat16" else self.dtype
+        return held_dtype(self.dtype)
+
+
+def held_dtype(dtype: str) -> str:
+    """The dtype the blocks' weights and the passes' outputs are held in, for passes computed in
+    `dtype` (bfloat16 passes are autocast over float32)."""
+    return "float32" if dtype == "bfloat16" else dtype
 
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -311,8 +316,7 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         else:
             r["dtype"] = "float32"
             reasons["dtype"] = f"auto: float32 ({size}, on {device.name})"
-    dtype = str(r.get("dtype", refit.dtype))
-    dtype = "float32" if dtype == "bfloat16" else dtype  # what the weights and passes' outputs are held in
+    dtype = held_dtype(str(r.get("dtype", refit.dtype)))
     if refit.step_dtype == "auto":
         if small:  # float64 buys the steps nothing over float32 (the fits before them stay in float64)
             r["step_dtype"] = "float32"

@@ -63,16 +63,17 @@ def test_the_device_decides_batch_dtype_and_where_the_streams_go(monkeypatch):
     assert resolve_settings(s, source_params=300_000, max_positions=512, device=Device("cuda", GIB, GIB),
                             hidden=64, layers=5).options.batch == 4  # a GPU: 2,048 tokens
     # the steps: float32 for a small model (its fits stay float64), bfloat16 where it is native; the
-    # passes of a larger model: bfloat16 on a CPU where it is native, over float32 streams
+    # passes stay float32 (bfloat16 passes are asked for)
     assert small.step_dtype == "float32"
     for bf16, want in ((True, "bfloat16"), (False, "float32")):
         got = resolve_settings(s, source_params=135_000_000, max_positions=8192,
                                device=Device("cpu", 64 * GIB, 64 * GIB, bf16), hidden=576, layers=30)
         assert got.options.step_dtype == want and "bfloat16" in got.reasons["step_dtype"]
-        assert got.options.dtype == want and got.options.stream_dtype == "float32"
-    gpu_bf16 = resolve_settings(s, source_params=135_000_000, max_positions=8192,
-                                device=Device("cuda", 64 * GIB, 64 * GIB, True), hidden=576, layers=30)
-    assert (gpu_bf16.options.dtype, gpu_bf16.options.step_dtype) == ("float32", "bfloat16")
+        assert got.options.dtype == "float32"
+    asked = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", refit={"dtype": "bfloat16"})
+    got = resolve_settings(asked, source_params=135_000_000, max_positions=8192,
+                           device=Device("cpu", 64 * GIB, 64 * GIB, True), hidden=576, layers=30)
+    assert (got.options.dtype, got.options.stream_dtype) == ("bfloat16", "float32")
 
 
 def test_resolved_settings_refuse_options_left_auto():

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from gqakit.convert.align import add_moment, metric_factor, refit_o_proj_moments
 from gqakit.convert.budget.damage import Damage, default_batch, layer_heads, repeated
 from gqakit.convert.budget.stream import SourceStream
-from gqakit.convert.calibration.stage import span_rows
+from gqakit.convert.calibration.tokens import span_rows
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.layout import AttnHeads, layer_names, write_heads
 from gqakit.convert.methods import aligned_mean

@@ -38,7 +38,7 @@ from gqakit.convert.calibration.memory import trim
 from gqakit.convert.calibration.resume import STATE, load_state, load_tokens, save_state
 from gqakit.convert.calibration.skeleton import Skeleton
 from gqakit.convert.calibration.streams import Streams
-from gqakit.convert.calibration.tokens import calibration_sequences
+from gqakit.convert.calibration.tokens import calibration_sequences, span_rows
 from gqakit.convert.layout import AttnHeads
 from gqakit.convert.plan import Plan
 from gqakit.convert.resolved import ResolvedSettings
@@ -60,21 +60,6 @@ def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers
     return (f"expected time: about {duration(elapsed + left)} in all, {duration(left)} left "
             f"({duration(layer_seconds)} per layer, measured on the first{scaled}; {layers_left} of {layers} layers "
             f"to go)")
-
-
-def span_rows(n_seq: int, seq_len: int, sl: slice, *, holdout: float, skip_first: int,
-              device: str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
-    """Rows of the calibration sequences `sl` (of `n_seq` sequences of `seq_len` tokens): those that
-    enter the fits, those the drift is measured on, and the first positions of the measured
-    sequences (align-refit's `holdout` and `skip_first`)."""
-    n_hold = min(n_seq - 1, int(round(holdout * n_seq)))
-    seq = torch.arange(sl.start, sl.stop, device=device).repeat_interleave(seq_len)
-    p = torch.arange(seq_len, device=device).repeat(sl.stop - sl.start)
-    held = seq >= n_seq - n_hold
-    skip = p >= skip_first
-    measure = (skip & held) if n_hold else skip
-    first = (p == 0) & held if n_hold else (p == 0)
-    return skip & ~held, measure, first
 
 
 class CalibrationStage:

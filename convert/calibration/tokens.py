@@ -85,3 +85,18 @@ def calibration_sequences(opened: Opened, data: str | None, tokens: int, seq_len
     del model
     empty_cache(device)
     return torch.cat(out), f"sampled from the source model ({n_seq} x {seq_len} tokens, seed {seed})"
+
+
+def span_rows(n_seq: int, seq_len: int, sl: slice, *, holdout: float, skip_first: int,
+              device: str | torch.device = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of the calibration sequences `sl` (of `n_seq` sequences of `seq_len` tokens): those that
+    enter the fits, those the drift is measured on, and the first positions of the measured
+    sequences (align-refit's `holdout` and `skip_first`)."""
+    n_hold = min(n_seq - 1, int(round(holdout * n_seq)))
+    seq = torch.arange(sl.start, sl.stop, device=device).repeat_interleave(seq_len)
+    p = torch.arange(seq_len, device=device).repeat(sl.stop - sl.start)
+    held = seq >= n_seq - n_hold
+    skip = p >= skip_first
+    measure = (skip & held) if n_hold else skip
+    first = (p == 0) & held if n_hold else (p == 0)
+    return skip & ~held, measure, first

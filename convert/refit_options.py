@@ -95,6 +95,11 @@ class RefitOptions(BaseModel):
                                                          "(the last after the final step)")
     patience: StrictInt = Field(0, ge=0, description="stop a layer's steps once this many guard evaluations in a "
                                                      "row have not improved its loss (0: take every step)")
+    loss: Literal["block", "attention"] = Field(
+        "block", description="what the reconstruction steps minimise: the relative error of the block's output "
+                             "(block) or of the residual stream after its attention, the o_proj refit's target "
+                             "(attention: the steps neither run nor differentiate the rest of the block; with "
+                             "train=attention only)")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
                             f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "
@@ -122,10 +127,14 @@ class RefitOptions(BaseModel):
             raise GqakitError(f"unknown align-refit option(s) {', '.join(sorted(unknown))}; "
                               f"known: {', '.join(cls.model_fields)}")
         try:
-            return cls(**options)
+            parsed = cls(**options)
         except ValidationError as e:
             key = str(e.errors()[0]["loc"][0])
             raise GqakitError(_option_error(key, options[key])) from None
+        if parsed.loss == "attention" and parsed.train == "block":
+            raise GqakitError("align-refit option loss=attention trains q, k, v and o only: it does not go with "
+                              "train=block")
+        return parsed
 
     @classmethod
     def from_cli(cls, items: Iterable[str]) -> RefitOptions:
@@ -291,9 +300,9 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         reasons["lr"] = f"auto: {r['lr']} ({size})"
     if refit.train == "auto":
         gguf = output == "gguf"
-        r["train"] = "attention" if gguf else best["train"]
-        reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)"
-                                                      if gguf else f"{size})")
+        r["train"] = "attention" if gguf or refit.loss == "attention" else best["train"]
+        reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)" if gguf else
+                                                      "loss=attention)" if refit.loss == "attention" else f"{size})")
     if device is None:  # the CPU, nothing measured
         from gqakit.convert.resolved import Device
 

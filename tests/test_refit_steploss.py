@@ -2,7 +2,8 @@
 prepared loss (`steploss.SpanLoss`: tensors put into the block once, rows selected only where a
 span drops some, streams kept in the step dtype for the layer) gives the same converted model,
 bit for bit, as `torch.func.functional_call` on a weights dict rebuilt at every step, with the
-streams converted and the rows selected at every step."""
+streams converted and the rows selected at every step, and the attention loss (`loss=attention`,
+the block stopped after its o_proj) the same as the whole block run with o_proj's output taken."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 import gqakit.convert.calibration.refit as refit
 import gqakit.convert.calibration.steploss as steploss
+from gqakit.convert.calibration.block import Grab
 from gqakit.convert.pipeline import convert_checkpoint
 
 
@@ -25,7 +27,8 @@ class PlainLoss(steploss.SpanLoss):
 
     @contextmanager
     def installed(self):
-        yield
+        with steploss.causal.installed(self.blk.attn_config):  # the steps' attention, as the prepared path's
+            yield
 
     def __call__(self, sl, which, current):
         blk, sd, D = self.blk, self.sd, self.D
@@ -35,9 +38,17 @@ class PlainLoss(steploss.SpanLoss):
         x = self.ctx.streams.get("new", sl, sd)
         a, k = ((x, *args), kwargs) if positional else ((), {**kwargs, "hidden_states": x})
         weights = self.frozen | {blk.attn_rel[n]: t.to(sd) for n, t in w.items()} | {r: current[r] for r in self.rest}
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-            out = torch.func.functional_call(blk.block, weights, a, k)
+        grab = Grab(blk.o_mod, output=True)  # the attention's output, the whole block run
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                out = torch.func.functional_call(blk.block, weights, a, k)
+        finally:
+            grab.remove()
         mask = self.ctx.masks(sl)[which]
+        if self.targets is not None:
+            t, w = self.targets[sl.start]
+            out = grab.rows.reshape(-1, D)[mask].to(sd)
+            return ((out - t[mask].to(sd)).pow(2).sum(1) / (D / w[mask].pow(2)).to(sd)).mean()
         out = (out[0] if isinstance(out, tuple) else out).reshape(-1, D)[mask].to(sd)
         y = self.ctx.streams.get("orig", sl, sd).reshape(-1, D)[mask]
         return ((out - y).pow(2).sum(1) / y.pow(2).sum(1).clamp_min(1e-30)).mean()
@@ -64,6 +75,9 @@ def _convert(src: Path, out: Path, options: dict) -> dict[str, torch.Tensor]:
     ({"train": "attention", "dtype": "float32", "step_dtype": "float64"}, True),
     # bfloat16 autocast over float32 weights and streams; frozen MLP tensors converted once
     ({"train": "attention", "step_dtype": "bfloat16", "holdout": 0.25}, False),
+    # the attention loss: the block stopped after o_proj, against the whole block run
+    ({"loss": "attention", "holdout": 0.25, "skip_first": 3}, True),
+    ({"loss": "attention", "step_dtype": "bfloat16"}, False),
 ])
 def test_the_prepared_steps_equal_the_plain_path_bit_for_bit(tiny_model, tmp_path, monkeypatch, one_thread,
                                                              options, cache):

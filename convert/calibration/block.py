@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gqakit.convert.align import expand_kv
+from gqakit.convert.calibration import attention as causal
 from gqakit.convert.calibration.memory import empty_cache
 from gqakit.convert.calibration.skeleton import BlockCall, Skeleton, Stop, call_block
 from gqakit.convert.calibration.streams import Streams
@@ -43,6 +44,8 @@ class Block:
         self.attn_rel = {n: n[len(self.prefix):] for n in self.names.values() if n[len(self.prefix):] in on_meta}
         self.original: dict[str, Tensor] | None = None
         self.head_bound = spec.position_bias_on(skeleton.opened.config)  # a bias follows each head's index
+        # the config the block's attention reads its implementation from (`attention.installed`)
+        self.attn_config = next((m.config for m in skeleton.blocks[L].modules() if hasattr(m, "config")), None)
         self.load()
 
     def load(self) -> None:
@@ -133,7 +136,8 @@ class Block:
         if isinstance(x, str):
             x = self.streams.get(x, sl, self.dtype)
         try:
-            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+            with (causal.installed(self.attn_config),
+                  torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast)):
                 out = call_block(self.block, x, self.call(sl.stop - sl.start))
         except Stop:
             return None
@@ -156,6 +160,8 @@ class Grab:
 
     def _out(self, mod: Any, args: tuple, out: Tensor) -> None:
         self.rows = out.reshape(-1, out.shape[-1])
+        if self.stop:
+            raise Stop
 
     def remove(self) -> None:
         self.handle.remove()

@@ -17,10 +17,13 @@
   5. block-wise reconstruction (optional, `steps` > 0; BRECQ / AutoRound style): Adam
      steps on the block's converted q, k, v, o (K/V shared per group, the rest of the
      block frozen) minimising the relative squared error between the block's output on
-     the converted stream and the original block's output on the original stream,
-     seeded per layer, with a held-out guard that keeps the closed-form fit when the
-     steps do not help. With `train` = "block" the steps also train the rest of the
-     block (MLP and norms), which the writer then takes from the stage.
+     the converted stream and the original block's output on the original stream
+     (`loss` = "block"), or the o_proj refit's own objective, step 4's weighted error of
+     the residual stream after attention (`loss` = "attention": a step then stops at
+     o_proj and never runs the rest of the block), seeded per layer, with a held-out
+     guard that keeps the closed-form fit when the steps do not help. With `train` =
+     "block" the steps also train the rest of the block (MLP and norms), which the
+     writer then takes from the stage.
 
 The math itself is in `convert.align` and `convert.grouping`.
 """
@@ -94,6 +97,7 @@ class AlignRefit:
         self.steps_at = [opts.train_steps(a, b) for a, b in kv]
         self.block_at = [opts.trains_block(a, b) for a, b in kv]
         self.recon: list[dict[str, Any]] = []
+        self.targets: dict[int, tuple[Tensor, Tensor]] = {}
 
     def units(self, n_spans: int, layer: int) -> int:
         return 2 * n_spans + self.steps_at[layer]
@@ -129,10 +133,11 @@ class AlignRefit:
             parts.append(f"o_proj ridge refit towards the original model's {opts.get('target', 'residual')} stream")
         if calibration.get("reconstruction"):
             what = "every weight of the block" if opts.get("train") == "block" else "q, k, v and o"
+            towards = ("the o_proj refit's target (the original residual stream after attention)"
+                       if opts.get("loss") == "attention" else "the original block's output")
             parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer whose KV heads were "
                          f"pooled, on {what} "
-                         f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards the original block's "
-                         f"output; each layer keeps whichever of the closed-form fit and the trained weights had the "
+                         f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards {towards}; each layer keeps whichever of the closed-form fit and the trained weights had the "
                          f"lower guard loss" + (f", and stops after {int(opts['patience'])} guard evaluations without "
                                                 f"improvement" if int(opts.get("patience", 0)) else ""))
         return "; ".join(parts)
@@ -193,9 +198,13 @@ class AlignRefit:
         zz = torch.zeros(H_D, H_D, dtype=f64, device=self.device) if fit_o else None
         zt = torch.zeros(H_D, pooled.o.shape[0], dtype=f64, device=self.device) if fit_o else None
         o_bias = blk.o_bias()
+        # the attention loss's steps take the same target and row weights, on every row of each span
+        keep_targets = bool(self.steps_at[ctx.layer]) and opts.loss == "attention"
+        self.targets = {}
         with torch.inference_mode():
             for sl in ctx.spans:
                 keep = ctx.masks(sl)[0]
+                rows = slice(None) if keep_targets else keep
                 blk.use(blk.original)
                 ro = ctx.streams.get("orig", sl, self.dtype)
                 grab_out = Grab(blk.o_mod, output=True)
@@ -203,18 +212,22 @@ class AlignRefit:
                     ro_next = blk.run(sl, ro)
                 finally:
                     grab_out.remove()
-                if fit_o:
-                    out_o = grab_out.rows[keep].to(f64)
-                    ro_rows = ro.reshape(-1, D)[keep].to(f64)
+                if fit_o or keep_targets:
+                    out_o = grab_out.rows[rows].to(f64)
+                    ro_rows = ro.reshape(-1, D)[rows].to(f64)
                     target = out_o
                     if opts.target == "residual":
-                        rn_rows = ctx.streams.get("new", sl, self.dtype).reshape(-1, D)[keep].to(f64)
+                        rn_rows = ctx.streams.get("new", sl, self.dtype).reshape(-1, D)[rows].to(f64)
                         target = target + (ro_rows - rn_rows)
                     if opts.row_weight == "relative":
                         post = ro_rows + out_o
                         w = (1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)).sqrt().unsqueeze(1)
                     else:
                         w = torch.ones(out_o.shape[0], 1, dtype=f64, device=self.device)
+                    if keep_targets:
+                        self.targets[sl.start] = (target.to(torch.float32), w.squeeze(1).to(torch.float32))
+                        target, w = target[keep], w[keep]
+                if fit_o:
                     if o_bias is not None:
                         target = target - o_bias
                     blk.use(converted)
@@ -239,7 +252,8 @@ class AlignRefit:
         converted block's attention weights (q, k, v, o and their biases; K/V shared by each
         group, everything else in the block frozen), minimising the relative squared error
         between the block's output on the converted stream and the original block's output
-        on the original stream (which `_fit_o_proj` has just advanced), one span of `batch`
+        on the original stream (which `_fit_o_proj` has just advanced; with `loss` =
+        "attention", the o_proj refit's objective on the targets it kept), one span of `batch`
         sequences per step, each span once per epoch in a fresh random order (`span_order`).
         Each tensor's learning rate is `lr` times its RMS, decaying linearly to 0 over the
         steps. The steps are seeded by (seed, layer), so a resumed run takes the same ones. A
@@ -263,7 +277,8 @@ class AlignRefit:
         optim = torch.optim.Adam(groups)
         # the learning rate decays linearly to zero over the steps (as AutoRound's does)
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 - i / steps)
-        loss_on = SpanLoss(ctx, pooled, parts, rest, sd=sd, autocast=autocast, device=self.device)
+        loss_on = SpanLoss(ctx, pooled, parts, rest, sd=sd, autocast=autocast, device=self.device,
+                           targets=self.targets if opts.loss == "attention" else None)
         fit = [sl for sl in ctx.spans if bool(ctx.masks(sl)[0].any())]
         guard = [sl for sl in ctx.spans[-int(opts.guard_spans):] if bool(ctx.masks(sl)[1].any())]
 
@@ -299,6 +314,7 @@ class AlignRefit:
         best, best_at = stop.best, stop.best_at
         self.recon.append({"layer": L, "guard_best": best, "best_step": best_at, "steps_taken": done})
         del optim, sched, params, loss_on
+        self.targets = {}
         for r in rest:  # the block keeps its trained weights for the converted stream and the writer
             blk.block.get_parameter(r).data = best_params.pop(r).to(self.dtype)
         pooled = pooled.replace(**{p: t.to(getattr(pooled, p).dtype).cpu() for p, t in best_params.items()})

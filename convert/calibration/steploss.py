@@ -1,6 +1,8 @@
 """The loss of align-refit's reconstruction steps on one span (`SpanLoss`): the relative squared
 error between the converted block's output on the converted stream and the original block's
-output on the original stream, on the span's fitted (or measured) rows.
+output on the original stream, on the span's fitted (or measured) rows; with `loss=attention`,
+the o_proj refit's weighted error of the residual stream after attention instead (the block is
+stopped after o_proj, so a step never runs its MLP).
 
 A layer takes thousands of steps, and on a small model a step is a few milliseconds, so what is
 the same at every step is prepared once per layer:
@@ -23,13 +25,15 @@ steps' results are the same bit for bit.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gqakit.convert.calibration.block import BlockContext
+from gqakit.convert.calibration import attention as causal
+from gqakit.convert.calibration.block import BlockContext, Grab
+from gqakit.convert.calibration.skeleton import Stop
 from gqakit.convert.layout import AttnHeads
 
 # A layer's float32 copies of both streams' spans are kept while they take at most this much
@@ -56,8 +60,13 @@ class SpanLoss:
     inside `installed()`, which holds the frozen tensors in the block for the layer's steps."""
 
     def __init__(self, ctx: BlockContext, pooled: AttnHeads, parts: list[str], rest: list[str], *,
-                 sd: torch.dtype, autocast: bool, device: str):
+                 sd: torch.dtype, autocast: bool, device: str,
+                 targets: dict[int, tuple[Tensor, Tensor]] | None = None):
+        """`targets`: each span's attention-output targets and row weights, by its first sequence
+        (the attention loss; None: the block loss)."""
         blk = ctx.block
+        self.targets = targets
+        self.grab: Grab | None = None
         self.ctx, self.blk, self.pooled, self.parts, self.rest = ctx, blk, pooled, parts, rest
         self.sd, self.autocast, self.device, self.D = sd, autocast, device, ctx.hidden
         # written in the step dtype where the block's dtype would round nothing away on the way
@@ -84,14 +93,22 @@ class SpanLoss:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """The frozen tensors in the block's modules for the steps; the block's own parameters
-        back on exit (also on an error)."""
+        """The frozen tensors in the block's modules for the steps, and the steps' causal attention
+        (`attention.causal_attention`); the block's own parameters back on exit (also on an error)."""
+        stack = ExitStack()
         saved = {r: mod._parameters[attr] for r, (mod, attr) in self.slots.items()}
         try:
+            stack.enter_context(causal.installed(self.blk.attn_config))
             for r, t in self.frozen.items():
                 self._put(r, t)
+            if self.targets is not None:
+                self.grab = Grab(self.blk.o_mod, output=True, stop=True)
             yield
         finally:
+            if self.grab is not None:
+                self.grab.remove()
+                self.grab = None
+            stack.close()
             for r, p in saved.items():
                 self._put(r, p)
             self.inputs.clear()
@@ -120,9 +137,15 @@ class SpanLoss:
         if got is None:
             streams, mask = self.ctx.streams, self.mask(sl, which)
             x = streams.get("new", sl, self.sd)
-            y = streams.get("orig", sl, self.sd).reshape(-1, self.D)
-            y = y if mask is None else y[mask]
-            got = (x, y, y.pow(2).sum(1).clamp_min(1e-30))
+            if self.targets is None:
+                y = streams.get("orig", sl, self.sd).reshape(-1, self.D)
+                y = y if mask is None else y[mask]
+                den = y.pow(2).sum(1).clamp_min(1e-30)
+            else:
+                t, w = self.targets[sl.start]
+                y, w = (t, w) if mask is None else (t[mask], w[mask])
+                y, den = y.to(self.sd), (self.D / w.pow(2)).to(self.sd)  # |post|^2: relative, as the block loss
+            got = (x, y, den)
             if self.cache:
                 self.inputs[key] = got
         return got
@@ -137,8 +160,12 @@ class SpanLoss:
         args, kwargs, positional = self._call(sl.stop - sl.start)
         x, y, den = self._inputs(sl, which)
         with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.blk.block(x, *args, **kwargs) if positional else self.blk.block(*args, hidden_states=x,
-                                                                                         **kwargs)
+            try:
+                out = self.blk.block(x, *args, **kwargs) if positional else self.blk.block(*args, hidden_states=x,
+                                                                                             **kwargs)
+            except Stop:  # the attention loss: the attention's output, the rest of the block not run
+                assert self.grab is not None and self.grab.rows is not None
+                out = self.grab.rows
         out = (out[0] if isinstance(out, tuple) else out).reshape(-1, self.D)
         mask = self.mask(sl, which)
         out = (out if mask is None else out[mask]).to(self.sd)

@@ -30,8 +30,10 @@ SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in 
 # quarter of the time).
 MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
 REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
-BEST = {"small": {"steps": 2000, "lr": 0.012, "train": "block", "grouping": "similarity", "cpu_tokens": 512},
-        "large": {"steps": 400, "lr": 0.01, "train": "attention", "grouping": "contiguous", "cpu_tokens": 1024}}
+BEST = {"small": {"steps": 2000, "lr": 0.012, "train": "block", "loss": "block", "grouping": "similarity",
+                  "cpu_tokens": 512},
+        "large": {"steps": 400, "lr": 0.02, "train": "attention", "loss": "attention", "grouping": "contiguous",
+                  "cpu_tokens": 1024}}
 
 Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
 
@@ -95,11 +97,12 @@ class RefitOptions(BaseModel):
                                                          "(the last after the final step)")
     patience: StrictInt = Field(0, ge=0, description="stop a layer's steps once this many guard evaluations in a "
                                                      "row have not improved its loss (0: take every step)")
-    loss: Literal["block", "attention"] = Field(
-        "block", description="what the reconstruction steps minimise: the relative error of the block's output "
-                             "(block) or of the residual stream after its attention, the o_proj refit's target "
-                             "(attention: the steps neither run nor differentiate the rest of the block; with "
-                             "train=attention only)")
+    loss: Literal["auto", "block", "attention"] = Field(
+        "auto", description="what the reconstruction steps minimise: the relative error of the block's output "
+                            "(block) or the o_proj refit's weighted error of the residual stream after the "
+                            "attention (attention: a step runs neither the MLP nor its backward, at about half "
+                            f"the time; not with train=block); auto: {BEST['large']['loss']} for a model of "
+                            f"{SMALL_MODEL // 10**6}M parameters or more, else {BEST['small']['loss']}")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
                             f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "
@@ -224,6 +227,7 @@ class ResolvedRefitOptions(RefitOptions):
     steps: StrictInt = Field(ge=0, description=RefitOptions.model_fields["steps"].description)
     lr: Number = Field(gt=0, description=RefitOptions.model_fields["lr"].description)
     train: Literal["attention", "block"] = Field(description=RefitOptions.model_fields["train"].description)
+    loss: Literal["block", "attention"] = Field(description=RefitOptions.model_fields["loss"].description)
     dtype: Literal["float32", "float64", "bfloat16"] = Field(description=RefitOptions.model_fields["dtype"].description)
     step_dtype: Literal["float32", "float64", "bfloat16"] = Field(
         description=RefitOptions.model_fields["step_dtype"].description)
@@ -303,6 +307,11 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         r["train"] = "attention" if gguf or refit.loss == "attention" else best["train"]
         reasons["train"] = f"auto: {r['train']} (" + ("a .gguf OUT keeps the other tensors' bytes)" if gguf else
                                                       "loss=attention)" if refit.loss == "attention" else f"{size})")
+    if refit.loss == "auto":
+        train = r.get("train", refit.train)
+        r["loss"] = "block" if train == "block" else best["loss"]
+        reasons["loss"] = f"auto: {r['loss']} (" + ("train=block)" if train == "block" else f"{size})")
+    loss = r.get("loss", refit.loss)
     if device is None:  # the CPU, nothing measured
         from gqakit.convert.resolved import Device
 
@@ -337,7 +346,9 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
             reasons["offload"] = "auto: cpu (host memory; the streams' size or the free memory unknown)"
         else:
             n_tokens = math.ceil(settings.calibration_tokens / seq_len) * seq_len
-            stream_bytes = 2 * n_tokens * hidden * ITEMSIZE[str(r.get("stream_dtype", refit.stream_dtype))]
+            # the two streams, and the attention loss's targets while a layer's steps last
+            n_streams = 3 if loss == "attention" else 2
+            stream_bytes = n_streams * n_tokens * hidden * ITEMSIZE[str(r.get("stream_dtype", refit.stream_dtype))]
             block_bytes = source_params // max(layers or 1, 1) * ITEMSIZE[dtype]
             r["offload"], reasons["offload"] = auto_offload(stream_bytes, block_bytes, device)
     # the fields not given keep their defaults, as in `refit`
@@ -357,13 +368,13 @@ def refit_options_markdown() -> str:
 def auto_settings_markdown() -> str:
     """The README's table of what align-refit's "auto" settings resolve to (`resolve_align_refit`;
     `tests/test_convert_settings.py` keeps them equal)."""
-    rows = ["| model | `--grouping` | `seq_len` | `batch` on the CPU | `steps` at 65,536 tokens | `lr` | `train` |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| model | `--grouping` | `seq_len` | `batch` on the CPU | `steps` at 65,536 tokens | `lr` | `train` "
+            "| `loss` |", "|---|---|---|---|---|---|---|---|"]
     for key, what in (("small", "under 20M parameters"), ("large", "20M parameters or more")):
         b = BEST[key]
         rows.append(f"| {what} | {b['grouping']} | the model's context, at most {MAX_SEQ_LEN} | at most "
                     f"{b['cpu_tokens']:,} tokens | {b['steps']:,} | "
-                    f"{b['lr']} | {b['train']} |")
+                    f"{b['lr']} | {b['train']} | {b['loss']} |")
     return "\n".join(rows)
 
 

@@ -79,20 +79,20 @@ def _readme_section(heading: str) -> str:
 def test_auto_settings_follow_the_models_size_and_context():
     s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit")
     small = resolve_settings(s, source_params=300_000, max_positions=256)
-    assert (small.grouping, small.options.seq_len, small.options.steps, small.options.lr, small.options.train) == \
-        ("similarity", 256, 2000, 0.012, "block")
+    assert (small.grouping, small.options.seq_len, small.options.steps, small.options.lr, small.options.train,
+            small.options.loss) == ("similarity", 256, 2000, 0.012, "block", "block")
     large = resolve_settings(s, source_params=135_000_000, max_positions=8192)
-    assert (large.grouping, large.options.seq_len, large.options.steps, large.options.lr, large.options.train) == \
-        ("contiguous", 512, 400, 0.01, "attention")
+    assert (large.grouping, large.options.seq_len, large.options.steps, large.options.lr, large.options.train,
+            large.options.loss) == ("contiguous", 512, 400, 0.02, "attention", "attention")
     reasons = large.auto_reasons()
-    assert set(reasons) == {"grouping", "seq_len", "steps", "lr", "train", "batch", "dtype", "step_dtype",
+    assert set(reasons) == {"grouping", "seq_len", "steps", "lr", "train", "loss", "batch", "dtype", "step_dtype",
                             "stream_dtype", "offload"}
     assert all(r.startswith("auto: ") for r in reasons.values()) and "135M parameters" in reasons["steps"]
     assert s.refit.steps == "auto"  # the settings asked for are untouched
     # resolved means typed: no field of the resolved options accepts "auto" any more
     assert isinstance(large, ResolvedSettings) and large.output == "folder" and large.max_shard_bytes == 2 * 10**9
-    chosen = {k: getattr(large.options, k) for k in ("seq_len", "steps", "lr", "train", "batch", "dtype", "step_dtype",
-                                                     "stream_dtype", "offload")}
+    chosen = {k: getattr(large.options, k) for k in ("seq_len", "steps", "lr", "train", "loss", "batch", "dtype",
+                                                     "step_dtype", "stream_dtype", "offload")}
     for key in chosen:
         with pytest.raises(ValidationError):
             type(large.options)(**{**chosen, key: "auto"})
@@ -111,16 +111,31 @@ def test_auto_settings_follow_the_models_size_and_context():
     assert mean.grouping == "contiguous" and mean.auto_reasons() == {} and "auto" not in mean.record()
 
 
+def test_the_steps_loss_follows_what_they_train():
+    """The attention loss trains q, k, v and o only: asked for, it makes train auto resolve to
+    attention; train=block (asked for, or auto on a small model) makes loss auto the block loss."""
+    def resolve(params, **refit):
+        s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", refit=refit)
+        o = resolve_settings(s, source_params=params, max_positions=256).options
+        return o.train, o.loss
+
+    assert resolve(300_000) == ("block", "block")
+    assert resolve(300_000, loss="attention") == ("attention", "attention")
+    assert resolve(135_000_000) == ("attention", "attention")
+    assert resolve(135_000_000, train="block") == ("block", "block")
+    assert resolve(135_000_000, loss="block") == ("attention", "block")
+
+
 def test_explicit_settings_win_over_auto():
     s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", grouping="contiguous", effort="fast",
-                        refit={"steps": 7, "lr": 0.02, "train": "attention", "seq_len": 64, "batch": 3,
-                               "dtype": "float32", "step_dtype": "float32", "stream_dtype": "bfloat16",
+                        refit={"steps": 7, "lr": 0.02, "train": "attention", "loss": "block", "seq_len": 64,
+                               "batch": 3, "dtype": "float32", "step_dtype": "float32", "stream_dtype": "bfloat16",
                                "offload": "disk"})
     r = resolve_settings(s, source_params=300_000, max_positions=256)
     assert (r.grouping, r.options.seq_len, r.options.steps, r.options.lr, r.options.train) == \
         ("contiguous", 64, 7, 0.02, "attention")
     assert r.auto_reasons() == {} and r.record()["options"] == {"steps": 7, "lr": 0.02, "train": "attention",
-                                                                "seq_len": 64, "batch": 3, "dtype": "float32",
+                                                                "loss": "block", "seq_len": 64, "batch": 3, "dtype": "float32",
                                                                 "step_dtype": "float32", "stream_dtype": "bfloat16",
                                                                 "offload": "disk"}
 
@@ -139,8 +154,8 @@ def test_auto_settings_are_recorded_and_the_expected_time_is_shown(tiny_model, t
     assert rec["options"]["steps"] == 3 and "steps" not in rec["auto"]  # given: kept, no reason
     assert rec["grouping"] == "similarity" and rec["options"]["seq_len"] == 128 and rec["options"]["lr"] == 0.012
     assert rec["options"]["train"] == "block" and rec["effort"] == "best"
-    assert set(rec["auto"]) == {"grouping", "seq_len", "lr", "train", "batch", "dtype", "step_dtype", "stream_dtype",
-                                "offload"}
+    assert set(rec["auto"]) == {"grouping", "seq_len", "lr", "train", "loss", "batch", "dtype", "step_dtype",
+                                "stream_dtype", "offload"}
     assert rec["auto"]["seq_len"] == "auto: 128 (the model's context 128, at most 512)"
     card = (tmp_path / "out" / "README.md").read_text()
     assert "chosen for this model" in card and "auto: similarity" in card

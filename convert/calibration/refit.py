@@ -225,7 +225,10 @@ class AlignRefit:
                     else:
                         w = torch.ones(out_o.shape[0], 1, dtype=f64, device=self.device)
                     if keep_targets:
-                        self.targets[sl.start] = (target.to(torch.float32), w.squeeze(1).to(torch.float32))
+                        # kept where and as the streams are: a third stream, while the layer's steps last
+                        st = ctx.streams
+                        self.targets[sl.start] = (target.to(device=st.orig.device, dtype=st.dtype),
+                                                  w.squeeze(1).to(device=st.orig.device, dtype=torch.float32))
                         target, w = target[keep], w[keep]
                 if fit_o:
                     if o_bias is not None:

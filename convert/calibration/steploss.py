@@ -142,7 +142,7 @@ class SpanLoss:
                 y = y if mask is None else y[mask]
                 den = y.pow(2).sum(1).clamp_min(1e-30)
             else:
-                t, w = self.targets[sl.start]
+                t, w = (a.to(self.device) for a in self.targets[sl.start])
                 y, w = (t, w) if mask is None else (t[mask], w[mask])
                 y, den = y.to(self.sd), (self.D / w.pow(2)).to(self.sd)  # |post|^2: relative, as the block loss
             got = (x, y, den)

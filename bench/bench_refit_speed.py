@@ -5,6 +5,7 @@ compares settings fairly, and the whole run's expected CPU seconds at the defaul
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --options '{"step_dtype": "bfloat16"}'
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed stories --options '{"step_dtype": "float32"}'
     python -m bench.bench_refit_speed --src PATH --g 8 ...          # any folder (a 7B-shaped one)
+    OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --sdpa  # transformers' sdpa attention
 
 Rows are appended to bench/results/refit_speed.jsonl.
 """
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--calibration-tokens", type=int, default=65536)
     ap.add_argument("--options", default="{}", help="JSON align-refit options")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sdpa", action="store_true",
+                    help="the blocks keep transformers' sdpa attention (calibration.attention not installed)")
     ap.add_argument("--out", default=str(RESULTS / "refit_speed.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.calibration.estimate import expected_seconds, run_shape
@@ -42,6 +45,12 @@ def main() -> None:
     from gqakit.convert.settings import ConvertSettings
     from gqakit.convert.source import open_model
 
+    if args.sdpa:
+        from contextlib import contextmanager
+
+        import gqakit.convert.calibration.attention as causal
+
+        causal.installed = contextmanager(lambda config: (yield False))
     m = dict(MODELS[args.model]) if args.model else dict(src=args.src, g=args.g, calib=args.calibration_data)
     s = ConvertSettings(source=str(m["src"]), num_kv_heads=args.g or m["g"], method="align-refit",
                         calibration_data=args.calibration_data or m["calib"],
@@ -53,7 +62,8 @@ def main() -> None:
     shape = run_shape(plan, plan.settings)
     row = {"model": args.model or str(m["src"]), "options": json.loads(args.options),
            "resolved": {k: getattr(plan.settings.options, k) for k in ("steps", "batch", "dtype", "step_dtype",
-                                                                         "seq_len", "train")},
+                                                                         "seq_len", "train", "loss", "lr")},
+           "attention": "sdpa" if args.sdpa else "blocked",
            "threads": os.environ.get("OMP_NUM_THREADS"), "rates_cpu_s": asdict(rates), "shape": shape,
            "expected_cpu_s": round(expected_seconds(rates, **shape), 1),
            "per_layer_cpu_s": round(rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"],

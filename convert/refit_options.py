@@ -25,9 +25,10 @@ SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in 
 
 # What align-refit's "auto" settings resolve to (`resolve_align_refit`), from the
 # measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400 steps at
-# lr 0.01 on q, k, v, o; on stories260K, 2,000 one-sequence steps at lr 0.012 on the whole block
-# with similarity grouping (within the quality of 4,500 two-sequence steps at lr 0.007, in a
-# quarter of the time).
+# lr 0.02 on q, k, v, o against the o_proj refit's target (the attention loss: better than the
+# block loss's best, in half its time); on stories260K, 2,000 one-sequence steps at lr 0.012 on
+# the whole block with similarity grouping (within the quality of 4,500 two-sequence steps at
+# lr 0.007, in a quarter of the time).
 MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
 REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
 BEST = {"small": {"steps": 2000, "lr": 0.012, "train": "block", "loss": "block", "grouping": "similarity",

@@ -135,8 +135,9 @@ def test_explicit_settings_win_over_auto():
     assert (r.grouping, r.options.seq_len, r.options.steps, r.options.lr, r.options.train) == \
         ("contiguous", 64, 7, 0.02, "attention")
     assert r.auto_reasons() == {} and r.record()["options"] == {"steps": 7, "lr": 0.02, "train": "attention",
-                                                                "loss": "block", "seq_len": 64, "batch": 3, "dtype": "float32",
-                                                                "step_dtype": "float32", "stream_dtype": "bfloat16",
+                                                                "loss": "block", "seq_len": 64, "batch": 3,
+                                                                "dtype": "float32", "step_dtype": "float32",
+                                                                "stream_dtype": "bfloat16",
                                                                 "offload": "disk"}
 
 

@@ -137,9 +137,10 @@ class AlignRefit:
                        if opts.get("loss") == "attention" else "the original block's output")
             parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer whose KV heads were "
                          f"pooled, on {what} "
-                         f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards {towards}; each layer keeps whichever of the closed-form fit and the trained weights had the "
-                         f"lower guard loss" + (f", and stops after {int(opts['patience'])} guard evaluations without "
-                                                f"improvement" if int(opts.get("patience", 0)) else ""))
+                         f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards {towards}; each layer "
+                         f"keeps whichever of the closed-form fit and the trained weights had the lower guard loss"
+                         + (f", and stops after {int(opts['patience'])} guard evaluations without improvement"
+                            if int(opts.get("patience", 0)) else ""))
         return "; ".join(parts)
 
     def _input_moments(self, ctx: BlockContext) -> tuple[Tensor, Tensor, Tensor]:

@@ -26,15 +26,16 @@ SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in 
 # What align-refit's "auto" settings resolve to (`resolve_align_refit`), from the
 # measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400 steps at
 # lr 0.02 on q, k, v, o against the o_proj refit's target (the attention loss: better than the
-# block loss's best, in half its time); on stories260K, 2,000 one-sequence steps at lr 0.012 on
-# the whole block with similarity grouping (within the quality of 4,500 two-sequence steps at
-# lr 0.007, in a quarter of the time).
+# block loss's best, in half its time), while with fewer calibration tokens, and so fewer
+# steps, the block loss at lr 0.01 (the demo's 2,048 tokens and 12 steps: 741 against 1,215); on
+# stories260K, 2,000 one-sequence steps at lr 0.012 on the whole block with similarity grouping
+# (within the quality of 4,500 two-sequence steps at lr 0.007, in a quarter of the time).
 MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
 REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
 BEST = {"small": {"steps": 2000, "lr": 0.012, "train": "block", "loss": "block", "grouping": "similarity",
-                  "cpu_tokens": 512},
+                  "cpu_tokens": 512, "block_lr": 0.012},
         "large": {"steps": 400, "lr": 0.02, "train": "attention", "loss": "attention", "grouping": "contiguous",
-                  "cpu_tokens": 1024}}
+                  "cpu_tokens": 1024, "block_lr": 0.01}}  # block_lr: lr with the block loss
 
 Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
 
@@ -90,8 +91,8 @@ class RefitOptions(BaseModel):
                                   f"{REFERENCE_TOKENS:,} calibration tokens; 0 with --effort fast)")
     lr: Literal["auto"] | Annotated[Number, Field(gt=0)] = Field(
         "auto", description=f"the steps' learning rate, relative to each tensor's RMS (decaying linearly to 0; "
-                                  f"auto: {BEST['large']['lr']}, or {BEST['small']['lr']} for a model under "
-                                  f"{SMALL_MODEL // 10**6}M parameters)")
+                                  f"auto: {BEST['large']['lr']}, {BEST['large']['block_lr']} with the block loss, "
+                                  f"or {BEST['small']['lr']} for a model under {SMALL_MODEL // 10**6}M parameters)")
     guard_spans: StrictInt = Field(8, ge=1, description="batches of sequences the guard measures on (it keeps the "
                                                         "closed-form fit when the steps do not help)")
     guard_checks: StrictInt = Field(4, ge=1, description="guard evaluations over a layer's steps, evenly spaced "
@@ -103,7 +104,8 @@ class RefitOptions(BaseModel):
                             "(block) or the o_proj refit's weighted error of the residual stream after the "
                             "attention (attention: a step runs neither the MLP nor its backward, at about half "
                             f"the time; not with train=block); auto: {BEST['large']['loss']} for a model of "
-                            f"{SMALL_MODEL // 10**6}M parameters or more, else {BEST['small']['loss']}")
+                            f"{SMALL_MODEL // 10**6}M parameters or more with {REFERENCE_TOKENS:,} calibration "
+                            f"tokens or more, else {BEST['small']['loss']}")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
                             f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "
@@ -300,9 +302,6 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
             reasons["steps"] = f"auto: {r['steps']} (--effort best, {size}" + (
                 f"; {best['steps']} scaled to {settings.calibration_tokens:,} of {REFERENCE_TOKENS:,} "
                 "calibration tokens)" if share < 1 else ")")
-    if refit.lr == "auto":
-        r["lr"] = best["lr"]
-        reasons["lr"] = f"auto: {r['lr']} ({size})"
     if refit.train == "auto":
         gguf = output == "gguf"
         r["train"] = "attention" if gguf or refit.loss == "attention" else best["train"]
@@ -310,9 +309,15 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
                                                       "loss=attention)" if refit.loss == "attention" else f"{size})")
     if refit.loss == "auto":
         train = r.get("train", refit.train)
-        r["loss"] = "block" if train == "block" else best["loss"]
-        reasons["loss"] = f"auto: {r['loss']} (" + ("train=block)" if train == "block" else f"{size})")
+        few = settings.calibration_tokens < REFERENCE_TOKENS and best["loss"] != "block"
+        r["loss"] = "block" if train == "block" or few else best["loss"]
+        reasons["loss"] = f"auto: {r['loss']} (" + (
+            "train=block)" if train == "block" else
+            f"{size}; fewer than {REFERENCE_TOKENS:,} calibration tokens, so fewer steps)" if few else f"{size})")
     loss = r.get("loss", refit.loss)
+    if refit.lr == "auto":
+        r["lr"] = best["block_lr"] if loss == "block" else best["lr"]
+        reasons["lr"] = f"auto: {r['lr']} ({size}, {loss} loss)"
     if device is None:  # the CPU, nothing measured
         from gqakit.convert.resolved import Device
 
@@ -373,9 +378,10 @@ def auto_settings_markdown() -> str:
             "| `loss` |", "|---|---|---|---|---|---|---|---|"]
     for key, what in (("small", "under 20M parameters"), ("large", "20M parameters or more")):
         b = BEST[key]
+        lr = f"{b['lr']}" + (f" ({b['block_lr']} with the block loss)" if b["block_lr"] != b["lr"] else "")
+        loss = f"{b['loss']}" + (f" (block below {REFERENCE_TOKENS:,} tokens)" if b["loss"] != "block" else "")
         rows.append(f"| {what} | {b['grouping']} | the model's context, at most {MAX_SEQ_LEN} | at most "
-                    f"{b['cpu_tokens']:,} tokens | {b['steps']:,} | "
-                    f"{b['lr']} | {b['train']} | {b['loss']} |")
+                    f"{b['cpu_tokens']:,} tokens | {b['steps']:,} | {lr} | {b['train']} | {loss} |")
     return "\n".join(rows)
 
 

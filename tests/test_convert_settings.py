@@ -113,17 +113,21 @@ def test_auto_settings_follow_the_models_size_and_context():
 
 def test_the_steps_loss_follows_what_they_train():
     """The attention loss trains q, k, v and o only: asked for, it makes train auto resolve to
-    attention; train=block (asked for, or auto on a small model) makes loss auto the block loss."""
-    def resolve(params, **refit):
-        s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", refit=refit)
+    attention; train=block (asked for, or auto on a small model), or fewer calibration tokens than
+    the steps are set for, makes loss auto the block loss; lr auto follows the loss."""
+    def resolve(params, tokens=65536, **refit):
+        s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", calibration_tokens=tokens, refit=refit)
         o = resolve_settings(s, source_params=params, max_positions=256).options
-        return o.train, o.loss
+        return o.train, o.loss, o.lr
 
-    assert resolve(300_000) == ("block", "block")
-    assert resolve(300_000, loss="attention") == ("attention", "attention")
-    assert resolve(135_000_000) == ("attention", "attention")
-    assert resolve(135_000_000, train="block") == ("block", "block")
-    assert resolve(135_000_000, loss="block") == ("attention", "block")
+    assert resolve(300_000) == ("block", "block", 0.012)
+    assert resolve(300_000, loss="attention") == ("attention", "attention", 0.012)
+    assert resolve(135_000_000) == ("attention", "attention", 0.02)
+    assert resolve(135_000_000, train="block") == ("block", "block", 0.01)
+    assert resolve(135_000_000, loss="block") == ("attention", "block", 0.01)
+    # fewer calibration tokens, fewer steps: the block loss (the demo's 2,048 tokens take 12 steps)
+    assert resolve(135_000_000, tokens=2048) == ("attention", "block", 0.01)
+    assert resolve(135_000_000, tokens=2048, loss="attention") == ("attention", "attention", 0.02)
 
 
 def test_explicit_settings_win_over_auto():

@@ -62,6 +62,14 @@ def _future(lo: int, hi: int, r: int, device: torch.device) -> Tensor:
         return ~torch.ones(hi - lo, hi, dtype=torch.bool, device=device).tril(lo).repeat(r, 1)
 
 
+@lru_cache(maxsize=1)
+def _register() -> None:
+    """`causal_attention` in transformers' attention registry, under `NAME` (once per process)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, causal_attention)
+
+
 @contextmanager
 def installed(config: Any) -> Iterator[bool]:
     """`causal_attention` in place of "sdpa" for the blocks built from `config` while inside;
@@ -70,9 +78,7 @@ def installed(config: Any) -> Iterator[bool]:
     if before != "sdpa":
         yield False
         return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, causal_attention)
+    _register()
     config._attn_implementation = NAME
     try:
         yield True

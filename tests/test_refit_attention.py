@@ -25,8 +25,9 @@ def _qkv(B, H, KV, T, d, seed=0):
 
 
 @pytest.mark.parametrize("B, H, KV, T, d, scaling", [
-    (2, 6, 2, 300, 16, None),   # three query blocks, the last one short; 3 query heads per KV head
-    (1, 4, 4, 128, 8, 0.3),     # one block exactly; no grouping; the scale given
+    (2, 6, 2, 300, 32, None),   # three 128-query blocks, the last one short; 3 query heads per KV head
+    (2, 6, 2, 300, 16, None),   # narrow heads: five 64-query blocks, the last one short
+    (1, 4, 4, 128, 8, 0.3),     # two blocks exactly; no grouping; the scale given
     (3, 8, 1, 129, 4, None),    # one KV head for all; a one-position last block
 ])
 def test_it_equals_sdpa_in_values_and_gradients(B, H, KV, T, d, scaling):

@@ -1,7 +1,9 @@
 """`align-refit`'s fit of one block, from the original stream x and the converted stream x':
 
   1. moments E[x~ x~^T], E[x~ x~'^T], E[x~' x~'^T] of the attention inputs (normed, with
-     a constant 1 appended), accumulated in float64 batch by batch;
+     a constant 1 appended), accumulated in float64 batch by batch (each batch's product
+     in float64 for the metric E[x~ x~^T], in float32 for the others unless the block computes
+     in float64);
   2. grouping (optional, by aligned-weight similarity in the input metric), then
      RoPE-aware alignment in the metric of E[x x^T], then mean pooling;
   3. query refit: per query head, the RoPE-commuting map (scaled 2x2 rotation per
@@ -11,7 +13,7 @@
      attention outputs, towards the original model's residual stream after this
      attention (original attention output + original residual - converted residual), so
      each layer also corrects the drift of the layers before it. Its normal equations
-     are accumulated batch by batch in float64, rows weighted by 1/|original residual|^2
+     are accumulated batch by batch in float64 (as the moments), rows weighted by 1/|original residual|^2
      (`row_weight`), so outsized "attention sink" rows do not dominate. The same pass
      advances the original stream;
   5. block-wise reconstruction (optional, `steps` > 0; BRECQ / AutoRound style): Adam
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gqakit.convert.align import add_moment, metric_factor, refit_o_proj_moments
+from gqakit.convert.align import add_moment, add_product, metric_factor, refit_o_proj_moments
 from gqakit.convert.calibration.block import BlockContext, Fitted, Grab
 from gqakit.convert.calibration.memory import trim
 from gqakit.convert.calibration.steploss import SpanLoss
@@ -99,6 +101,12 @@ class AlignRefit:
         self.recon: list[dict[str, Any]] = []
         self.targets: dict[int, tuple[Tensor, Tensor]] = {}
 
+    @property
+    def rows_dtype(self) -> torch.dtype:
+        """The dtype the normal equations' rows are multiplied in: float64 where the block computes
+        in it, else float32 (the products summed over a span in float32, over the spans in float64)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
     def units(self, n_spans: int, layer: int) -> int:
         return 2 * n_spans + self.steps_at[layer]
 
@@ -144,7 +152,7 @@ class AlignRefit:
         return "; ".join(parts)
 
     def _input_moments(self, ctx: BlockContext) -> tuple[Tensor, Tensor, Tensor]:
-        """1. float64 moments of the attention inputs [x 1] of both streams, batch by batch:
+        """1. moments of the attention inputs [x 1] of both streams, batch by batch (`rows_dtype`):
         (Cholesky factor of E[x~ x~^T], E[x~ x~'^T], E[x~' x~'^T]), on the CPU."""
         blk = ctx.block
         D, f64 = ctx.hidden, torch.float64
@@ -152,15 +160,19 @@ class AlignRefit:
         s_on, s_nn = torch.zeros_like(s_oo), torch.zeros_like(s_oo)
         n_rows = 0
         g = Grab(blk.q_in, stop=True)
+        rows = self.rows_dtype
         with torch.inference_mode():
             try:
                 for sl in ctx.spans:
                     keep = ctx.masks(sl)[0]
                     blk.run(sl, "orig")
-                    xo = g.rows[keep].to(f64)
+                    xo = g.rows[keep]
                     blk.run(sl, "new")
-                    xn = g.rows[keep].to(f64)
-                    add_moment(s_oo, xo, xo)
+                    xn = g.rows[keep].to(rows)
+                    # the metric's moment in float64 (its Cholesky factor needs every digit), the
+                    # query refit's normal equations in the rows' dtype (their ridge dwarfs the rest)
+                    add_moment(s_oo, xo.to(f64), xo.to(f64))
+                    xo = xo.to(rows)
                     add_moment(s_on, xo, xn)
                     add_moment(s_nn, xn, xn)
                     n_rows += xo.shape[0]
@@ -240,10 +252,12 @@ class AlignRefit:
                         blk.run(sl, "new")
                     finally:
                         g.remove()
-                    z = blk.in_head_order(g.rows[keep], pooled).to(f64) * w
-                    zz.addmm_(z.T, z)
-                    zt.addmm_(z.T, target * w)
-                    del z, target, w
+                    rd = self.rows_dtype
+                    z = blk.in_head_order(g.rows[keep], pooled).to(rd) * w.to(rd)
+                    tw = (target * w).to(rd)
+                    add_product(zz, z, z)
+                    add_product(zt, z, tw)
+                    del z, tw, target, w
                 ctx.advance_original(sl, ro_next)
                 ctx.tick(1)
         if fit_o:

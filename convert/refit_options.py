@@ -69,7 +69,8 @@ class RefitOptions(BaseModel):
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="compute dtype of the block passes (the fits' rows, both streams' advance): "
                             "float32, float64 or bfloat16 (autocast over float32 weights and streams); auto: "
-                            f"float64 for a model under {SMALL_MODEL // 10**6}M parameters on the CPU, else float32")
+                            f"float64 for a model under {SMALL_MODEL // 10**6}M parameters on the CPU, else "
+                            "bfloat16 where the device multiplies it natively, else float32")
     step_dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights "
                             f"and streams; auto: float32 for a model under {SMALL_MODEL // 10**6}M parameters, else "
@@ -330,8 +331,11 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         reasons["batch"] = f"auto: {r['batch']} ({seq_len}-token sequences on {'a GPU' if device.gpu else 'the CPU'}" + (
             ")" if device.gpu else f", at most {best['cpu_tokens']:,} tokens for {size})")
     if refit.dtype == "auto":
-        r["dtype"] = "float64" if small and not device.gpu else "float32"
-        reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name})"
+        r["dtype"] = ("float64" if not device.gpu else "float32") if small else (
+            "bfloat16" if device.bf16 else "float32")
+        native = (f"; {device.name} multiplies bfloat16 natively" if device.bf16 else
+                  f"; {device.name} has no native bfloat16") if not small else ""
+        reasons["dtype"] = f"auto: {r['dtype']} ({size}, on {device.name}{native})"
     dtype = held_dtype(str(r.get("dtype", refit.dtype)))
     if refit.step_dtype == "auto":
         if small:  # float64 buys the steps nothing over float32 (the fits before them stay in float64)

@@ -62,14 +62,14 @@ def test_the_device_decides_batch_dtype_and_where_the_streams_go(monkeypatch):
                             hidden=64, layers=5).options.batch == 1
     assert resolve_settings(s, source_params=300_000, max_positions=512, device=Device("cuda", GIB, GIB),
                             hidden=64, layers=5).options.batch == 4  # a GPU: 2,048 tokens
-    # the steps: float32 for a small model (its fits stay float64), bfloat16 where it is native; the
-    # passes stay float32 (bfloat16 passes are asked for)
+    # the steps and the passes: float32 and float64 for a small model, bfloat16 where it is native
     assert small.step_dtype == "float32"
     for bf16, want in ((True, "bfloat16"), (False, "float32")):
         got = resolve_settings(s, source_params=135_000_000, max_positions=8192,
                                device=Device("cpu", 64 * GIB, 64 * GIB, bf16), hidden=576, layers=30)
         assert got.options.step_dtype == want and "bfloat16" in got.reasons["step_dtype"]
-        assert got.options.dtype == "float32"
+        assert got.options.dtype == want and "bfloat16" in got.reasons["dtype"]
+        assert got.options.stream_dtype == "float32"  # bfloat16 passes keep float32 streams
     asked = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", refit={"dtype": "bfloat16"})
     got = resolve_settings(asked, source_params=135_000_000, max_positions=8192,
                            device=Device("cpu", 64 * GIB, 64 * GIB, True), hidden=576, layers=30)

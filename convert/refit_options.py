@@ -107,6 +107,10 @@ class RefitOptions(BaseModel):
                             f"the time; not with train=block); auto: {BEST['large']['loss']} for a model of "
                             f"{SMALL_MODEL // 10**6}M parameters or more with {REFERENCE_TOKENS:,} calibration "
                             f"tokens or more, else {BEST['small']['loss']}")
+    final_o: bool = Field(
+        False, description="with the attention loss: after the steps, refit o_proj once more in closed form on the "
+                           "trained q, k and v (one more pass to o_proj over the spans), kept where the guard loss "
+                           "improves")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
                             f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "

@@ -265,6 +265,34 @@ class AlignRefit:
             converted = blk.weights(pooled)
         return pooled, converted
 
+    def _o_after_steps(self, ctx: BlockContext, loss_on: SpanLoss, pooled: AttnHeads, current: dict[str, Tensor],
+                       spans: list[slice]) -> Tensor:
+        """o_proj refitted as in `_fit_o_proj`, on the attention outputs of the trained q, k, v (as the
+        steps compute them) towards the targets the attention loss kept, ridge towards the trained o."""
+        blk, f64, rd = ctx.block, torch.float64, self.rows_dtype
+        heads = pooled.replace(**{p: current[p] for p in ("q", "k", "v")})
+        H_D, out = current["o"].shape[1] * current["o"].shape[2], current["o"].shape[0]
+        zz = torch.zeros(H_D, H_D, dtype=f64, device=self.device)
+        zt = torch.zeros(H_D, out, dtype=f64, device=self.device)
+        o_bias = blk.o_bias()
+        g = Grab(blk.o_mod)  # o_proj's input; the attention loss's own hook stops the block after it
+        try:
+            with torch.no_grad():
+                for sl in spans:
+                    loss_on(sl, 0, current)
+                    keep = ctx.masks(sl)[0]
+                    target, w = (a.to(self.device)[keep] for a in self.targets[sl.start])
+                    target = target.to(f64) - (o_bias if o_bias is not None else 0.0)
+                    w = w.to(f64).unsqueeze(1)
+                    z = blk.in_head_order(g.rows[keep], heads).to(rd) * w.to(rd)
+                    add_product(zz, z, z)
+                    add_product(zt, z, (target * w).to(rd))
+        finally:
+            g.remove()
+        o = current["o"].detach().to(f64).cpu()
+        return refit_o_proj_moments(zz.cpu(), zt.cpu(), o, float(self.opts.o_ridge)).to(
+            device=current["o"].device, dtype=current["o"].dtype)
+
     def _reconstruct(self, ctx: BlockContext, pooled: AttnHeads) -> tuple[AttnHeads, dict[str, Tensor]]:
         """4b. block-wise reconstruction (BRECQ / AutoRound style): `steps` Adam steps on the
         converted block's attention weights (q, k, v, o and their biases; K/V shared by each
@@ -300,15 +328,15 @@ class AlignRefit:
         fit = [sl for sl in ctx.spans if bool(ctx.masks(sl)[0].any())]
         guard = [sl for sl in ctx.spans[-int(opts.guard_spans):] if bool(ctx.masks(sl)[1].any())]
 
-        def guard_loss() -> float:
+        def guard_loss(cur: dict[str, Tensor] | None = None) -> float:
             with torch.no_grad():
-                cur = {p: t.detach() for p, t in params.items()}
+                cur = cur if cur is not None else {p: t.detach() for p, t in params.items()}
                 return sum(float(loss_on(sl, 1, cur)) for sl in guard) / max(len(guard), 1)
 
         best_params = {p: t.detach().clone() for p, t in params.items()}
         gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + L)
         checks = check_steps(steps, int(opts.guard_checks))
-        done = 0
+        done, took_o = 0, False
         with loss_on.installed():
             stop = EarlyStop(guard_loss(), int(opts.patience))
             for step, i in enumerate(span_order(len(fit), steps, gen), start=1):
@@ -329,8 +357,17 @@ class AlignRefit:
                         if step < steps:
                             ctx.tick(steps - step)  # the steps left are not taken
                         break
+            final_o = bool(opts.final_o and self.targets and float(opts.o_ridge) >= 0)
+            if final_o:  # o_proj's closed form on the best q, k, v, kept where the guard prefers it
+                cand = {**best_params, "o": self._o_after_steps(ctx, loss_on, pooled, best_params, fit)}
+                g = guard_loss(cand)
+                ctx.note(f"o_proj refit after the steps: guard {g:.4f}")
+                took_o = stop.update(g, done)
+                if took_o:
+                    best_params = cand
         best, best_at = stop.best, stop.best_at
-        self.recon.append({"layer": L, "guard_best": best, "best_step": best_at, "steps_taken": done})
+        self.recon.append({"layer": L, "guard_best": best, "best_step": best_at, "steps_taken": done}
+                          | ({"final_o": took_o} if final_o else {}))
         del optim, sched, params, loss_on
         self.targets = {}
         for r in rest:  # the block keeps its trained weights for the converted stream and the writer

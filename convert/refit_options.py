@@ -172,6 +172,12 @@ class RefitOptions(BaseModel):
             return 0
         return 0 if self.steps == "auto" else self.steps
 
+    @property
+    def refits_o_after_steps(self) -> bool:
+        """Whether a layer's steps end with o_proj's closed form on the trained q, k, v (`final_o`, the
+        attention loss, the o_proj refit on): one more pass over the spans."""
+        return self.final_o and self.loss == "attention" and float(self.o_ridge) >= 0
+
     def trains_block(self, kv_from: int | None = None, kv_to: int | None = None) -> bool:
         """Whether the steps train every weight of each converted block (`train=block` with steps),
         so that the writer takes the blocks' MLP and norms from the calibration stage."""

@@ -478,6 +478,9 @@ def test_a_new_calibrated_method_is_a_new_fit(tiny_model, one_thread):
         def units(self, n_spans, layer):
             return n_spans if self.advance else 0
 
+        def steps(self, layer):
+            return 0
+
         def fit(self, ctx: BlockContext) -> Fitted:
             self.seen.append(ctx.layer)
             if self.advance:  # the original block on the original stream, as align-refit's o_proj pass does

@@ -115,3 +115,23 @@ def test_a_step_of_the_attention_loss_runs_no_mlp(tiny_model, one_thread, monkey
     assert (calls[True] > 0) == mlp_in_steps
     assert stage.summary["options"]["loss"] == loss
     assert all(r["best_step"] > 0 for r in stage.summary["reconstruction"])  # the steps changed the weights
+
+
+def test_o_projs_refit_after_the_steps_is_kept_only_where_the_guard_prefers_it(tiny_model, one_thread):
+    """`final_o`: the same seeded steps, then one more candidate (the trained q, k, v with o_proj in
+    closed form on them), kept where its guard loss is lower. The first layer's best guard loss can
+    only go down (its inputs are the same), and on a model whose steps are too few to settle o_proj
+    the closed form wins; the block loss keeps no targets and takes no such pass."""
+    src = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=2)
+    recs = {}
+    for loss, final in (("attention", False), ("attention", True), ("block", True)):
+        stage = _stage(src, loss=loss, train="attention", final_o=final)
+        dict(stage.layers())
+        recs[loss, final] = stage.summary["reconstruction"]
+        if final and loss == "attention":
+            assert "o_proj refitted in closed form after the steps" in stage.describe()
+    off, on = recs["attention", False], recs["attention", True]
+    assert all("final_o" not in r for r in off + recs["block", True])
+    assert on[0]["guard_best"] <= off[0]["guard_best"]
+    assert any(r["final_o"] for r in on)
+    assert all(r["best_step"] == r["steps_taken"] for r in on if r["final_o"])

@@ -30,6 +30,19 @@ def test_rates_come_from_the_units_times():
     assert r.per_layer(3, 8, 8) == pytest.approx(ticks[-1] - ticks[0])
 
 
+def test_rates_count_o_projs_refit_after_the_steps():
+    # as above, with o_proj's refit after the steps (`final_o`): 3 more units of 4 s, the first taking the
+    # guard after the last step; the guard on its result lands in the advance's first unit
+    d = [11, 1, 1, 12, 2, 2] + [5 + 9 + 10, 5, 5 + 9, 5, 5 + 9, 5, 5 + 9, 5] + [4 + 9, 4, 4] + [3 + 9 + 10, 3, 3]
+    ticks = list(itertools.accumulate([0.0, *d]))
+    r = rates_from_ticks(ticks, spans=3, steps=8, guard_spans=8, prepare_seconds=6.0, sampled=False, final=True)
+    assert (r.fit_span, r.forward_span, r.step, r.final_span, r.layer_fixed) == (1.5, 3.0, 5.0, 4.0, 40)
+    assert r.per_layer(3, 8, 8) == pytest.approx(ticks[-1] - ticks[0])
+    # twice the spans (the guard on as many): twice the refit's units; a layer without steps takes none
+    assert r.per_layer(6, 8, 3) - r.per_layer(3, 8, 3) == pytest.approx(3 * (2 * 1.5 + 3.0 + 4.0))
+    assert r.per_layer(3, 0, 8) == 40 + 3 * (2 * 1.5 + 3.0)
+
+
 def test_expected_time_scales_with_layers_tokens_and_steps():
     r = Rates(fit_span=1.0, forward_span=2.0, step=3.0, layer_fixed=5.0, prepare=5.0, sampled=False)
     one = expected_seconds(r, layers=1, spans=10, steps=100, guard_spans=8)

@@ -211,6 +211,9 @@ class Fit(Protocol):
     def units(self, n_spans: int, layer: int) -> int:
         """Progress units block `layer` takes (the stage adds its own pass over the spans)."""
 
+    def steps(self, layer: int) -> int:
+        """Of those, the optimisation steps (0: passes over the spans only)."""
+
     def fit(self, ctx: BlockContext) -> Fitted:
         """Fit block `ctx.layer`. On return the block is loaded, with either weights set."""
 

@@ -43,11 +43,14 @@ class Rates:
     layer_fixed: float  # per layer, outside the units: reading the block, the closed-form solves
     prepare: float      # before the first layer: calibration tokens, the outer modules, block inputs
     sampled: bool       # the calibration text is sampled from the model (`prepare` per generate call)
+    final_span: float = 0.0  # one span through o_proj's refit after the steps (`final_o`; 0: not taken)
 
     def per_layer(self, spans: int, steps: int, guard_spans: int, guard_checks: int = GUARD_CHECKS) -> float:
         """Every step taken (early stopping can only make a layer shorter)."""
-        guard = (1 + min(guard_checks, steps)) * min(guard_spans, spans) * self.forward_span if steps else 0.0
-        return self.layer_fixed + spans * (2 * self.fit_span + self.forward_span) + steps * self.step + guard
+        final = bool(steps and self.final_span)
+        guard = (1 + min(guard_checks, steps) + final) * min(guard_spans, spans) * self.forward_span if steps else 0.0
+        return (self.layer_fixed + spans * (2 * self.fit_span + self.forward_span) + steps * self.step + guard
+                + (spans * self.final_span if final else 0.0))
 
 
 def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard_spans: int,
@@ -62,15 +65,18 @@ def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard
 
 
 def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans: int, prepare_seconds: float,
-                     sampled: bool, checks: int | None = None) -> Rates:
+                     sampled: bool, checks: int | None = None, final: bool = False) -> Rates:
     """`Rates` from the clock at the start of the first layer and after each of its progress units:
-    2 x `spans` fit units, `steps` steps, then `spans` forward units (`stage.CalibrationStage`);
-    `checks`: the guard evaluations among the steps (default: after every other step)."""
+    2 x `spans` fit units, `steps` steps, with `final` `spans` units of o_proj's refit after them,
+    then `spans` forward units (`stage.CalibrationStage`); `checks`: the guard evaluations among the
+    steps (default: after every other step)."""
     t = ticks
     d = [b - a for a, b in zip(t, t[1:])]
     moments, o_fit = d[:spans], d[spans:2 * spans]
     step = d[2 * spans:2 * spans + steps]
-    fwd = d[2 * spans + steps:]
+    n_final = spans if final and steps else 0
+    after = d[2 * spans + steps:2 * spans + steps + n_final]
+    fwd = d[2 * spans + steps + n_final:]
     # each pass's first unit also reads the block or solves a fit: the others time the unit alone
     rest = lambda x: x[1:] or x  # noqa: E731
     fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
@@ -79,9 +85,14 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
     step_s = statistics.median(step[1::2] or step) if step else 0.0
     if checks is None:
         checks = sum(1 for i in range(1, steps + 1) if i % max(1, steps // 4) == 0 or i == steps)
-    checks = checks + 1 if steps else 0
-    accounted = spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
-    return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled)
+    # the guard before the steps, and once more on o_proj's refit after them
+    checks = checks + 1 + bool(n_final) if steps else 0
+    # the first unit after the last step also takes the guard evaluation after it
+    final_span = statistics.median(rest(after)) if after else 0.0
+    accounted = (spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
+                 + n_final * final_span)
+    return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled,
+                 final_span)
 
 
 def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
@@ -97,21 +108,22 @@ def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
 
 
 def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float,
-               kept_left: int = 0) -> str:
+               kept_left: int = 0, final: bool = False) -> str:
     """The run's first progress line: the expected time, from its own first layer with steps so far
     (the clock at the layer's start and after its 2 x `spans` fit passes and its first steps), the
-    converted stream's pass counted as a fit pass; `layers_left` layers with `steps` steps to go, this
-    one included, and `kept_left` that take none (a per-layer plan's kept layers)."""
+    converted stream's pass (and with `final`, o_proj's refit after the steps) counted as a fit pass;
+    `layers_left` layers with `steps` steps to go, this one included, and `kept_left` that take none
+    (a per-layer plan's kept layers)."""
     d = [b - a for a, b in zip(ticks, ticks[1:])]
     moments, o_fit, step = d[:spans], d[spans:2 * spans], d[2 * spans:]
     rest = lambda x: x[1:] or x  # noqa: E731
     fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
     step_s = statistics.median(rest(step))
     fixed = max(0.0, d[0] - fit_span) + max(0.0, d[spans] - fit_span)
-    rates = Rates(fit_span, fit_span, step_s, fixed, 0.0, False)
+    rates = Rates(fit_span, fit_span, step_s, fixed, 0.0, False, fit_span if final else 0.0)
     per_layer = rates.per_layer(spans, steps, 8)  # the default guard
     total = elapsed + per_layer * layers_left + rates.per_layer(spans, 0, 8) * kept_left  # elapsed: before it
     kept = f", and {kept_left} without steps" if kept_left else ""
     return (f"expected time: about {duration(total)} in all ({duration(per_layer)} per layer: {step_s:.3g} s per "
-            f"step x {steps} steps, {fit_span:.3g} s per span x {3 * spans} span passes; measured on the first "
+            f"step x {steps} steps, {fit_span:.3g} s per span x {(3 + final) * spans} span passes; measured on the first "
             f"layer's passes and {len(step)} steps; {layers_left} layer{'s' if layers_left != 1 else ''}{kept})")

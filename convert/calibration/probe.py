@@ -38,7 +38,8 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
     spans = len(stage.spans)
     return rates_from_ticks(stage.ticks, spans=spans, steps=steps, guard_spans=int(opts.guard_spans),
                             prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None,
-                            checks=len(check_steps(steps, int(opts.guard_checks))))
+                            checks=len(check_steps(steps, int(opts.guard_checks))),
+                            final=bool(steps) and opts.refits_o_after_steps)
 
 
 def _with(opts: Any, **update: Any) -> Any:

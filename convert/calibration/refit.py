@@ -98,6 +98,7 @@ class AlignRefit:
         # that keeps them (with -g, none at all: the conversion is exact)
         self.steps_at = [opts.train_steps(a, b) for a, b in kv]
         self.block_at = [opts.trains_block(a, b) for a, b in kv]
+        self.final_at = [bool(s) and opts.refits_o_after_steps for s in self.steps_at]  # o_proj again after them
         self.recon: list[dict[str, Any]] = []
         self.targets: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -108,7 +109,10 @@ class AlignRefit:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def units(self, n_spans: int, layer: int) -> int:
-        return 2 * n_spans + self.steps_at[layer]
+        return 2 * n_spans + self.steps_at[layer] + (n_spans if self.final_at[layer] else 0)
+
+    def steps(self, layer: int) -> int:
+        return self.steps_at[layer]
 
     def fit(self, ctx: BlockContext) -> Fitted:
         blk = ctx.block
@@ -146,7 +150,10 @@ class AlignRefit:
             parts.append(f"block-wise reconstruction: {int(opts['steps'])} Adam steps per layer whose KV heads were "
                          f"pooled, on {what} "
                          f"(lr {opts['lr']} x each tensor's RMS, decaying linearly) towards {towards}; each layer "
-                         f"keeps whichever of the closed-form fit and the trained weights had the lower guard loss"
+                         f"keeps whichever of the closed-form fit and the trained weights"
+                         + (", and the trained q, k, v with o_proj refitted in closed form after the steps,"
+                            if any("final_o" in r for r in calibration["reconstruction"]) else "")
+                         + " had the lower guard loss"
                          + (f", and stops after {int(opts['patience'])} guard evaluations without improvement"
                             if int(opts.get("patience", 0)) else ""))
         return "; ".join(parts)
@@ -171,12 +178,13 @@ class AlignRefit:
                     xn = g.rows[keep].to(rows)
                     # the metric's moment in float64 (its Cholesky factor needs every digit), the
                     # query refit's normal equations in the rows' dtype (their ridge dwarfs the rest)
-                    add_moment(s_oo, xo.to(f64), xo.to(f64))
+                    xo64 = xo.to(f64)
+                    add_moment(s_oo, xo64, xo64)
                     xo = xo.to(rows)
                     add_moment(s_on, xo, xn)
                     add_moment(s_nn, xn, xn)
                     n_rows += xo.shape[0]
-                    del xo, xn
+                    del xo, xn, xo64
                     ctx.tick(1)
             finally:
                 g.remove()
@@ -211,6 +219,7 @@ class AlignRefit:
         zz = torch.zeros(H_D, H_D, dtype=f64, device=self.device) if fit_o else None
         zt = torch.zeros(H_D, pooled.o.shape[0], dtype=f64, device=self.device) if fit_o else None
         o_bias = blk.o_bias()
+        rd = self.rows_dtype
         # the attention loss's steps take the same target and row weights, on every row of each span
         keep_targets = bool(self.steps_at[ctx.layer]) and opts.loss == "attention"
         self.targets = {}
@@ -225,18 +234,18 @@ class AlignRefit:
                     ro_next = blk.run(sl, ro)
                 finally:
                     grab_out.remove()
-                if fit_o or keep_targets:
-                    out_o = grab_out.rows[rows].to(f64)
-                    ro_rows = ro.reshape(-1, D)[rows].to(f64)
+                if fit_o or keep_targets:  # the targets and row weights, in the rows' dtype
+                    out_o = grab_out.rows[rows].to(rd)
+                    ro_rows = ro.reshape(-1, D)[rows].to(rd)
                     target = out_o
                     if opts.target == "residual":
-                        rn_rows = ctx.streams.get("new", sl, self.dtype).reshape(-1, D)[rows].to(f64)
+                        rn_rows = ctx.streams.get("new", sl, self.dtype).reshape(-1, D)[rows].to(rd)
                         target = target + (ro_rows - rn_rows)
                     if opts.row_weight == "relative":
                         post = ro_rows + out_o
                         w = (1.0 / post.pow(2).mean(dim=1).clamp_min(1e-30)).sqrt().unsqueeze(1)
                     else:
-                        w = torch.ones(out_o.shape[0], 1, dtype=f64, device=self.device)
+                        w = torch.ones(out_o.shape[0], 1, dtype=rd, device=self.device)
                     if keep_targets:
                         # kept where and as the streams are: a third stream, while the layer's steps last
                         st = ctx.streams
@@ -245,19 +254,17 @@ class AlignRefit:
                         target, w = target[keep], w[keep]
                 if fit_o:
                     if o_bias is not None:
-                        target = target - o_bias
+                        target = target - o_bias.to(rd)
                     blk.use(converted)
                     g = Grab(blk.o_mod, stop=True)
                     try:
                         blk.run(sl, "new")
                     finally:
                         g.remove()
-                    rd = self.rows_dtype
-                    z = blk.in_head_order(g.rows[keep], pooled).to(rd) * w.to(rd)
-                    tw = (target * w).to(rd)
+                    z = blk.in_head_order(g.rows[keep], pooled).to(rd) * w
                     add_product(zz, z, z)
-                    add_product(zt, z, tw)
-                    del z, tw, target, w
+                    add_product(zt, z, target * w)
+                    del z, target, w
                 ctx.advance_original(sl, ro_next)
                 ctx.tick(1)
         if fit_o:
@@ -281,12 +288,14 @@ class AlignRefit:
                 for sl in spans:
                     loss_on(sl, 0, current)
                     keep = ctx.masks(sl)[0]
-                    target, w = (a.to(self.device)[keep] for a in self.targets[sl.start])
-                    target = target.to(f64) - (o_bias if o_bias is not None else 0.0)
-                    w = w.to(f64).unsqueeze(1)
-                    z = blk.in_head_order(g.rows[keep], heads).to(rd) * w.to(rd)
+                    target, w = (a.to(device=self.device, dtype=rd)[keep] for a in self.targets[sl.start])
+                    if o_bias is not None:
+                        target = target - o_bias.to(rd)
+                    w = w.unsqueeze(1)
+                    z = blk.in_head_order(g.rows[keep], heads).to(rd) * w
                     add_product(zz, z, z)
-                    add_product(zt, z, (target * w).to(rd))
+                    add_product(zt, z, target * w)
+                    ctx.tick(1)
         finally:
             g.remove()
         o = current["o"].detach().to(f64).cpu()
@@ -357,7 +366,7 @@ class AlignRefit:
                         if step < steps:
                             ctx.tick(steps - step)  # the steps left are not taken
                         break
-            final_o = bool(opts.final_o and self.targets and float(opts.o_ridge) >= 0)
+            final_o = self.final_at[L]
             if final_o:  # o_proj's closed form on the best q, k, v, kept where the guard prefers it
                 cand = {**best_params, "o": self._o_after_steps(ctx, loss_on, pooled, best_params, fit)}
                 g = guard_loss(cand)

@@ -95,7 +95,7 @@ class CalibrationStage:
         self.clock: Callable[[], float] = time.perf_counter
         self.prepare_seconds = 0.0
         self._early: list[float] | None = None  # the first layer's clock, until its early expected-time line
-        self._early_at, self._early_steps, self._t0, self._layers_left = 0, 0, 0.0, (0, 0)
+        self._early_at, self._early_steps, self._early_layer, self._t0, self._layers_left = 0, 0, 0, 0.0, (0, 0)
         self._early_said = False
 
     def layers(self) -> Iterator[tuple[int, AttnHeads]]:
@@ -116,12 +116,12 @@ class CalibrationStage:
                 self.ticks.append(tl)
             self.bar.set_description(f"calibrating layer {L + 1}/{L_n}")
             n = len(self.spans)
-            self._early_steps = self.fit.units(n, L) - 2 * n
+            self._early_steps, self._early_layer = self.fit.steps(L), L
             if self.progress and not self._early_said and self._early_steps > 0:  # said early: after a few steps
                 # of the first layer that takes steps (a per-layer plan's kept layers take none): before
                 # it, the preparation and any kept layers; from it, every layer left, this one included
                 self._early_said = True
-                trained = sum(1 for i in range(L, L_n) if self.fit.units(n, i) > 2 * n)
+                trained = sum(1 for i in range(L, L_n) if self.fit.steps(i))
                 self._early, self._t0 = [tl], time.perf_counter() - t0
                 self._layers_left = (trained, L_n - L - trained)
                 self._early_at = 2 * n + min(self._early_steps, PROBE_STEPS)
@@ -230,8 +230,11 @@ class CalibrationStage:
             self._early.append(self.clock())
             if len(self._early) > self._early_at:
                 trained, kept = self._layers_left
-                tqdm.write(early_line(self._early, spans=len(self.spans), steps=self._early_steps,
-                                      layers_left=trained, kept_left=kept, elapsed=self._t0), file=sys.stderr)
+                n = len(self.spans)
+                tqdm.write(early_line(self._early, spans=n, steps=self._early_steps, layers_left=trained,
+                                      kept_left=kept, elapsed=self._t0,
+                                      final=self.fit.units(n, self._early_layer) > 2 * n + self._early_steps),
+                           file=sys.stderr)
                 self._early = None
 
     def _masks(self, sl: slice) -> tuple[Tensor, Tensor, Tensor]:

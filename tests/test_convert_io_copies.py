@@ -1,6 +1,7 @@
 """Unchanged tensors' bytes copied by the kernel on the writer's thread: the same files as
 copies done in line, counted as written only once done, one thread at a time per file, the
-copies not started dropped on close, and a failed copy is an error."""
+copies not started dropped on close, and a failed copy is an error; shards preallocated
+at their finished size (a full disk fails first), the same bytes as shards grown write by write."""
 
 from __future__ import annotations
 
@@ -143,3 +144,51 @@ def test_a_failed_copy_is_raised(tmp_path):
     with pytest.raises(OSError, match="short read copying a"):
         writer.finish()
     writer.close()
+
+
+def test_preallocated_shards_hold_the_bytes_of_shards_grown_write_by_write(tiny_model, tmp_path, monkeypatch):
+    src = tiny_model("llama", num_key_value_heads=8, dtype=torch.bfloat16)
+    calls: list[int] = []
+    real = shards.preallocate
+
+    def spy(fd, size, path):
+        calls.append(size)
+        return real(fd, size, path)
+    monkeypatch.setattr(shards, "preallocate", spy)
+    allocated = convert_checkpoint(src, tmp_path / "alloc", 2, method="mean", progress=False, max_shard_size=40_000)
+    files = folder_bytes(allocated)
+    assert sorted(calls) == sorted(len(b) for b in files.values())  # each shard at its finished size
+    monkeypatch.setattr(shards, "preallocate", lambda fd, size, path: None)
+    grown = convert_checkpoint(src, tmp_path / "grown", 2, method="mean", progress=False, max_shard_size=40_000)
+    assert len(files) > 1 and files == folder_bytes(grown)
+
+
+def _failing_fallocate(err: int):
+    import ctypes
+
+    def fallocate(fd, mode, offset, length):
+        ctypes.set_errno(err)
+        return -1
+    return lambda: fallocate
+
+
+def test_a_full_disk_fails_at_preallocation_and_leaves_nothing(tiny_model, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from cli_helpers import assert_one_line_error, run_cli
+
+    src = tiny_model("llama", num_key_value_heads=8)
+    monkeypatch.setattr(shards, "_fallocate", _failing_fallocate(errno.ENOSPC))
+    code, _, err = run_cli(["convert", src, tmp_path / "o", "-g", 2, "--method", "mean", "-q"], capsys)
+    assert_one_line_error(code, err, "no space left")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # neither OUT nor a temporary folder
+
+
+def test_a_file_system_without_fallocate_gets_the_shards_written_as_they_come(tiny_model, tmp_path, monkeypatch):
+    import errno
+
+    src = tiny_model("llama", num_key_value_heads=8, dtype=torch.bfloat16)
+    monkeypatch.setattr(shards, "_fallocate", _failing_fallocate(errno.EOPNOTSUPP))
+    out = convert_checkpoint(src, tmp_path / "o", 2, method="mean", progress=False)
+    monkeypatch.setattr(shards, "preallocate", lambda fd, size, path: None)
+    assert folder_bytes(out) == folder_bytes(convert_checkpoint(src, tmp_path / "g", 2, method="mean", progress=False))

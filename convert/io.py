@@ -133,14 +133,15 @@ class SafetensorsSource(Source):
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         return self._meta[name]
 
-    def _read(self, name: str, skip: int, length: int) -> bytearray:
-        """LENGTH bytes of tensor NAME from byte SKIP of its data, read with pread rather
-        than through a memory map: a file truncated while it is being read then gives a
-        short read, which is one line here, instead of a SIGBUS that kills the process."""
+    def _read(self, name: str, skip: int, length: int) -> Tensor:
+        """LENGTH bytes of tensor NAME from byte SKIP of its data (a uint8 tensor, read into
+        memory that is not zeroed first), read with pread rather than through a memory map: a
+        file truncated while it is being read then gives a short read, which is one line
+        here, instead of a SIGBUS that kills the process."""
         path = self._where[name]
         start, _ = self._range[name]
-        buf = bytearray(length)
-        view, done = memoryview(buf), 0
+        buf = torch.empty(length, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
         try:
             with open(path, "rb", buffering=0) as f:
                 while done < length:
@@ -151,15 +152,17 @@ class SafetensorsSource(Source):
             size = path.stat().st_size
         except OSError as e:
             raise GqakitError(f"cannot read tensor {name} from {path}: {e.strerror or e}") from None
+        finally:
+            view.release()
         if done < length:
             raise GqakitError(f"cannot read tensor {name} from {path}: the file is now {size} bytes, shorter than "
                               f"its header says; it was truncated or replaced while gqakit read it")
         return buf
 
-    def _tensor(self, buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-        if not buf:
+    def _tensor(self, buf: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        if not buf.numel():
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        return buf.view(dtype).reshape(shape)
 
     def get(self, name: str) -> Tensor:
         dtype, shape = self._meta[name]

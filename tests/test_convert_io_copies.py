@@ -1,9 +1,12 @@
 """Unchanged tensors' bytes copied by the kernel on the writer's thread: the same files as
-copies done in line, counted as written only once done, and a failed copy is an error."""
+copies done in line, counted as written only once done, one thread at a time per file, the
+copies not started dropped on close, and a failed copy is an error; shards preallocated
+at their finished size (a full disk fails first), the same bytes as shards grown write by write."""
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,14 +25,20 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 def test_copies_on_the_writer_thread_write_the_bytes_of_copies_in_line(tiny_model, tmp_path, monkeypatch):
     src = tiny_model("llama", num_key_value_heads=8, dtype=torch.bfloat16)
     threads: set[str] = set()
+    writer_started = threading.Event()
     copy = shards.copy_range
 
     def spy(*a):
-        threads.add(threading.current_thread().name)
+        name = threading.current_thread().name
+        threads.add(name)
+        if name.startswith("gqakit-copy"):
+            writer_started.set()
+        elif shards.BACKGROUND_COPIES:  # the caller, quicker on a pico model, lets the writer thread start
+            writer_started.wait(10)
         return copy(*a)
     monkeypatch.setattr(shards, "copy_range", spy)
     background = convert_checkpoint(src, tmp_path / "bg", 2, method="mean", progress=False, max_shard_size=40_000)
-    # the writer thread's, and the ones it had not started when the caller finished its own work
+    # the writer thread's, and those into other shards that it had not started when the caller finished its own work
     assert any(t.startswith("gqakit-copy") for t in threads)
     assert all(t.startswith("gqakit-copy") or t == threading.main_thread().name for t in threads)
     threads.clear()
@@ -63,33 +72,67 @@ def test_a_copy_counts_as_written_once_done(tmp_path, monkeypatch):
     assert torch.equal(load_file(out / "model.safetensors")["a"], data)
 
 
-def test_the_caller_does_the_copies_the_writer_thread_has_not_started(tmp_path, monkeypatch):
+def test_the_caller_does_the_copies_into_other_shards_than_the_writer_threads(tmp_path, monkeypatch):
     data = torch.arange(12, dtype=torch.float32)
     (tmp_path / "src.bin").write_bytes(data.numpy().tobytes())
     out = tmp_path / "out"
     out.mkdir()
     started, release = threading.Event(), threading.Event()
     by: dict[str, str] = {}
+    lock, active, most = threading.Lock(), Counter(), Counter()  # copies running into each file, and at most
     copy = shards.copy_range
 
     def spy(*a):
-        name = a[-1]
+        name, fd = a[-1], a[2]
         by[name] = threading.current_thread().name
-        if name == "a":  # the writer thread stays in its first copy until the caller has taken the others
+        with lock:
+            active[fd] += 1
+            most[fd] = max(most[fd], active[fd])
+        if name == "a":  # the writer thread stays in its first copy until the caller has done the other shard's
             started.set()
             release.wait(10)
-        elif name == "b":  # the last the caller takes (it goes from the end of the queue)
+        elif name == "c":  # the last the caller takes from the other shard (it goes from the end of the queue)
             release.set()
-        return copy(*a)
+        copy(*a)
+        with lock:
+            active[fd] -= 1
     monkeypatch.setattr(shards, "copy_range", spy)
+    # shards of two tensors each: a, b in the first file, c, d in the second
+    writer = ShardWriter(out, [Planned(n, torch.float32, (12,)) for n in "abcd"], 96)
+    for n in "abcd":
+        writer.write_raw(n, tmp_path / "src.bin", 0, 48)
+    assert started.wait(10)
+    writer.finish()
+    assert by["a"].startswith("gqakit-copy") and by["c"] == by["d"] == threading.main_thread().name
+    assert set(most.values()) == {1}  # b waited for a: two threads never copy into one file at once
+    for f in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        got = load_file(out / f)
+        assert len(got) == 2 and all(torch.equal(t, data) for t in got.values())
+
+
+def test_closing_drops_the_copies_not_started(tmp_path, monkeypatch):
+    data = torch.arange(12, dtype=torch.float32)
+    (tmp_path / "src.bin").write_bytes(data.numpy().tobytes())
+    out = tmp_path / "out"
+    out.mkdir()
+    started, release = threading.Event(), threading.Event()
+    done: list[str] = []
+    copy = shards.copy_range
+
+    def slow(*a):
+        started.set()
+        release.wait(10)
+        copy(*a)
+        done.append(a[-1])
+    monkeypatch.setattr(shards, "copy_range", slow)
     writer = ShardWriter(out, [Planned(n, torch.float32, (12,)) for n in "abc"], 1 << 30)
     for n in "abc":
         writer.write_raw(n, tmp_path / "src.bin", 0, 48)
     assert started.wait(10)
-    writer.finish()
-    assert by["a"].startswith("gqakit-copy") and by["b"] == by["c"] == threading.main_thread().name
-    got = load_file(out / "model.safetensors")
-    assert all(torch.equal(got[n], data) for n in "abc")
+    threading.Timer(0.2, release.set).start()
+    writer.close()  # waits for the copy running (a), drops b and c
+    assert done == ["a"]
+    assert not any(t.name.startswith("gqakit-copy") for t in threading.enumerate())
 
 
 def test_a_failed_copy_is_raised(tmp_path):
@@ -101,3 +144,51 @@ def test_a_failed_copy_is_raised(tmp_path):
     with pytest.raises(OSError, match="short read copying a"):
         writer.finish()
     writer.close()
+
+
+def test_preallocated_shards_hold_the_bytes_of_shards_grown_write_by_write(tiny_model, tmp_path, monkeypatch):
+    src = tiny_model("llama", num_key_value_heads=8, dtype=torch.bfloat16)
+    calls: list[int] = []
+    real = shards.preallocate
+
+    def spy(fd, size, path):
+        calls.append(size)
+        return real(fd, size, path)
+    monkeypatch.setattr(shards, "preallocate", spy)
+    allocated = convert_checkpoint(src, tmp_path / "alloc", 2, method="mean", progress=False, max_shard_size=40_000)
+    files = folder_bytes(allocated)
+    assert sorted(calls) == sorted(len(b) for b in files.values())  # each shard at its finished size
+    monkeypatch.setattr(shards, "preallocate", lambda fd, size, path: None)
+    grown = convert_checkpoint(src, tmp_path / "grown", 2, method="mean", progress=False, max_shard_size=40_000)
+    assert len(files) > 1 and files == folder_bytes(grown)
+
+
+def _failing_fallocate(err: int):
+    import ctypes
+
+    def fallocate(fd, mode, offset, length):
+        ctypes.set_errno(err)
+        return -1
+    return lambda: fallocate
+
+
+def test_a_full_disk_fails_at_preallocation_and_leaves_nothing(tiny_model, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from cli_helpers import assert_one_line_error, run_cli
+
+    src = tiny_model("llama", num_key_value_heads=8)
+    monkeypatch.setattr(shards, "_fallocate", _failing_fallocate(errno.ENOSPC))
+    code, _, err = run_cli(["convert", src, tmp_path / "o", "-g", 2, "--method", "mean", "-q"], capsys)
+    assert_one_line_error(code, err, "no space left")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # neither OUT nor a temporary folder
+
+
+def test_a_file_system_without_fallocate_gets_the_shards_written_as_they_come(tiny_model, tmp_path, monkeypatch):
+    import errno
+
+    src = tiny_model("llama", num_key_value_heads=8, dtype=torch.bfloat16)
+    monkeypatch.setattr(shards, "_fallocate", _failing_fallocate(errno.EOPNOTSUPP))
+    out = convert_checkpoint(src, tmp_path / "o", 2, method="mean", progress=False)
+    monkeypatch.setattr(shards, "preallocate", lambda fd, size, path: None)
+    assert folder_bytes(out) == folder_bytes(convert_checkpoint(src, tmp_path / "g", 2, method="mean", progress=False))

@@ -22,7 +22,6 @@ import torch
 from gqakit.convert.budget import allocate as A
 from gqakit.convert.budget.damage import candidate_heads, measure_damage
 from gqakit.convert.budget.kvbudget import KvBudget
-from gqakit.convert.budget.refit_probe import PROBE, FitOptions, measure_refit_damage
 from gqakit.convert.refit_options import MAX_SEQ_LEN
 from gqakit.convert.resolved import ResolvedSettings
 from gqakit.convert.settings import ConvertSettings
@@ -50,7 +49,11 @@ def probe_method(settings: ConvertSettings) -> str:
 
 def probe_name(method: str) -> str:
     """The probe as the record and the card name it."""
-    return f"{method}'s {PROBE}" if method == REFIT_PROBE else method
+    if method != REFIT_PROBE:
+        return method
+    from gqakit.convert.budget.refit_probe import PROBE  # it imports the calibration package: only with a budget
+
+    return f"{method}'s {PROBE}"
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ def measure(opened: Opened, settings: ConvertSettings, *, device: str = "cpu", p
         raise GqakitError(f"measuring each layer's KV damage holds the whole model in float32 ({need / 1e9:.1f} GB, "
                           f"{free / 1e9:.1f} GB free on {device}); give -g G for a uniform conversion")
     seq_len = settings.refit.seq_len if isinstance(getattr(settings.refit, "seq_len", None), int) else MAX_SEQ_LEN
-    from gqakit.convert.calibration.tokens import calibration_sequences  # the calibration package: only with a budget
+    from gqakit.convert.budget.refit_probe import FitOptions, measure_refit_damage  # the calibration package:
+    from gqakit.convert.calibration.tokens import calibration_sequences  # only with a budget
 
     tokens = min(settings.calibration_tokens, DAMAGE_TOKENS)
     seqs, where = calibration_sequences(opened, settings.calibration_data, tokens, seq_len,

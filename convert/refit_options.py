@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in float64
 
 # What align-refit's "auto" settings resolve to (`resolve_align_refit`), from the
-# measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400 steps at
-# lr 0.02 on q, k, v, o against the o_proj refit's target (the attention loss: better than the
-# block loss's best, in half its time), while with fewer calibration tokens, and so fewer
+# measurements in docs/benchmarks.md ("Recommended conversion"). On SmolLM2-135M, 400
+# one-sequence steps at lr 0.02 on q, k, v, o against the o_proj refit's target (the attention
+# loss: better than the block loss's best, in half its time), then o_proj's closed form on the
+# trained q, k, v (`final_o`; 56.1 against 60.4 for 400 two-sequence steps without it, in three
+# quarters of the time), while with fewer calibration tokens, and so fewer
 # steps, the block loss at lr 0.01 (the demo's 2,048 tokens and 12 steps: 741 against 1,215); on
 # stories260K, 2,000 one-sequence steps at lr 0.012 on the whole block with similarity grouping
 # (within the quality of 4,500 two-sequence steps at lr 0.007, in a quarter of the time).
@@ -35,7 +37,7 @@ REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens
 BEST = {"small": {"steps": 2000, "lr": 0.012, "train": "block", "loss": "block", "grouping": "similarity",
                   "cpu_tokens": 512, "block_lr": 0.012},
         "large": {"steps": 400, "lr": 0.02, "train": "attention", "loss": "attention", "grouping": "contiguous",
-                  "cpu_tokens": 1024, "block_lr": 0.01}}  # block_lr: lr with the block loss
+                  "cpu_tokens": 512, "block_lr": 0.01}}  # block_lr: lr with the block loss
 
 Number = StrictInt | StrictFloat  # an int stays an int, so the record shows what was asked
 
@@ -49,8 +51,7 @@ class RefitOptions(BaseModel):
         "auto", description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
     batch: Literal["auto"] | Annotated[StrictInt, Field(ge=1)] = Field(
         "auto", description="sequences per block forward and per reconstruction step (auto: 4 on the CPU, 8 on a "
-                            f"GPU, at most 2,048 tokens on a GPU and on the CPU {BEST['large']['cpu_tokens']:,}, or "
-                            f"{BEST['small']['cpu_tokens']:,} for a model under {SMALL_MODEL // 10**6}M parameters)")
+                            f"GPU, at most 2,048 tokens on a GPU and {BEST['large']['cpu_tokens']:,} on the CPU)")
     sample_batch: StrictInt = Field(
         64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
     q_ridge: Number = Field(1e-2, description="ridge strength of the query refit, relative to the mean diagonal "
@@ -108,7 +109,7 @@ class RefitOptions(BaseModel):
                             f"{SMALL_MODEL // 10**6}M parameters or more with {REFERENCE_TOKENS:,} calibration "
                             f"tokens or more, else {BEST['small']['loss']}")
     final_o: bool = Field(
-        False, description="with the attention loss: after the steps, refit o_proj once more in closed form on the "
+        True, description="with the attention loss: after the steps, refit o_proj once more in closed form on the "
                            "trained q, k and v (one more pass to o_proj over the spans), kept where the guard loss "
                            "improves")
     train: Literal["auto", "attention", "block"] = Field(

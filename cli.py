@@ -26,14 +26,6 @@ VERBS: dict[str, tuple[str, str]] = {
     "demo": ("gqakit.demo", "demo_cmd"),
 }
 
-# verb -> environment defaults set before its module (and torch) is imported; the user's own
-# values win. A model-folder conversion is mostly kernel-side copies on a writer thread: torch's
-# OpenMP workers sleep as soon as a parallel operation ends instead of spinning for the next
-# one (GNU OpenMP's default: milliseconds each time, a whole core's share of the copy thread).
-VERB_ENV: dict[str, dict[str, str]] = {
-    "convert": {"OMP_WAIT_POLICY": "PASSIVE"},
-}
-
 SHORT_HELP = {
     "convert": "Convert an MHA/GQA model to fewer KV heads.",
     "inspect": "Show heads, parameters and KV-cache size for each possible G.",
@@ -52,8 +44,6 @@ class LazyGroup(click.Group):
         if name not in VERBS:
             return None
         module, attr = VERBS[name]
-        for key, value in VERB_ENV.get(name, {}).items():
-            os.environ.setdefault(key, value)
         return getattr(importlib.import_module(module), attr)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

@@ -13,7 +13,8 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, ValidationError,
+                      model_validator)
 
 from gqakit.core.errors import GqakitError
 
@@ -108,7 +109,7 @@ class RefitOptions(BaseModel):
                             f"the time; not with train=block); auto: {BEST['large']['loss']} for a model of "
                             f"{SMALL_MODEL // 10**6}M parameters or more with {REFERENCE_TOKENS:,} calibration "
                             f"tokens or more, else {BEST['small']['loss']}")
-    final_o: bool = Field(
+    final_o: StrictBool = Field(
         True, description="with the attention loss: after the steps, refit o_proj once more in closed form on the "
                            "trained q, k and v (one more pass to o_proj over the spans), kept where the guard loss "
                            "improves")
@@ -198,6 +199,8 @@ def _option_error(key: str, value: Any) -> str:
             return f"align-refit option {key} must be in [{limits['ge']}, {limits['lt']}), got {value!r}"
         op = ">" if "gt" in limits else ">="
         return f"align-refit option {key} must be {op} {limits.get('gt', limits.get('ge'))}{auto}, got {value!r}"
+    if bool in kinds:
+        return f"align-refit option {key} must be true or false, got {value!r}"
     if int in kinds:
         return f"align-refit option {key} must be an integer >= {limits['ge']}{auto}, got {value!r}"
     return f"align-refit option {key}={value!r}; choose from {', '.join(_choices(field))}"

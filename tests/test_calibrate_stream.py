@@ -165,6 +165,8 @@ def test_offload_modes_and_stream_dtype_give_the_same_answer(tiny_model, tmp_pat
     ({"steps": 2.5}, "steps must be an integer >= 0"),
     ({"lr": 0}, "lr must be > 0"),
     ({"guard_spans": 0}, "guard_spans must be an integer >= 1"),
+    ({"final_o": "yes"}, "final_o must be true or false"),
+    ({"final_o": 1}, "final_o must be true or false"),
 ])
 def test_refit_options_are_validated(opts, needle):
     with pytest.raises(GqakitError, match=needle):

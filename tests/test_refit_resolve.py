@@ -47,7 +47,7 @@ def test_the_device_decides_batch_dtype_and_where_the_streams_go(monkeypatch):
     assert (gpu.batch, gpu.dtype, gpu.stream_dtype, gpu.offload) == (4, "float32", "float32", "device")
     cpu = resolve_settings(s, source_params=135_000_000, max_positions=8192, device=device_facts("cpu"),
                            hidden=576, layers=30).options
-    assert (cpu.batch, cpu.offload) == (2, "cpu")
+    assert (cpu.batch, cpu.offload) == (1, "cpu")  # one 512-token sequence per step
     free["cuda"] = GIB // 4  # streams do not fit next to the blocks: host memory
     assert resolve_settings(s, source_params=135_000_000, max_positions=8192, device=device_facts("cuda"),
                             hidden=576, layers=30).options.offload == "cpu"

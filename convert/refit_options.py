@@ -69,10 +69,9 @@ class RefitOptions(BaseModel):
     holdout: Number = Field(0.0, ge=0, lt=1, description="fraction of the sequences kept out of the fits; the "
                                                          "reported residual drift is then measured on them")
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
-        "auto", description="compute dtype of the block passes (the fits' rows, both streams' advance): "
-                            "float32, float64 or bfloat16 (autocast over float32 weights and streams); auto: "
-                            f"float64 for a model under {SMALL_MODEL // 10**6}M parameters on the CPU, else "
-                            "bfloat16 where the device multiplies it natively, else float32")
+        "auto", description="compute dtype of the block passes (the fits' rows, the streams' advance): "
+                            "float32, float64 or bfloat16 (autocast); auto: float64 under "
+                            f"{SMALL_MODEL // 10**6}M parameters on the CPU, else bfloat16 where native, else float32")
     step_dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="compute dtype of the reconstruction steps (bfloat16: autocast over float32 weights "
                             f"and streams; auto: float32 for a model under {SMALL_MODEL // 10**6}M parameters, else "
@@ -110,9 +109,7 @@ class RefitOptions(BaseModel):
                             f"{SMALL_MODEL // 10**6}M parameters or more with {REFERENCE_TOKENS:,} calibration "
                             f"tokens or more, else {BEST['small']['loss']}")
     final_o: StrictBool = Field(
-        True, description="with the attention loss: after the steps, refit o_proj once more in closed form on the "
-                           "trained q, k and v (one more pass to o_proj over the spans), kept where the guard loss "
-                           "improves")
+        True, description="attention loss: refit o_proj after the steps, kept where the guard prefers it")
     train: Literal["auto", "attention", "block"] = Field(
         "auto", description="what the steps train: q, k, v and o (attention) or every weight of the block, "
                             f"MLP and norms too (block; model-folder output only; auto: {BEST['small']['train']} for "

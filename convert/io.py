@@ -275,8 +275,26 @@ def copy_tensor(source: Source, writer: ShardWriter, name: str, dtype: torch.dty
     """Pass the unchanged tensor NAME from SOURCE into WRITER as DTYPE: its bytes copied by
     the kernel when the source file holds them as they are, else read, cast and written in
     row blocks (`Source.blocks`). Returns the bytes written."""
-    raw = source.raw(name)
-    if raw is not None and source.meta(name)[0] == dtype:
+    raw = _raw(source, name, dtype)
+    if raw is not None:
         writer.write_raw(name, *raw)
         return raw[2]
     return writer.write_blocks(name, source.blocks(name, dtype, BLOCK_BYTES))
+
+
+def _raw(source: Source, name: str, dtype: torch.dtype) -> tuple[Path, int, int] | None:
+    """Where the source file holds tensor NAME's bytes as DTYPE (file, offset, length): copied
+    as they are; None: decoded and cast."""
+    raw = source.raw(name)
+    return raw if raw is not None and source.meta(name)[0] == dtype else None
+
+
+def copied_from(source: Source, plan: Any, dtypes: dict[str, torch.dtype], skip: set[str]) -> dict[str, int]:
+    """The source file offset of each of PLAN's pass-through tensors (but SKIP) that
+    `copy_tensor` will copy unchanged as its planned dtype (`ShardWriter`'s `origins`)."""
+    out: dict[str, int] = {}
+    for step in plan.pass_through():
+        raw = None if step.name in skip else _raw(source, step.name, dtypes[step.name])
+        if raw is not None:
+            out[step.name] = raw[1]
+    return out

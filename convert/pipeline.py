@@ -29,7 +29,7 @@ from tqdm import tqdm
 import gqakit
 from gqakit.convert.budget.choose import choose_for, with_choice
 from gqakit.convert.grouping import GROUPINGS
-from gqakit.convert.io import ShardWriter, copy_tensor
+from gqakit.convert.io import ShardWriter, copied_from, copy_tensor
 from gqakit.convert.layout import AttnHeads, read_heads, write_heads
 from gqakit.convert.methods import method_function
 from gqakit.convert.plan import AttentionLayer, Plan, make_plan, trained_block_tensors
@@ -215,12 +215,13 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
         if resumed and progress:
             tqdm.write(resume_line(tmp, state, plan.shape.num_layers), file=sys.stderr)
         assert settings.max_shard_bytes is not None  # a model folder
-        writer = ShardWriter(tmp, plan.tensors, settings.max_shard_bytes, {"gqakit": gqakit.__version__},
-                             written=state["written"] if state else ())
-        done = set(writer.written)
         from_stage = trained_block_tensors(plan, settings)
+        planned_dtype = {p.name: p.dtype for p in plan.tensors}
+        writer = ShardWriter(tmp, plan.tensors, settings.max_shard_bytes, {"gqakit": gqakit.__version__},
+                             written=state["written"] if state else (),
+                             origins=copied_from(opened.source, plan, planned_dtype, from_stage))
+        done = set(writer.written)
         try:
-            planned_dtype = {p.name: p.dtype for p in plan.tensors}
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="converting",
                        disable=not progress or staged)
             # 1. every tensor the method leaves as it is, in file order
@@ -234,23 +235,25 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",
                                              resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
             orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
-            for step, new in layers:
-                layer = step.layer
-                if step.site == "self":
-                    orders[layer] = new.q_order
-                out_dtypes = {n: planned_dtype[n] for n in step.names}
-                for n, t in write_heads(spec, new, layer, out_dtypes, site=step.site).items():
-                    if n in done:  # already in the shards (a resumed run restarts after its saved state)
-                        continue
-                    writer.write(n, t)
-                    bar.update(t.numel() * t.dtype.itemsize)
-                for n, t in (stage.block_tensors(layer).items() if from_stage else ()):
-                    if n not in from_stage:
-                        raise GqakitError(f"the calibration stage trained {n}, which the plan copies from the source")
-                    if n not in done:
-                        writer.write(n, t.to(planned_dtype[n]))
-                new = t = None  # before the next layer is read: memory is one layer's attention
-            writer.finish()
+            with _threads(1 if stage is None else None):  # (a small computation beside the kernel's copies)
+                for step, new in layers:
+                    layer = step.layer
+                    if step.site == "self":
+                        orders[layer] = new.q_order
+                    out_dtypes = {n: planned_dtype[n] for n in step.names}
+                    for n, t in write_heads(spec, new, layer, out_dtypes, site=step.site).items():
+                        if n in done:  # already in the shards (a resumed run restarts after its saved state)
+                            continue
+                        writer.write(n, t)
+                        bar.update(t.numel() * t.dtype.itemsize)
+                    for n, t in (stage.block_tensors(layer).items() if from_stage else ()):
+                        if n not in from_stage:
+                            raise GqakitError(f"the calibration stage trained {n}, which the plan copies from "
+                                              "the source")
+                        if n not in done:
+                            writer.write(n, t.to(planned_dtype[n]))
+                    new = t = None  # before the next layer is read: memory is one layer's attention
+                writer.finish()
             bar.close()
         finally:
             writer.close()
@@ -274,6 +277,21 @@ def resume_line(folder: Path, state: dict[str, Any] | None, layers: int) -> str:
         return f"resuming the conversion in {folder}"
     done = int(state["layers_done"])
     return f"resuming the conversion in {folder} after layer {done}/{layers} (next: layer {done + 1}/{layers})"
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to N inside (None: as they are). A conversion without
+    calibration computes only each layer's K/V heads while the writer's thread copies the rest:
+    with one thread, no idle OpenMP worker spins on the core the copies need."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None:
+            torch.set_num_threads(before)
 
 
 @contextmanager

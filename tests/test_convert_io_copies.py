@@ -192,3 +192,48 @@ def test_a_file_system_without_fallocate_gets_the_shards_written_as_they_come(ti
     out = convert_checkpoint(src, tmp_path / "o", 2, method="mean", progress=False)
     monkeypatch.setattr(shards, "preallocate", lambda fd, size, path: None)
     assert folder_bytes(out) == folder_bytes(convert_checkpoint(src, tmp_path / "g", 2, method="mean", progress=False))
+
+
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Each tensor's absolute byte offset in a safetensors file."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_the_header_padding_puts_the_most_copied_bytes_at_their_source_place_in_a_page(tmp_path):
+    tensors = {"a": torch.arange(6, dtype=torch.float32), "big": torch.arange(3000, dtype=torch.float32),
+               "c": torch.arange(5, dtype=torch.float32)}
+    plan = [Planned(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    # "big" sits at byte 4096 * 3 + 24 of its source file, "a" at 8: the larger wins
+    writer = ShardWriter(tmp_path, plan, 10**9, origins={"a": 8, "big": 4096 * 3 + 24})
+    for k, t in tensors.items():
+        writer.write(k, t)
+    writer.finish()
+    at = _data_offsets(tmp_path / "model.safetensors")
+    assert at["big"] % shards.PAGE == 24 and at["a"] % 8 == 0
+    assert all(torch.equal(load_file(tmp_path / "model.safetensors")[k], t) for k, t in tensors.items())
+    # without origins, the header is the plain JSON padded to 8 bytes
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    writer = ShardWriter(plain, plan, 10**9)
+    for k, t in tensors.items():
+        writer.write(k, t)
+    writer.finish()
+    unpadded = _data_offsets(plain / "model.safetensors")["a"]
+    assert unpadded < at["a"] and unpadded % 8 == 0
+
+
+def test_a_converted_folder_copies_unchanged_tensors_to_their_place_in_a_page(tiny_model, tmp_path):
+    src = tiny_model("llama", num_key_value_heads=8, dtype=torch.bfloat16)
+    out = convert_checkpoint(src, tmp_path / "out", 2, method="mean", progress=False)
+    before = _data_offsets(src / "model.safetensors")
+    after = _data_offsets(out / "model.safetensors")
+    sizes = {k: v.numel() * v.element_size() for k, v in load_file(out / "model.safetensors").items()}
+    largest = max((k for k in after if "k_proj" not in k and "v_proj" not in k), key=sizes.__getitem__)
+    assert (after[largest] - before[largest]) % shards.PAGE == 0
+    assert "k_proj" in " ".join(after) and load_file(out / "model.safetensors").keys() == after.keys()

@@ -48,11 +48,17 @@ def test_copies_on_the_writer_thread_write_the_bytes_of_copies_in_line(tiny_mode
     assert len(folder_bytes(inline)) > 1 and folder_bytes(background) == folder_bytes(inline)
 
 
-def test_a_copy_counts_as_written_once_done(tmp_path, monkeypatch):
+def _source_and_output(tmp_path: Path) -> tuple[torch.Tensor, Path]:
+    """Twelve float32 values in `src.bin`, and an empty output folder."""
     data = torch.arange(12, dtype=torch.float32)
     (tmp_path / "src.bin").write_bytes(data.numpy().tobytes())
     out = tmp_path / "out"
     out.mkdir()
+    return data, out
+
+
+def test_a_copy_counts_as_written_once_done(tmp_path, monkeypatch):
+    data, out = _source_and_output(tmp_path)
     release = threading.Event()
     copy = shards.copy_range
 
@@ -73,10 +79,7 @@ def test_a_copy_counts_as_written_once_done(tmp_path, monkeypatch):
 
 
 def test_the_caller_does_the_copies_into_other_shards_than_the_writer_threads(tmp_path, monkeypatch):
-    data = torch.arange(12, dtype=torch.float32)
-    (tmp_path / "src.bin").write_bytes(data.numpy().tobytes())
-    out = tmp_path / "out"
-    out.mkdir()
+    data, out = _source_and_output(tmp_path)
     started, release = threading.Event(), threading.Event()
     by: dict[str, str] = {}
     lock, active, most = threading.Lock(), Counter(), Counter()  # copies running into each file, and at most
@@ -111,10 +114,7 @@ def test_the_caller_does_the_copies_into_other_shards_than_the_writer_threads(tm
 
 
 def test_closing_drops_the_copies_not_started(tmp_path, monkeypatch):
-    data = torch.arange(12, dtype=torch.float32)
-    (tmp_path / "src.bin").write_bytes(data.numpy().tobytes())
-    out = tmp_path / "out"
-    out.mkdir()
+    data, out = _source_and_output(tmp_path)
     started, release = threading.Event(), threading.Event()
     done: list[str] = []
     copy = shards.copy_range

@@ -72,5 +72,6 @@ def test_uptrain_two_steps(per_layer, tmp_path, train):
     assert [HEADS // b["attention"]["n_heads_in_group"] for b in cfg_out["block_configs"]] == PLAN
 
 
+@pytest.mark.slow  # the resume path of tests/test_uptrain_resume.py, on a per-layer model
 def test_uptrain_resumes_exactly_after_kill(request, tmp_path):
     resume_matches_one_go("per_layer", request, tmp_path, 120, {})

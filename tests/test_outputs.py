@@ -98,7 +98,7 @@ def test_uptrained_folder_carries_the_converted_files_and_lineage(shared: Path, 
     log = [json.loads(r) for r in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     held_out = [r["eval_loss"] for r in log if "eval_loss" in r][-1]
     source, conversion, uptraining = record["lineage"]
-    assert source == {"step": "source", "model": str(src), "family": "llama", "query heads": 8, "KV heads": 4}
+    assert source == {"step": "source", "model": str(src.resolve()), "family": "llama", "query heads": 8, "KV heads": 4}
     assert (conversion["step"], conversion["method"], conversion["G"], conversion["KV heads"], conversion["output"]) \
         == ("conversion", "mean", 2, "4 → 2", str(g2))
     assert (uptraining["step"], uptraining["from"], uptraining["optimizer steps"], uptraining["tokens"]) \

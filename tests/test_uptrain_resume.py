@@ -70,9 +70,9 @@ def env() -> dict[str, str]:
 @pytest.mark.parametrize("model, steps, train", [
     ("converted", 120, {}), pytest.param("converted", 2000, {}, marks=pytest.mark.slow),
     # LoRA adapters (peft) with dropout: the adapters, their Adam state and the dropout RNG resume exactly
-    pytest.param("converted", 120, {"lora": {"r": 4, "dropout": 0.1}}, id="lora"),
+    pytest.param("converted", 120, {"lora": {"r": 4, "dropout": 0.1}}, id="lora", marks=pytest.mark.slow),
     # an encoder-decoder: span corruption draws its spans from the seed and the block, so they resume too
-    pytest.param("converted_t5", 120, {}, id="t5-span-corruption"),
+    pytest.param("converted_t5", 120, {}, id="t5-span-corruption", marks=pytest.mark.slow),
 ])
 def test_resume_after_sigkill_matches_one_go_run(model: str, request, tmp_path: Path, steps: int, train: dict):
     converted = request.getfixturevalue(model)

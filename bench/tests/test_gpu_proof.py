@@ -161,6 +161,7 @@ def test_recovery_dry_run_reports_curves_and_the_10_percent_verdict(tmp_path: Pa
     assert "4. SmolLM2 G=1 recovery" in md and f"{p['final']:.2f}" in md
 
 
+@pytest.mark.slow  # about a minute of torch.compile on 2 CPU cores
 def test_compiled_decode_step_alone(tmp_path):
     """GQAKIT_PROOF_STEPS=decode-compiled: only that step runs (the step a GPU call makes on its own)."""
     out = tmp_path / "out"

@@ -43,6 +43,29 @@ def test_rates_count_o_projs_refit_after_the_steps():
     assert r.per_layer(3, 0, 8) == 40 + 3 * (2 * 1.5 + 3.0)
 
 
+def test_rates_of_passes_that_run_two_spans_at_once():
+    # as the first test, with 4 spans run two at a time (`stage.pass_groups`): a group's two units tick
+    # together, the first after the group's whole time, the second at once; the first group of each
+    # pass also reads the block or solves (10 s)
+    d = ([10 + 2, 0, 2, 0] + [10 + 4, 0, 4, 0] + [5 + 9 + 10, 5, 5 + 9, 5, 5 + 9, 5, 5 + 9, 5]
+         + [10 + 6, 0, 6, 0])
+    ticks = list(itertools.accumulate([0.0, *d]))
+    r = rates_from_ticks(ticks, spans=4, steps=8, guard_spans=8, prepare_seconds=6.0, sampled=False, group=2)
+    assert (r.fit_span, r.forward_span, r.step) == (1.5, 3.0, 5.0)
+    assert r.per_layer(4, 8, 8) == pytest.approx(ticks[-1] - ticks[0])
+
+
+def test_passes_run_spans_together_up_to_their_tokens():
+    from gqakit.convert.calibration.stage import PASS_TOKENS, pass_groups
+
+    one = [slice(i, i + 1) for i in range(5)]  # 5 spans of one 512-token sequence: two at a time, one left
+    assert PASS_TOKENS == 1024
+    assert pass_groups(one, 1, 512) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert pass_groups(one, 1, 128) == [slice(0, 5)]  # 8 fit, 5 there are
+    four = [slice(0, 4), slice(4, 8), slice(8, 10)]  # spans of 4 x 512 tokens: each alone
+    assert pass_groups(four, 4, 512) == four
+
+
 def test_expected_time_scales_with_layers_tokens_and_steps():
     r = Rates(fit_span=1.0, forward_span=2.0, step=3.0, layer_fixed=5.0, prepare=5.0, sampled=False)
     one = expected_seconds(r, layers=1, spans=10, steps=100, guard_spans=8)

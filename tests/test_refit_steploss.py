@@ -46,7 +46,7 @@ class PlainLoss(steploss.SpanLoss):
             grab.remove()
         mask = self.ctx.masks(sl)[which]
         if self.targets is not None:
-            t, w = self.targets[sl.start]
+            t, w = self.targets_of(sl)
             out = grab.rows.reshape(-1, D)[mask].to(sd)
             return ((out - t[mask].to(sd)).pow(2).sum(1) / (D / w[mask].pow(2)).to(sd)).mean()
         out = (out[0] if isinstance(out, tuple) else out).reshape(-1, D)[mask].to(sd)

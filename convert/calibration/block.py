@@ -184,16 +184,29 @@ class BlockContext:
     tick: Callable[[int], None]                           # progress: units done
     note: Callable[[str], None]                           # progress: a status text
     advanced: set[int] = field(default_factory=set)       # spans of the original stream already advanced
+    passes: list[slice] = field(default_factory=list)     # consecutive spans a pass runs at once (`pass_groups`)
+
+    def __post_init__(self) -> None:
+        self.passes = self.passes or list(self.spans)
 
     @property
     def layer(self) -> int:
         return self.block.L
 
+    def spans_in(self, sl: slice) -> list[slice]:
+        """The spans that make up `sl` (a span or one of `passes`)."""
+        return [s for s in self.spans if sl.start <= s.start < sl.stop]
+
+    def done(self, sl: slice) -> None:
+        """Progress: a unit for each span in `sl`."""
+        for _ in self.spans_in(sl):
+            self.tick(1)
+
     def advance_original(self, sl: slice, value: Tensor) -> None:
-        """Store the original block's output on span `sl` (a fit that runs the original block
-        anyway saves the stage that pass; the stage advances the spans left)."""
+        """Store the original block's output on `sl` (a span or a pass's spans; a fit that runs
+        the original block anyway saves the stage that pass; the stage advances the spans left)."""
         self.streams.put("orig", sl, value)
-        self.advanced.add(sl.start)
+        self.advanced.update(s.start for s in self.spans_in(sl))
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from gqakit.convert.plan import Plan, layer_kv_pairs
 from gqakit.convert.resolved import ResolvedSettings
 
-PROBE_SPANS = 3  # spans of `batch` sequences the probe calibrates on (the first of each pass reads the block too)
+PROBE_SPANS = 3  # passes' groups of spans the probe calibrates on (the first of each pass reads the block too)
 PROBE_STEPS = 8  # reconstruction steps it times (a guard check after every other step)
 GUARD_CHECKS = 4  # guard evaluations over a layer's steps by default (`guard_checks`), one more before them
 
@@ -64,12 +64,21 @@ def expected_seconds(rates: Rates, *, layers: int, spans: int, steps: int, guard
             + (layers - trained) * rates.per_layer(spans, 0, guard_spans, guard_checks))
 
 
+def per_span(units: list[float], group: int = 1) -> float:
+    """Seconds per span of a pass, from the time of each of its units: the median over its groups
+    of `group` spans (run together, their units ticked at once) after the first, which also reads
+    the block or solves a fit (`stage.pass_groups`); a partial last group left out."""
+    if group > 1:
+        units = [sum(units[i:i + group]) / group for i in range(0, len(units) - group + 1, group)] or units
+    return statistics.median(units[1:] or units)
+
+
 def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans: int, prepare_seconds: float,
-                     sampled: bool, checks: int | None = None, final: bool = False) -> Rates:
+                     sampled: bool, checks: int | None = None, final: bool = False, group: int = 1) -> Rates:
     """`Rates` from the clock at the start of the first layer and after each of its progress units:
     2 x `spans` fit units, `steps` steps, with `final` `spans` units of o_proj's refit after them,
-    then `spans` forward units (`stage.CalibrationStage`); `checks`: the guard evaluations among the
-    steps (default: after every other step)."""
+    then `spans` forward units (`stage.CalibrationStage`; the passes take `group` spans at a time);
+    `checks`: the guard evaluations among the steps (default: after every other step)."""
     t = ticks
     d = [b - a for a, b in zip(t, t[1:])]
     moments, o_fit = d[:spans], d[spans:2 * spans]
@@ -77,10 +86,8 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
     n_final = spans if final and steps else 0
     after = d[2 * spans + steps:2 * spans + steps + n_final]
     fwd = d[2 * spans + steps + n_final:]
-    # each pass's first unit also reads the block or solves a fit: the others time the unit alone
-    rest = lambda x: x[1:] or x  # noqa: E731
-    fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
-    fwd_span = statistics.median(rest(fwd))
+    fit_span = (per_span(moments, group) + per_span(o_fit, group)) / 2
+    fwd_span = per_span(fwd, group)
     # a guard check after every other step lands in the next step's interval: the others are steps alone
     step_s = statistics.median(step[1::2] or step) if step else 0.0
     if checks is None:
@@ -88,7 +95,7 @@ def rates_from_ticks(ticks: list[float], *, spans: int, steps: int, guard_spans:
     # the guard before the steps, and once more on o_proj's refit after them
     checks = checks + 1 + bool(n_final) if steps else 0
     # the first unit after the last step also takes the guard evaluation after it
-    final_span = statistics.median(rest(after)) if after else 0.0
+    final_span = per_span(after, group) if after else 0.0
     accounted = (spans * (2 * fit_span + fwd_span) + steps * step_s + checks * min(guard_spans, spans) * fwd_span
                  + n_final * final_span)
     return Rates(fit_span, fwd_span, step_s, max(0.0, (t[-1] - t[0]) - accounted), prepare_seconds, sampled,
@@ -108,18 +115,18 @@ def run_shape(plan: Plan, settings: ResolvedSettings) -> dict[str, int]:
 
 
 def early_line(ticks: list[float], *, spans: int, steps: int, layers_left: int, elapsed: float,
-               kept_left: int = 0, final: bool = False) -> str:
+               kept_left: int = 0, final: bool = False, group: int = 1) -> str:
     """The run's first progress line: the expected time, from its own first layer with steps so far
     (the clock at the layer's start and after its 2 x `spans` fit passes and its first steps), the
     converted stream's pass (and with `final`, o_proj's refit after the steps) counted as a fit pass;
     `layers_left` layers with `steps` steps to go, this one included, and `kept_left` that take none
-    (a per-layer plan's kept layers)."""
+    (a per-layer plan's kept layers); the passes take `group` spans at a time."""
     d = [b - a for a, b in zip(ticks, ticks[1:])]
     moments, o_fit, step = d[:spans], d[spans:2 * spans], d[2 * spans:]
-    rest = lambda x: x[1:] or x  # noqa: E731
-    fit_span = (statistics.median(rest(moments)) + statistics.median(rest(o_fit))) / 2
-    step_s = statistics.median(rest(step))
-    fixed = max(0.0, d[0] - fit_span) + max(0.0, d[spans] - fit_span)
+    fit_span = (per_span(moments, group) + per_span(o_fit, group)) / 2
+    step_s = statistics.median(step[1:] or step)
+    g = min(group, spans)  # the first group of each pass also reads the block or solves a fit
+    fixed = max(0.0, sum(d[:g]) - g * fit_span) + max(0.0, sum(d[spans:spans + g]) - g * fit_span)
     rates = Rates(fit_span, fit_span, step_s, fixed, 0.0, False, fit_span if final else 0.0)
     per_layer = rates.per_layer(spans, steps, 8)  # the default guard
     total = elapsed + per_layer * layers_left + rates.per_layer(spans, 0, 8) * kept_left  # elapsed: before it

@@ -11,7 +11,7 @@ from typing import Any
 from gqakit.convert.calibration.estimate import (PROBE_SPANS, PROBE_STEPS, Rates, duration, expected_seconds,
                                                  rates_from_ticks, run_shape)
 from gqakit.convert.calibration.refit import check_steps
-from gqakit.convert.calibration.stage import CalibrationStage
+from gqakit.convert.calibration.stage import CalibrationStage, pass_size
 from gqakit.convert.plan import Plan
 from gqakit.convert.resolved import ResolvedSettings
 
@@ -23,7 +23,8 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
     opts = settings.options
     steps = PROBE_STEPS if run_shape(plan, settings)["steps"] else 0
     seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
-    tokens = PROBE_SPANS * int(opts.batch) * seq_len
+    group = pass_size(int(opts.batch), seq_len)  # the passes' first group reads the block: a few more after it
+    tokens = PROBE_SPANS * group * int(opts.batch) * seq_len
     small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
                                 options=_with(opts, steps=steps, save_seconds=1e9, patience=0))
     if settings.kv_heads is not None:  # a per-layer plan: the first block is timed as a layer that pools
@@ -39,7 +40,8 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
     return rates_from_ticks(stage.ticks, spans=spans, steps=steps, guard_spans=int(opts.guard_spans),
                             prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None,
                             checks=len(check_steps(steps, int(opts.guard_checks))),
-                            final=bool(steps) and opts.refits_o_after_steps)
+                            final=bool(steps) and opts.refits_o_after_steps,
+                            group=pass_size(int(opts.batch), stage.seqs.shape[1]))
 
 
 def _with(opts: Any, **update: Any) -> Any:
@@ -55,6 +57,9 @@ def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device
     total = expected_seconds(rates, **shape)
     per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"], shape["guard_checks"])
     each = "each" if shape["trained"] == shape["layers"] else f"in each of {shape['trained']} layers"
+    opts = settings.options
+    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
+    spans = PROBE_SPANS * pass_size(int(opts.batch), seq_len)
     return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
             f"layer x {shape['layers']} layers, {shape['steps']} steps {each}; from a probe of the first layer on "
-            f"{PROBE_SPANS} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))
+            f"{spans} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))

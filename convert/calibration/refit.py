@@ -170,7 +170,7 @@ class AlignRefit:
         rows = self.rows_dtype
         with torch.inference_mode():
             try:
-                for sl in ctx.spans:
+                for sl in ctx.passes:
                     keep = ctx.masks(sl)[0]
                     blk.run(sl, "orig")
                     xo = g.rows[keep]
@@ -185,7 +185,7 @@ class AlignRefit:
                     add_moment(s_nn, xn, xn)
                     n_rows += xo.shape[0]
                     del xo, xn, xo64
-                    ctx.tick(1)
+                    ctx.done(sl)
             finally:
                 g.remove()
         if n_rows == 0:
@@ -224,7 +224,7 @@ class AlignRefit:
         keep_targets = bool(self.steps_at[ctx.layer]) and opts.loss == "attention"
         self.targets = {}
         with torch.inference_mode():
-            for sl in ctx.spans:
+            for sl in ctx.passes:
                 keep = ctx.masks(sl)[0]
                 rows = slice(None) if keep_targets else keep
                 blk.use(blk.original)
@@ -247,10 +247,12 @@ class AlignRefit:
                     else:
                         w = torch.ones(out_o.shape[0], 1, dtype=rd, device=self.device)
                     if keep_targets:
-                        # kept where and as the streams are: a third stream, while the layer's steps last
-                        st = ctx.streams
-                        self.targets[sl.start] = (target.to(device=st.orig.device, dtype=st.dtype),
-                                                  w.squeeze(1).to(device=st.orig.device, dtype=torch.float32))
+                        # kept where and as the streams are, by span: a third stream, while the layer's steps last
+                        st, T = ctx.streams, ro.shape[1]
+                        for s in ctx.spans_in(sl):
+                            at = slice((s.start - sl.start) * T, (s.stop - sl.start) * T)
+                            self.targets[s.start] = (target[at].to(device=st.orig.device, dtype=st.dtype),
+                                                     w[at].squeeze(1).to(device=st.orig.device, dtype=torch.float32))
                         target, w = target[keep], w[keep]
                 if fit_o:
                     if o_bias is not None:
@@ -266,7 +268,7 @@ class AlignRefit:
                     add_product(zt, z, target * w)
                     del z, target, w
                 ctx.advance_original(sl, ro_next)
-                ctx.tick(1)
+                ctx.done(sl)
         if fit_o:
             pooled = pooled.replace(o=refit_o_proj_moments(zz.cpu(), zt.cpu(), pooled.o, float(opts.o_ridge)))
             converted = blk.weights(pooled)
@@ -288,14 +290,14 @@ class AlignRefit:
                 for sl in spans:
                     loss_on(sl, 0, current)
                     keep = ctx.masks(sl)[0]
-                    target, w = (a.to(device=self.device, dtype=rd)[keep] for a in self.targets[sl.start])
+                    target, w = (a.to(device=self.device, dtype=rd)[keep] for a in loss_on.targets_of(sl))
                     if o_bias is not None:
                         target = target - o_bias.to(rd)
                     w = w.unsqueeze(1)
                     z = blk.in_head_order(g.rows[keep], heads).to(rd) * w
                     add_product(zz, z, z)
                     add_product(zt, z, target * w)
-                    ctx.tick(1)
+                    ctx.done(sl)
         finally:
             g.remove()
         o = current["o"].detach().to(f64).cpu()
@@ -368,7 +370,8 @@ class AlignRefit:
                         break
             final_o = self.final_at[L]
             if final_o:  # o_proj's closed form on the best q, k, v, kept where the guard prefers it
-                cand = {**best_params, "o": self._o_after_steps(ctx, loss_on, pooled, best_params, fit)}
+                passes = [sl for sl in ctx.passes if bool(ctx.masks(sl)[0].any())]
+                cand = {**best_params, "o": self._o_after_steps(ctx, loss_on, pooled, best_params, passes)}
                 g = guard_loss(cand)
                 ctx.note(f"o_proj refit after the steps: guard {g:.4f}")
                 took_o = stop.update(g, done)

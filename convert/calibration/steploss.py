@@ -78,8 +78,8 @@ class SpanLoss:
                        if r not in rest and r not in attn and t.dtype != sd}
         self.slots = {r: self._slot(r) for r in [*attn, *rest, *self.frozen]}
         self.calls: dict[int, tuple] = {}
-        self.masks: dict[tuple[int, int], Tensor | None] = {}
-        self.inputs: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        self.masks: dict[tuple[int, int, int], Tensor | None] = {}
+        self.inputs: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor]] = {}
         n_tok = ctx.streams.orig.shape[0] * ctx.streams.orig.shape[1]
         self.cache = 2 * n_tok * self.D * torch.finfo(sd).bits // 8 <= CACHE_BYTES
 
@@ -116,11 +116,19 @@ class SpanLoss:
 
     def mask(self, sl: slice, which: int) -> Tensor | None:
         """Span `sl`'s rows (`which`: 0 fitted, 1 measured, as `ctx.masks`); None when it keeps all."""
-        key = (sl.start, which)
+        key = (sl.start, sl.stop, which)
         if key not in self.masks:
             m = self.ctx.masks(sl)[which]
             self.masks[key] = None if bool(m.all()) else m
         return self.masks[key]
+
+    def targets_of(self, sl: slice) -> tuple[Tensor, Tensor]:
+        """The attention loss's targets and row weights on `sl` (a span, or a pass's spans)."""
+        assert self.targets is not None
+        parts = [self.targets[s.start] for s in self.ctx.spans_in(sl)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def _call(self, B: int) -> tuple:
         # the recorded block inputs were made under inference mode: clone them for autograd
@@ -132,7 +140,7 @@ class SpanLoss:
     def _inputs(self, sl: slice, which: int) -> tuple[Tensor, Tensor, Tensor]:
         """The span's converted-stream input, its original-stream target rows and their squared
         norms (the loss's denominators), in the step dtype."""
-        key = (sl.start, which)
+        key = (sl.start, sl.stop, which)
         got = self.inputs.get(key)
         if got is None:
             streams, mask = self.ctx.streams, self.mask(sl, which)
@@ -142,7 +150,7 @@ class SpanLoss:
                 y = y if mask is None else y[mask]
                 den = y.pow(2).sum(1).clamp_min(1e-30)
             else:
-                t, w = (a.to(self.device) for a in self.targets[sl.start])
+                t, w = (a.to(self.device) for a in self.targets_of(sl))
                 y, w = (t, w) if mask is None else (t[mask], w[mask])
                 y, den = y.to(self.sd), (self.D / w.pow(2)).to(self.sd)  # |post|^2: relative, as the block loss
             got = (x, y, den)

@@ -109,7 +109,7 @@ def test_uptrained_folder_carries_the_converted_files_and_lineage(shared: Path, 
     lineage = card.split("## Lineage", 1)[1]
     lines = [line for line in lineage.splitlines() if re.match(r"\d\. ", line)]
     assert [line.split("**")[1] for line in lines] == ["source", "conversion", "uptraining"]
-    assert str(src) in lines[0] and "method mean" in lines[1] and "KV heads 4 → 2" in lines[1]
+    assert str(src.resolve()) in lines[0] and "method mean" in lines[1] and "KV heads 4 → 2" in lines[1]
     assert f"final held-out loss {held_out:.4f}" in lines[2] and "optimizer steps 4" in lines[2]
 
     # Uptrained again: the lineage grows by one step and the card keeps one Lineage section.

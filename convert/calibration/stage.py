@@ -38,6 +38,15 @@ from gqakit.convert.calibration.memory import trim
 from gqakit.convert.calibration.resume import STATE, load_state, load_tokens, save_state
 from gqakit.convert.calibration.skeleton import Skeleton
 from gqakit.convert.calibration.streams import Streams
+from gqakit.convert.calibration.tokens import calibration_sequences, span_rows
+from gqakit.convert.layout import AttnHeads
+from gqakit.convert.plan import Plan
+from gqakit.convert.resolved import ResolvedSettings
+from gqakit.convert.source import Opened
+from gqakit.core import arch as archmod
+from gqakit.core.device import PeakMemory
+from gqakit.core.run import show_bars
+
 
 # The block passes (the fits' moments, the o_proj fit, the streams' advance) run consecutive
 # spans together up to this many tokens: on the CPU, a 512-token span's matrix products keep
@@ -55,14 +64,6 @@ def pass_groups(spans: list[slice], batch: int, seq_len: int) -> list[slice]:
     """Consecutive spans in groups of `pass_size`, each group as one slice of the sequences."""
     n = pass_size(batch, seq_len)
     return [slice(spans[i].start, spans[min(i + n, len(spans)) - 1].stop) for i in range(0, len(spans), n)]
-from gqakit.convert.calibration.tokens import calibration_sequences, span_rows
-from gqakit.convert.layout import AttnHeads
-from gqakit.convert.plan import Plan
-from gqakit.convert.resolved import ResolvedSettings
-from gqakit.convert.source import Opened
-from gqakit.core import arch as archmod
-from gqakit.core.device import PeakMemory
-from gqakit.core.run import show_bars
 
 
 def expected_time(elapsed: float, layer_seconds: float, layers_left: int, layers: int,

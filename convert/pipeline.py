@@ -19,7 +19,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +235,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
             layers, stage = converted_layers(opened, plan, settings, device=dev, scratch=tmp / ".scratch",
                                              resume_dir=tmp / RESUME_DIR, written=lambda: writer.written)
             orders: dict[int, list[int] | None] = {}  # each layer's query head order (`record.output_config`)
-            with _threads(1 if stage is None else None):  # (a small computation beside the kernel's copies)
+            with _one_thread() if stage is None else nullcontext():  # (small K/V math beside the kernel's copies)
                 for step, new in layers:
                     layer = step.layer
                     if step.site == "self":
@@ -280,18 +280,16 @@ def resume_line(folder: Path, state: dict[str, Any] | None, layers: int) -> str:
 
 
 @contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to N inside (None: as they are). A conversion without
-    calibration computes only each layer's K/V heads while the writer's thread copies the rest:
-    with one thread, no idle OpenMP worker spins on the core the copies need."""
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside. A conversion without calibration computes only each
+    layer's K/V heads while the writer's thread copies the rest: with one thread, no idle OpenMP
+    worker spins on the core the copies need."""
     before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
+    torch.set_num_threads(1)
     try:
         yield
     finally:
-        if n is not None:
-            torch.set_num_threads(before)
+        torch.set_num_threads(before)
 
 
 @contextmanager

@@ -18,13 +18,12 @@ from gqakit.convert.resolved import ResolvedSettings
 
 def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
           clock: Callable[[], float] = time.perf_counter) -> Rates:
-    """Run the first block of the calibration on `PROBE_SPANS` spans with `PROBE_STEPS` steps
+    """Run the first block of the calibration on `probe_spans` spans with `PROBE_STEPS` steps
     (none when the run takes none) and time it."""
     opts = settings.options
     steps = PROBE_STEPS if run_shape(plan, settings)["steps"] else 0
     seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
-    group = pass_size(int(opts.batch), seq_len)  # the passes' first group reads the block: a few more after it
-    tokens = PROBE_SPANS * group * int(opts.batch) * seq_len
+    tokens = probe_spans(plan, settings) * int(opts.batch) * seq_len
     small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
                                 options=_with(opts, steps=steps, save_seconds=1e9, patience=0))
     if settings.kv_heads is not None:  # a per-layer plan: the first block is timed as a layer that pools
@@ -41,7 +40,15 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
                             prepare_seconds=stage.prepare_seconds, sampled=settings.calibration_data is None,
                             checks=len(check_steps(steps, int(opts.guard_checks))),
                             final=bool(steps) and opts.refits_o_after_steps,
-                            group=pass_size(int(opts.batch), stage.seqs.shape[1]))
+                            group=stage.group)
+
+
+def probe_spans(plan: Plan, settings: ResolvedSettings) -> int:
+    """The spans the probe calibrates on: `PROBE_SPANS` of the passes' groups (the first of each
+    pass also reads the block, the others time the passes alone)."""
+    opts = settings.options
+    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
+    return PROBE_SPANS * pass_size(int(opts.batch), seq_len)
 
 
 def _with(opts: Any, **update: Any) -> Any:
@@ -57,9 +64,7 @@ def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device
     total = expected_seconds(rates, **shape)
     per_layer = rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"], shape["guard_checks"])
     each = "each" if shape["trained"] == shape["layers"] else f"in each of {shape['trained']} layers"
-    opts = settings.options
-    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
-    spans = PROBE_SPANS * pass_size(int(opts.batch), seq_len)
+    spans = probe_spans(plan, settings)
     return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
             f"layer x {shape['layers']} layers, {shape['steps']} steps {each}; from a probe of the first layer on "
             f"{spans} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))

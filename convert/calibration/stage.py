@@ -209,6 +209,7 @@ class CalibrationStage:
         sk = self.skeleton = Skeleton(self.opened, self.spec, L_n, self.device, self.dtype)
         remap = sk.load_outer(self.seqs)
         self.spans = [slice(i, min(i + self.batch, n_seq)) for i in range(0, n_seq, self.batch)]
+        self.group = pass_size(self.batch, T)  # spans a block pass runs at once
         self.passes = pass_groups(self.spans, self.batch, T)
         self.calls: dict[int, list] = {}
         streams: Streams | None = None
@@ -256,7 +257,7 @@ class CalibrationStage:
                 tqdm.write(early_line(self._early, spans=n, steps=self._early_steps, layers_left=trained,
                                       kept_left=kept, elapsed=self._t0,
                                       final=self.fit.units(n, self._early_layer) > 2 * n + self._early_steps,
-                                      group=pass_size(self.batch, self.seqs.shape[1])),
+                                      group=self.group),
                            file=sys.stderr)
                 self._early = None
 

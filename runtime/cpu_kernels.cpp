@@ -440,7 +440,9 @@ static torch::Tensor attention_impl(torch::Tensor query, torch::Tensor key, torc
     TORCH_CHECK(key_blocks.is_contiguous() && key_blocks.scalar_type() == torch::kFloat32 &&
                 key_blocks.numel() == B * G * NB * D * 16, "decode_attention: key blocks [B, G, ceil(T/16), D, 16]");
 #else
-  const bool transposed = false;
+  const bool transposed = false;  // (no transposed-key blocks without AVX-512)
+  const int64_t NB = 0;
+  const float* kblk = nullptr;
 #endif
   // 6 to 16 query rows per K/V head: one reduction tree per position instead of R sums
   const bool tree = !transposed && vec_d && R >= 6 && R <= 16;

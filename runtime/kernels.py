@@ -4,7 +4,9 @@
 ninja are needed; `-march=native`, so the build is cached under a key of the source,
 the torch version and this CPU) and returns the module, or None with the reason in
 `why_unavailable()`: callers fall back to the oneDNN / matmul decode path and say so.
-The first build takes about half a minute; later loads are instant.
+The first build takes about half a minute; later loads are instant. A build that fails is
+recorded in its folder with the compiler and ninja it used, so later processes fall back at
+once instead of failing the same build again (a new compiler or ninja builds again).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import contextlib
 import hashlib
 import os
 import platform
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
 _STATE: dict[str, Any] = {"tried": False, "mod": None, "why": None}
+FAILED = "build-failed.txt"  # in the build folder: a build that failed, with its toolchain and reason
 
 
 def _cpu_key() -> str:
@@ -52,17 +56,40 @@ def load(verbose: bool = False) -> Any | None:
     if os.environ.get("GQAKIT_NO_CPU_KERNELS"):
         _STATE["why"] = "disabled by GQAKIT_NO_CPU_KERNELS"
         return None
+    failed: Path | None = None
     try:
         from torch.utils.cpp_extension import load as build
 
         d = build_dir()
         d.mkdir(parents=True, exist_ok=True)
+        failed = d / FAILED
+        earlier = _earlier_failure(failed)
+        if earlier is not None:  # this toolchain failed on this source before: not half a minute again
+            _STATE["why"] = f"{earlier} (an earlier build; remove {d} to build again)"
+            return None
         _STATE["mod"] = build("gqakit_cpu_kernels", [str(_SRC)], build_directory=str(d), verbose=verbose,
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, an unsupported CPU: the fallback path runs
         first = (str(e).strip().splitlines() or [""])[0][:200]
         _STATE["why"] = f"{type(e).__name__}: {first}"
+        if failed is not None:
+            with contextlib.suppress(OSError):
+                failed.write_text(f"{toolchain()}\n{_STATE['why']}\n")
     return _STATE["mod"]
+
+
+def toolchain() -> str:
+    """What a build depends on besides the source, torch and the CPU: the compiler and ninja found."""
+    return f"{shutil.which(os.environ.get('CXX', 'c++'))}|{shutil.which('ninja')}"
+
+
+def _earlier_failure(marker: Path) -> str | None:
+    """The reason an earlier build with this toolchain failed, recorded in `marker`; None if none did."""
+    try:
+        tools, why = marker.read_text().splitlines()[:2]
+    except (OSError, ValueError):
+        return None
+    return why if tools == toolchain() else None
 
 
 def why_unavailable() -> str | None:

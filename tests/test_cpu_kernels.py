@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,65 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def has_toolchain() -> bool:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and is_ninja_available()
+
+
 @pytest.fixture(scope="module")
 def kernels():
     mod = cpu_kernels.load()
     if mod is None:
-        pytest.skip(f"CPU kernels not built here: {cpu_kernels.why_unavailable()}")
+        why = f"CPU kernels not built here: {cpu_kernels.why_unavailable()}"
+        if has_toolchain() and not os.environ.get("GQAKIT_NO_CPU_KERNELS"):
+            pytest.fail(why)  # a compiler and ninja are here: the source itself failed to build
+        pytest.skip(why)
     return mod
+
+
+def test_a_failed_build_is_not_tried_again_with_the_same_toolchain(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(kwargs["build_directory"])
+        raise RuntimeError("Error building extension 'gqakit_cpu_kernels': c++ said no\nmore lines")
+
+    monkeypatch.setenv("GQAKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("GQAKIT_NO_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(ext, "load", failing)
+    with cpu_kernels.loaded_afresh():
+        assert cpu_kernels.load() is None and len(calls) == 1
+        assert "c++ said no" in cpu_kernels.why_unavailable()
+    with cpu_kernels.loaded_afresh():  # a later process: the recorded failure, no second build
+        assert cpu_kernels.load() is None and len(calls) == 1
+        why = cpu_kernels.why_unavailable()
+        assert "c++ said no" in why and "earlier build" in why and calls[0] in why
+    monkeypatch.setattr(cpu_kernels, "toolchain", lambda: "another compiler")
+    with cpu_kernels.loaded_afresh():  # another toolchain builds again
+        assert cpu_kernels.load() is None and len(calls) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file() or os.uname().machine != "x86_64", reason="x86-64 Linux")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
+def test_the_source_compiles_with_and_without_avx512(march):
+    """The native build compiles one of the two paths; both must compile (syntax only)."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    if not has_toolchain():
+        pytest.skip("no C++ compiler or ninja")
+    inc = [a for p in [*include_paths(), sysconfig.get_paths()["include"]] for a in ("-isystem", p)]
+    src = Path(cpu_kernels.__file__).with_name("cpu_kernels.cpp")
+    r = subprocess.run([os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++17", f"-march={march}", "-fopenmp",
+                        "-Wno-psabi", "-DTORCH_EXTENSION_NAME=gqakit_cpu_kernels", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                        *inc, str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("n,k,rows", [(576, 576, 8), (100, 37, 1), (50, 64, 13), (49, 96, 3), (192, 576, 17)])

@@ -44,6 +44,7 @@
 # GQAKIT_PROOF_WORK (scratch folder for models and text; default a new temporary one,
 # removed at the end; the GPU run needs about 30 GB of disk there at most),
 # GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git),
+# GQAKIT_PROOF_CACHE (gqakit's cache: the built CPU kernels and the fetched GGUF; default WORK/cache),
 # GQAKIT_SMOLLM2, GQAKIT_RECOVER_LIMIT_S, GQAKIT_VLLM_LIMIT_S, GQAKIT_RECOVER_TOKENS (step 4; default 50,000,000 tokens),
 # GQAKIT_PROOF_STEPS (the steps to run, e.g. "decode-compiled" or "convert decode"; default
 # "convert decode uptrain refit recover vllm"; the others are recorded as skipped).
@@ -103,7 +104,7 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3; fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-export GQAKIT_CACHE=$WORK/cache
+export GQAKIT_CACHE=${GQAKIT_PROOF_CACHE:-$WORK/cache}  # (its tests share one, so the kernels build once)
 export GQAKIT_PROOF_COMMIT=${GQAKIT_PROOF_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 if ! "$PY" -c 'import gqakit' 2>/dev/null; then
   mkdir -p "$WORK/pypath" && ln -sfn "$REPO" "$WORK/pypath/gqakit"

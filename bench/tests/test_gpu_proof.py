@@ -17,10 +17,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def shared_cache() -> Path:
+    """gqakit's cache of this user (GQAKIT_CACHE or ~/.cache/gqakit), which the other tests' kernel
+    builds use too: the dry runs then build the CPU kernels once per machine, not once per run."""
+    return Path(os.environ.get("GQAKIT_CACHE", Path.home() / ".cache" / "gqakit"))
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("gpu_proof")
-    env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_WORK": str(out.parent / "gpu_proof_work")}
+    env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_WORK": str(out.parent / "gpu_proof_work"),
+           "GQAKIT_PROOF_CACHE": str(shared_cache())}
     env.pop("OUT", None)
     env.pop("GQAKIT_SMOLLM2", None)
     r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
@@ -165,7 +172,8 @@ def test_recovery_dry_run_reports_curves_and_the_10_percent_verdict(tmp_path: Pa
 def test_compiled_decode_step_alone(tmp_path):
     """GQAKIT_PROOF_STEPS=decode-compiled: only that step runs (the step a GPU call makes on its own)."""
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_STEPS": "decode-compiled"}
+    env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_STEPS": "decode-compiled",
+           "GQAKIT_PROOF_CACHE": str(shared_cache())}
     env.pop("OUT", None)
     r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)

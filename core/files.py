@@ -8,6 +8,12 @@ import stat
 from pathlib import Path
 
 
+def gqakit_cache_dir() -> Path:
+    """gqakit's own cache (built CPU kernels, tokenized data, the demo's model): GQAKIT_CACHE, or
+    ~/.cache/gqakit."""
+    return Path(os.environ.get("GQAKIT_CACHE", "~/.cache/gqakit")).expanduser()
+
+
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     """The hex sha256 of a file's bytes, read in chunks (memory stays flat)."""
     h = hashlib.sha256()

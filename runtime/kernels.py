@@ -36,8 +36,9 @@ def build_dir() -> Path:
     import torch
 
     h = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("GQAKIT_CACHE", Path.home() / ".cache" / "gqakit"))
-    return root / "kernels" / h
+    from gqakit.core.files import gqakit_cache_dir
+
+    return gqakit_cache_dir() / "kernels" / h
 
 
 def is_built() -> bool:

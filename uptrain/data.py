@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from gqakit.core.errors import GqakitError, first_line
+from gqakit.core.files import gqakit_cache_dir
 from gqakit.core.tokens import SAMPLER_VERSION, bos_id, sample_tokens
 from gqakit.uptrain.config import DataCfg, TeacherSamplesCfg
 from gqakit.uptrain.preflight import resolve_data
@@ -44,7 +45,7 @@ PARQUET_SUFFIXES = {".parquet"}
 def default_cache_dir(cfg: DataCfg) -> Path:
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
-    return Path(os.environ.get("GQAKIT_CACHE", "~/.cache/gqakit")).expanduser()
+    return gqakit_cache_dir()
 
 
 # --------------------------------------------------------------------------- files

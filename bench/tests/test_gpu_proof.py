@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from gqakit.core.files import gqakit_cache_dir
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def shared_cache() -> Path:
-    """gqakit's cache of this user (GQAKIT_CACHE or ~/.cache/gqakit), which the other tests' kernel
-    builds use too: the dry runs then build the CPU kernels once per machine, not once per run."""
-    return Path(os.environ.get("GQAKIT_CACHE", Path.home() / ".cache" / "gqakit"))
+    """gqakit's cache of this user, which the other tests' kernel builds use too: the dry runs
+    then build the CPU kernels once per machine, not once per run."""
+    return gqakit_cache_dir()
 
 
 @pytest.fixture(scope="module")

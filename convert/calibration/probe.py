@@ -22,8 +22,7 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
     (none when the run takes none) and time it."""
     opts = settings.options
     steps = PROBE_STEPS if run_shape(plan, settings)["steps"] else 0
-    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
-    tokens = probe_spans(plan, settings) * int(opts.batch) * seq_len
+    tokens = probe_spans(plan, settings) * int(opts.batch) * _seq_len(plan, settings)
     small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
                                 options=_with(opts, steps=steps, save_seconds=1e9, patience=0))
     if settings.kv_heads is not None:  # a per-layer plan: the first block is timed as a layer that pools
@@ -46,9 +45,13 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
 def probe_spans(plan: Plan, settings: ResolvedSettings) -> int:
     """The spans the probe calibrates on: `PROBE_SPANS` of the passes' groups (the first of each
     pass also reads the block, the others time the passes alone)."""
-    opts = settings.options
-    seq_len = min(int(opts.seq_len), plan.shape.max_positions or int(opts.seq_len))
-    return PROBE_SPANS * pass_size(int(opts.batch), seq_len)
+    return PROBE_SPANS * pass_size(int(settings.options.batch), _seq_len(plan, settings))
+
+
+def _seq_len(plan: Plan, settings: ResolvedSettings) -> int:
+    """The calibration's sequence length: the asked one, within the model's positions."""
+    n = int(settings.options.seq_len)
+    return min(n, plan.shape.max_positions or n)
 
 
 def _with(opts: Any, **update: Any) -> Any:

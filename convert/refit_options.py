@@ -330,6 +330,7 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
     if refit.lr == "auto":
         r["lr"] = best["block_lr"] if loss == "block" else best["lr"]
         reasons["lr"] = f"auto: {r['lr']} ({size}, {loss} loss)"
+    measured = device is not None
     if device is None:  # the CPU, nothing measured
         from gqakit.convert.resolved import Device
 
@@ -358,6 +359,11 @@ def resolve_align_refit(settings: ConvertSettings, *, source_params: int, max_po
         else:
             r["step_dtype"] = "float32"
             reasons["step_dtype"] = f"auto: float32 ({size}; {device.name} has no native bfloat16)"
+    if measured and not device.bf16:  # bfloat16 asked for where it is emulated: say what it costs
+        for key in ("dtype", "step_dtype"):
+            if getattr(refit, key) == "bfloat16":
+                reasons[key] = (f"bfloat16 as asked; {device.name} has no native bfloat16, where its matrix "
+                                "products are many times slower than float32's")
     if refit.stream_dtype == "auto":
         r["stream_dtype"] = dtype
         reasons["stream_dtype"] = f"auto: {dtype} (the passes' output dtype)"

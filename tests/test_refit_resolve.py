@@ -76,6 +76,22 @@ def test_the_device_decides_batch_dtype_and_where_the_streams_go(monkeypatch):
     assert (got.options.dtype, got.options.stream_dtype) == ("bfloat16", "float32")
 
 
+@pytest.mark.parametrize("key", ["dtype", "step_dtype"])
+def test_bfloat16_asked_for_where_it_is_emulated_says_so(key):
+    """A CPU without native bfloat16 multiplies it many times slower than float32: asked for anyway, it
+    is kept, and the settings line says what it costs; on a CPU with it, or not asked for, no word."""
+    asked = ConvertSettings(source="m", num_kv_heads=1, method="align-refit", refit={key: "bfloat16"})
+    for bf16 in (False, True):
+        got = resolve_settings(asked, source_params=135_000_000, max_positions=8192,
+                               device=Device("cpu", 64 * GIB, 64 * GIB, bf16), hidden=576, layers=30)
+        assert getattr(got.options, key) == "bfloat16"
+        assert ("no native bfloat16" in got.reasons.get(key, "")) is not bf16
+    other = "step_dtype" if key == "dtype" else "dtype"
+    plain = resolve_settings(asked, source_params=135_000_000, max_positions=8192,
+                             device=Device("cpu", 64 * GIB, 64 * GIB, False), hidden=576, layers=30)
+    assert plain.reasons[other].startswith("auto: float32")
+
+
 def test_resolved_settings_refuse_options_left_auto():
     from gqakit.convert.resolved import ResolvedSettings
 

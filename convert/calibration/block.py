@@ -86,11 +86,15 @@ class Block:
         params = dict(self.block.named_parameters())
         return params[rel].data.to(torch.float64) if rel in params else None
 
-    def attention_tensors(self, heads: AttnHeads, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        """`heads` as this block's attention tensors (K/V repeated back to the block's head count;
-        for a position scheme bound to the head index, every head back at its source index), in
-        `dtype` (default: the block's)."""
-        heads = expand_kv(heads, self.kv_heads)
+    def attention_tensors(self, heads: AttnHeads, dtype: torch.dtype | None = None, *,
+                          expand: bool = True) -> dict[str, Tensor]:
+        """`heads` as this block's attention tensors (K/V repeated back to the block's head count,
+        unless `expand` is false: then with the K/V heads of `heads`; for a position scheme bound
+        to the head index, every head back at its source index), in `dtype` (default: the block's)."""
+        if expand:
+            heads = expand_kv(heads, self.kv_heads)
+        elif self.head_bound:
+            raise ValueError("a position scheme bound to the head index takes the K/V heads expanded")
         back = self._source_order(heads)
         if back is not None:
             q_back, kv_back = back

@@ -19,7 +19,10 @@ the same at every step is prepared once per layer:
     streams are converted span by span, at every step, as they are read.
 
 Each of these computes the same numbers in the same order as the plain per-step path, so the
-steps' results are the same bit for bit.
+steps' results are the same bit for bit. One more saving changes only the order of some sums: where
+the block's attention takes them (`SpanLoss._compact_ok`, checked on each layer's first span), the
+pooled K/V heads are put into the block as they are, G of them, rather than repeated to the block's
+KV head count, so a step's K/V projections and their gradients cost G/KV of the repeated ones'.
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ class SpanLoss:
         self.inputs: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor]] = {}
         n_tok = ctx.streams.orig.shape[0] * ctx.streams.orig.shape[1]
         self.cache = 2 * n_tok * self.D * torch.finfo(sd).bits // 8 <= CACHE_BYTES
+        # the pooled K/V heads computed once each rather than repeated to the block's count, where the
+        # block's attention takes them so (`_compact_ok`, decided on the first span); None: not decided yet
+        self.compact: bool | None = None if pooled.num_kv_heads < blk.kv_heads and not blk.head_bound else False
 
     def _slot(self, rel: str) -> tuple[torch.nn.Module, str]:
         owner, _, attr = rel.rpartition(".")
@@ -159,15 +165,45 @@ class SpanLoss:
         return got
 
     def __call__(self, sl: slice, which: int, current: dict[str, Tensor]) -> Tensor:
+        if self.compact is None:
+            self.compact = self._compact_ok(sl, which, current)
+        out, y, den = self._out(sl, which, current, expand=not self.compact, autocast=self.autocast)
+        return ((out - y).pow(2).sum(1) / den).mean()
+
+    def _compact_ok(self, sl: slice, which: int, current: dict[str, Tensor]) -> bool:
+        """Whether the block computes the same outputs from the pooled K/V heads as they are as from
+        them repeated to its own head count: where its attention reshapes K and V by their size and
+        groups the query heads by the shapes (`attention.causal_attention`), a step's K/V projections
+        and their gradients cost G/KV of the repeated ones'. A block whose code takes the source's KV
+        count (a fused projection split by it, a view to it) fails or differs, and keeps the repeated
+        heads. Compared once per layer on one span, without autocast: the two differ only in the
+        order of the K/V projections' sums (length D) and of the attention's (length T), far within
+        16 (D + T) units of rounding of the step dtype, relative to the output's largest value; a
+        wrong structure differs by the size of the output."""
+        with torch.no_grad():
+            ref = self._out(sl, which, current, expand=True, autocast=False)[0]
+            try:
+                got = self._out(sl, which, current, expand=False, autocast=False)[0]
+            except (RuntimeError, ValueError, IndexError):  # a view, split or norm sized for the source's KV heads
+                return False
+        if got.shape != ref.shape:
+            return False
+        tol = 16 * (self.D + self.ctx.streams.orig.shape[1]) * torch.finfo(self.sd).eps / 2
+        return bool((got - ref).abs().max() <= tol * ref.abs().max().clamp_min(torch.finfo(self.sd).tiny))
+
+    def _out(self, sl: slice, which: int, current: dict[str, Tensor], *, expand: bool,
+             autocast: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """The block's output rows on span `sl` (the attention's, for the attention loss) with the
+        trained tensors `current`, and the span's target rows and denominators (`_inputs`)."""
         heads = self.pooled.replace(**{p: current[p] for p in self.parts})
-        w = self.blk.attention_tensors(heads, dtype=self.write_dtype)
+        w = self.blk.attention_tensors(heads, dtype=self.write_dtype, expand=expand)
         for n, t in w.items():
             self._put(self.blk.attn_rel[n], t.to(self.sd))
         for r in self.rest:
             self._put(r, current[r])
         args, kwargs, positional = self._call(sl.stop - sl.start)
         x, y, den = self._inputs(sl, which)
-        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=autocast):
             try:
                 out = self.blk.block(x, *args, **kwargs) if positional else self.blk.block(*args, hidden_states=x,
                                                                                              **kwargs)
@@ -176,5 +212,4 @@ class SpanLoss:
                 out = self.grab.rows
         out = (out[0] if isinstance(out, tuple) else out).reshape(-1, self.D)
         mask = self.mask(sl, which)
-        out = (out if mask is None else out[mask]).to(self.sd)
-        return ((out - y).pow(2).sum(1) / den).mean()
+        return (out if mask is None else out[mask]).to(self.sd), y, den

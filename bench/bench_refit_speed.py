@@ -6,6 +6,7 @@ compares settings fairly, and the whole run's expected CPU seconds at the defaul
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed stories --options '{"step_dtype": "float32"}'
     python -m bench.bench_refit_speed --src PATH --g 8 ...          # any folder (a 7B-shaped one)
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --sdpa  # transformers' sdpa attention
+    OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --repeat-kv  # K/V heads repeated in the steps
 
 Rows are appended to bench/results/refit_speed.jsonl.
 """
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sdpa", action="store_true",
                     help="the blocks keep transformers' sdpa attention (calibration.attention not installed)")
+    ap.add_argument("--repeat-kv", action="store_true",
+                    help="the steps put the pooled K/V heads into the block repeated to its KV head count, as "
+                         "for a block that does not take them as they are (steploss.SpanLoss._compact_ok)")
     ap.add_argument("--out", default=str(RESULTS / "refit_speed.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.calibration.estimate import expected_seconds, run_shape
@@ -51,6 +55,10 @@ def main() -> None:
         import gqakit.convert.calibration.attention as causal
 
         causal.installed = contextmanager(lambda config: (yield False))
+    if args.repeat_kv:
+        from gqakit.convert.calibration.steploss import SpanLoss
+
+        SpanLoss._compact_ok = lambda self, *a: False  # type: ignore[method-assign]
     m = dict(MODELS[args.model]) if args.model else dict(src=args.src, g=args.g, calib=args.calibration_data)
     s = ConvertSettings(source=str(m["src"]), num_kv_heads=args.g or m["g"], method="align-refit",
                         calibration_data=args.calibration_data or m["calib"],
@@ -63,7 +71,7 @@ def main() -> None:
     row = {"model": args.model or str(m["src"]), "options": json.loads(args.options),
            "resolved": {k: getattr(plan.settings.options, k) for k in ("steps", "batch", "dtype", "step_dtype",
                                                                          "seq_len", "train", "loss", "lr")},
-           "attention": "sdpa" if args.sdpa else "blocked",
+           "attention": "sdpa" if args.sdpa else "blocked", "kv_in_steps": "repeated" if args.repeat_kv else "auto",
            "threads": os.environ.get("OMP_NUM_THREADS"), "rates_cpu_s": asdict(rates), "shape": shape,
            "expected_cpu_s": round(expected_seconds(rates, **shape), 1),
            "per_layer_cpu_s": round(rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"],

@@ -1,29 +1,18 @@
 """align-refit's steps compute the pooled K/V heads once each (`SpanLoss.compact`) where the block's
 attention takes them so: the loss and its gradients equal those of the K/V heads repeated to the
 block's count within the rounding of the step dtype, and a block that does not take them (a fused
-QKV projection split by the source's head count) keeps the repeated heads, bit for bit as before."""
+QKV projection split by the source's head count) keeps the repeated heads, bit for bit."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file
+from test_refit_steploss import _convert
 
 import gqakit.convert.calibration.refit as refit
 import gqakit.convert.calibration.steploss as steploss
-from gqakit.convert.pipeline import convert_checkpoint
 
-
-def _convert(src: Path, out: Path, g: int, options: dict) -> dict[str, torch.Tensor]:
-    convert_checkpoint(src, out, g, "align-refit", calibration_tokens=256, progress=False, device="cpu", seed=1,
-                       options={"seq_len": 32, "batch": 2, "steps": 6, "guard_spans": 1, "guard_checks": 2,
-                                "lr": 0.05, **options})
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(out.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
+STEPS = 12  # the steps per layer of `_convert`
 
 
 class Both(steploss.SpanLoss):
@@ -59,9 +48,9 @@ def test_the_pooled_heads_give_the_repeated_heads_loss_and_gradients(tiny_model,
                                                                      family, overrides, options):
     Both.pairs, Both.decided = [], []
     monkeypatch.setattr(refit, "SpanLoss", Both)
-    _convert(tiny_model(family, **overrides), tmp_path / "out", 2, options)
+    _convert(tiny_model(family, **overrides), tmp_path / "out", options)
     assert Both.decided and all(Both.decided)
-    assert len(Both.pairs) == 6 * len(Both.decided)  # every step of every layer compared
+    assert len(Both.pairs) == STEPS * len(Both.decided)  # every step of every layer compared
     for loss, ref_loss, got, ref, sd, n in Both.pairs:
         # the same sums in another order: within 16 n units of rounding, relative to the largest value
         tol = 16 * n * torch.finfo(sd).eps / 2
@@ -76,10 +65,10 @@ def test_a_fused_projection_keeps_the_repeated_heads_bit_for_bit(tiny_model, tmp
     src = tiny_model("gpt2")
     Both.pairs, Both.decided = [], []
     monkeypatch.setattr(refit, "SpanLoss", Both)
-    got = _convert(src, tmp_path / "a", 2, {})
+    got = _convert(src, tmp_path / "a", {})
     assert Both.decided and not any(Both.decided)
     monkeypatch.setattr(steploss.SpanLoss, "_compact_ok", lambda self, *a: False)
-    ref = _convert(src, tmp_path / "b", 2, {})
+    ref = _convert(src, tmp_path / "b", {})
     assert got.keys() == ref.keys()
     assert all(torch.equal(got[n].view(torch.uint8), ref[n].view(torch.uint8)) for n in got)
 
@@ -98,5 +87,5 @@ def test_the_check_refuses_heads_that_differ(tiny_model, tmp_path, monkeypatch, 
         return real(self, sl, which, cur, expand=expand, autocast=autocast)
 
     monkeypatch.setattr(steploss.SpanLoss, "_out", skewed)
-    _convert(tiny_model("llama", num_key_value_heads=4), tmp_path / "out", 2, {"train": "attention"})
+    _convert(tiny_model("llama", num_key_value_heads=4), tmp_path / "out", {"train": "attention"})
     assert Both.decided and not any(Both.decided)

@@ -89,3 +89,20 @@ def test_the_check_refuses_heads_that_differ(tiny_model, tmp_path, monkeypatch, 
     monkeypatch.setattr(steploss.SpanLoss, "_out", skewed)
     _convert(tiny_model("llama", num_key_value_heads=4), tmp_path / "out", {"train": "attention"})
     assert Both.decided and not any(Both.decided)
+
+
+def test_a_block_that_raises_on_the_pooled_heads_keeps_the_repeated_ones(tiny_model, tmp_path, monkeypatch,
+                                                                         one_thread):
+    """Whatever a block's code raises on the pooled heads (an assert on the KV count, here), the
+    conversion goes on with the repeated heads."""
+    Both.pairs, Both.decided = [], []
+    monkeypatch.setattr(refit, "SpanLoss", Both)
+    real = steploss.SpanLoss._out
+
+    def strict(self, sl, which, current, *, expand, autocast):
+        assert expand, "this block takes its source's KV head count"
+        return real(self, sl, which, current, expand=expand, autocast=autocast)
+
+    monkeypatch.setattr(steploss.SpanLoss, "_out", strict)
+    _convert(tiny_model("llama", num_key_value_heads=4), tmp_path / "out", {"train": "attention"})
+    assert Both.decided and not any(Both.decided)

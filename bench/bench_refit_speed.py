@@ -4,7 +4,8 @@ compares settings fairly, and the whole run's expected CPU seconds at the defaul
 
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --options '{"step_dtype": "bfloat16"}'
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed stories --options '{"step_dtype": "float32"}'
-    python -m bench.bench_refit_speed --src PATH --g 8 ...          # any folder (a 7B-shaped one)
+    OMP_NUM_THREADS=1 python -m bench.bench_refit_speed llama7b-layer  # a 7B-shaped layer, 32 -> 8
+    python -m bench.bench_refit_speed --src PATH --g 8 ...          # any folder
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --sdpa  # transformers' sdpa attention
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --repeat-kv  # K/V heads repeated in the steps
 
@@ -18,13 +19,36 @@ import json
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from bench.common import RESULTS, SHARED, SMOLLM2, append_jsonl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+WIKITEXT_VALID = str(SHARED / "data/wikitext-2/valid.txt")
 MODELS = {"stories": dict(src=SHARED / "models/stories260K", g=2, calib=None),
-          "smollm2": dict(src=SMOLLM2, g=1, calib=str(SHARED / "data/wikitext-2/valid.txt"))}
+          "smollm2": dict(src=SMOLLM2, g=1, calib=WIKITEXT_VALID),
+          "llama7b-layer": dict(src=None, g=8, calib=WIKITEXT_VALID)}  # src: `llama7b_layer()`
+LLAMA7B_LAYER = {"hidden": 4096, "layers": 1, "heads": 32, "intermediate": 11008, "vocab": 49152}
+
+
+def llama7b_layer() -> Path:
+    """A random Llama-2-7B-shaped MHA checkpoint with one decoder layer (bf16, `LLAMA7B_LAYER`) and
+    SmolLM2's 49,152-token tokenizer (from its GGUF), built once into gqakit's cache (a new folder,
+    renamed into place when complete)."""
+    from transformers import AutoTokenizer
+
+    from bench.common import write_random_llama_checkpoint
+    from gqakit.core.files import gqakit_cache_dir
+
+    folder = gqakit_cache_dir() / "bench" / "llama7b-layer"
+    if (folder / "tokenizer_config.json").is_file():
+        return folder
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    write_random_llama_checkpoint(tmp, LLAMA7B_LAYER)
+    AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name).save_pretrained(tmp)
+    os.rename(tmp, folder)  # fails, leaving it alone, where something else has taken the name
+    return folder
 
 
 def main() -> None:
@@ -60,6 +84,8 @@ def main() -> None:
 
         SpanLoss._compact_ok = lambda self, *a: False  # type: ignore[method-assign]
     m = dict(MODELS[args.model]) if args.model else dict(src=args.src, g=args.g, calib=args.calibration_data)
+    if m["src"] is None:
+        m["src"] = llama7b_layer()
     s = ConvertSettings(source=str(m["src"]), num_kv_heads=args.g or m["g"], method="align-refit",
                         calibration_data=args.calibration_data or m["calib"],
                         calibration_tokens=args.calibration_tokens, refit=json.loads(args.options))

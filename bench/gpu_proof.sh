@@ -44,7 +44,7 @@
 # GQAKIT_PROOF_WORK (scratch folder for models and text; default a new temporary one,
 # removed at the end; the GPU run needs about 30 GB of disk there at most),
 # GQAKIT_PROOF_COMMIT (the commit to record where the checkout has no .git),
-# GQAKIT_PROOF_CACHE (gqakit's cache: the built CPU kernels and the fetched GGUF; default WORK/cache),
+# GQAKIT_PROOF_CACHE (gqakit's cache: the built CPU kernels and tokenized data; default WORK/cache),
 # GQAKIT_SMOLLM2, GQAKIT_RECOVER_LIMIT_S, GQAKIT_VLLM_LIMIT_S, GQAKIT_RECOVER_TOKENS (step 4; default 50,000,000 tokens),
 # GQAKIT_PROOF_STEPS (the steps to run, e.g. "decode-compiled" or "convert decode"; default
 # "convert decode uptrain refit recover vllm"; the others are recorded as skipped).

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def gqakit_cache_dir() -> Path:
-    """gqakit's own cache (built CPU kernels, tokenized data, the demo's model): GQAKIT_CACHE, or
+    """gqakit's own cache (the built CPU kernels, uptrain's tokenized data): GQAKIT_CACHE, or
     ~/.cache/gqakit."""
     return Path(os.environ.get("GQAKIT_CACHE", "~/.cache/gqakit")).expanduser()
 

@@ -19,17 +19,12 @@ from gqakit.core.files import gqakit_cache_dir
 REPO = Path(__file__).resolve().parents[2]
 
 
-def shared_cache() -> Path:
-    """gqakit's cache of this user, which the other tests' kernel builds use too: the dry runs
-    then build the CPU kernels once per machine, not once per run."""
-    return gqakit_cache_dir()
-
-
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("gpu_proof")
+    # the user's gqakit cache, which the other tests' kernel builds use too: built once per machine
     env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_WORK": str(out.parent / "gpu_proof_work"),
-           "GQAKIT_PROOF_CACHE": str(shared_cache())}
+           "GQAKIT_PROOF_CACHE": str(gqakit_cache_dir())}
     env.pop("OUT", None)
     env.pop("GQAKIT_SMOLLM2", None)
     r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
@@ -175,7 +170,7 @@ def test_compiled_decode_step_alone(tmp_path):
     """GQAKIT_PROOF_STEPS=decode-compiled: only that step runs (the step a GPU call makes on its own)."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "GQAKIT_PROOF_STEPS": "decode-compiled",
-           "GQAKIT_PROOF_CACHE": str(shared_cache())}
+           "GQAKIT_PROOF_CACHE": str(gqakit_cache_dir())}
     env.pop("OUT", None)
     r = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), "--dry-run", str(out)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)

@@ -31,12 +31,14 @@ SMALL_MODEL = 20_000_000  # parameters: below this, CPU calibration computes in 
 # trained q, k, v (`final_o`; 56.1 against 60.4 for 400 two-sequence steps without it, in three
 # quarters of the time), while with fewer calibration tokens, and so fewer
 # steps, the block loss at lr 0.01 (the demo's 2,048 tokens and 12 steps: 741 against 1,215); on
-# stories260K, 2,000 one-sequence steps at lr 0.012 on the whole block with similarity grouping
-# (within the quality of 4,500 two-sequence steps at lr 0.007, in a quarter of the time).
+# stories260K, 900 two-sequence steps at lr 0.024 on the whole block with similarity grouping
+# (6.490, 6.302, 6.406 on seeds 0-2 against 6.489, 6.296, 6.416 for 2,000 one-sequence steps at lr
+# 0.012, in about 60% of the time on two threads: a two-sequence step of so small a model costs
+# about 1.3 one-sequence steps there).
 MAX_SEQ_LEN = 512  # calibration sequences: the model's context, at most the context evaluated at
 REFERENCE_TOKENS = 65536  # the steps below are for this many calibration tokens; fewer in proportion
-BEST = {"small": {"steps": 2000, "lr": 0.012, "train": "block", "loss": "block", "grouping": "similarity",
-                  "cpu_tokens": 512, "block_lr": 0.012},
+BEST = {"small": {"steps": 900, "lr": 0.024, "train": "block", "loss": "block", "grouping": "similarity",
+                  "cpu_tokens": 1024, "block_lr": 0.024},
         "large": {"steps": 400, "lr": 0.02, "train": "attention", "loss": "attention", "grouping": "contiguous",
                   "cpu_tokens": 512, "block_lr": 0.01}}  # block_lr: lr with the block loss
 
@@ -52,7 +54,8 @@ class RefitOptions(BaseModel):
         "auto", description=f"tokens per calibration sequence (auto: the model's context, at most {MAX_SEQ_LEN})")
     batch: Literal["auto"] | Annotated[StrictInt, Field(ge=1)] = Field(
         "auto", description="sequences per block forward and per reconstruction step (auto: 4 on the CPU, 8 on a "
-                            f"GPU, at most 2,048 tokens on a GPU and {BEST['large']['cpu_tokens']:,} on the CPU)")
+                            f"GPU, at most 2,048 tokens on a GPU and {BEST['large']['cpu_tokens']:,} on the CPU, "
+                            f"{BEST['small']['cpu_tokens']:,} for a model under {SMALL_MODEL // 10**6}M parameters)")
     sample_batch: StrictInt = Field(
         64, ge=1, description="sequences per generate call when calibration text is sampled from SRC")
     q_ridge: Number = Field(1e-2, description="ridge strength of the query refit, relative to the mean diagonal "
@@ -268,7 +271,9 @@ def auto_batch(seq_len: int, gpu: bool, cpu_tokens: int = 1024) -> int:
     """Sequences per block forward: 4 on the CPU, 8 on a GPU, at most `cpu_tokens` and 2,048 tokens
     (enough to keep it busy, while the float64 temporaries of the fits stay small next to the
     streams; each reconstruction step sees one such batch, so on the CPU, where a step's time
-    grows with its tokens, fewer tokens buy more steps in the same time)."""
+    grows with its tokens, fewer tokens buy more steps in the same time; for a model as small
+    as stories260K a two-sequence step costs about 1.3 one-sequence steps on two threads, hence
+    its larger `cpu_tokens`)."""
     return max(1, min(8 if gpu else 4, (2048 if gpu else cpu_tokens) // seq_len))
 
 

@@ -80,7 +80,7 @@ def test_auto_settings_follow_the_models_size_and_context():
     s = ConvertSettings(source="m", num_kv_heads=1, method="align-refit")
     small = resolve_settings(s, source_params=300_000, max_positions=256)
     assert (small.grouping, small.options.seq_len, small.options.steps, small.options.lr, small.options.train,
-            small.options.loss) == ("similarity", 256, 2000, 0.012, "block", "block")
+            small.options.loss) == ("similarity", 256, 900, 0.024, "block", "block")
     large = resolve_settings(s, source_params=135_000_000, max_positions=8192)
     assert (large.grouping, large.options.seq_len, large.options.steps, large.options.lr, large.options.train,
             large.options.loss) == ("contiguous", 512, 400, 0.02, "attention", "attention")
@@ -120,8 +120,8 @@ def test_the_steps_loss_follows_what_they_train():
         o = resolve_settings(s, source_params=params, max_positions=256).options
         return o.train, o.loss, o.lr
 
-    assert resolve(300_000) == ("block", "block", 0.012)
-    assert resolve(300_000, loss="attention") == ("attention", "attention", 0.012)
+    assert resolve(300_000) == ("block", "block", 0.024)
+    assert resolve(300_000, loss="attention") == ("attention", "attention", 0.024)
     assert resolve(135_000_000) == ("attention", "attention", 0.02)
     assert resolve(135_000_000, train="block") == ("block", "block", 0.01)
     assert resolve(135_000_000, loss="block") == ("attention", "block", 0.01)
@@ -157,7 +157,7 @@ def test_auto_settings_are_recorded_and_the_expected_time_is_shown(tiny_model, t
                      r"1 of 2 layers to go\)", err), err
     rec = json.loads((tmp_path / "out" / "gqakit_convert.json").read_text())["settings"]
     assert rec["options"]["steps"] == 3 and "steps" not in rec["auto"]  # given: kept, no reason
-    assert rec["grouping"] == "similarity" and rec["options"]["seq_len"] == 128 and rec["options"]["lr"] == 0.012
+    assert rec["grouping"] == "similarity" and rec["options"]["seq_len"] == 128 and rec["options"]["lr"] == 0.024
     assert rec["options"]["train"] == "block" and rec["effort"] == "best"
     assert set(rec["auto"]) == {"grouping", "seq_len", "lr", "train", "loss", "batch", "dtype", "step_dtype",
                                 "stream_dtype", "offload"}

@@ -105,6 +105,6 @@ def test_the_plan_carries_settings_resolved_once(tiny_model):
     got = plan.settings
     assert isinstance(got, ResolvedSettings) and got.asked is asked and asked.grouping == "auto"
     assert (got.grouping, got.output, got.max_shard_bytes, got.dtype) == ("similarity", "folder", 10**6, None)
-    assert got.options.steps == round(2000 * asked.calibration_tokens / 65536) and got.options.train == "block"
+    assert got.options.steps == round(900 * asked.calibration_tokens / 65536) and got.options.train == "block"
     assert not any(v == "auto" for v in (got.options.seq_len, got.options.steps, got.options.lr, got.options.train))
     assert make_plan(open_model(src), asked, gguf_out=True).settings.options.train == "attention"

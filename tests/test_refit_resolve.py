@@ -56,10 +56,10 @@ def test_the_device_decides_batch_dtype_and_where_the_streams_go(monkeypatch):
                             hidden=576, layers=30).options.offload == "disk"
     small = resolve_settings(s, source_params=300_000, max_positions=256, device=Device("cpu", GIB, GIB),
                              hidden=64, layers=5).options
-    # a small model on the CPU: at most 512 tokens per batch (each step's time is in proportion to them)
-    assert (small.batch, small.dtype) == (2, "float64")  # 256-token sequences
+    # a small model on the CPU: at most 1,024 tokens per batch (two sequences cost little more than one)
+    assert (small.batch, small.dtype) == (4, "float64")  # 256-token sequences
     assert resolve_settings(s, source_params=300_000, max_positions=512, device=Device("cpu", GIB, GIB),
-                            hidden=64, layers=5).options.batch == 1
+                            hidden=64, layers=5).options.batch == 2
     assert resolve_settings(s, source_params=300_000, max_positions=512, device=Device("cuda", GIB, GIB),
                             hidden=64, layers=5).options.batch == 4  # a GPU: 2,048 tokens
     # the steps and the passes: float32 and float64 for a small model, bfloat16 where it is native

@@ -8,6 +8,7 @@ compares settings fairly, and the whole run's expected CPU seconds at the defaul
     python -m bench.bench_refit_speed --src PATH --g 8 ...          # any folder
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --sdpa  # transformers' sdpa attention
     OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --repeat-kv  # K/V heads repeated in the steps
+    OMP_NUM_THREADS=1 python -m bench.bench_refit_speed smollm2 --per-op-adam  # PyTorch's per-op Adam loop
 
 Rows are appended to bench/results/refit_speed.jsonl.
 """
@@ -65,6 +66,9 @@ def main() -> None:
     ap.add_argument("--repeat-kv", action="store_true",
                     help="the steps put the pooled K/V heads into the block repeated to its KV head count, as "
                          "for a block that does not take them as they are (steploss.SpanLoss._compact_ok)")
+    ap.add_argument("--per-op-adam", action="store_true",
+                    help="the steps' Adam as PyTorch's per-op loop (its default on the CPU) instead of its fused "
+                         "kernel")
     ap.add_argument("--out", default=str(RESULTS / "refit_speed.jsonl"))
     args = ap.parse_args()
     from gqakit.convert.calibration.estimate import expected_seconds, run_shape
@@ -83,6 +87,15 @@ def main() -> None:
         from gqakit.convert.calibration.steploss import SpanLoss
 
         SpanLoss._compact_ok = lambda self, *a: False  # type: ignore[method-assign]
+    if args.per_op_adam:
+        import torch
+
+        adam_init = torch.optim.Adam.__init__
+
+        def per_op(self: torch.optim.Adam, params: object, *a: object, fused: object = None, **k: object) -> None:
+            adam_init(self, params, *a, **k)
+
+        torch.optim.Adam.__init__ = per_op  # type: ignore[method-assign]
     m = dict(MODELS[args.model]) if args.model else dict(src=args.src, g=args.g, calib=args.calibration_data)
     if m["src"] is None:
         m["src"] = llama7b_layer()
@@ -98,6 +111,7 @@ def main() -> None:
            "resolved": {k: getattr(plan.settings.options, k) for k in ("steps", "batch", "dtype", "step_dtype",
                                                                          "seq_len", "train", "loss", "lr")},
            "attention": "sdpa" if args.sdpa else "blocked", "kv_in_steps": "repeated" if args.repeat_kv else "auto",
+           "adam": "per-op" if args.per_op_adam else "fused",
            "threads": os.environ.get("OMP_NUM_THREADS"), "rates_cpu_s": asdict(rates), "shape": shape,
            "expected_cpu_s": round(expected_seconds(rates, **shape), 1),
            "per_layer_cpu_s": round(rates.per_layer(shape["spans"], shape["steps"], shape["guard_spans"],

@@ -331,8 +331,8 @@ class AlignRefit:
             params[r] = blk.block.get_parameter(r).detach().to(sd).clone().requires_grad_()
         groups = [{"params": [t], "lr": float(opts.lr) * max(float(t.detach().pow(2).mean().sqrt()), 1e-12)}
                   for t in params.values()]
-        # one fused kernel per tensor where PyTorch has one (CPU, CUDA): the per-op loop of the default
-        # takes a few milliseconds a step on a 576-wide attention
+        # PyTorch's fused kernel where it has one (CPU, CUDA): one pass over each tensor and its moments,
+        # where the default per-op loop makes about ten (docs/benchmarks-convert.md)
         fused = torch.device(self.device).type in ("cpu", "cuda") or None
         optim = torch.optim.Adam(groups, fused=fused)
         # the learning rate decays linearly to zero over the steps (as AutoRound's does)

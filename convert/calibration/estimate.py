@@ -21,6 +21,9 @@ from gqakit.convert.resolved import ResolvedSettings
 
 PROBE_SPANS = 3  # passes' groups of spans the probe calibrates on (the first of each pass reads the block too)
 PROBE_STEPS = 8  # reconstruction steps it times (a guard check after every other step)
+# for a model under 20M parameters, whose steps take milliseconds: 8 of them are too short a sample of
+# the machine (a guard check after every eighth)
+PROBE_STEPS_SMALL = 32
 GUARD_CHECKS = 4  # guard evaluations over a layer's steps by default (`guard_checks`), one more before them
 
 

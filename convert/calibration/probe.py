@@ -8,20 +8,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gqakit.convert.calibration.estimate import (PROBE_SPANS, PROBE_STEPS, Rates, duration, expected_seconds,
-                                                 rates_from_ticks, run_shape)
+from gqakit.convert.calibration.estimate import (PROBE_SPANS, PROBE_STEPS, PROBE_STEPS_SMALL, Rates, duration,
+                                                 expected_seconds, rates_from_ticks, run_shape)
 from gqakit.convert.calibration.refit import check_steps
 from gqakit.convert.calibration.stage import CalibrationStage, pass_size
 from gqakit.convert.plan import Plan
+from gqakit.convert.refit_options import SMALL_MODEL
 from gqakit.convert.resolved import ResolvedSettings
 
 
 def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
           clock: Callable[[], float] = time.perf_counter) -> Rates:
-    """Run the first block of the calibration on `probe_spans` spans with `PROBE_STEPS` steps
+    """Run the first block of the calibration on `probe_spans` spans with `probe_steps` steps
     (none when the run takes none) and time it."""
     opts = settings.options
-    steps = PROBE_STEPS if run_shape(plan, settings)["steps"] else 0
+    steps = probe_steps(plan) if run_shape(plan, settings)["steps"] else 0
     tokens = probe_spans(plan, settings) * int(opts.batch) * _seq_len(plan, settings)
     small = dataclasses.replace(settings, asked=settings.asked.model_copy(update={"calibration_tokens": tokens}),
                                 options=_with(opts, steps=steps, save_seconds=1e9, patience=0))
@@ -40,6 +41,11 @@ def probe(opened: Any, plan: Plan, settings: ResolvedSettings, *, device: str,
                             checks=len(check_steps(steps, int(opts.guard_checks))),
                             final=bool(steps) and opts.refits_o_after_steps,
                             group=stage.group)
+
+
+def probe_steps(plan: Plan) -> int:
+    """The steps the probe times: `PROBE_STEPS`, or `PROBE_STEPS_SMALL` for a model under 20M parameters."""
+    return PROBE_STEPS_SMALL if plan.source_params < SMALL_MODEL else PROBE_STEPS
 
 
 def probe_spans(plan: Plan, settings: ResolvedSettings) -> int:
@@ -70,4 +76,4 @@ def estimate_line(opened: Any, plan: Plan, settings: ResolvedSettings, *, device
     spans = probe_spans(plan, settings)
     return (f"expected time: about {duration(total)} for the calibration on {device} ({duration(per_layer)} per "
             f"layer x {shape['layers']} layers, {shape['steps']} steps {each}; from a probe of the first layer on "
-            f"{spans} spans" + (f" and {PROBE_STEPS} steps)" if shape["steps"] else ")"))
+            f"{spans} spans" + (f" and {probe_steps(plan)} steps)" if shape["steps"] else ")"))

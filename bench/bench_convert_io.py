@@ -7,7 +7,8 @@ safetensors), then for ROUNDS rounds, alternating which goes first, times
     sampled every 10 ms),
   - a process that only starts Python, imports the convert stack and exits as the convert
     command does (start-up),
-each followed by `sync`. Throughput is (bytes read + written) / s over `cp`'s, per round
+each followed by `sync`, and each started from a settled disk and a cached source (`settle`:
+the previous step's deletions written out, the source read into the page cache). Throughput is (bytes read + written) / s over `cp`'s, per round
 (each conversion against the `cp` of its own round), with and without the start-up; CPU
 time (user + system, and the system part alone: the kernel's copies) of each child from
 `getrusage`. Prints medians, the spread (min-max) and the load average before and after. Run:
@@ -50,6 +51,16 @@ def with_cpu(run: Callable[[], object]) -> tuple[object, float, float]:
     got = run()
     after = children_cpu()
     return got, after[0] - before[0], after[1] - before[1]
+
+
+def settle(src: Path) -> None:
+    """Before a timed step: every write so far on disk (the rounds delete 2+ GiB of output), and
+    SRC's files read into the page cache (the kernel may have reclaimed them since)."""
+    os.sync()
+    for f in sorted(src.iterdir()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
 
 
 def timed_cp(src: Path, dst: Path) -> float:
@@ -121,6 +132,9 @@ def main() -> None:
             row["startup_seconds"], row["startup_cpu"], row["startup_sys_cpu"] = with_cpu(import_seconds)
 
         for step in ((cp, convert, startup) if r % 2 == 0 else (startup, convert, cp)):
+            for old in ("cp", "out"):  # the deletions before the timer, and written out (`settle`)
+                shutil.rmtree(args.workdir / old, ignore_errors=True)
+            settle(src)
             step()
         out_size = folder_bytes(args.workdir / "out")
         cp_rate = 2 * size / row["cp_seconds"]

@@ -1,7 +1,9 @@
 """Unchanged tensors' bytes copied by the kernel on the writer's thread: the same files as
 copies done in line, counted as written only once done, one thread at a time per file, the
 copies not started dropped on close, and a failed copy is an error; shards preallocated
-at their finished size (a full disk fails first), the same bytes as shards grown write by write."""
+at their finished size (a full disk fails first), the same bytes as shards grown write by write;
+every byte written handed to writeback as it is written, and every shard on disk before the
+folder is published."""
 
 from __future__ import annotations
 
@@ -237,3 +239,38 @@ def test_a_converted_folder_copies_unchanged_tensors_to_their_place_in_a_page(ti
     largest = max((k for k in after if "k_proj" not in k and "v_proj" not in k), key=sizes.__getitem__)
     assert (after[largest] - before[largest]) % shards.PAGE == 0
     assert "k_proj" in " ".join(after) and load_file(out / "model.safetensors").keys() == after.keys()
+
+
+def test_every_byte_written_goes_to_writeback_at_once_and_every_shard_is_synced_before_publishing(
+        tiny_model, tmp_path, monkeypatch):
+    src = tiny_model("llama", num_key_value_heads=8, dtype=torch.bfloat16)
+    whole = convert_checkpoint(src, tmp_path / "whole", 2, method="mean", progress=False, max_shard_size=40_000)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    synced: list[Path] = []
+    behind, fsync = shards.write_behind, shards.os.fsync
+
+    def where(fd: int) -> Path:
+        return Path(shards.os.readlink(f"/proc/self/fd/{fd}"))
+
+    def spy_behind(fd: int, offset: int, length: int) -> None:
+        ranges.setdefault(where(fd).name, []).append((offset, offset + length))
+        behind(fd, offset, length)
+
+    def spy_fsync(fd: int) -> None:
+        path = where(fd)
+        assert not (tmp_path / "chunked").exists()  # before the folder is published
+        synced.append(path)
+        fsync(fd)
+    monkeypatch.setattr(shards, "write_behind", spy_behind)
+    monkeypatch.setattr(shards.os, "fsync", spy_fsync)
+    monkeypatch.setattr(shards, "COPY_CHUNK", 4096)  # kernel copies in many chunks, each handed on as done
+    chunked = convert_checkpoint(src, tmp_path / "chunked", 2, method="mean", progress=False, max_shard_size=40_000)
+    files = folder_bytes(chunked)
+    assert len(files) > 1 and files == folder_bytes(whole)
+    assert sorted(p.name for p in synced) == sorted(files)
+    for name, data in files.items():
+        start = 8 + int.from_bytes(data[:8], "little")  # the tensors' bytes, after the header
+        covered = sorted(ranges[name])
+        assert covered[0][0] <= start and covered[-1][1] == len(data)
+        assert all(a[1] >= b[0] for a, b in zip(covered, covered[1:]))  # no gap
+    assert any(b - a == 4096 for r in ranges.values() for a, b in r)  # the copies' chunks

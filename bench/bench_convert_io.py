@@ -8,12 +8,13 @@ safetensors), then for ROUNDS rounds, alternating which goes first, times
   - a process that only starts Python, imports the convert stack and exits as the convert
     command does (start-up),
 each followed by `sync`, and each started from a settled disk and a cached source (`settle`:
-the previous step's deletions written out, the source read into the page cache). Throughput is (bytes read + written) / s over `cp`'s, per round
-(each conversion against the `cp` of its own round), with and without the start-up; CPU
+the earlier outputs deleted and written out 3 s before, the source read into the page cache).
+Throughput is (bytes read + written) / s over `cp`'s, per round (each conversion against the
+`cp` of its own round), with and without the start-up; CPU
 time (user + system, and the system part alone: the kernel's copies) of each child from
 `getrusage`. Prints medians, the spread (min-max) and the load average before and after. Run:
 
-    .venv/bin/python -m bench.bench_convert_io --workdir /tmp/gqakit-bench --rounds 5
+    .venv/bin/python -m bench.bench_convert_io --workdir /tmp/gqakit-bench --rounds 7
 
 Sizes default to a 1.26B-parameter Llama (hidden 2048, 22 layers, 32 heads, MHA).
 Writes bench/results/convert_io.json.
@@ -53,10 +54,16 @@ def with_cpu(run: Callable[[], object]) -> tuple[object, float, float]:
     return got, after[0] - before[0], after[1] - before[1]
 
 
-def settle(src: Path) -> None:
-    """Before a timed step: every write so far on disk (the rounds delete 2+ GiB of output), and
-    SRC's files read into the page cache (the kernel may have reclaimed them since)."""
+def settle(src: Path, pause: float = 3.0) -> None:
+    """Before a timed step: every write so far on disk (the rounds delete 2+ GiB of output), then
+    PAUSE seconds, then SRC's files read into the page cache (the kernel may have reclaimed them).
+    The pause puts every step on the same footing: on a VM whose balloon reports freed memory to
+    the host, a step that starts right after a deletion refills pages the host still backs, one
+    that starts later (`gqakit convert`, after its imports) gets them back from the host (on the
+    2-core EPYC VM, `cp` of the benchmark's 2.35 GiB + `sync`: 1.6-2.4 s right after deleting its
+    last copy, 2.5-2.6 s with 4 s between)."""
     os.sync()
+    time.sleep(pause)
     for f in sorted(src.iterdir()):
         with open(f, "rb", buffering=0) as fh:
             while fh.read(64 << 20):
@@ -127,6 +134,7 @@ def main() -> None:
             (sec, anon, hwm), row["convert_cpu"], row["convert_sys_cpu"] = with_cpu(
                 lambda: timed_convert(src, args.workdir / "out", args.g))
             row.update(convert_seconds=sec, peak_rss_anon=anon, vm_hwm=hwm)
+            row["output_bytes"] = folder_bytes(args.workdir / "out")  # before the next step's `settle` deletes it
 
         def startup() -> None:
             row["startup_seconds"], row["startup_cpu"], row["startup_sys_cpu"] = with_cpu(import_seconds)
@@ -136,7 +144,7 @@ def main() -> None:
                 shutil.rmtree(args.workdir / old, ignore_errors=True)
             settle(src)
             step()
-        out_size = folder_bytes(args.workdir / "out")
+        out_size = int(row.pop("output_bytes"))
         cp_rate = 2 * size / row["cp_seconds"]
         row["ratio"] = (size + out_size) / row["convert_seconds"] / cp_rate
         work = row["convert_seconds"] - row["startup_seconds"]  # noise can make it <= 0 on a tiny model

@@ -183,12 +183,13 @@ def _folder_config(src: Path) -> dict[str, Any] | None:
 def precheck_source(src: Path) -> None:
     """The checks of SRC that need no torch: a missing path, a broken config.json or
     safetensors header, a damaged GGUF are answered before the heavy imports."""
-    from gqakit.core.loading import check_gguf, check_weights, read_config_json
+    from gqakit.core.loading import check_gguf, check_source_path, check_weights, read_config_json
 
     src = Path(src).expanduser()
-    if src.is_file() and src.suffix == ".gguf":
+    check_source_path(src)
+    if src.is_file():
         check_gguf(src)
-    elif src.is_dir() and (src / "config.json").is_file():
+    else:
         read_config_json(src)
         check_weights(src)
 

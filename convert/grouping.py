@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gqakit.convert.align import head_distance
 from gqakit.convert.layout import AttnHeads
+from gqakit.core.methods import GROUPING_NAMES
 
 Groups = list[list[int]]
 
@@ -52,6 +53,8 @@ GROUPINGS: dict[str, Grouping] = {
     "contiguous": contiguous,
     "similarity": similarity,
 }
+if tuple(GROUPINGS) != GROUPING_NAMES:  # the settings check reads the names there, without torch
+    raise RuntimeError(f"core.methods.GROUPING_NAMES {GROUPING_NAMES} must list GROUPINGS {tuple(GROUPINGS)}")
 
 
 def balanced_partition(dist: Tensor, num_groups: int, max_enumerate: int = 20000) -> list[list[int]]:

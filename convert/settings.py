@@ -14,6 +14,7 @@ This module imports neither torch nor the conversion math (the method table is
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from gqakit.convert.budget.kvbudget import KvBudget
 from gqakit.core.arch import ArchSpec
 from gqakit.core.errors import GqakitError
-from gqakit.core.methods import load, method_spec
+from gqakit.core.methods import GROUPING_NAMES, load, method_spec
 from gqakit.core.text import TextSource
 from gqakit.core.units import COMPUTE_DTYPES, parse_size
 
@@ -178,10 +179,12 @@ class ConvertSettings(BaseModel):
     @field_validator("grouping")
     @classmethod
     def _known_grouping(cls, v: str) -> str:
-        from gqakit.convert.grouping import GROUPINGS
-
-        if v != "auto" and v not in GROUPINGS:
-            raise GqakitError(f"unknown grouping {v!r}; choose from auto, {', '.join(GROUPINGS)}")
+        if v == "auto" or v in GROUPING_NAMES:
+            return v
+        live = sys.modules.get("gqakit.convert.grouping")  # one added at run time went into its GROUPINGS
+        names = tuple(getattr(live, "GROUPINGS", GROUPING_NAMES))
+        if v not in names:
+            raise GqakitError(f"unknown grouping {v!r}; choose from auto, {', '.join(names)}")
         return v
 
     @field_validator("refit", mode="before")

@@ -15,9 +15,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gqakit.convert.io import DictSource, Opened, open_source
-from gqakit.core.errors import GqakitError
 from gqakit.core.hub import resolve_model_ref
-from gqakit.core.loading import read_config_json
+from gqakit.core.loading import check_source_path, read_config_json
 from gqakit.core.run import show_bars
 
 __all__ = ["Opened", "open_model", "source_path"]
@@ -28,17 +27,9 @@ def open_model(src: str | Path, *, progress: bool | None = None) -> Opened:
     bars) as the run context says, or as `progress` when given."""
     progress = show_bars(progress)
     src = resolve_model_ref(src).path
-    if not src.exists():
-        raise GqakitError(f"source not found: {src}")
-    if src.is_file() and src.suffix == ".gguf":
+    check_source_path(src)
+    if src.is_file():
         return _open_gguf(src, progress=progress)
-    if not src.is_dir():
-        raise GqakitError(f"source {src} is neither a model folder nor a .gguf file")
-    if not any(src.iterdir()):
-        raise GqakitError(f"source folder {src} is empty")
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise GqakitError(f"no config.json in {src}; is it a Hugging Face model folder?")
     config = read_config_json(src)
     return Opened(src, None, config, open_source(src))
 

@@ -70,6 +70,21 @@ def read_config_json(folder: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def check_source_path(src: Path) -> None:
+    """SRC is an existing .gguf file or a non-empty folder holding a config.json; else one
+    GqakitError saying which it is not (torch-free: the CLI asks before the heavy imports)."""
+    if not src.exists():
+        raise GqakitError(f"source not found: {src}")
+    if src.is_file() and src.suffix == ".gguf":
+        return
+    if not src.is_dir():
+        raise GqakitError(f"source {src} is neither a model folder nor a .gguf file")
+    if not any(src.iterdir()):
+        raise GqakitError(f"source folder {src} is empty")
+    if not (src / "config.json").is_file():
+        raise GqakitError(f"no config.json in {src}; is it a Hugging Face model folder?")
+
+
 def check_weights(folder: Path) -> None:
     """The weights of FOLDER are whole, inside it, and agree with its config.json; else one
     line naming the file and the field (`core/modelfiles.py`)."""

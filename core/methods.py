@@ -102,6 +102,9 @@ def register_method(spec: MethodSpec, *, replace: bool = False) -> MethodSpec:
     return spec
 
 
+GROUPING_NAMES = ("contiguous", "similarity")  # `convert.grouping.GROUPINGS`' names, known without torch
+
+
 def method_spec(name: str) -> MethodSpec:
     """The named method, or a one-line error listing them."""
     if name not in METHODS:

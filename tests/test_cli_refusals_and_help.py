@@ -1,13 +1,16 @@
 """Small promises of the CLI: an output path of `-` is refused (it would name a file `-`, not
 standard output), a conversion that groups nothing needs --force, layers are counted from 1
-where a person reads them, and `--help` lists the options under headings, without
-measurements."""
+where a person reads them, `--help` lists the options under headings, without
+measurements, and a wrong source or grouping is refused before torch is imported."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +188,30 @@ def test_grouped_help_lines_up_and_keeps_unnamed_options():
     starts = {re.match(r"  \S+(?: \S+)*\s+", ln).end() for ln in helps}
     assert len(helps) == 4 and len(starts) == 1, helps  # one column for every section
     assert lines[lines.index(f"{OTHER}:") + 1].startswith("  --c ")
+
+
+# ----------------------------------------------------------------------------- refused before the heavy imports
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "empty", "no-config", "grouping"])
+def test_a_wrong_source_or_grouping_is_refused_without_torch(src, tmp_path, case):
+    """With torch unimportable, `gqakit convert` still refuses these with its one line: they are
+    answered before any heavy import (a mistyped path costs no start-up)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no-config").mkdir()
+    (tmp_path / "no-config" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "file").write_text("not a model")
+    given = {"missing": (str(tmp_path / "nowhere"), "source not found"),
+             "file": (str(tmp_path / "file"), "neither a model folder nor a .gguf file"),
+             "empty": (str(tmp_path / "empty"), "is empty"),
+             "no-config": (str(tmp_path / "no-config"), "no config.json"),
+             "grouping": (str(src), "unknown grouping 'nearest'")}
+    path, needle = given[case]
+    extra = ["--grouping", "nearest"] if case == "grouping" else []
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from gqakit.cli import main\n"
+            f"main(['convert', {path!r}, {str(tmp_path / 'out')!r}, '-g', '2', *{extra!r}])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert_refused(r.returncode, r.stderr, needle)
+    assert not (tmp_path / "out").exists()

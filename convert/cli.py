@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from gqakit.convert.geometry_check import check_geometry
 from gqakit.convert.refit_options import RefitOptions, refit_options_help
 from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
 from gqakit.core import arch as archmod
@@ -153,7 +154,11 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
     settings = ConvertSettings(source=src, source_hub=ref.record(), refit=refit, **fields)
     config = _folder_config(src)
     if config is not None and archmod.find(config) is not None:  # (make_plan asks again, for every caller)
-        check_encoder_decoder(archmod.lookup(config), settings, gguf=to_gguf)
+        spec = archmod.lookup(config)
+        if settings.kv_budget is None and not to_gguf:  # -g or --kv-plan against the heads, before the heavy imports
+            check_geometry(spec, config, settings, gguf_out=False, gguf_in=False)
+        else:
+            check_encoder_decoder(spec, settings, gguf=to_gguf)
     from gqakit.core.quiet import quiet_libraries
     from gqakit.core.run import running
 

@@ -22,14 +22,15 @@ from typing import Any
 import torch
 
 from gqakit.convert.io import Planned
+from gqakit.convert.geometry_check import check_geometry
 from gqakit.convert.layout import SITES, layer_names, output_shapes
 from gqakit.convert.resolved import Output, ResolvedSettings, device_facts, resolve_settings
-from gqakit.convert.settings import ConvertSettings, check_encoder_decoder
+from gqakit.convert.settings import ConvertSettings
 from gqakit.convert.source import Opened
 from gqakit.core import arch as archmod
 from gqakit.core.arch import SITE_NAMES
 from gqakit.core.errors import GqakitError
-from gqakit.core.units import DTYPE_BYTES, config_dtype, kv_bytes_text, torch_dtype
+from gqakit.core.units import torch_dtype
 
 @dataclass(frozen=True)
 class PassThrough:
@@ -95,92 +96,6 @@ class Plan:
         return [SITE_NAMES[site] for site in self.sites]
 
 
-def validate_g(shape: archmod.Shape, g: int, whose: str = "the model's") -> None:
-    kv = shape.num_kv_heads
-    if g <= 0:
-        raise GqakitError(f"--num-kv-heads must be at least 1, got {g}")
-    if g > kv:
-        raise GqakitError(f"--num-kv-heads {g} is larger than {whose} {kv} KV heads")
-    if kv % g:
-        valid = [d for d in range(1, kv + 1) if kv % d == 0]
-        raise GqakitError(f"--num-kv-heads {g} does not divide {whose} {kv} KV heads; valid: {valid}")
-
-
-def check_changes(shape: archmod.Shape, encoder_shape: archmod.Shape | None, settings: ConvertSettings,
-                  kv_heads: tuple[int, ...] | None = None) -> None:
-    """Refuse a conversion that groups nothing (G equal to the KV heads of every attention it
-    converts: the output would be a copy) unless `settings.force`."""
-    if kv_heads is not None:
-        if settings.force or any(g != shape.kv_heads_of(L) for L, g in enumerate(kv_heads)):
-            return
-        raise GqakitError("the KV plan keeps SRC's KV heads in every layer: the conversion would write an "
-                          "unchanged copy; pass --force to write it anyway")
-    g = settings.num_kv_heads
-    if settings.force or g != shape.num_kv_heads or (encoder_shape is not None and g != encoder_shape.num_kv_heads):
-        return
-    raise GqakitError(f"--num-kv-heads {g} is already SRC's KV head count: the conversion would write an "
-                      "unchanged copy; pass --force to write it anyway")
-
-
-def sliding_windows(shape: archmod.Shape) -> list[int]:
-    """The windows of the layers that attend to fewer positions than the model's context (the
-    table's rule for the family, or the config's `layer_types`: `core.windows`)."""
-    limit = shape.max_positions or 0
-    return [w for w in (shape.layer_windows or ()) if w is not None and w < limit]
-
-
-def layer_kv_heads(spec: archmod.ArchSpec, shape: archmod.Shape, settings: ConvertSettings,
-                   config: dict[str, Any], *, gguf_out: bool,
-                   chosen: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
-    """The KV heads of each decoder layer (`chosen` by --kv-budget, `--kv-plan`, or -g on a source
-    whose layers differ), each checked against its layer; None for -g on a uniform source. A
-    non-uniform plan for a family (or output) that cannot express it is refused, naming the
-    nearest uniform G."""
-    heads = chosen if chosen is not None else settings.plan_heads
-    if heads is None:
-        if shape.kv_heads_per_layer is None:
-            return None
-        heads = (settings.num_kv_heads or 0,) * shape.num_layers
-    if spec.is_encoder_decoder:
-        raise GqakitError(f"--kv-plan is for decoder-only models; use -g for the {spec.family} encoder-decoder")
-    if len(heads) != shape.num_layers:
-        raise GqakitError(f"--kv-plan gives {len(heads)} layers' KV heads, but SRC has {shape.num_layers} "
-                          "decoder layers")
-    for L, g in enumerate(heads):
-        kv = shape.kv_heads_of(L)
-        if g < 1 or g > kv or kv % g:
-            valid = [d for d in range(1, kv + 1) if kv % d == 0]
-            raise GqakitError(f"layer {L + 1}: {g} KV heads do not divide its {kv} KV heads "
-                              f"({shape.num_heads} query heads); valid: {valid}")
-    if len(set(heads)) == 1 and shape.kv_heads_per_layer is None:
-        return heads
-    why = None
-    if spec.per_layer_kv is None:
-        why = f"a {spec.family} model folder has one KV head count for every layer"
-    elif gguf_out and (spec.gguf is None or not spec.gguf.permute_qk):
-        why = ("a per-layer GGUF is llama.cpp's deci architecture, which takes the Llama GGUF layout; "
-               f"convert this {spec.family} GGUF to a model folder")
-    elif spec.per_layer_kv != spec.family and (windows := sliding_windows(shape)):
-        # the family's own layout keeps its attention, window included; another family's may not
-        why = f"SRC's attention has a sliding window ({min(windows)}), which the per-layer layout lacks"
-    if why is not None:
-        raise GqakitError(f"the per-layer KV plan cannot be written: {why}; the nearest uniform plan is "
-                          f"{nearest_uniform(shape, heads, config)}")
-    return heads
-
-
-def nearest_uniform(shape: archmod.Shape, heads: tuple[int, ...], config: dict[str, Any]) -> str:
-    """'-g G (N B/token (dtype))': the uniform G whose cache is closest to the plan's."""
-    kv = min(shape.kv_heads_of(L) for L in range(shape.num_layers))
-    dtype = config_dtype(config) or "float32"
-    goal = sum(heads)
-    g = min((d for d in range(1, kv + 1) if all(shape.kv_heads_of(L) % d == 0 for L in range(shape.num_layers))),
-            key=lambda d: (abs(d * shape.num_layers - goal), d))
-    size = shape.kv_bytes_per_token(DTYPE_BYTES[dtype], g)
-    return (f"-g {g} ({kv_bytes_text(size, dtype)}; the plan: "
-            f"{kv_bytes_text(shape.kv_bytes_per_token(DTYPE_BYTES[dtype], heads), dtype)})")
-
-
 def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = False, device: str = "cpu",
               kv_heads: tuple[int, ...] | None = None) -> Plan:
     """The plan, with the settings resolved for this model (`Plan.settings`, built here once):
@@ -190,20 +105,13 @@ def make_plan(opened: Opened, settings: ConvertSettings, *, gguf_out: bool = Fal
     as --kv-budget chose them."""
     output: Output = "gguf" if gguf_out else "folder"
     spec = archmod.lookup(opened.config)
-    check_encoder_decoder(spec, settings, gguf=gguf_out or opened.gguf is not None)
-    shape = archmod.shape_of(spec, opened.config)
-    encoder_shape = archmod.encoder_shape_of(spec, opened.config) if spec.is_encoder_decoder else None
-    kv_heads = layer_kv_heads(spec, shape, settings, opened.config, gguf_out=output == "gguf", chosen=kv_heads)
-    if kv_heads is None:
-        validate_g(shape, settings.num_kv_heads or 0, "the decoder's" if encoder_shape else "the model's")
+    shape, encoder_shape, kv_heads = check_geometry(spec, opened.config, settings, gguf_out=gguf_out,
+                                                    gguf_in=opened.gguf is not None, chosen=kv_heads)
     sites: tuple[str, ...] = ("self",)
     shape_at = {"self": shape, "cross": shape}
     if encoder_shape is not None:
         sites = ("self", "cross", "encoder") if settings.group_encoder else ("self", "cross")
         shape_at["encoder"] = encoder_shape
-        if settings.group_encoder:
-            validate_g(encoder_shape, settings.num_kv_heads, "the encoder's")
-    check_changes(shape, encoder_shape if settings.group_encoder else None, settings, kv_heads)
     src = opened.source
     names = src.names()
     metas = {n: src.meta(n) for n in names}

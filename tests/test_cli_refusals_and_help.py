@@ -1,7 +1,7 @@
 """Small promises of the CLI: an output path of `-` is refused (it would name a file `-`, not
 standard output), a conversion that groups nothing needs --force, layers are counted from 1
 where a person reads them, `--help` lists the options under headings, without
-measurements, and a wrong source or grouping is refused before torch is imported."""
+measurements, and a wrong source, grouping or -g is refused before torch is imported."""
 
 from __future__ import annotations
 
@@ -193,24 +193,29 @@ def test_grouped_help_lines_up_and_keeps_unnamed_options():
 # ----------------------------------------------------------------------------- refused before the heavy imports
 
 
-@pytest.mark.parametrize("case", ["missing", "file", "empty", "no-config", "grouping"])
-def test_a_wrong_source_or_grouping_is_refused_without_torch(src, tmp_path, case):
+@pytest.mark.parametrize("case", ["missing", "file", "empty", "no-config", "grouping", "g", "unchanged", "plan"])
+def test_a_wrong_source_grouping_or_g_is_refused_without_torch(src, tmp_path, case):
     """With torch unimportable, `gqakit convert` still refuses these with its one line: they are
     answered before any heavy import (a mistyped path costs no start-up)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "no-config").mkdir()
     (tmp_path / "no-config" / "model.safetensors").write_bytes(b"")
     (tmp_path / "file").write_text("not a model")
+    (tmp_path / "plan.json").write_text('{"kv_heads": [2]}')
     given = {"missing": (str(tmp_path / "nowhere"), "source not found"),
              "file": (str(tmp_path / "file"), "neither a model folder nor a .gguf file"),
              "empty": (str(tmp_path / "empty"), "is empty"),
              "no-config": (str(tmp_path / "no-config"), "no config.json"),
-             "grouping": (str(src), "unknown grouping 'nearest'")}
+             "grouping": (str(src), "unknown grouping 'nearest'"),
+             "g": (str(src), "--num-kv-heads 3 does not divide the model's 4 KV heads"),
+             "unchanged": (str(src), "already SRC's KV head count"),
+             "plan": (str(src), "--kv-plan gives 1 layers' KV heads")}
     path, needle = given[case]
-    extra = ["--grouping", "nearest"] if case == "grouping" else []
+    args = {"grouping": ["-g", "2", "--grouping", "nearest"], "g": ["-g", "3"], "unchanged": ["-g", "4"],
+            "plan": ["--kv-plan", str(tmp_path / "plan.json")]}.get(case, ["-g", "2"])
     code = ("import sys; sys.modules['torch'] = None\n"
             "from gqakit.cli import main\n"
-            f"main(['convert', {path!r}, {str(tmp_path / 'out')!r}, '-g', '2', *{extra!r}])\n")
+            f"main(['convert', {path!r}, {str(tmp_path / 'out')!r}, *{args!r}])\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert_refused(r.returncode, r.stderr, needle)

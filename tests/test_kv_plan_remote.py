@@ -113,7 +113,7 @@ def test_second_conversion_reads_per_layer_output(tiny_model, tmp_path):
 
 
 def test_gguf_output_of_a_per_layer_plan_is_refused(tiny_model, tmp_path, capsys):
-    from gqakit.convert.plan import layer_kv_heads
+    from gqakit.convert.geometry_check import layer_kv_heads
     from gqakit.convert.settings import ConvertSettings
     from test_convert_errors import assert_one_line_error, run_cli
 

@@ -21,6 +21,7 @@ from gqakit.core.clihelp import GroupedCommand
 from gqakit.core.errors import GqakitError
 from gqakit.core.files import format_bytes
 from gqakit.core.hub import resolve_model_ref
+from gqakit.core.outrule import check_output_path
 from gqakit.core.units import DTYPE_BYTES, config_dtype, dtype_label, kv_bytes_text
 
 # `gqakit convert --help`: its options under these headings, in this order
@@ -169,6 +170,8 @@ def run_convert(src: str | Path, out: str | Path, *, device: str = "auto",
             with quiet_libraries(quiet):
                 return convert_gguf_file(settings, out, gguf_type=gguf_type, overwrite=overwrite, device=device,
                                          dry_run=dry_run)
+        if not dry_run:  # before the heavy imports (convert_folder checks it again, as every caller's run does)
+            check_output_path(out, overwrite=overwrite, inputs=settings.inputs)
         from gqakit.convert.pipeline import convert_folder, dry_run_lines
 
         if dry_run:

@@ -191,7 +191,7 @@ def convert_folder(settings: ConvertSettings, out: str | Path, *, overwrite: boo
 
     src, out, staged = Path(settings.source), Path(out), settings.staged
     dev, progress = resolve_device(device), show_bars()
-    inputs = [("source", src), ("calibration data", settings.calibration_file)]
+    inputs = settings.inputs
     check_output_path(out, overwrite=overwrite, inputs=inputs)
     opened = open_model(src)
     settings, choice = choose_for(opened, settings, device=dev, progress=progress)
@@ -334,7 +334,7 @@ def convert_gguf_file(settings: ConvertSettings, out: str | Path, *, gguf_type: 
                           "not to GGUF (a GGUF OUT keeps the unchanged tensors' quantised bytes)")
     wanted = parse_gguf_type(gguf_type)
     dev, progress = resolve_device(device), show_bars()
-    inputs = [("source", src), ("calibration data", settings.calibration_file)]
+    inputs = settings.inputs
     check_output_path(out, overwrite=overwrite, inputs=inputs, kind=GGUF_FILE)
     inp = open_gguf_source(src)
     opened, reader = inp.opened, inp.reader

@@ -238,6 +238,11 @@ class ConvertSettings(BaseModel):
         """The calibration text as a file (an input no output may touch); None for hf: or none."""
         return TextSource(self.calibration_data).file if self.calibration_data else None
 
+    @property
+    def inputs(self) -> list[tuple[str, Path | None]]:
+        """The files OUT may not touch, each with what it is (the output rule's `inputs`)."""
+        return [("source", Path(self.source)), ("calibration data", self.calibration_file)]
+
     def record(self) -> dict[str, Any]:
         """The settings as asked: the options as given, and "-" for a shard size that does not
         apply. What OUT records is `ResolvedSettings.record`, which adds what "auto" chose."""

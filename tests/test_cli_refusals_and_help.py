@@ -1,7 +1,7 @@
 """Small promises of the CLI: an output path of `-` is refused (it would name a file `-`, not
 standard output), a conversion that groups nothing needs --force, layers are counted from 1
 where a person reads them, `--help` lists the options under headings, without
-measurements, and a wrong source, grouping or -g is refused before torch is imported."""
+measurements, and a wrong source, grouping, -g or output is refused before torch is imported."""
 
 from __future__ import annotations
 
@@ -220,3 +220,18 @@ def test_a_wrong_source_grouping_or_g_is_refused_without_torch(src, tmp_path, ca
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert_refused(r.returncode, r.stderr, needle)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["source", "not-ours"])
+def test_an_output_that_may_not_be_written_is_refused_without_torch(src, tmp_path, case):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    out, needle = {"source": (src, "is the source"), "not-ours": (other, "not written by gqakit")}[case]
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from gqakit.cli import main\n"
+            f"main(['convert', {str(src)!r}, {str(out)!r}, '-g', '2', '--overwrite'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert_refused(r.returncode, r.stderr, needle)
+    assert (other / "todo.txt").read_text() == "mine" and (src / "config.json").is_file()

@@ -193,6 +193,13 @@ def test_grouped_help_lines_up_and_keeps_unnamed_options():
 # ----------------------------------------------------------------------------- refused before the heavy imports
 
 
+def convert_without_torch(args: list[str]) -> subprocess.CompletedProcess:
+    """`gqakit convert ARGS` in a process where `import torch` fails."""
+    code = f"import sys; sys.modules['torch'] = None\nfrom gqakit.cli import main\nmain(['convert', *{args!r}])\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
 @pytest.mark.parametrize("case", ["missing", "file", "empty", "no-config", "grouping", "g", "unchanged", "plan"])
 def test_a_wrong_source_grouping_or_g_is_refused_without_torch(src, tmp_path, case):
     """With torch unimportable, `gqakit convert` still refuses these with its one line: they are
@@ -213,11 +220,7 @@ def test_a_wrong_source_grouping_or_g_is_refused_without_torch(src, tmp_path, ca
     path, needle = given[case]
     args = {"grouping": ["-g", "2", "--grouping", "nearest"], "g": ["-g", "3"], "unchanged": ["-g", "4"],
             "plan": ["--kv-plan", str(tmp_path / "plan.json")]}.get(case, ["-g", "2"])
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from gqakit.cli import main\n"
-            f"main(['convert', {path!r}, {str(tmp_path / 'out')!r}, *{args!r}])\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = convert_without_torch([path, str(tmp_path / "out"), *args])
     assert_refused(r.returncode, r.stderr, needle)
     assert not (tmp_path / "out").exists()
 
@@ -228,10 +231,6 @@ def test_an_output_that_may_not_be_written_is_refused_without_torch(src, tmp_pat
     other.mkdir()
     (other / "todo.txt").write_text("mine")
     out, needle = {"source": (src, "is the source"), "not-ours": (other, "not written by gqakit")}[case]
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from gqakit.cli import main\n"
-            f"main(['convert', {str(src)!r}, {str(out)!r}, '-g', '2', '--overwrite'])\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = convert_without_torch([str(src), str(out), "-g", "2", "--overwrite"])
     assert_refused(r.returncode, r.stderr, needle)
     assert (other / "todo.txt").read_text() == "mine" and (src / "config.json").is_file()

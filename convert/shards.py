@@ -268,9 +268,9 @@ class ShardWriter:
             raise RuntimeError(f"not every planned tensor was written (first missing: {missing[0]})")
         for i in range(len(self.shards)):
             self._file(i)  # a shard of zero-byte tensors still needs its header
-        for f in self._files.values():
+        for i, f in self._files.items():
             f.flush()
-            os.fsync(f.fileno())  # on disk before the folder is published (little left: `write_behind`)
+            sync_file(f.fileno(), self.folder / self.filenames[i])  # before the folder is published
         self.close()
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
@@ -292,6 +292,17 @@ def preallocate(fd: int, size: int, path: Path) -> None:
         err = ctypes.get_errno()
         if err in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
             raise OSError(err, os.strerror(err), str(path))
+
+
+def sync_file(fd: int, path: Path) -> None:
+    """FD's data on disk (`fsync`; little is left to write after `write_behind`). An error the
+    disk gives (EIO, or ENOSPC where space is reserved only now) is raised, so the folder is
+    never published; a file system that cannot sync a file (EINVAL, EOPNOTSUPP) is left as is."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+            raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def write_behind(fd: int, offset: int, length: int) -> None:

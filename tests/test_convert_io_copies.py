@@ -274,3 +274,26 @@ def test_every_byte_written_goes_to_writeback_at_once_and_every_shard_is_synced_
         assert covered[0][0] <= start and covered[-1][1] == len(data)
         assert all(a[1] >= b[0] for a, b in zip(covered, covered[1:]))  # no gap
     assert any(b - a == 4096 for r in ranges.values() for a, b in r)  # the copies' chunks
+
+
+@pytest.mark.parametrize("err, ok", [("EIO", False), ("ENOSPC", False), ("EINVAL", True)])
+def test_a_disk_error_at_the_final_sync_publishes_nothing(tiny_model, tmp_path, monkeypatch, capsys, err, ok):
+    """The shards' fsync reports a failed write (EIO, or a full disk where space is reserved only
+    then): nothing at OUT. A file system that cannot sync a file (EINVAL) is no error."""
+    import errno
+
+    from cli_helpers import assert_one_line_error, run_cli
+
+    src = tiny_model("llama", num_key_value_heads=8)
+    fsync = shards.os.fsync
+
+    def failing(fd: int) -> None:
+        raise OSError(getattr(errno, err), shards.os.strerror(getattr(errno, err)))
+    monkeypatch.setattr(shards.os, "fsync", failing)
+    code, _, stderr = run_cli(["convert", src, tmp_path / "o", "-g", 2, "--method", "mean", "-q"], capsys)
+    monkeypatch.setattr(shards.os, "fsync", fsync)
+    if ok:
+        assert code == 0 and (tmp_path / "o" / "model.safetensors").is_file()
+        return
+    assert_one_line_error(code, stderr, "no space left" if err == "ENOSPC" else "could not write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # neither OUT nor a temporary folder

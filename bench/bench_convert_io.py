@@ -54,14 +54,12 @@ def with_cpu(run: Callable[[], object]) -> tuple[object, float, float]:
     return got, after[0] - before[0], after[1] - before[1]
 
 
-def settle(src: Path, pause: float = 3.0) -> None:
+def settle(src: Path, pause: float) -> None:
     """Before a timed step: every write so far on disk (the rounds delete 2+ GiB of output), then
     PAUSE seconds, then SRC's files read into the page cache (the kernel may have reclaimed them).
-    The pause puts every step on the same footing: on a VM whose balloon reports freed memory to
-    the host, a step that starts right after a deletion refills pages the host still backs, one
-    that starts later (`gqakit convert`, after its imports) gets them back from the host (on the
-    2-core EPYC VM, `cp` of the benchmark's 2.35 GiB + `sync`: 1.6-2.4 s right after deleting its
-    last copy, 2.5-2.6 s with 4 s between)."""
+    The pause gives `cp` and `gqakit convert` (which writes only after its imports) the same time
+    since the last deletion, as the kernel (or a VM's memory balloon) may still be taking back the
+    freed memory."""
     os.sync()
     time.sleep(pause)
     for f in sorted(src.iterdir()):
@@ -112,6 +110,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=RESULTS / "convert_io.json")
     ap.add_argument("--keep", action="store_true", help="keep the files afterwards")
+    ap.add_argument("--pause", type=float, default=3.0,
+                    help="seconds between the earlier outputs' deletion and each timed step (`settle`)")
     args = ap.parse_args()
     src = args.workdir / "src"
     if not (src / "model.safetensors.index.json").exists() and not (src / "model.safetensors").exists():
@@ -142,7 +142,7 @@ def main() -> None:
         for step in ((cp, convert, startup) if r % 2 == 0 else (startup, convert, cp)):
             for old in ("cp", "out"):  # the deletions before the timer, and written out (`settle`)
                 shutil.rmtree(args.workdir / old, ignore_errors=True)
-            settle(src)
+            settle(src, args.pause)
             step()
         out_size = int(row.pop("output_bytes"))
         cp_rate = 2 * size / row["cp_seconds"]
@@ -161,7 +161,7 @@ def main() -> None:
            "load_average_before": [round(x, 2) for x in load_before],
            "load_average_after": [round(x, 2) for x in load_after],
            "import_only_rss_anon_bytes": baseline_python_rss(), "largest_tensor_bytes": largest,
-           "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+           "pause_seconds": args.pause, "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")

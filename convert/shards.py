@@ -16,7 +16,7 @@ kernel writes a file under one lock (the second would spin on it, and copy nothi
 Peak memory is what the caller holds, never a shard.
 Every range written is handed to the kernel's writeback at once (`write_behind`), so the disk
 writes run alongside the copies instead of after them: a `sync` after the conversion then
-has little left to do (the IO benchmark's 2.35 GiB conversion + sync on a 2-core VM: 4.0 s, 5.5 s without).
+has little left to do (`docs/benchmarks.md`, Conversion IO).
 `finish` returns once every shard's bytes are on disk (`fsync`), as the GGUF writer does, so
 the folder published after it never holds weights still only in memory.
 """
